@@ -1,0 +1,229 @@
+#pragma once
+//! \file
+//! A small, strict JSON reader for the files dsv4 reads: safetensors headers, config.json,
+//! model.safetensors.index.json. Errors name the source and the byte offset.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "dsv4/core/error.hpp"
+
+namespace dsv4::io {
+
+struct json;
+using json_object = std::map<std::string, json, std::less<>>;
+using json_array = std::vector<json>;
+
+struct json {
+  std::variant<std::nullptr_t, bool, double, std::string, std::shared_ptr<json_array>,
+               std::shared_ptr<json_object>>
+      value = nullptr;
+  bool integral = false;   //!< the number was written without fraction or exponent
+  long long integer = 0;   //!< its exact value when integral (safetensors offsets exceed 2^53)
+
+  bool is_object() const { return std::holds_alternative<std::shared_ptr<json_object>>(value); }
+  bool is_array() const { return std::holds_alternative<std::shared_ptr<json_array>>(value); }
+  bool is_string() const { return std::holds_alternative<std::string>(value); }
+  bool is_number() const { return std::holds_alternative<double>(value); }
+  const json_object& object() const { return *std::get<std::shared_ptr<json_object>>(value); }
+  const json_array& array() const { return *std::get<std::shared_ptr<json_array>>(value); }
+  const std::string& string() const { return std::get<std::string>(value); }
+  double number() const { return std::get<double>(value); }
+};
+
+namespace detail {
+class json_parser {
+ public:
+  json_parser(std::string_view text, std::string source) : s_(text), source_(std::move(source)) {}
+
+  json parse_document() {
+    json v = parse_value(0);
+    skip_ws();
+    if (pos_ != s_.size()) fail("unexpected text after the JSON value");
+    return v;
+  }
+
+ private:
+  std::string_view s_;
+  std::string source_;
+  std::size_t pos_ = 0;
+
+  [[noreturn]] void fail(const std::string& why) const {
+    throw error(source_ + ": invalid JSON at byte " + std::to_string(pos_) + ": " + why);
+  }
+  void skip_ws() {
+    while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r')) ++pos_;
+  }
+  char peek() {
+    skip_ws();
+    if (pos_ >= s_.size()) fail("unexpected end of input");
+    return s_[pos_];
+  }
+  void expect(char c) {
+    if (peek() != c) fail(std::string("expected '") + c + "'");
+    ++pos_;
+  }
+  bool consume_literal(std::string_view lit) {
+    if (s_.substr(pos_, lit.size()) == lit) {
+      pos_ += lit.size();
+      return true;
+    }
+    return false;
+  }
+  json parse_value(int depth) {
+    if (depth > 64) fail("nesting deeper than 64 levels");
+    json v;
+    const char c = peek();
+    if (c == '{') {
+      ++pos_;
+      auto obj = std::make_shared<json_object>();
+      if (peek() == '}') {
+        ++pos_;
+      } else {
+        for (;;) {
+          if (peek() != '"') fail("expected a string key");
+          std::string key = parse_string();
+          expect(':');
+          json item = parse_value(depth + 1);
+          if (!obj->emplace(key, std::move(item)).second) fail("duplicate key \"" + key + "\"");
+          if (peek() == ',') { ++pos_; continue; }
+          expect('}');
+          break;
+        }
+      }
+      v.value = obj;
+    } else if (c == '[') {
+      ++pos_;
+      auto arr = std::make_shared<json_array>();
+      if (peek() == ']') {
+        ++pos_;
+      } else {
+        for (;;) {
+          arr->push_back(parse_value(depth + 1));
+          if (peek() == ',') { ++pos_; continue; }
+          expect(']');
+          break;
+        }
+      }
+      v.value = arr;
+    } else if (c == '"') {
+      v.value = parse_string();
+    } else if (consume_literal("true")) {
+      v.value = true;
+    } else if (consume_literal("false")) {
+      v.value = false;
+    } else if (consume_literal("null")) {
+      v.value = nullptr;
+    } else {
+      parse_number(v);
+    }
+    return v;
+  }
+  void parse_number(json& v) {
+    const std::size_t start = pos_;
+    if (pos_ < s_.size() && s_[pos_] == '-') ++pos_;
+    bool digits = false, integral = true;
+    while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') { ++pos_; digits = true; }
+    if (pos_ < s_.size() && s_[pos_] == '.') {
+      integral = false;
+      ++pos_;
+      while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
+    }
+    if (pos_ < s_.size() && (s_[pos_] == 'e' || s_[pos_] == 'E')) {
+      integral = false;
+      ++pos_;
+      if (pos_ < s_.size() && (s_[pos_] == '+' || s_[pos_] == '-')) ++pos_;
+      while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
+    }
+    if (!digits) { pos_ = start; fail("expected a value"); }
+    const std::string text(s_.substr(start, pos_ - start));
+    v.value = std::stod(text);
+    v.integral = integral;
+    if (integral) {
+      try {
+        v.integer = std::stoll(text);
+      } catch (const std::out_of_range&) {
+        pos_ = start;
+        fail("integer " + text + " does not fit in 64 bits");
+      }
+    }
+  }
+  static void append_utf8(std::string& out, std::uint32_t cp) {
+    if (cp < 0x80) {
+      out += char(cp);
+    } else if (cp < 0x800) {
+      out += char(0xC0 | (cp >> 6));
+      out += char(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+      out += char(0xE0 | (cp >> 12));
+      out += char(0x80 | ((cp >> 6) & 0x3F));
+      out += char(0x80 | (cp & 0x3F));
+    } else {
+      out += char(0xF0 | (cp >> 18));
+      out += char(0x80 | ((cp >> 12) & 0x3F));
+      out += char(0x80 | ((cp >> 6) & 0x3F));
+      out += char(0x80 | (cp & 0x3F));
+    }
+  }
+  std::uint32_t parse_hex4() {
+    if (pos_ + 4 > s_.size()) fail("truncated \\u escape");
+    std::uint32_t cp = 0;
+    for (int i = 0; i < 4; ++i) {
+      const char h = s_[pos_++];
+      cp <<= 4;
+      if (h >= '0' && h <= '9') cp |= std::uint32_t(h - '0');
+      else if (h >= 'a' && h <= 'f') cp |= std::uint32_t(h - 'a' + 10);
+      else if (h >= 'A' && h <= 'F') cp |= std::uint32_t(h - 'A' + 10);
+      else fail("bad hex digit in \\u escape");
+    }
+    return cp;
+  }
+  std::string parse_string() {
+    expect('"');
+    std::string out;
+    for (;;) {
+      if (pos_ >= s_.size()) fail("unterminated string");
+      const char c = s_[pos_++];
+      if (c == '"') return out;
+      if (static_cast<unsigned char>(c) < 0x20) fail("control character in string");
+      if (c != '\\') { out += c; continue; }
+      if (pos_ >= s_.size()) fail("unterminated escape");
+      const char e = s_[pos_++];
+      switch (e) {
+        case '"': out += '"'; break;
+        case '\\': out += '\\'; break;
+        case '/': out += '/'; break;
+        case 'b': out += '\b'; break;
+        case 'f': out += '\f'; break;
+        case 'n': out += '\n'; break;
+        case 'r': out += '\r'; break;
+        case 't': out += '\t'; break;
+        case 'u': {
+          std::uint32_t cp = parse_hex4();
+          if (cp >= 0xD800 && cp < 0xDC00) {
+            if (!consume_literal("\\u")) fail("unpaired surrogate");
+            const std::uint32_t lo = parse_hex4();
+            if (lo < 0xDC00 || lo > 0xDFFF) fail("bad low surrogate");
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+          }
+          append_utf8(out, cp);
+          break;
+        }
+        default: fail(std::string("unknown escape \\") + e);
+      }
+    }
+  }
+};
+}  // namespace detail
+
+//! Parse `text`; `source` (a file name) prefixes every error message.
+inline json parse_json(std::string_view text, const std::string& source) {
+  return detail::json_parser(text, source).parse_document();
+}
+
+}  // namespace dsv4::io

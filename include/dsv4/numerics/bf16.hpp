@@ -1,0 +1,34 @@
+#pragma once
+//! \file
+//! bfloat16 as a plain 16-bit storage type with the conversions the reference relies on:
+//! widening is exact, narrowing rounds to nearest even, NaN stays NaN (quiet, sign kept).
+
+#include <cstdint>
+
+#include "dsv4/numerics/bits.hpp"
+
+namespace dsv4::numerics {
+
+//! Storage for one bf16 value. Layout-compatible with __nv_bfloat16 and torch.bfloat16.
+struct bf16 {
+  std::uint16_t bits = 0;
+
+  DSV4_HOST_DEVICE static bf16 from_bits(std::uint16_t b) {
+    bf16 v;
+    v.bits = b;
+    return v;
+  }
+  DSV4_HOST_DEVICE static bf16 from_float(float f) {
+    const std::uint32_t u = float_to_bits(f);
+    if (is_nan_bits(u)) return from_bits(std::uint16_t((u >> 16) | 0x0040u));
+    const std::uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
+    return from_bits(std::uint16_t((u + rounding) >> 16));
+  }
+  DSV4_HOST_DEVICE float to_float() const { return bits_to_float(std::uint32_t(bits) << 16); }
+};
+static_assert(sizeof(bf16) == 2, "bf16: must be exactly two bytes to alias checkpoint data");
+
+//! Round an fp32 value to bf16 precision and back (one rounding, as a `.to(bfloat16)` does).
+DSV4_HOST_DEVICE float round_to_bf16(float f) { return bf16::from_float(f).to_float(); }
+
+}  // namespace dsv4::numerics

@@ -1,0 +1,180 @@
+#pragma once
+//! \file
+//! CUDA block quantizer and dequantizer for packed vectors. Same rules, same bytes as the host
+//! reference in quantize.hpp (both call the codecs of block_format.hpp / minifloat.hpp).
+//!
+//! Work split: each thread owns 8 consecutive elements (one 16-byte load of bf16), so a format
+//! block of N elements spans N/8 adjacent lanes, which agree on the block's amax through
+//! xor-shuffles of the fp32 bit patterns (integer max: NaN ranks above +inf, so a NaN anywhere in
+//! the block reaches every lane). Loads and stores are contiguous across the warp.
+
+#include <cuda_runtime.h>  // provides cudaStream_t, uint2, uint4
+
+#include <cstdint>
+#include <string>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/numerics/formats.hpp"
+#include "dsv4/numerics/quantize.hpp"
+#include "dsv4/runtime/cuda_check.cuh"
+
+namespace dsv4::numerics {
+
+//! A batch of `rows` vectors of `channels` values. Strides are in elements for `x` and in bytes
+//! for `codes` and `scales`, so the outputs can be separate arrays or interleaved cache entries
+//! (codes at entry offset 0, scales at packed_vector<...>::scale_offset).
+struct quantize_args {
+  const bf16* x = nullptr;
+  long long rows = 0;
+  int channels = 0;
+  long long x_row_stride = 0;
+  std::uint8_t* codes = nullptr;
+  long long codes_row_stride = 0;
+  std::uint8_t* scales = nullptr;
+  long long scales_row_stride = 0;
+};
+
+struct dequantize_args {
+  const std::uint8_t* codes = nullptr;
+  long long codes_row_stride = 0;
+  const std::uint8_t* scales = nullptr;
+  long long scales_row_stride = 0;
+  long long rows = 0;
+  int channels = 0;
+  bf16* out = nullptr;
+  long long out_row_stride = 0;
+};
+
+namespace detail {
+inline constexpr int quant_elems_per_thread = 8;
+inline constexpr int quant_threads_per_cta = 256;
+
+template <class F>
+std::string format_name() {
+  return std::string("block_scaled<") + minifloat_name<typename F::element> + ", " +
+         minifloat_name<typename F::scale> + ", " + std::to_string(F::block_size) + ">";
+}
+
+inline bool aligned(const void* p, std::size_t a) { return reinterpret_cast<std::uintptr_t>(p) % a == 0; }
+
+//! Empty if the launch can proceed, else the reason (checked on the host before any launch).
+template <class F>
+std::string check_shapes(long long rows, int channels, const void* values, long long values_stride_elems,
+                         const void* codes, long long codes_stride, const void* scales) {
+  constexpr int code_bytes_per_thread = quant_elems_per_thread * F::element::storage_bits / 8;
+  if (rows < 0) return "rows must be >= 0";
+  if (channels <= 0 || channels % F::block_size != 0)
+    return "channels (" + std::to_string(channels) + ") must be a positive multiple of the block size " +
+           std::to_string(F::block_size);
+  if (rows == 0) return {};
+  if (!values || !codes || !scales) return "null pointer argument";
+  if (!aligned(values, 16) || values_stride_elems % quant_elems_per_thread != 0)
+    return "the bf16 tensor must be 16-byte aligned with a row stride that is a multiple of 8 elements";
+  if (!aligned(codes, code_bytes_per_thread) || codes_stride % code_bytes_per_thread != 0)
+    return "codes must be " + std::to_string(code_bytes_per_thread) +
+           "-byte aligned with a row stride that is a multiple of " + std::to_string(code_bytes_per_thread);
+  return {};
+}
+
+template <class F>
+DSV4_KERNEL void quantize_kernel(quantize_args a) {
+  constexpr int kElems = quant_elems_per_thread;
+  constexpr int kLanes = F::block_size / kElems;
+  using Elem = typename F::element;
+  const long long chunks_per_row = a.channels / kElems;
+  const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool active = t < a.rows * chunks_per_row;
+  const long long row = active ? t / chunks_per_row : 0;
+  const long long chunk = active ? t % chunks_per_row : 0;
+
+  uint4 raw = make_uint4(0, 0, 0, 0);
+  if (active) raw = *reinterpret_cast<const uint4*>(a.x + row * a.x_row_stride + chunk * kElems);
+  const std::uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  bf16 v[kElems];
+  for (int i = 0; i < kElems; ++i) v[i] = bf16::from_bits(std::uint16_t(words[i / 2] >> (16 * (i % 2))));
+
+  std::uint32_t amax = 0;
+  for (int i = 0; i < kElems; ++i) amax = max(amax, abs_bits(v[i]));
+  // Every lane of the warp takes part (inactive ones with amax 0), so the full mask is valid.
+  for (int off = kLanes / 2; off > 0; off >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+
+  const std::uint8_t sc = F::scale_code(bits_to_float(amax));
+  const float s = decode<typename F::scale>(sc);
+  if (!active) return;
+  std::uint8_t* codes = a.codes + row * a.codes_row_stride;
+  if constexpr (Elem::storage_bits == 8) {
+    std::uint32_t lo = 0, hi = 0;
+    for (int i = 0; i < 4; ++i) lo |= std::uint32_t(F::element_code(v[i].to_float(), s)) << (8 * i);
+    for (int i = 0; i < 4; ++i) hi |= std::uint32_t(F::element_code(v[4 + i].to_float(), s)) << (8 * i);
+    *reinterpret_cast<uint2*>(codes + chunk * 8) = make_uint2(lo, hi);
+  } else {
+    std::uint32_t packed = 0;  // element 2k in the low nibble of byte k (little-endian word)
+    for (int i = 0; i < kElems; ++i) packed |= std::uint32_t(F::element_code(v[i].to_float(), s)) << (4 * i);
+    *reinterpret_cast<std::uint32_t*>(codes + chunk * 4) = packed;
+  }
+  if (chunk % kLanes == 0) a.scales[row * a.scales_row_stride + chunk / kLanes] = sc;
+}
+
+template <class F>
+DSV4_KERNEL void dequantize_kernel(dequantize_args a) {
+  constexpr int kElems = quant_elems_per_thread;
+  constexpr int kLanes = F::block_size / kElems;
+  using Elem = typename F::element;
+  const long long chunks_per_row = a.channels / kElems;
+  const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= a.rows * chunks_per_row) return;
+  const long long row = t / chunks_per_row;
+  const long long chunk = t % chunks_per_row;
+  const std::uint8_t* codes = a.codes + row * a.codes_row_stride;
+  const float s = decode<typename F::scale>(a.scales[row * a.scales_row_stride + chunk / kLanes]);
+  std::uint8_t c[kElems];
+  if constexpr (Elem::storage_bits == 8) {
+    const uint2 w = *reinterpret_cast<const uint2*>(codes + chunk * 8);
+    for (int i = 0; i < 4; ++i) c[i] = std::uint8_t(w.x >> (8 * i));
+    for (int i = 0; i < 4; ++i) c[4 + i] = std::uint8_t(w.y >> (8 * i));
+  } else {
+    const std::uint32_t w = *reinterpret_cast<const std::uint32_t*>(codes + chunk * 4);
+    for (int i = 0; i < kElems; ++i) c[i] = std::uint8_t((w >> (4 * i)) & 0xf);
+  }
+  std::uint32_t words[4] = {0, 0, 0, 0};
+  for (int i = 0; i < kElems; ++i) words[i / 2] |= std::uint32_t(F::dequantize(c[i], s).bits) << (16 * (i % 2));
+  *reinterpret_cast<uint4*>(a.out + row * a.out_row_stride + chunk * kElems) =
+      make_uint4(words[0], words[1], words[2], words[3]);
+}
+}  // namespace detail
+
+//! Empty when `quantize<F>(a)` can run, else why not.
+template <BlockFormat F>
+std::string can_implement(const quantize_args& a) {
+  return detail::check_shapes<F>(a.rows, a.channels, a.x, a.x_row_stride, a.codes, a.codes_row_stride, a.scales);
+}
+template <BlockFormat F>
+std::string can_implement(const dequantize_args& a) {
+  return detail::check_shapes<F>(a.rows, a.channels, a.out, a.out_row_stride, a.codes, a.codes_row_stride, a.scales);
+}
+
+//! Quantize rows of bf16 into codes and scales (act_quant / fp4_act_quant without write-back).
+template <BlockFormat F>
+void quantize(const quantize_args& a, cudaStream_t stream = nullptr) {
+  if (const std::string why = can_implement<F>(a); !why.empty())
+    throw error("quantize<" + detail::format_name<F>() + ">: " + why);
+  const long long threads = a.rows * (a.channels / detail::quant_elems_per_thread);
+  if (threads == 0) return;
+  const long long ctas = (threads + detail::quant_threads_per_cta - 1) / detail::quant_threads_per_cta;
+  detail::quantize_kernel<F><<<static_cast<unsigned>(ctas), detail::quant_threads_per_cta, 0, stream>>>(a);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+
+//! Decode codes and scales back to bf16 (the in-place QDQ value of the reference).
+template <BlockFormat F>
+void dequantize(const dequantize_args& a, cudaStream_t stream = nullptr) {
+  if (const std::string why = can_implement<F>(a); !why.empty())
+    throw error("dequantize<" + detail::format_name<F>() + ">: " + why);
+  const long long threads = a.rows * (a.channels / detail::quant_elems_per_thread);
+  if (threads == 0) return;
+  const long long ctas = (threads + detail::quant_threads_per_cta - 1) / detail::quant_threads_per_cta;
+  detail::dequantize_kernel<F><<<static_cast<unsigned>(ctas), detail::quant_threads_per_cta, 0, stream>>>(a);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace dsv4::numerics
