@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU suite, in one command, on a machine with an NVIDIA GPU (the H200 here):
+# build everything with CUDA for sm_90a, run the whole test suite (GPU cases included), the GPU
+# cases again under compute-sanitizer (memcheck, initcheck), then the benchmarks.
+# Logs and benchmark JSON go to $OUT (default build/gpu-suite). Exit status 0 only if all passed.
+#
+#   scripts/gpu-suite.sh            # everything
+#   DSV4_SKIP_BENCH=1 scripts/gpu-suite.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-$PWD/build/gpu-suite}
+mkdir -p "$out"
+fail=0
+log() { echo "== $*" | tee -a "$out/summary.txt"; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+git rev-parse HEAD 2>/dev/null | tee "$out/commit.txt"
+
+if ! cmake --preset gpu >"$out/configure.log" 2>&1; then tail -40 "$out/configure.log"; exit 1; fi
+if ! cmake --build --preset gpu -j "$(nproc)" >"$out/build.log" 2>&1; then grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; fi
+log "build ok"
+
+ctest --test-dir build/gpu --output-on-failure -j 8 2>&1 | tee "$out/ctest.log"
+if [ "${PIPESTATUS[0]}" -ne 0 ]; then fail=1; log "ctest FAILED"; else log "ctest passed: $(grep -E 'tests passed' "$out/ctest.log")"; fi
+
+# The device tests must not skip here: a skipped GPU case on the GPU machine is a failure.
+for t in build/gpu/tests/test_*_cuda; do
+  name=$(basename "$t")
+  "$t" --run_test=@gpu --report_level=detailed >"$out/$name.log" 2>&1 || fail=1
+  if grep -q "skipped" "$out/$name.log"; then fail=1; log "$name: GPU cases were SKIPPED"; fi
+  log "$name: $(grep -E 'Test module .* (passed|failed)' "$out/$name.log" | head -1)"
+  for tool in memcheck initcheck; do
+    if compute-sanitizer --tool "$tool" --error-exitcode 86 "$t" --run_test=@gpu >"$out/$name.$tool.log" 2>&1; then
+      log "$name under compute-sanitizer $tool: clean"
+    else
+      fail=1; log "$name under compute-sanitizer $tool: FAILED (see $name.$tool.log)"; tail -30 "$out/$name.$tool.log"
+    fi
+  done
+done
+
+if [ -z "${DSV4_SKIP_BENCH:-}" ]; then
+  for b in build/gpu/bench/bench_*; do
+    [ -x "$b" ] || continue
+    name=$(basename "$b")
+    "$b" --json "$out/$name.json" 2>&1 | tee "$out/$name.txt" || { fail=1; log "$name FAILED"; }
+  done
+fi
+
+if [ "$fail" -eq 0 ]; then log "GPU SUITE PASSED"; else log "GPU SUITE FAILED"; fi
+exit "$fail"
