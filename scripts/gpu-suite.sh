@@ -27,7 +27,7 @@ if [ "${PIPESTATUS[0]}" -ne 0 ]; then fail=1; log "ctest FAILED"; else log "ctes
 for t in build/gpu/tests/test_*_cuda; do
   name=$(basename "$t")
   "$t" --run_test=@gpu --report_level=detailed >"$out/$name.log" 2>&1 || fail=1
-  if grep -q "skipped" "$out/$name.log"; then fail=1; log "$name: GPU cases were SKIPPED"; fi
+  if grep -q "no CUDA device visible" "$out/$name.log"; then fail=1; log "$name: GPU cases were SKIPPED"; fi
   log "$name: $(grep -E 'Test module .* (passed|failed)' "$out/$name.log" | head -1)"
   for tool in memcheck initcheck; do
     if compute-sanitizer --tool "$tool" --error-exitcode 86 "$t" --run_test=@gpu >"$out/$name.$tool.log" 2>&1; then

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dsv4/io/safetensors.hpp"
+#include "dsv4/numerics/fast_codec.cuh"
 #include "dsv4/numerics/quantize.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "support/data.hpp"
@@ -49,10 +50,12 @@ __host__ __device__ std::uint8_t cuda_e8m0_ceil(float x) { return __nv_cvt_float
 
 __global__ void codec_kernel(const float* in, long long n, std::uint8_t* ours_e2m1, std::uint8_t* ours_e4m3,
                              std::uint8_t* ours_e8m0, std::uint8_t* cuda_fp4, std::uint8_t* cuda_fp8,
-                             std::uint8_t* cuda_e8m0) {
+                             std::uint8_t* cuda_e8m0, std::uint8_t* fast_e2m1, std::uint8_t* fast_e4m3) {
   const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float x = in[i];
+  fast_e2m1[i] = fast_encode<e2m1>(x);
+  fast_e4m3[i] = fast_encode<e4m3>(x);
   ours_e2m1[i] = encode<e2m1>(x);
   ours_e4m3[i] = encode<e4m3>(x);
   ours_e8m0[i] = detail::pow2_ceil_scale_code(fabsf(x), 1.0f);
@@ -61,11 +64,16 @@ __global__ void codec_kernel(const float* in, long long n, std::uint8_t* ours_e2
   cuda_e8m0[i] = cuda_e8m0_ceil(fabsf(x));
 }
 
-__global__ void decode_kernel(float* e2m1_out, float* e4m3_out, float* ue8m0_out) {
+__global__ void decode_kernel(float* e2m1_out, float* e4m3_out, float* ue8m0_out, float* fast_e2m1_out,
+                              float* fast_e4m3_out) {
   const int c = threadIdx.x;
   e4m3_out[c] = decode<e4m3>(std::uint8_t(c));
+  fast_e4m3_out[c] = fast_decode<e4m3>(std::uint8_t(c));
   ue8m0_out[c] = decode<ue8m0>(std::uint8_t(c));
-  if (c < 16) e2m1_out[c] = decode<e2m1>(std::uint8_t(c));
+  if (c < 16) {
+    e2m1_out[c] = decode<e2m1>(std::uint8_t(c));
+    fast_e2m1_out[c] = fast_decode<e2m1>(std::uint8_t(c));
+  }
 }
 
 bool same_bits_or_both_nan(float a, float b) {
@@ -192,35 +200,42 @@ BOOST_AUTO_TEST_CASE(device_codec_matches_host, *utf::label("gpu") * utf::precon
   const long long n = (long long)in.size();
   device_buffer<float> din{std::span<const float>(in)};
   std::vector<device_buffer<std::uint8_t>> outs;
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < 8; ++i) {
     outs.emplace_back(in.size());
     outs.back().fill_bytes(0x5A);
   }
   codec_kernel<<<unsigned((n + 255) / 256), 256>>>(din.data(), n, outs[0].data(), outs[1].data(), outs[2].data(),
-                                                   outs[3].data(), outs[4].data(), outs[5].data());
+                                                   outs[3].data(), outs[4].data(), outs[5].data(), outs[6].data(),
+                                                   outs[7].data());
   DSV4_CUDA_CHECK_LAUNCH();
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   const auto e2 = outs[0].download(), e4 = outs[1].download(), e8 = outs[2].download();
   const auto c4 = outs[3].download(), c8 = outs[4].download(), ce8 = outs[5].download();
+  const auto f2 = outs[6].download(), f4 = outs[7].download();
   std::size_t bad = 0;
   for (std::size_t i = 0; i < in.size(); ++i) {
     const float x = in[i];
     bool ok = e2[i] == encode<e2m1>(x) && e4[i] == encode<e4m3>(x) &&
-              e8[i] == detail::pow2_ceil_scale_code(std::fabs(x), 1.0f) && c8[i] == e4[i];
+              e8[i] == detail::pow2_ceil_scale_code(std::fabs(x), 1.0f) && c8[i] == e4[i] && f2[i] == e2[i] &&
+              f4[i] == e4[i];
     if (!std::isnan(x)) ok = ok && c4[i] == e2[i];
     if (e8m0_comparable(x)) ok = ok && ce8[i] == e8[i];
     if (!ok && ++bad <= 10) BOOST_ERROR("device codec differs at x = " << x);
   }
   BOOST_TEST(bad == 0u);
 
-  device_buffer<float> d2(16), d4(256), d8(256);
-  decode_kernel<<<1, 256>>>(d2.data(), d4.data(), d8.data());
+  device_buffer<float> d2(16), d4(256), d8(256), df2(16), df4(256);
+  decode_kernel<<<1, 256>>>(d2.data(), d4.data(), d8.data(), df2.data(), df4.data());
   DSV4_CUDA_CHECK_LAUNCH();
-  const auto h2 = d2.download(), h4 = d4.download(), h8 = d8.download();
+  const auto h2 = d2.download(), h4 = d4.download(), h8 = d8.download(), hf2 = df2.download(), hf4 = df4.download();
   for (unsigned c = 0; c < 256; ++c) {
     BOOST_TEST(same_bits_or_both_nan(h4[c], decode<e4m3>(std::uint8_t(c))), "e4m3 code " << c);
+    BOOST_TEST(same_bits_or_both_nan(hf4[c], decode<e4m3>(std::uint8_t(c))), "fast e4m3 code " << c);
     BOOST_TEST(same_bits_or_both_nan(h8[c], decode<ue8m0>(std::uint8_t(c))), "ue8m0 code " << c);
-    if (c < 16) BOOST_TEST(same_bits_or_both_nan(h2[c], decode<e2m1>(std::uint8_t(c))), "e2m1 code " << c);
+    if (c < 16) {
+      BOOST_TEST(same_bits_or_both_nan(h2[c], decode<e2m1>(std::uint8_t(c))), "e2m1 code " << c);
+      BOOST_TEST(same_bits_or_both_nan(hf2[c], decode<e2m1>(std::uint8_t(c))), "fast e2m1 code " << c);
+    }
   }
 }
 

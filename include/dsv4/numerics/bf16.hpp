@@ -1,7 +1,8 @@
 #pragma once
 //! \file
 //! bfloat16 as a plain 16-bit storage type with the conversions the reference relies on:
-//! widening is exact, narrowing rounds to nearest even, NaN stays NaN (quiet, sign kept).
+//! widening is exact, narrowing rounds to nearest even. Every NaN narrows to the one canonical
+//! quiet NaN 0x7FC0, so host and device produce the same bits (their fp32 NaN payloads differ).
 
 #include <cstdint>
 
@@ -11,6 +12,7 @@ namespace dsv4::numerics {
 
 //! Storage for one bf16 value. Layout-compatible with __nv_bfloat16 and torch.bfloat16.
 struct bf16 {
+  static constexpr std::uint16_t canonical_nan_bits = 0x7FC0;
   std::uint16_t bits = 0;
 
   DSV4_HOST_DEVICE static bf16 from_bits(std::uint16_t b) {
@@ -20,7 +22,7 @@ struct bf16 {
   }
   DSV4_HOST_DEVICE static bf16 from_float(float f) {
     const std::uint32_t u = float_to_bits(f);
-    if (is_nan_bits(u)) return from_bits(std::uint16_t((u >> 16) | 0x0040u));
+    if (is_nan_bits(u)) return from_bits(canonical_nan_bits);
     const std::uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
     return from_bits(std::uint16_t((u + rounding) >> 16));
   }

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/numerics/fast_codec.cuh"
 #include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/quantize.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
@@ -76,6 +77,32 @@ std::string check_shapes(long long rows, int channels, const void* values, long 
   return {};
 }
 
+//! Element encoder for one block, on the device. With a power-of-two (UE8M0) scale, x / s equals
+//! x * (1 / s) exactly (1/s is exact, both round the same real value once), so the division of the
+//! reference becomes a multiply; an E4M3 scale keeps the true division.
+template <class F>
+struct device_block_encoder {
+  float factor;  // 1/s for UE8M0 scales, s for E4M3 scales
+  DSV4_DEVICE explicit device_block_encoder(std::uint8_t scale_code) {
+    if constexpr (std::is_same_v<typename F::scale, ue8m0>)
+      factor = scale_code == 0xFF ? __uint_as_float(0x7fc00000u) : exp2_int(127 - int(scale_code));
+    else
+      factor = decode<typename F::scale>(scale_code);
+  }
+  DSV4_DEVICE std::uint8_t operator()(float x) const {
+    if constexpr (std::is_same_v<typename F::scale, ue8m0>)
+      return fast_encode<typename F::element>(__fmul_rn(x, factor));
+    else
+      return fast_encode<typename F::element>(__fdiv_rn(x, factor));
+  }
+};
+
+//! bf16 value of element `code` under scale value `s`, as F::dequantize computes it.
+template <class F>
+DSV4_DEVICE bf16 device_dequantize(std::uint8_t code, float s) {
+  return bf16::from_float(__fmul_rn(fast_decode<typename F::element>(code), s));
+}
+
 template <class F>
 DSV4_KERNEL void quantize_kernel(quantize_args a) {
   constexpr int kElems = quant_elems_per_thread;
@@ -99,17 +126,17 @@ DSV4_KERNEL void quantize_kernel(quantize_args a) {
   for (int off = kLanes / 2; off > 0; off >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
 
   const std::uint8_t sc = F::scale_code(bits_to_float(amax));
-  const float s = decode<typename F::scale>(sc);
+  const device_block_encoder<F> enc(sc);
   if (!active) return;
   std::uint8_t* codes = a.codes + row * a.codes_row_stride;
   if constexpr (Elem::storage_bits == 8) {
     std::uint32_t lo = 0, hi = 0;
-    for (int i = 0; i < 4; ++i) lo |= std::uint32_t(F::element_code(v[i].to_float(), s)) << (8 * i);
-    for (int i = 0; i < 4; ++i) hi |= std::uint32_t(F::element_code(v[4 + i].to_float(), s)) << (8 * i);
+    for (int i = 0; i < 4; ++i) lo |= std::uint32_t(enc(v[i].to_float())) << (8 * i);
+    for (int i = 0; i < 4; ++i) hi |= std::uint32_t(enc(v[4 + i].to_float())) << (8 * i);
     *reinterpret_cast<uint2*>(codes + chunk * 8) = make_uint2(lo, hi);
   } else {
     std::uint32_t packed = 0;  // element 2k in the low nibble of byte k (little-endian word)
-    for (int i = 0; i < kElems; ++i) packed |= std::uint32_t(F::element_code(v[i].to_float(), s)) << (4 * i);
+    for (int i = 0; i < kElems; ++i) packed |= std::uint32_t(enc(v[i].to_float())) << (4 * i);
     *reinterpret_cast<std::uint32_t*>(codes + chunk * 4) = packed;
   }
   if (chunk % kLanes == 0) a.scales[row * a.scales_row_stride + chunk / kLanes] = sc;
@@ -137,7 +164,7 @@ DSV4_KERNEL void dequantize_kernel(dequantize_args a) {
     for (int i = 0; i < kElems; ++i) c[i] = std::uint8_t((w >> (4 * i)) & 0xf);
   }
   std::uint32_t words[4] = {0, 0, 0, 0};
-  for (int i = 0; i < kElems; ++i) words[i / 2] |= std::uint32_t(F::dequantize(c[i], s).bits) << (16 * (i % 2));
+  for (int i = 0; i < kElems; ++i) words[i / 2] |= std::uint32_t(device_dequantize<F>(c[i], s).bits) << (16 * (i % 2));
   *reinterpret_cast<uint4*>(a.out + row * a.out_row_stride + chunk * kElems) =
       make_uint4(words[0], words[1], words[2], words[3]);
 }
