@@ -180,28 +180,30 @@ std::string can_implement(const dequantize_args& a) {
   return detail::check_shapes<F>(a.rows, a.channels, a.out, a.out_row_stride, a.codes, a.codes_row_stride, a.scales);
 }
 
+namespace detail {
+//! Check, then launch one thread per 8 elements of every row.
+template <class F, class Args, class Kernel>
+void launch_rows(const char* op, Kernel kernel, const Args& a, cudaStream_t stream) {
+  if (const std::string why = can_implement<F>(a); !why.empty())
+    throw error(std::string(op) + "<" + format_name<F>() + ">: " + why);
+  const long long threads = a.rows * (a.channels / quant_elems_per_thread);
+  if (threads == 0) return;
+  const long long ctas = (threads + quant_threads_per_cta - 1) / quant_threads_per_cta;
+  kernel<<<static_cast<unsigned>(ctas), quant_threads_per_cta, 0, stream>>>(a);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+}  // namespace detail
+
 //! Quantize rows of bf16 into codes and scales (act_quant / fp4_act_quant without write-back).
 template <BlockFormat F>
 void quantize(const quantize_args& a, cudaStream_t stream = nullptr) {
-  if (const std::string why = can_implement<F>(a); !why.empty())
-    throw error("quantize<" + detail::format_name<F>() + ">: " + why);
-  const long long threads = a.rows * (a.channels / detail::quant_elems_per_thread);
-  if (threads == 0) return;
-  const long long ctas = (threads + detail::quant_threads_per_cta - 1) / detail::quant_threads_per_cta;
-  detail::quantize_kernel<F><<<static_cast<unsigned>(ctas), detail::quant_threads_per_cta, 0, stream>>>(a);
-  DSV4_CUDA_CHECK_LAUNCH();
+  detail::launch_rows<F>("quantize", detail::quantize_kernel<F>, a, stream);
 }
 
 //! Decode codes and scales back to bf16 (the in-place QDQ value of the reference).
 template <BlockFormat F>
 void dequantize(const dequantize_args& a, cudaStream_t stream = nullptr) {
-  if (const std::string why = can_implement<F>(a); !why.empty())
-    throw error("dequantize<" + detail::format_name<F>() + ">: " + why);
-  const long long threads = a.rows * (a.channels / detail::quant_elems_per_thread);
-  if (threads == 0) return;
-  const long long ctas = (threads + detail::quant_threads_per_cta - 1) / detail::quant_threads_per_cta;
-  detail::dequantize_kernel<F><<<static_cast<unsigned>(ctas), detail::quant_threads_per_cta, 0, stream>>>(a);
-  DSV4_CUDA_CHECK_LAUNCH();
+  detail::launch_rows<F>("dequantize", detail::dequantize_kernel<F>, a, stream);
 }
 
 }  // namespace dsv4::numerics
