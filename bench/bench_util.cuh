@@ -3,6 +3,7 @@
 //! Benchmark plumbing: CUDA-event timing with warm-up and the median of repeated runs, and the
 //! ceilings measured in the same process (device-to-device copy bandwidth).
 
+#include <cublas_v2.h>      // provides cublasGemmEx (the bf16 GEMM ceiling)
 #include <cuda_runtime.h>  // provides cudaEvent_t
 
 #include <algorithm>
@@ -44,6 +45,23 @@ inline double copy_bandwidth(std::size_t bytes) {
   a.fill_bytes(1);
   const double ms = median_ms([&] { DSV4_CUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice)); });
   return 2.0 * double(bytes) / (ms * 1e-3);
+}
+
+//! Dense bf16 GEMM rate in FLOP/s (cuBLAS, fp32 accumulation, n x n x n).
+inline double bf16_gemm_rate(int n = 8192) {
+  cublasHandle_t h;
+  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) throw error("cublasCreate failed");
+  runtime::device_buffer<unsigned short> a(std::size_t(n) * n), b(std::size_t(n) * n), c(std::size_t(n) * n);
+  a.fill_bytes(0x3c);  // 0x3c3c: a small normal bf16 value
+  b.fill_bytes(0x3c);
+  const float one = 1.0f, zero = 0.0f;
+  const double ms = median_ms([&] {
+    if (cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a.data(), CUDA_R_16BF, n, b.data(), CUDA_R_16BF, n,
+                     &zero, c.data(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+      throw error("cublasGemmEx failed");
+  }, 3, 10);
+  cublasDestroy(h);
+  return 2.0 * double(n) * n * n / (ms * 1e-3);
 }
 
 }  // namespace dsv4::bench

@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "dsv4/numerics/block_format.hpp"
+#include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/minifloat.hpp"
 
 namespace dsv4::numerics {
@@ -42,6 +44,29 @@ DSV4_DEVICE float fast_decode(std::uint8_t code) {
     const unsigned m = code & 7u;
     const unsigned top = unsigned(((m < 4 ? lo : hi) >> (16 * (m & 3))) & 0xFFFFu);
     return __uint_as_float((top << 16) | (unsigned(code & 8u) << 28));
+  }
+}
+
+//! bf16 value of element `code` under scale value `s`, as F::dequantize computes it.
+template <class F>
+DSV4_DEVICE bf16 fast_dequantize(std::uint8_t code, float s) {
+  return bf16::from_float(__fmul_rn(fast_decode<typename F::element>(code), s));
+}
+
+//! Dequantize channels [c0, c0 + 8) of one packed vector (packed_vector<F, Channels> layout:
+//! codes, then scales) into eight bf16 values. c0 must be a multiple of 8; the codes are read with
+//! one aligned 8- or 4-byte load.
+template <class F, int Channels>
+DSV4_DEVICE void dequantize8(const std::uint8_t* entry, int c0, bf16 (&out)[8]) {
+  using layout = packed_vector<F, Channels>;
+  const float s = decode<typename F::scale>(entry[layout::scale_offset + c0 / F::block_size]);
+  if constexpr (F::element::storage_bits == 8) {
+    const uint2 w = *reinterpret_cast<const uint2*>(entry + c0);
+    for (int i = 0; i < 4; ++i) out[i] = fast_dequantize<F>(std::uint8_t(w.x >> (8 * i)), s);
+    for (int i = 0; i < 4; ++i) out[4 + i] = fast_dequantize<F>(std::uint8_t(w.y >> (8 * i)), s);
+  } else {
+    const std::uint32_t w = *reinterpret_cast<const std::uint32_t*>(entry + c0 / 2);
+    for (int i = 0; i < 8; ++i) out[i] = fast_dequantize<F>(std::uint8_t((w >> (4 * i)) & 0xf), s);
   }
 }
 

@@ -97,12 +97,6 @@ struct device_block_encoder {
   }
 };
 
-//! bf16 value of element `code` under scale value `s`, as F::dequantize computes it.
-template <class F>
-DSV4_DEVICE bf16 device_dequantize(std::uint8_t code, float s) {
-  return bf16::from_float(__fmul_rn(fast_decode<typename F::element>(code), s));
-}
-
 template <class F>
 DSV4_KERNEL void quantize_kernel(quantize_args a) {
   constexpr int kElems = quant_elems_per_thread;
@@ -164,7 +158,7 @@ DSV4_KERNEL void dequantize_kernel(dequantize_args a) {
     for (int i = 0; i < kElems; ++i) c[i] = std::uint8_t((w >> (4 * i)) & 0xf);
   }
   std::uint32_t words[4] = {0, 0, 0, 0};
-  for (int i = 0; i < kElems; ++i) words[i / 2] |= std::uint32_t(device_dequantize<F>(c[i], s).bits) << (16 * (i % 2));
+  for (int i = 0; i < kElems; ++i) words[i / 2] |= std::uint32_t(fast_dequantize<F>(c[i], s).bits) << (16 * (i % 2));
   *reinterpret_cast<uint4*>(a.out + row * a.out_row_stride + chunk * kElems) =
       make_uint4(words[0], words[1], words[2], words[3]);
 }

@@ -1,0 +1,210 @@
+#pragma once
+//! \file
+//! CUDA sparse attention with a sink: the recurrence of reference.hpp (chunks of 64 indices in
+//! list order, online softmax, probabilities rounded to bf16 before they weight the values, sink
+//! in the denominator), reading its KV operand either as bf16 rows or straight from the packed
+//! caches (FP8 window entries and FP4 global entries, dequantized in the kernel).
+//!
+//! Work split (a first, simple kernel; see docs/perf.md for where it stands): one CTA per
+//! (query row, group of `HeadsPerCta` heads), one warp per head. Each chunk of 64 indexed entries
+//! is dequantized once into shared memory and shared by the CTA's heads. A lane owns Dim/32
+//! consecutive channels of its head's query and output accumulator; scores are warp-reduced.
+
+#include <cuda_runtime.h>  // provides cudaFuncSetAttribute
+
+#include <cstdint>
+#include <string>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/kernels/attention/reference.hpp"
+#include "dsv4/numerics/bf16.hpp"
+#include "dsv4/numerics/fast_codec.cuh"
+#include "dsv4/runtime/cuda_check.cuh"
+
+namespace dsv4::kernels::attention {
+
+using numerics::bf16;
+
+//! The reference's operand: per sequence, `entries` rows of `Dim` bf16 values, `row_stride`
+//! elements apart; sequence b starts `seq_stride` elements after sequence b - 1.
+template <int Dim>
+struct bf16_kv {
+  const bf16* kv = nullptr;
+  int entries = 0;
+  long long row_stride = Dim;
+  long long seq_stride = 0;
+
+  DSV4_DEVICE void load8(int seq, int e, int c0, bf16 (&out)[8]) const {
+    const uint4 w = *reinterpret_cast<const uint4*>(kv + seq * seq_stride + e * row_stride + c0);
+    const std::uint32_t words[4] = {w.x, w.y, w.z, w.w};
+    for (int i = 0; i < 8; ++i) out[i] = bf16::from_bits(std::uint16_t(words[i / 2] >> (16 * (i % 2))));
+  }
+  std::string check() const {
+    if (entries > 0 && (!kv || reinterpret_cast<std::uintptr_t>(kv) % 16 || row_stride % 8 || seq_stride % 8))
+      return "bf16 kv must be 16-byte aligned with a row stride that is a multiple of 8";
+    return {};
+  }
+};
+
+//! The packed caches of each sequence, as the reference concatenates them (spec §5 combine):
+//! index j < window_rows reads window row j (WindowFormat, e.g. FP8 528 B), and
+//! j >= window_rows reads global entry j - window_rows (GlobalFormat, e.g. FP4 288 B).
+template <class WindowFormat, class GlobalFormat, int Dim>
+struct packed_kv {
+  using window_layout = numerics::packed_vector<WindowFormat, Dim>;
+  using global_layout = numerics::packed_vector<GlobalFormat, Dim>;
+  const std::uint8_t* window = nullptr;
+  long long window_stride = window_layout::bytes;
+  long long window_seq_stride = 0;  //!< bytes from one sequence's window ring to the next
+  int window_rows = 0;
+  const std::uint8_t* global = nullptr;
+  long long global_stride = global_layout::bytes;
+  long long global_seq_stride = 0;  //!< bytes from one sequence's global entries to the next
+  int global_rows = 0;
+
+  int entries() const { return window_rows + global_rows; }
+  DSV4_DEVICE void load8(int seq, int e, int c0, bf16 (&out)[8]) const {
+    if (e < window_rows)
+      numerics::dequantize8<WindowFormat, Dim>(window + seq * window_seq_stride + e * window_stride, c0, out);
+    else
+      numerics::dequantize8<GlobalFormat, Dim>(global + seq * global_seq_stride + (e - window_rows) * global_stride,
+                                               c0, out);
+  }
+  std::string check() const {
+    if (window_rows > 0 &&
+        (!window || reinterpret_cast<std::uintptr_t>(window) % 8 || window_stride % 8 || window_seq_stride % 8))
+      return "window cache must be 8-byte aligned with a stride that is a multiple of 8 bytes";
+    if (global_rows > 0 &&
+        (!global || reinterpret_cast<std::uintptr_t>(global) % 4 || global_stride % 4 || global_seq_stride % 4))
+      return "global cache must be 4-byte aligned with a stride that is a multiple of 4 bytes";
+    return {};
+  }
+};
+
+//! `batch` sequences of `rows` query rows each (decode: 1 to 6 rows per sequence; prefill: the
+//! chunk's tokens), all with `heads` heads and `topk` indices per row.
+struct sparse_attention_args {
+  const bf16* q = nullptr;            //!< [batch, rows, heads, dim]
+  const std::int32_t* idx = nullptr;  //!< [batch, rows, topk], -1 = none, else an entry of the operand
+  const float* sink = nullptr;        //!< [heads]
+  bf16* out = nullptr;                //!< [batch, rows, heads, dim]
+  int batch = 1, rows = 0, heads = 0, topk = 0;
+  float scale = 0;
+};
+
+namespace detail {
+inline constexpr int heads_per_cta = 16;
+
+DSV4_DEVICE float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+DSV4_DEVICE float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+template <int Dim, class KV>
+DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(sparse_attention_args a, KV kv) {
+  constexpr int kLaneCh = Dim / 32;
+  extern __shared__ uint4 dyn_smem[];
+  bf16* tile = reinterpret_cast<bf16*>(dyn_smem);  // [sparse_chunk][Dim]
+  __shared__ std::int32_t chunk_idx[sparse_chunk];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int row = blockIdx.x;  // flattened (sequence, row)
+  const int seq = row / a.rows;
+  const int head = blockIdx.y * heads_per_cta + warp;
+  const bool head_ok = head < a.heads;
+
+  float q[kLaneCh], acc[kLaneCh];
+  const bf16* qh = a.q + (static_cast<long long>(row) * a.heads + (head_ok ? head : 0)) * Dim + lane * kLaneCh;
+  for (int k = 0; k < kLaneCh; ++k) {
+    q[k] = head_ok ? qh[k].to_float() : 0.0f;
+    acc[k] = 0.0f;
+  }
+  float m = -1e30f, l = 0.0f;
+  const std::int32_t* row_idx = a.idx + static_cast<long long>(row) * a.topk;
+
+  for (int c0 = 0; c0 < a.topk; c0 += sparse_chunk) {
+    const int n = min(sparse_chunk, a.topk - c0);
+    __syncthreads();  // the previous chunk's tile is no longer read
+    if (threadIdx.x < sparse_chunk) chunk_idx[threadIdx.x] = threadIdx.x < n ? row_idx[c0 + threadIdx.x] : -1;
+    __syncthreads();
+    for (int t = threadIdx.x; t < sparse_chunk * (Dim / 8); t += blockDim.x) {
+      const int e = t / (Dim / 8), c = (t % (Dim / 8)) * 8;
+      const int j = chunk_idx[e];
+      bf16 v[8];
+      if (j >= 0) {
+        kv.load8(seq, j, c, v);
+      } else {
+        for (int i = 0; i < 8; ++i) v[i] = bf16{};  // empty slots must not feed NaN garbage to 0 * x
+      }
+      std::uint32_t w[4];
+      for (int i = 0; i < 4; ++i) w[i] = std::uint32_t(v[2 * i].bits) | (std::uint32_t(v[2 * i + 1].bits) << 16);
+      *reinterpret_cast<uint4*>(tile + e * Dim + c) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    __syncthreads();
+    if (!head_ok) continue;
+
+    // Scores: lane keeps entries `lane` and `lane + 32` of the chunk.
+    float s_lo = -INFINITY, s_hi = -INFINITY;
+    for (int e = 0; e < sparse_chunk; ++e) {
+      const bf16* k = tile + e * Dim + lane * kLaneCh;
+      float part = 0.0f;
+      for (int c = 0; c < kLaneCh; ++c) part = fmaf(q[c], k[c].to_float(), part);
+      const float dot = warp_sum(part);
+      const float s = chunk_idx[e] >= 0 ? dot * a.scale : -INFINITY;
+      if (e == lane) s_lo = s;
+      if (e == lane + 32) s_hi = s;
+    }
+    const float m_new = fmaxf(m, warp_max(fmaxf(s_lo, s_hi)));
+    const float alpha = expf(m - m_new);
+    const float p_lo = expf(s_lo - m_new), p_hi = expf(s_hi - m_new);
+    l = l * alpha + warp_sum(p_lo + p_hi);
+    const float pb_lo = numerics::round_to_bf16(p_lo), pb_hi = numerics::round_to_bf16(p_hi);
+    for (int c = 0; c < kLaneCh; ++c) acc[c] *= alpha;
+    for (int e = 0; e < sparse_chunk; ++e) {
+      const float p = __shfl_sync(0xffffffffu, e < 32 ? pb_lo : pb_hi, e % 32);
+      if (p == 0.0f) continue;  // warp-uniform: p is the same in every lane
+      const bf16* v = tile + e * Dim + lane * kLaneCh;
+      for (int c = 0; c < kLaneCh; ++c) acc[c] = fmaf(p, v[c].to_float(), acc[c]);
+    }
+    m = m_new;
+  }
+  if (!head_ok) return;
+  l += expf(a.sink[head] - m);
+  bf16* o = a.out + (static_cast<long long>(row) * a.heads + head) * Dim + lane * kLaneCh;
+  for (int c = 0; c < kLaneCh; ++c) o[c] = bf16::from_float(__fdiv_rn(acc[c], l));
+}
+}  // namespace detail
+
+//! Empty when the launch can proceed, else why not.
+template <int Dim, class KV>
+std::string can_implement(const sparse_attention_args& a, const KV& kv) {
+  static_assert(Dim % 256 == 0 || Dim == 128 || Dim == 64,
+                "sparse_attention<Dim>: Dim must be 64, 128 or a multiple of 256 (Dim/32 channels per lane, "
+                "8-channel loads)");
+  if (a.batch < 0 || a.rows < 0 || a.heads <= 0 || a.topk < 0) return "batch, rows, topk must be >= 0 and heads > 0";
+  if (static_cast<long long>(a.batch) * a.rows > 0x7fffffffll) return "batch * rows exceeds the grid limit";
+  if (a.rows == 0 || a.batch == 0) return {};
+  if (!a.q || !a.out || !a.sink || (a.topk > 0 && !a.idx)) return "null pointer argument";
+  if (reinterpret_cast<std::uintptr_t>(a.q) % 4 || reinterpret_cast<std::uintptr_t>(a.out) % 4)
+    return "q and out must be 4-byte aligned";
+  return kv.check();
+}
+
+//! out = sparse_attention(q, kv, sink, idx). Indices must lie in [-1, entries) (not checked on
+//! the device: the index producers guarantee it, and the host reference checks it).
+template <int Dim, class KV>
+void sparse_attention(const sparse_attention_args& a, const KV& kv, cudaStream_t stream = nullptr) {
+  if (const std::string why = can_implement<Dim>(a, kv); !why.empty()) throw error("sparse_attention: " + why);
+  if (a.rows == 0 || a.batch == 0) return;
+  constexpr int smem = sparse_chunk * Dim * int(sizeof(bf16));
+  auto kernel = detail::sparse_attention_kernel<Dim, KV>;
+  DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(unsigned(a.batch * a.rows), unsigned((a.heads + detail::heads_per_cta - 1) / detail::heads_per_cta));
+  kernel<<<grid, detail::heads_per_cta * 32, smem, stream>>>(a, kv);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace dsv4::kernels::attention

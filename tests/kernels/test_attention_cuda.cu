@@ -1,0 +1,212 @@
+// CUDA sparse attention against the host reference: on the official vectors, on random bf16
+// problems (prefill-like and decode-like, empty rows, -1 slots), and reading packed FP8 / FP4 caches.
+
+#include <boost/test/unit_test.hpp>
+
+#include <cmath>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "dsv4/io/safetensors.hpp"
+#include "dsv4/kernels/attention/reference.hpp"
+#include "dsv4/kernels/attention/sparse_attention.cuh"
+#include "dsv4/numerics/formats.hpp"
+#include "dsv4/numerics/quantize.hpp"
+#include "dsv4/runtime/device_buffer.cuh"
+#include "support/data.hpp"
+#include "support/gpu.hpp"
+#include "support/random.hpp"
+
+namespace utf = boost::unit_test;
+using namespace dsv4;
+using namespace dsv4::kernels::attention;
+using numerics::bf16;
+using runtime::device_buffer;
+
+namespace {
+
+int ulp_distance(bf16 a, bf16 b) {
+  auto key = [](bf16 x) { return (x.bits & 0x8000) ? -int(x.bits & 0x7fff) : int(x.bits); };
+  return std::abs(key(a) - key(b));
+}
+
+// Compares per (row, head) vector: NaN never passes; |got - want| <= 2^-7 |want| + 2^-9 max|want|.
+// Expected differences: fp32 summation order and exp, and the bf16 rounding of a probability that
+// lands on the other side of a rounding boundary (spec §3: about 1 bf16 ulp).
+void compare(const std::vector<bf16>& got, const std::vector<bf16>& want, int dim, const std::string& what) {
+  BOOST_REQUIRE_EQUAL(got.size(), want.size());
+  int worst_ulp = 0;
+  std::size_t bad = 0, nan = 0;
+  for (std::size_t v0 = 0; v0 < got.size(); v0 += std::size_t(dim)) {
+    float vmax = 0;
+    for (int d = 0; d < dim; ++d) vmax = std::max(vmax, std::fabs(want[v0 + d].to_float()));
+    for (int d = 0; d < dim; ++d) {
+      const float g = got[v0 + d].to_float(), w = want[v0 + d].to_float();
+      if (std::isnan(g) || std::isnan(w)) { ++nan; continue; }
+      worst_ulp = std::max(worst_ulp, ulp_distance(got[v0 + d], want[v0 + d]));
+      if (std::fabs(g - w) > std::fabs(w) / 128 + vmax / 512) ++bad;
+    }
+  }
+  BOOST_TEST_MESSAGE(what << ": worst " << worst_ulp << " bf16 ulp over " << got.size() << " values");
+  BOOST_TEST(nan == 0u, what << ": " << nan << " NaN values");
+  BOOST_TEST(bad == 0u, what << ": " << bad << " values outside tolerance (worst " << worst_ulp << " ulp)");
+}
+
+struct problem {
+  int batch, rows, heads, topk, entries;
+  std::vector<bf16> q, kv;
+  std::vector<float> sink;
+  std::vector<std::int32_t> idx;
+};
+
+// Random problem: scores of realistic spread (kv ~ N(0, 1), q ~ N(0, 1.5^2)),
+// index lists in random order with -1 slots, and some rows with no valid index at all.
+problem make_problem(std::mt19937_64& rng, int batch, int rows, int heads, int dim, int topk, int entries) {
+  problem p{batch, rows, heads, topk, entries, {}, {}, {}, {}};
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  p.q.resize(std::size_t(batch) * rows * heads * dim);
+  for (auto& x : p.q) x = bf16::from_float(1.5f * n(rng));  // q.k / sqrt(dim) ~ N(0, 1.5^2)
+  p.kv.resize(std::size_t(batch) * entries * dim);
+  for (auto& x : p.kv) x = bf16::from_float(n(rng));
+  p.sink.resize(std::size_t(heads));
+  for (auto& x : p.sink) x = n(rng);
+  p.idx.resize(std::size_t(batch) * rows * topk);
+  for (std::size_t r = 0; r < p.idx.size() / std::size_t(topk); ++r) {
+    const bool empty = rng() % 11 == 0;
+    for (int k = 0; k < topk; ++k)
+      p.idx[r * topk + k] = (empty || rng() % 9 == 0) ? -1 : std::int32_t(rng() % std::uint64_t(entries));
+  }
+  return p;
+}
+
+template <int Dim>
+std::vector<bf16> host_reference(const problem& p, const std::vector<bf16>& kv, int entries, float scale) {
+  std::vector<bf16> out(p.q.size());
+  const sparse_attention_problem sp{p.rows, p.heads, Dim, entries, p.topk, scale};
+  const std::size_t qn = std::size_t(p.rows) * p.heads * Dim;
+  for (int b = 0; b < p.batch; ++b)
+    sparse_attention_reference(sp, std::span(p.q).subspan(b * qn, qn),
+                               std::span(kv).subspan(std::size_t(b) * entries * Dim, std::size_t(entries) * Dim),
+                               p.sink, std::span(p.idx).subspan(std::size_t(b) * p.rows * p.topk, std::size_t(p.rows) * p.topk),
+                               std::span(out).subspan(b * qn, qn));
+  return out;
+}
+
+template <int Dim, class KV>
+std::vector<bf16> run_device(const problem& p, const KV& kv, float scale) {
+  device_buffer<bf16> dq{std::span<const bf16>(p.q)}, dout(p.q.size());
+  device_buffer<float> dsink{std::span<const float>(p.sink)};
+  device_buffer<std::int32_t> didx{std::span<const std::int32_t>(p.idx)};
+  dout.fill_bytes(0xFF);  // NaN poison
+  sparse_attention_args a;
+  a.q = dq.data();
+  a.idx = didx.data();
+  a.sink = dsink.data();
+  a.out = dout.data();
+  a.batch = p.batch;
+  a.rows = p.rows;
+  a.heads = p.heads;
+  a.topk = p.topk;
+  a.scale = scale;
+  sparse_attention<Dim>(a, kv);
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  return dout.download();
+}
+
+template <int Dim>
+void check_bf16_operand(int batch, int rows, int heads, int topk, int entries, std::uint64_t salt) {
+  auto rng = test::make_rng(salt);
+  const problem p = make_problem(rng, batch, rows, heads, Dim, topk, entries);
+  const float scale = 1.0f / std::sqrt(float(Dim));
+  device_buffer<bf16> dkv{std::span<const bf16>(p.kv)};
+  bf16_kv<Dim> kv{dkv.data(), entries, Dim, static_cast<long long>(entries) * Dim};
+  compare(run_device<Dim>(p, kv, scale), host_reference<Dim>(p, p.kv, entries, scale), Dim,
+          "bf16 operand b" + std::to_string(batch) + " rows" + std::to_string(rows) + " topk" + std::to_string(topk));
+}
+
+// Window ring (FP8, 528 B at Dim 512) + global entries (FP4, 288 B), dequantized in the kernel. The
+// host reference runs on the same caches dequantized to bf16 (exactly the reference's QDQ values).
+template <int Dim>
+void check_packed_operand(int batch, int rows, int heads, int window, int global, int topk, std::uint64_t salt) {
+  using wf = numerics::fp8_act_format;
+  using gf = numerics::main_kv_format;
+  using wl = numerics::packed_vector<wf, Dim>;
+  using gl = numerics::packed_vector<gf, Dim>;
+  auto rng = test::make_rng(salt);
+  const int entries = window + global;
+  problem p = make_problem(rng, batch, rows, heads, Dim, topk, entries);
+  std::vector<std::uint8_t> wcache(std::size_t(batch) * window * wl::bytes), gcache(std::size_t(batch) * global * gl::bytes);
+  std::vector<bf16> qdq(p.kv.size());
+  for (int b = 0; b < batch; ++b)
+    for (int e = 0; e < entries; ++e) {
+      const std::span<const bf16> x(p.kv.data() + (std::size_t(b) * entries + e) * Dim, Dim);
+      const std::span<bf16> y(qdq.data() + (std::size_t(b) * entries + e) * Dim, Dim);
+      if (e < window) {
+        std::uint8_t* ent = wcache.data() + (std::size_t(b) * window + e) * wl::bytes;
+        numerics::quantize_vector<wf>(x, {ent, wl::code_bytes}, {ent + wl::scale_offset, wl::scale_bytes});
+        numerics::dequantize_vector<wf>({ent, wl::code_bytes}, {ent + wl::scale_offset, wl::scale_bytes}, y);
+      } else {
+        std::uint8_t* ent = gcache.data() + (std::size_t(b) * global + (e - window)) * gl::bytes;
+        numerics::quantize_vector<gf>(x, {ent, gl::code_bytes}, {ent + gl::scale_offset, gl::scale_bytes});
+        numerics::dequantize_vector<gf>({ent, gl::code_bytes}, {ent + gl::scale_offset, gl::scale_bytes}, y);
+      }
+    }
+  const float scale = 1.0f / std::sqrt(float(Dim));
+  device_buffer<std::uint8_t> dw{std::span<const std::uint8_t>(wcache)}, dg{std::span<const std::uint8_t>(gcache)};
+  packed_kv<wf, gf, Dim> kv;
+  kv.window = dw.data();
+  kv.window_rows = window;
+  kv.window_seq_stride = static_cast<long long>(window) * wl::bytes;
+  kv.global = dg.data();
+  kv.global_rows = global;
+  kv.global_seq_stride = static_cast<long long>(global) * gl::bytes;
+  compare(run_device<Dim>(p, kv, scale), host_reference<Dim>(p, qdq, entries, scale), Dim,
+          "packed operand b" + std::to_string(batch) + " rows" + std::to_string(rows));
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(attention_cuda)
+
+BOOST_AUTO_TEST_CASE(device_matches_the_official_vectors, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  io::safetensors_file f(test::data_path("reference/sparse_attn.safetensors"));
+  problem p{2, 3, 8, 328, 700, io::copy_as<bf16>(f.tensor("q")), io::copy_as<bf16>(f.tensor("kv")),
+            io::copy_as<float>(f.tensor("attn_sink")), io::copy_as<std::int32_t>(f.tensor("topk_idxs"))};
+  const float scale = io::copy_as<float>(f.tensor("softmax_scale"))[0];
+  device_buffer<bf16> dkv{std::span<const bf16>(p.kv)};
+  bf16_kv<512> kv{dkv.data(), 700, 512, 700 * 512};
+  const auto got = run_device<512>(p, kv, scale);
+  compare(got, io::copy_as<bf16>(f.tensor("out")), 512, "official vectors");
+  int worst = 0;
+  const auto want = io::copy_as<bf16>(f.tensor("out"));
+  for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, ulp_distance(got[i], want[i]));
+  BOOST_TEST(worst <= 2);
+}
+
+BOOST_AUTO_TEST_CASE(device_matches_host_on_bf16_operands, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  check_bf16_operand<512>(1, 37, 64, 328, 700, 1);   // prefill-like: many rows, topk not a multiple of 64
+  check_bf16_operand<512>(8, 1, 64, 640, 2000, 2);   // decode: 8 sequences, window + 512 selected
+  check_bf16_operand<512>(3, 6, 20, 100, 90, 3);     // 6 queries per sequence, heads not a multiple of 16
+  check_bf16_operand<128>(4, 5, 4, 48, 64, 4);       // tiny widths
+  check_bf16_operand<512>(2, 3, 64, 0, 10, 5);       // no indices at all: zeros
+}
+
+BOOST_AUTO_TEST_CASE(device_reads_packed_caches, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  check_packed_operand<512>(1, 1, 64, 128, 1000, 640, 10);   // one decode step, V4.1 widths
+  check_packed_operand<512>(5, 2, 64, 128, 300, 640, 11);    // batched sequences
+  check_packed_operand<128>(3, 7, 4, 16, 40, 32, 12);        // tiny widths
+}
+
+BOOST_AUTO_TEST_CASE(launch_rejects_bad_arguments) {
+  sparse_attention_args a;
+  a.rows = 1;
+  a.heads = 0;
+  bf16_kv<512> kv;
+  BOOST_TEST(can_implement<512>(a, kv).find("heads > 0") != std::string::npos);
+  a.heads = 8;
+  BOOST_TEST(can_implement<512>(a, kv).find("null pointer") != std::string::npos);
+  BOOST_CHECK_THROW(sparse_attention<512>(a, kv), dsv4::error);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
