@@ -72,7 +72,7 @@ problem make_problem(std::mt19937_64& rng, int batch, int rows, int heads, int d
   p.sink.resize(std::size_t(heads));
   for (auto& x : p.sink) x = n(rng);
   p.idx.resize(std::size_t(batch) * rows * topk);
-  for (std::size_t r = 0; r < p.idx.size() / std::size_t(topk); ++r) {
+  for (std::size_t r = 0; topk > 0 && r < p.idx.size() / std::size_t(topk); ++r) {
     const bool empty = rng() % 11 == 0;
     for (int k = 0; k < topk; ++k)
       p.idx[r * topk + k] = (empty || rng() % 9 == 0) ? -1 : std::int32_t(rng() % std::uint64_t(entries));

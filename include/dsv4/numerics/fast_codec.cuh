@@ -55,15 +55,16 @@ DSV4_DEVICE bf16 fast_dequantize(std::uint8_t code, float s) {
 
 //! Dequantize channels [c0, c0 + 8) of one packed vector (packed_vector<F, Channels> layout:
 //! codes, then scales) into eight bf16 values. c0 must be a multiple of 8; the codes are read with
-//! one aligned 8- or 4-byte load.
+//! aligned 4-byte loads, so entries need only be 4-byte aligned (a 128-channel FP8 entry is 132 B).
 template <class F, int Channels>
 DSV4_DEVICE void dequantize8(const std::uint8_t* entry, int c0, bf16 (&out)[8]) {
   using layout = packed_vector<F, Channels>;
   const float s = decode<typename F::scale>(entry[layout::scale_offset + c0 / F::block_size]);
   if constexpr (F::element::storage_bits == 8) {
-    const uint2 w = *reinterpret_cast<const uint2*>(entry + c0);
-    for (int i = 0; i < 4; ++i) out[i] = fast_dequantize<F>(std::uint8_t(w.x >> (8 * i)), s);
-    for (int i = 0; i < 4; ++i) out[4 + i] = fast_dequantize<F>(std::uint8_t(w.y >> (8 * i)), s);
+    const std::uint32_t lo = *reinterpret_cast<const std::uint32_t*>(entry + c0);
+    const std::uint32_t hi = *reinterpret_cast<const std::uint32_t*>(entry + c0 + 4);
+    for (int i = 0; i < 4; ++i) out[i] = fast_dequantize<F>(std::uint8_t(lo >> (8 * i)), s);
+    for (int i = 0; i < 4; ++i) out[4 + i] = fast_dequantize<F>(std::uint8_t(hi >> (8 * i)), s);
   } else {
     const std::uint32_t w = *reinterpret_cast<const std::uint32_t*>(entry + c0 / 2);
     for (int i = 0; i < 8; ++i) out[i] = fast_dequantize<F>(std::uint8_t((w >> (4 * i)) & 0xf), s);

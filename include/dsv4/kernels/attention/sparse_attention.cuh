@@ -5,10 +5,10 @@
 //! in the denominator), reading its KV operand either as bf16 rows or straight from the packed
 //! caches (FP8 window entries and FP4 global entries, dequantized in the kernel).
 //!
-//! Work split (a first, simple kernel; see docs/perf.md for where it stands): one CTA per
-//! (query row, group of `HeadsPerCta` heads), one warp per head. Each chunk of 64 indexed entries
-//! is dequantized once into shared memory and shared by the CTA's heads. A lane owns Dim/32
-//! consecutive channels of its head's query and output accumulator; scores are warp-reduced.
+//! Work split (a first, CUDA-core kernel; see docs/perf.md for where it stands): one CTA per
+//! (query row, group of 8 heads), one warp per head. Each chunk of 64 indexed entries is
+//! dequantized once into shared memory and shared by the CTA's heads. A lane owns Dim/32
+//! consecutive channels of its head's query and output accumulator.
 
 #include <cuda_runtime.h>  // provides cudaFuncSetAttribute
 
@@ -72,11 +72,11 @@ struct packed_kv {
   }
   std::string check() const {
     if (window_rows > 0 &&
-        (!window || reinterpret_cast<std::uintptr_t>(window) % 8 || window_stride % 8 || window_seq_stride % 8))
-      return "window cache must be 8-byte aligned with a stride that is a multiple of 8 bytes";
+        (!window || reinterpret_cast<std::uintptr_t>(window) % 4 || window_stride % 4 || window_seq_stride % 4))
+      return "window cache must be 4-byte aligned with strides that are multiples of 4 bytes";
     if (global_rows > 0 &&
         (!global || reinterpret_cast<std::uintptr_t>(global) % 4 || global_stride % 4 || global_seq_stride % 4))
-      return "global cache must be 4-byte aligned with a stride that is a multiple of 4 bytes";
+      return "global cache must be 4-byte aligned with strides that are multiples of 4 bytes";
     return {};
   }
 };
@@ -93,7 +93,7 @@ struct sparse_attention_args {
 };
 
 namespace detail {
-inline constexpr int heads_per_cta = 16;
+inline constexpr int heads_per_cta = 8;
 
 DSV4_DEVICE float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -110,6 +110,7 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(s
   extern __shared__ uint4 dyn_smem[];
   bf16* tile = reinterpret_cast<bf16*>(dyn_smem);  // [sparse_chunk][Dim]
   __shared__ std::int32_t chunk_idx[sparse_chunk];
+  __shared__ float probs[heads_per_cta][sparse_chunk];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row = blockIdx.x;  // flattened (sequence, row)
   const int seq = row / a.rows;
@@ -146,29 +147,50 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(s
     __syncthreads();
     if (!head_ok) continue;
 
-    // Scores: lane keeps entries `lane` and `lane + 32` of the chunk.
-    float s_lo = -INFINITY, s_hi = -INFINITY;
+    // Scores. Each lane forms partial dot products over its Dim/32 channels for all 64 entries,
+    // then a butterfly reduce-scatter (5 steps, 62 independent shuffles) leaves every lane with
+    // the full scores of entries 2 * lane and 2 * lane + 1 (step `bit` keeps the upper half of
+    // the remaining entries in lanes with that bit set).
+    float part[sparse_chunk];
+#pragma unroll
     for (int e = 0; e < sparse_chunk; ++e) {
       const bf16* k = tile + e * Dim + lane * kLaneCh;
-      float part = 0.0f;
-      for (int c = 0; c < kLaneCh; ++c) part = fmaf(q[c], k[c].to_float(), part);
-      const float dot = warp_sum(part);
-      const float s = chunk_idx[e] >= 0 ? dot * a.scale : -INFINITY;
-      if (e == lane) s_lo = s;
-      if (e == lane + 32) s_hi = s;
+      float acc_e = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kLaneCh; ++c) acc_e = fmaf(q[c], k[c].to_float(), acc_e);
+      part[e] = acc_e;
     }
-    const float m_new = fmaxf(m, warp_max(fmaxf(s_lo, s_hi)));
+#pragma unroll
+    for (int half = sparse_chunk / 2, bit = 16; bit > 0; half /= 2, bit /= 2) {
+      const bool upper = lane & bit;
+#pragma unroll
+      for (int i = 0; i < half; ++i) {
+        const float send = upper ? part[i] : part[i + half];
+        const float keep = upper ? part[i + half] : part[i];
+        part[i] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
+      }
+    }
+    const int e0 = 2 * lane;
+    const float s0 = chunk_idx[e0] >= 0 ? part[0] * a.scale : -INFINITY;
+    const float s1 = chunk_idx[e0 + 1] >= 0 ? part[1] * a.scale : -INFINITY;
+    const float m_new = fmaxf(m, warp_max(fmaxf(s0, s1)));
     const float alpha = expf(m - m_new);
-    const float p_lo = expf(s_lo - m_new), p_hi = expf(s_hi - m_new);
-    l = l * alpha + warp_sum(p_lo + p_hi);
-    const float pb_lo = numerics::round_to_bf16(p_lo), pb_hi = numerics::round_to_bf16(p_hi);
+    const float p0 = expf(s0 - m_new), p1 = expf(s1 - m_new);
+    l = l * alpha + warp_sum(p0 + p1);
+    float* pw = probs[warp];
+    pw[e0] = numerics::round_to_bf16(p0);  // bf16 probabilities weight the values
+    pw[e0 + 1] = numerics::round_to_bf16(p1);
+    __syncwarp();
+#pragma unroll
     for (int c = 0; c < kLaneCh; ++c) acc[c] *= alpha;
     for (int e = 0; e < sparse_chunk; ++e) {
-      const float p = __shfl_sync(0xffffffffu, e < 32 ? pb_lo : pb_hi, e % 32);
-      if (p == 0.0f) continue;  // warp-uniform: p is the same in every lane
+      const float p = pw[e];
+      if (p == 0.0f) continue;  // warp-uniform: every lane reads the same value
       const bf16* v = tile + e * Dim + lane * kLaneCh;
+#pragma unroll
       for (int c = 0; c < kLaneCh; ++c) acc[c] = fmaf(p, v[c].to_float(), acc[c]);
     }
+    __syncwarp();  // pw is rewritten by the next chunk
     m = m_new;
   }
   if (!head_ok) return;
