@@ -48,6 +48,7 @@ fi
 
 if [ "$fail" -eq 0 ]; then log "GPU SUITE PASSED"; else log "GPU SUITE FAILED"; fi
 # The device tool returns at most 8 files: keep the summary and bench results loose, pack the logs.
-tar -C "$out" -czf "$out/logs.tar.gz" --exclude logs.tar.gz --exclude 'bench_*' --exclude summary.txt . 2>/dev/null &&
-  find "$out" -maxdepth 1 -type f ! -name logs.tar.gz ! -name 'bench_*' ! -name summary.txt -delete
+tmp=$(mktemp -d)
+tar -C "$out" -czf "$tmp/logs.tar.gz" --exclude 'bench_*' --exclude summary.txt . &&
+  find "$out" -maxdepth 1 -type f ! -name 'bench_*' ! -name summary.txt -delete && mv "$tmp/logs.tar.gz" "$out/"
 exit "$fail"
