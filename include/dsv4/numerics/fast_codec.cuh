@@ -59,14 +59,15 @@ DSV4_DEVICE bf16 fast_dequantize(std::uint8_t code, float s) {
 template <class F, int Channels>
 DSV4_DEVICE void dequantize8(const std::uint8_t* entry, int c0, bf16 (&out)[8]) {
   using layout = packed_vector<F, Channels>;
-  const float s = decode<typename F::scale>(entry[layout::scale_offset + c0 / F::block_size]);
+  // __ldg: read-only loads the compiler may issue early (no aliasing with the caller's stores).
+  const float s = decode<typename F::scale>(__ldg(entry + layout::scale_offset + c0 / F::block_size));
   if constexpr (F::element::storage_bits == 8) {
-    const std::uint32_t lo = *reinterpret_cast<const std::uint32_t*>(entry + c0);
-    const std::uint32_t hi = *reinterpret_cast<const std::uint32_t*>(entry + c0 + 4);
+    const std::uint32_t lo = __ldg(reinterpret_cast<const unsigned*>(entry + c0));
+    const std::uint32_t hi = __ldg(reinterpret_cast<const unsigned*>(entry + c0 + 4));
     for (int i = 0; i < 4; ++i) out[i] = fast_dequantize<F>(std::uint8_t(lo >> (8 * i)), s);
     for (int i = 0; i < 4; ++i) out[4 + i] = fast_dequantize<F>(std::uint8_t(hi >> (8 * i)), s);
   } else {
-    const std::uint32_t w = *reinterpret_cast<const std::uint32_t*>(entry + c0 / 2);
+    const std::uint32_t w = __ldg(reinterpret_cast<const unsigned*>(entry + c0 / 2));
     for (int i = 0; i < 8; ++i) out[i] = fast_dequantize<F>(std::uint8_t((w >> (4 * i)) & 0xf), s);
   }
 }

@@ -35,7 +35,7 @@ struct bf16_kv {
   long long seq_stride = 0;
 
   DSV4_DEVICE void load8(int seq, int e, int c0, bf16 (&out)[8]) const {
-    const uint4 w = *reinterpret_cast<const uint4*>(kv + seq * seq_stride + e * row_stride + c0);
+    const uint4 w = __ldg(reinterpret_cast<const uint4*>(kv + seq * seq_stride + e * row_stride + c0));
     const std::uint32_t words[4] = {w.x, w.y, w.z, w.w};
     for (int i = 0; i < 8; ++i) out[i] = bf16::from_bits(std::uint16_t(words[i / 2] >> (16 * (i % 2))));
   }
@@ -99,6 +99,32 @@ DSV4_DEVICE float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+//! A lane's N consecutive bf16 channels from shared memory, widened to fp32, with 16-byte loads.
+template <int N>
+DSV4_DEVICE void load_lane_channels(const bf16* p, float (&out)[N]) {
+  static_assert(N % 4 == 0, "load_lane_channels<N>: N must be a multiple of 4");
+#pragma unroll
+  for (int i = 0; i < N; i += 4) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p + i);
+    out[i + 0] = __uint_as_float(w.x << 16);
+    out[i + 1] = __uint_as_float(w.x & 0xffff0000u);
+    out[i + 2] = __uint_as_float(w.y << 16);
+    out[i + 3] = __uint_as_float(w.y & 0xffff0000u);
+  }
+}
+
+//! One step of the score butterfly: lanes with `Bit` set keep the upper `Half` partial sums.
+template <int Half, int Bit>
+DSV4_DEVICE void butterfly_step(float (&part)[64], int lane) {
+  const bool upper = lane & Bit;
+#pragma unroll
+  for (int i = 0; i < Half; ++i) {
+    const float send = upper ? part[i] : part[i + Half];
+    const float keep = upper ? part[i + Half] : part[i];
+    part[i] = keep + __shfl_xor_sync(0xffffffffu, send, Bit);
+  }
+}
+
 DSV4_DEVICE float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
@@ -131,6 +157,7 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(s
     __syncthreads();  // the previous chunk's tile is no longer read
     if (threadIdx.x < sparse_chunk) chunk_idx[threadIdx.x] = threadIdx.x < n ? row_idx[c0 + threadIdx.x] : -1;
     __syncthreads();
+#pragma unroll 4
     for (int t = threadIdx.x; t < sparse_chunk * (Dim / 8); t += blockDim.x) {
       const int e = t / (Dim / 8), c = (t % (Dim / 8)) * 8;
       const int j = chunk_idx[e];
@@ -154,22 +181,19 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(s
     float part[sparse_chunk];
 #pragma unroll
     for (int e = 0; e < sparse_chunk; ++e) {
-      const bf16* k = tile + e * Dim + lane * kLaneCh;
+      float k[kLaneCh];
+      load_lane_channels<kLaneCh>(tile + e * Dim + lane * kLaneCh, k);
       float acc_e = 0.0f;
 #pragma unroll
-      for (int c = 0; c < kLaneCh; ++c) acc_e = fmaf(q[c], k[c].to_float(), acc_e);
+      for (int c = 0; c < kLaneCh; ++c) acc_e = fmaf(q[c], k[c], acc_e);
       part[e] = acc_e;
     }
-#pragma unroll
-    for (int half = sparse_chunk / 2, bit = 16; bit > 0; half /= 2, bit /= 2) {
-      const bool upper = lane & bit;
-#pragma unroll
-      for (int i = 0; i < half; ++i) {
-        const float send = upper ? part[i] : part[i + half];
-        const float keep = upper ? part[i + half] : part[i];
-        part[i] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
-      }
-    }
+    static_assert(sparse_chunk == 64, "the score butterfly below is written for 64-entry chunks");
+    butterfly_step<32, 16>(part, lane);
+    butterfly_step<16, 8>(part, lane);
+    butterfly_step<8, 4>(part, lane);
+    butterfly_step<4, 2>(part, lane);
+    butterfly_step<2, 1>(part, lane);
     const int e0 = 2 * lane;
     const float s0 = chunk_idx[e0] >= 0 ? part[0] * a.scale : -INFINITY;
     const float s1 = chunk_idx[e0 + 1] >= 0 ? part[1] * a.scale : -INFINITY;
@@ -186,9 +210,10 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(s
     for (int e = 0; e < sparse_chunk; ++e) {
       const float p = pw[e];
       if (p == 0.0f) continue;  // warp-uniform: every lane reads the same value
-      const bf16* v = tile + e * Dim + lane * kLaneCh;
+      float v[kLaneCh];
+      load_lane_channels<kLaneCh>(tile + e * Dim + lane * kLaneCh, v);
 #pragma unroll
-      for (int c = 0; c < kLaneCh; ++c) acc[c] = fmaf(p, v[c].to_float(), acc[c]);
+      for (int c = 0; c < kLaneCh; ++c) acc[c] = fmaf(p, v[c], acc[c]);
     }
     __syncwarp();  // pw is rewritten by the next chunk
     m = m_new;
