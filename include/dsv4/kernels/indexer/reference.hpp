@@ -1,0 +1,110 @@
+#pragma once
+//! \file
+//! Host reference of the lightning indexer's scoring and selection, and of the hierarchical
+//! candidate pool (spec §7).
+//!
+//! Score of one query row against key t (every step rounds to bf16, as the reference's bf16
+//! tensor ops do):  d_h = bf16(q_h . k_t);  I_t = bf16( sum_h bf16(relu(d_h) * w_h) )  with the
+//! 32-head sum in fp32. q_h and k_t are the MXFP4 quantize-dequantized vectors; w_h =
+//! bf16(weights_proj(x))_h * 2^-6 (exact). Masked positions score -inf.
+//!
+//! Selection: the k = min(topk, end_pos / ratio) largest scores, ties broken toward the lowest
+//! index (PyTorch CUDA's observed behaviour, spec §7 and §18), returned in ascending order, with
+//! every index >= the row's visible count replaced by -1 and the rest shifted by `offset` (the
+//! window operand length), ready for sparse attention.
+//!
+//! Candidate pool (the candidate-source layer only): block maxima over blocks of `block`
+//! positions, the block of the newest visible position forced in, the top `topk_blocks` blocks
+//! whose score is finite, expanded back to positions.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/numerics/bf16.hpp"
+
+namespace dsv4::kernels::indexer {
+
+using numerics::bf16;
+
+//! Scores of one query row against keys [0, n): q [heads, dim], w [heads] (scaled), keys [n, dim].
+//! Positions t >= visible score -inf.
+inline std::vector<float> index_scores_reference(std::span<const bf16> q, std::span<const bf16> w,
+                                                 std::span<const bf16> keys, int heads, int dim, long long visible) {
+  if (q.size() != std::size_t(heads) * dim || w.size() != std::size_t(heads) || keys.size() % std::size_t(dim))
+    throw error("index_scores_reference: q must be [heads, dim], w [heads], keys [n, dim]");
+  const long long n = static_cast<long long>(keys.size() / std::size_t(dim));
+  std::vector<float> out(static_cast<std::size_t>(n));
+  for (long long t = 0; t < n; ++t) {
+    if (t >= visible) {
+      out[std::size_t(t)] = -INFINITY;
+      continue;
+    }
+    double sum = 0;  // fp32 in the reference; every term is a bf16 value, so the sum is nearly exact
+    for (int h = 0; h < heads; ++h) {
+      double dot = 0;
+      for (int c = 0; c < dim; ++c)
+        dot += double(q[std::size_t(h) * dim + c].to_float()) * double(keys[std::size_t(t) * dim + c].to_float());
+      const float d = numerics::round_to_bf16(float(dot));
+      sum += numerics::round_to_bf16(std::max(d, 0.0f) * w[std::size_t(h)].to_float());
+    }
+    out[std::size_t(t)] = numerics::round_to_bf16(float(sum));
+  }
+  return out;
+}
+
+//! Indices of the k largest scores (ties: lowest index first), in ascending index order.
+inline std::vector<std::int32_t> topk_lowest_index_ties(std::span<const float> scores, int k) {
+  const int n = int(scores.size());
+  if (k < 0 || k > n) throw error("topk: k = " + std::to_string(k) + " outside [0, " + std::to_string(n) + "]");
+  std::vector<std::int32_t> order(static_cast<std::size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return scores[std::size_t(a)] > scores[std::size_t(b)]; });
+  order.resize(static_cast<std::size_t>(k));
+  std::sort(order.begin(), order.end());
+  return order;
+}
+
+//! The indexer's selection for one row (spec §7 "Selection"): k = min(topk, columns), ascending,
+//! -1 for indices >= visible, the rest + offset.
+inline std::vector<std::int32_t> select_reference(std::span<const float> scores, int topk, long long visible,
+                                                  int offset) {
+  const int k = std::min<int>(topk, int(scores.size()));
+  std::vector<std::int32_t> idx = topk_lowest_index_ties(scores, k);
+  for (auto& i : idx) i = i < visible ? i + offset : -1;
+  std::stable_partition(idx.begin(), idx.end(), [](std::int32_t i) { return i >= 0; });
+  return idx;
+}
+
+//! Candidate mask (one flag per position of `scores`) built from the candidate source's masked
+//! scores: keeps at most `topk_blocks` blocks of `block` positions.
+inline std::vector<std::uint8_t> candidate_mask_reference(std::span<const float> scores, long long visible,
+                                                          int topk_blocks, int block) {
+  if (block <= 0 || topk_blocks <= 0) throw error("candidate pool: block and topk_blocks must be positive");
+  const int n = int(scores.size());
+  const int blocks = (n + block - 1) / block;
+  std::vector<float> bmax(static_cast<std::size_t>(blocks), -INFINITY);
+  for (int t = 0; t < n; ++t) bmax[std::size_t(t / block)] = std::max(bmax[std::size_t(t / block)], scores[std::size_t(t)]);
+  if (visible > 0) bmax[std::size_t((visible - 1) / block)] = INFINITY;  // the newest visible block is always kept
+  const auto top = topk_lowest_index_ties(bmax, std::min(topk_blocks, blocks));
+  std::vector<std::uint8_t> mask(static_cast<std::size_t>(n), 0);
+  for (std::int32_t b : top) {
+    if (bmax[std::size_t(b)] == -INFINITY) continue;  // only blocks with a finite (or forced) score
+    for (int t = b * block; t < std::min(n, (b + 1) * block); ++t) mask[std::size_t(t)] = 1;
+  }
+  return mask;
+}
+
+//! A Reindex layer's scores restricted to the pool: non-candidates become -inf.
+inline void apply_candidate_mask(std::span<float> scores, std::span<const std::uint8_t> mask) {
+  if (scores.size() != mask.size()) throw error("apply_candidate_mask: scores and mask differ in length");
+  for (std::size_t t = 0; t < scores.size(); ++t)
+    if (!mask[t]) scores[t] = -INFINITY;
+}
+
+}  // namespace dsv4::kernels::indexer
