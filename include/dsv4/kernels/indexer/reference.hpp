@@ -5,7 +5,8 @@
 //!
 //! Score of one query row against key t (every step rounds to bf16, as the reference's bf16
 //! tensor ops do):  d_h = bf16(q_h . k_t);  I_t = bf16( sum_h bf16(relu(d_h) * w_h) )  with the
-//! 32-head sum in fp32. q_h and k_t are the MXFP4 quantize-dequantized vectors; w_h =
+//! 32-head sum in fp32. The dot products of MXFP4-dequantized operands are exact in fp32 in
+//! practice (products are small multiples of the block scales), so any summation order agrees. q_h and k_t are the MXFP4 quantize-dequantized vectors; w_h =
 //! bf16(weights_proj(x))_h * 2^-6 (exact). Masked positions score -inf.
 //!
 //! Selection: the k = min(topk, end_pos / ratio) largest scores, ties broken toward the lowest
@@ -45,7 +46,7 @@ inline std::vector<float> index_scores_reference(std::span<const bf16> q, std::s
       out[std::size_t(t)] = -INFINITY;
       continue;
     }
-    double sum = 0;  // fp32 in the reference; every term is a bf16 value, so the sum is nearly exact
+    float sum = 0;  // fp32, heads in order (the CUDA kernel sums in the same order)
     for (int h = 0; h < heads; ++h) {
       double dot = 0;
       for (int c = 0; c < dim; ++c)
@@ -53,7 +54,7 @@ inline std::vector<float> index_scores_reference(std::span<const bf16> q, std::s
       const float d = numerics::round_to_bf16(float(dot));
       sum += numerics::round_to_bf16(std::max(d, 0.0f) * w[std::size_t(h)].to_float());
     }
-    out[std::size_t(t)] = numerics::round_to_bf16(float(sum));
+    out[std::size_t(t)] = numerics::round_to_bf16(sum);
   }
   return out;
 }

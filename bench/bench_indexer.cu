@@ -1,0 +1,81 @@
+//! \brief Lightning-indexer scan (MXFP4 keys, 32 heads x 128) and top-512 selection, decode shapes.
+//! Usage: bench_indexer [--json FILE]
+//!
+//! Scan: FLOPs = rows x keys x heads x 128 x 2; bytes = keys x 68 (read) + rows x keys x 2 (scores).
+//! Top-k: bytes = rows x keys x 2 (one read of the scores; the kernel reads them three times).
+//! Ratios are to max(FLOPs / bf16 GEMM rate, bytes / copy bandwidth), both measured in this run.
+
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_util.cuh"
+#include "dsv4/kernels/indexer/indexer.cuh"
+
+using namespace dsv4;
+using namespace dsv4::kernels::indexer;
+using numerics::bf16;
+
+int main(int argc, char** argv) {
+  std::string json;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: bench_indexer [--json FILE]\n");
+      return 2;
+    }
+  }
+  try {
+    constexpr int dim = 128, heads = 32, topk = 512, entry = 68;
+    const double copy_bps = bench::copy_bandwidth(std::size_t(1) << 30);
+    const double gemm_fps = bench::bf16_gemm_rate();
+    std::printf("ceilings: copy %.0f GB/s, cuBLAS bf16 GEMM %.0f TFLOP/s\n", copy_bps / 1e9, gemm_fps / 1e12);
+    std::printf("%-8s %6s %9s %10s %10s %10s %9s\n", "kernel", "rows", "keys", "median us", "TFLOP/s", "GB/s", "vs floor");
+    FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
+    if (jf) std::fprintf(jf, "{\"copy_gbps\": %.1f, \"gemm_tflops\": %.1f, \"results\": [\n", copy_bps / 1e9, gemm_fps / 1e12);
+    bool first = true;
+    std::mt19937 rng(1);
+    for (long long keys : {131072ll, 1048576ll}) {
+      std::vector<std::uint8_t> cache(std::size_t(keys) * entry);
+      for (std::size_t i = 0; i < cache.size(); ++i) cache[i] = (i % entry) < 64 ? std::uint8_t(rng()) : std::uint8_t(120 + rng() % 8);
+      runtime::device_buffer<std::uint8_t> dkeys{std::span<const std::uint8_t>(cache)};
+      for (int rows : {1, 8, 64}) {
+        std::vector<bf16> q(std::size_t(rows) * heads * dim), w(std::size_t(rows) * heads);
+        for (auto& v : q) v = bf16::from_float(float(int(rng() % 13)) / 2.0f - 3.0f);
+        for (auto& v : w) v = bf16::from_float(float(int(rng() % 9) - 4) / 64.0f);
+        std::vector<long long> visible(std::size_t(rows), keys);
+        runtime::device_buffer<bf16> dq{std::span<const bf16>(q)}, dw{std::span<const bf16>(w)},
+            ds(std::size_t(rows) * keys);
+        runtime::device_buffer<long long> dv{std::span<const long long>(visible)};
+        runtime::device_buffer<std::int32_t> dout(std::size_t(rows) * topk);
+        const index_scan_args sa{dq.data(), dw.data(), dkeys.data(), entry, ds.data(), dv.data(), rows, heads, keys};
+        const topk_args ta{ds.data(), keys, rows, topk, dv.data(), 128, dout.data()};
+        const double ms_scan = bench::median_ms([&] { index_scan<dim>(sa); }, 3, 15);
+        const double ms_topk = bench::median_ms([&] { select_topk(ta); }, 3, 15);
+        const double flops = 2.0 * rows * double(keys) * heads * dim;
+        const double scan_bytes = double(keys) * entry + 2.0 * rows * double(keys);
+        const double topk_bytes = 2.0 * rows * double(keys);
+        struct { const char* name; double ms, flops, bytes; } res[2] = {{"scan", ms_scan, flops, scan_bytes},
+                                                                         {"top-k", ms_topk, 0.0, topk_bytes}};
+        for (auto& r : res) {
+          const double floor_s = std::max(r.flops / gemm_fps, r.bytes / copy_bps);
+          std::printf("%-8s %6d %9lld %10.1f %10.2f %10.1f %8.1f%%\n", r.name, rows, keys, r.ms * 1e3,
+                      r.flops / (r.ms * 1e-3) / 1e12, r.bytes / (r.ms * 1e-3) / 1e9, 100 * floor_s / (r.ms * 1e-3));
+          if (jf)
+            std::fprintf(jf, "%s  {\"kernel\": \"%s\", \"rows\": %d, \"keys\": %lld, \"us\": %.2f, \"ratio\": %.4f}",
+                         first ? "" : ",\n", r.name, rows, keys, r.ms * 1e3, floor_s / (r.ms * 1e-3));
+          first = false;
+        }
+      }
+    }
+    if (jf) {
+      std::fprintf(jf, "\n]}\n");
+      std::fclose(jf);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_indexer: %s\n", e.what());
+    return 1;
+  }
+}

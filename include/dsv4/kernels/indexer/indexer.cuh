@@ -1,0 +1,201 @@
+#pragma once
+//! \file
+//! CUDA lightning-indexer scan and top-k selection (spec §7), same results as reference.hpp.
+//!
+//! Scan: one thread per (query row, key). The row's QDQ'd queries [heads, dim] sit in shared
+//! memory as fp32; each thread dequantizes its MXFP4 key one 32-channel block at a time and keeps
+//! one fp32 dot product per head. Scores are stored as bf16 (-inf where not visible).
+//!
+//! Top-k: one CTA per row. Two histogram passes over the orderable 16-bit keys find the k-th
+//! largest score T and how many scores exceed it; an ordered pass then keeps every score > T and
+//! the lowest-index scores == T, compacting with block prefix sums, so the output comes out in
+//! ascending index order as the reference returns it.
+
+#include <cub/block/block_scan.cuh>  // provides cub::BlockScan
+#include <cuda_runtime.h>            // provides cudaStream_t
+
+#include <cstdint>
+#include <string>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/numerics/bf16.hpp"
+#include "dsv4/numerics/fast_codec.cuh"
+#include "dsv4/runtime/cuda_check.cuh"
+
+namespace dsv4::kernels::indexer {
+
+using numerics::bf16;
+
+struct index_scan_args {
+  const bf16* q = nullptr;           //!< [rows, heads, Dim], MXFP4 QDQ'd queries (RoPE applied)
+  const bf16* w = nullptr;           //!< [rows, heads], weights_proj output already scaled by 2^-6
+  const std::uint8_t* keys = nullptr;  //!< [n_keys] packed MXFP4 index keys
+  long long key_stride = 0;          //!< bytes between keys
+  bf16* scores = nullptr;            //!< [rows, n_keys]
+  const long long* visible = nullptr;  //!< [rows]: keys t >= visible[row] score -inf
+  int rows = 0, heads = 0;
+  long long n_keys = 0;
+};
+
+struct topk_args {
+  const bf16* scores = nullptr;      //!< [rows, n]
+  long long n = 0;
+  int rows = 0, k = 0;
+  const long long* visible = nullptr;  //!< [rows]; selected t >= visible[row] become -1
+  int offset = 0;                    //!< added to the other selected indices (window operand length)
+  std::int32_t* out = nullptr;       //!< [rows, k]
+};
+
+namespace detail {
+inline constexpr int scan_threads = 128;
+inline constexpr int max_index_heads = 64;
+
+template <int Dim>
+DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_args a) {
+  using F = numerics::index_key_format;
+  using layout = numerics::packed_vector<F, Dim>;
+  extern __shared__ float qs[];  // [heads][Dim] then w[heads]
+  const int row = blockIdx.y;
+  for (int i = threadIdx.x; i < a.heads * Dim; i += blockDim.x)
+    qs[i] = a.q[static_cast<long long>(row) * a.heads * Dim + i].to_float();
+  float* ws = qs + a.heads * Dim;
+  for (int i = threadIdx.x; i < a.heads; i += blockDim.x) ws[i] = a.w[static_cast<long long>(row) * a.heads + i].to_float();
+  __syncthreads();
+  const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= a.n_keys) return;
+  bf16* out = a.scores + static_cast<long long>(row) * a.n_keys + t;
+  if (t >= a.visible[row]) {
+    *out = bf16::from_bits(0xFF80);  // -inf
+    return;
+  }
+  float dot[max_index_heads];
+  for (int h = 0; h < max_index_heads; ++h) dot[h] = 0.0f;
+  const std::uint8_t* key = a.keys + t * a.key_stride;
+#pragma unroll 1
+  for (int c0 = 0; c0 < Dim; c0 += 8) {
+    bf16 k8[8];
+    numerics::dequantize8<F, Dim>(key, c0, k8);
+    float kf[8];
+    for (int i = 0; i < 8; ++i) kf[i] = k8[i].to_float();
+#pragma unroll
+    for (int h = 0; h < max_index_heads; ++h) {
+      if (h >= a.heads) break;
+      const float4* qh = reinterpret_cast<const float4*>(qs + h * Dim + c0);
+      const float4 qa = qh[0], qb = qh[1];
+      float d = dot[h];
+      d = fmaf(qa.x, kf[0], d); d = fmaf(qa.y, kf[1], d); d = fmaf(qa.z, kf[2], d); d = fmaf(qa.w, kf[3], d);
+      d = fmaf(qb.x, kf[4], d); d = fmaf(qb.y, kf[5], d); d = fmaf(qb.z, kf[6], d); d = fmaf(qb.w, kf[7], d);
+      dot[h] = d;
+    }
+  }
+  float sum = 0.0f;
+  for (int h = 0; h < a.heads; ++h) {
+    const float d = numerics::round_to_bf16(dot[h]);
+    sum += numerics::round_to_bf16(__fmul_rn(fmaxf(d, 0.0f), ws[h]));
+  }
+  *out = bf16::from_float(sum);
+  (void)layout::bytes;
+}
+
+//! bf16 bits -> unsigned key whose integer order is the numeric order (-inf lowest).
+DSV4_DEVICE unsigned order_key(std::uint16_t b) { return (b & 0x8000u) ? (~unsigned(b) & 0xFFFFu) : (b | 0x8000u); }
+
+inline constexpr int topk_threads = 1024;
+
+DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
+  using scan_t = cub::BlockScan<int, topk_threads>;
+  __shared__ typename scan_t::TempStorage scan_storage;
+  __shared__ unsigned hist[256];
+  __shared__ unsigned s_hi, s_need_hi, s_threshold, s_need_eq;
+  __shared__ int s_base, s_eq_base;
+  const int row = blockIdx.x;
+  const std::uint16_t* sc = reinterpret_cast<const std::uint16_t*>(a.scores) + static_cast<long long>(row) * a.n;
+  const int k = a.k;
+
+  // Pass 1 and 2: find the k-th largest key T (high byte, then low byte).
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    for (long long i = threadIdx.x; i < a.n; i += blockDim.x) {
+      const unsigned key = order_key(sc[i]);
+      if (pass == 0) atomicAdd(&hist[key >> 8], 1u);
+      else if ((key >> 8) == s_hi) atomicAdd(&hist[key & 0xFF], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const unsigned need = pass == 0 ? unsigned(k) : s_need_hi;
+      unsigned above = 0;
+      int b = 255;
+      for (; b > 0; --b) {
+        if (above + hist[b] >= need) break;
+        above += hist[b];
+      }
+      if (pass == 0) {
+        s_hi = unsigned(b);
+        s_need_hi = need - above;  // still needed from bucket b
+      } else {
+        s_threshold = (s_hi << 8) | unsigned(b);
+        s_need_eq = need - above;  // how many keys equal to T to take, lowest indices first
+      }
+    }
+    __syncthreads();
+  }
+  const unsigned T = s_threshold, need_eq = s_need_eq;
+  if (threadIdx.x == 0) {
+    s_base = 0;
+    s_eq_base = 0;
+  }
+  __syncthreads();
+  // Ordered pass: compact the selected indices in index order.
+  std::int32_t* out = a.out + static_cast<long long>(row) * k;
+  const long long vis = a.visible[row];
+  for (long long start = 0; start < a.n; start += blockDim.x) {
+    const long long i = start + threadIdx.x;
+    const unsigned key = i < a.n ? order_key(sc[i]) : 0u;
+    const int eq = (i < a.n && key == T) ? 1 : 0;
+    int eq_rank, eq_total;
+    scan_t(scan_storage).ExclusiveSum(eq, eq_rank, eq_total);
+    __syncthreads();
+    const int take = (i < a.n && (key > T || (eq && unsigned(s_eq_base + eq_rank) < need_eq))) ? 1 : 0;
+    int pos, total;
+    scan_t(scan_storage).ExclusiveSum(take, pos, total);
+    if (take) out[s_base + pos] = i < vis ? std::int32_t(i) + a.offset : -1;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      s_base += total;
+      s_eq_base += eq_total;
+    }
+    __syncthreads();
+  }
+}
+}  // namespace detail
+
+template <int Dim>
+void index_scan(const index_scan_args& a, cudaStream_t stream = nullptr) {
+  static_assert(Dim % 32 == 0, "index_scan<Dim>: Dim must be a multiple of the MXFP4 block (32)");
+  if (a.rows < 0 || a.n_keys < 0 || a.heads <= 0 || a.heads > detail::max_index_heads)
+    throw error("index_scan: need rows, n_keys >= 0 and 0 < heads <= 64 (got heads " + std::to_string(a.heads) + ")");
+  if (a.rows == 0 || a.n_keys == 0) return;
+  if (!a.q || !a.w || !a.keys || !a.scores || !a.visible) throw error("index_scan: null pointer argument");
+  if (a.key_stride % 4 || reinterpret_cast<std::uintptr_t>(a.keys) % 4)
+    throw error("index_scan: keys must be 4-byte aligned with a stride that is a multiple of 4 bytes");
+  const int smem = (a.heads * Dim + a.heads) * int(sizeof(float));
+  auto kernel = detail::index_scan_kernel<Dim>;
+  DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(unsigned((a.n_keys + detail::scan_threads - 1) / detail::scan_threads), unsigned(a.rows));
+  kernel<<<grid, detail::scan_threads, smem, stream>>>(a);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+
+//! Selects min(k, n) indices per row; `a.k` must already be min(topk, n).
+inline void select_topk(const topk_args& a, cudaStream_t stream = nullptr) {
+  if (a.rows < 0 || a.n < 0 || a.k < 0 || a.k > a.n)
+    throw error("select_topk: need rows >= 0 and 0 <= k <= n (got k " + std::to_string(a.k) + ", n " +
+                std::to_string(a.n) + ")");
+  if (a.rows == 0 || a.k == 0) return;
+  if (!a.scores || !a.out || !a.visible) throw error("select_topk: null pointer argument");
+  detail::topk_kernel<<<unsigned(a.rows), detail::topk_threads, 0, stream>>>(a);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace dsv4::kernels::indexer

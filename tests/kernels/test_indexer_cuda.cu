@@ -1,0 +1,130 @@
+// CUDA indexer scan and top-k against the host reference: scores bit for bit, selections equal.
+
+#include <boost/test/unit_test.hpp>
+
+#include <cmath>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "dsv4/kernels/indexer/indexer.cuh"
+#include "dsv4/kernels/indexer/reference.hpp"
+#include "dsv4/numerics/formats.hpp"
+#include "dsv4/numerics/quantize.hpp"
+#include "dsv4/runtime/device_buffer.cuh"
+#include "support/gpu.hpp"
+#include "support/random.hpp"
+
+namespace utf = boost::unit_test;
+using namespace dsv4;
+using namespace dsv4::kernels::indexer;
+using numerics::bf16;
+using runtime::device_buffer;
+
+namespace {
+
+std::vector<bf16> qdq_rows(std::mt19937_64& rng, std::size_t rows, int dim, float sigma) {
+  std::normal_distribution<float> n(0.0f, sigma);
+  std::vector<bf16> x(rows * std::size_t(dim));
+  for (auto& v : x) v = bf16::from_float(n(rng));
+  for (std::size_t r = 0; r < rows; ++r) numerics::qdq_vector<numerics::index_key_format>(std::span(x).subspan(r * dim, dim));
+  return x;
+}
+
+void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std::uint64_t salt) {
+  constexpr int dim = 128;
+  using layout = numerics::packed_vector<numerics::index_key_format, dim>;
+  auto rng = test::make_rng(salt);
+  const auto q = qdq_rows(rng, std::size_t(rows) * heads, dim, 1.0f);
+  std::normal_distribution<float> nw(0.0f, 1.0f);
+  std::vector<bf16> w(std::size_t(rows) * heads);
+  for (auto& v : w) v = bf16::from_float(numerics::round_to_bf16(nw(rng)) * 0.015625f);
+  // Keys: quantized into the packed cache, and their QDQ values for the host.
+  std::vector<bf16> kx(std::size_t(n_keys) * dim);
+  std::normal_distribution<float> nk(0.0f, 1.0f);
+  for (auto& v : kx) v = bf16::from_float(nk(rng));
+  std::vector<std::uint8_t> cache(std::size_t(n_keys) * layout::bytes);
+  std::vector<bf16> kq(kx.size());
+  for (long long t = 0; t < n_keys; ++t) {
+    std::uint8_t* e = cache.data() + t * layout::bytes;
+    numerics::quantize_vector<numerics::index_key_format>(std::span(kx).subspan(t * dim, dim), {e, layout::code_bytes},
+                                                          {e + layout::scale_offset, layout::scale_bytes});
+    numerics::dequantize_vector<numerics::index_key_format>({e, layout::code_bytes}, {e + layout::scale_offset, layout::scale_bytes},
+                                                            std::span(kq).subspan(t * dim, dim));
+  }
+  std::vector<long long> visible(static_cast<std::size_t>(rows));
+  for (int r = 0; r < rows; ++r) visible[r] = r == 0 ? n_keys : (long long)(rng() % std::uint64_t(n_keys + 1));
+
+  device_buffer<bf16> dq{std::span<const bf16>(q)}, dw{std::span<const bf16>(w)}, dscores(std::size_t(rows) * n_keys);
+  device_buffer<std::uint8_t> dkeys{std::span<const std::uint8_t>(cache)};
+  device_buffer<long long> dvis{std::span<const long long>(visible)};
+  dscores.fill_bytes(0xFF);
+  index_scan<dim>({dq.data(), dw.data(), dkeys.data(), layout::bytes, dscores.data(), dvis.data(), rows, heads, n_keys});
+  const int k = int(std::min<long long>(topk, n_keys));
+  device_buffer<std::int32_t> dout(std::size_t(rows) * k);
+  dout.fill_bytes(0x7F);
+  select_topk({dscores.data(), n_keys, rows, k, dvis.data(), 128, dout.data()});
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got_scores = dscores.download();
+  const auto got_idx = dout.download();
+
+  std::size_t score_mismatch = 0;
+  for (int r = 0; r < rows; ++r) {
+    const auto want = index_scores_reference(std::span(q).subspan(std::size_t(r) * heads * dim, std::size_t(heads) * dim),
+                                             std::span(w).subspan(std::size_t(r) * heads, heads), kq, heads, dim, visible[r]);
+    std::vector<float> dev(static_cast<std::size_t>(n_keys));
+    for (long long t = 0; t < n_keys; ++t) {
+      dev[std::size_t(t)] = got_scores[std::size_t(r) * n_keys + t].to_float();
+      score_mismatch += numerics::bf16::from_float(want[std::size_t(t)]).bits != got_scores[std::size_t(r) * n_keys + t].bits;
+    }
+    // The selection must equal the reference's selection over the same (device) scores exactly.
+    const auto want_idx = select_reference(dev, topk, visible[r], 128);
+    const std::vector<std::int32_t> got(got_idx.begin() + std::ptrdiff_t(r) * k, got_idx.begin() + std::ptrdiff_t(r + 1) * k);
+    BOOST_TEST(got == want_idx, "row " << r << " (visible " << visible[r] << ") selection differs");
+  }
+  BOOST_TEST_MESSAGE("index scan " << rows << "x" << n_keys << ": " << score_mismatch << " scores differ from the host");
+  BOOST_TEST(score_mismatch == 0u);
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(indexer_cuda)
+
+BOOST_AUTO_TEST_CASE(scan_and_select_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  check_scan_and_select(3, 32, 5000, 512, 1);     // decode-like, V4.1 heads and top-k
+  check_scan_and_select(9, 32, 300, 512, 2);      // fewer keys than top-k: k = n, -1 tails
+  check_scan_and_select(2, 4, 70001, 16, 3);      // tiny heads and top-k, many tiles
+}
+
+// Heavy ties: scores from a handful of values; lowest indices must win at the threshold.
+BOOST_AUTO_TEST_CASE(select_breaks_ties_toward_lowest_index, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  auto rng = test::make_rng(60);
+  for (long long n : {1000ll, 4097ll, 300000ll}) {
+    const int rows = 4, k = 512;
+    std::vector<bf16> s(std::size_t(rows) * n);
+    for (auto& v : s) v = bf16::from_float(float(int(rng() % 7)) - 3.0f);
+    for (long long t = 0; t < n; t += 5) s[std::size_t(t)] = bf16::from_bits(0xFF80);  // some -inf
+    std::vector<long long> visible(rows, n);
+    visible[1] = n / 3;
+    device_buffer<bf16> ds{std::span<const bf16>(s)};
+    device_buffer<long long> dv{std::span<const long long>(visible)};
+    device_buffer<std::int32_t> dout(std::size_t(rows) * k);
+    select_topk({ds.data(), n, rows, k, dv.data(), 0, dout.data()});
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got = dout.download();
+    for (int r = 0; r < rows; ++r) {
+      std::vector<float> row(static_cast<std::size_t>(n));
+      for (long long t = 0; t < n; ++t) row[std::size_t(t)] = s[std::size_t(r) * n + t].to_float();
+      const auto want = select_reference(row, k, visible[r], 0);
+      BOOST_TEST(std::vector<std::int32_t>(got.begin() + std::ptrdiff_t(r) * k, got.begin() + std::ptrdiff_t(r + 1) * k) == want,
+                 "n " << n << " row " << r);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(bad_arguments_are_errors) {
+  BOOST_CHECK_THROW(select_topk({nullptr, 10, 1, 11, nullptr, 0, nullptr}), dsv4::error);  // k > n
+  BOOST_CHECK_THROW(index_scan<128>({nullptr, nullptr, nullptr, 68, nullptr, nullptr, 1, 65, 10}), dsv4::error);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
