@@ -8,9 +8,11 @@
 #include <span>
 #include <vector>
 
+#include "dsv4/cache/paged_cache.hpp"
 #include "dsv4/io/safetensors.hpp"
 #include "dsv4/kernels/attention/reference.hpp"
 #include "dsv4/kernels/attention/sparse_attention.cuh"
+#include "dsv4/models/v41_flash.hpp"
 #include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/quantize.hpp"
 #include "dsv4/runtime/device_buffer.cuh"
@@ -207,6 +209,75 @@ BOOST_AUTO_TEST_CASE(launch_rejects_bad_arguments) {
   a.heads = 8;
   BOOST_TEST(can_implement<512>(a, kv).find("null pointer") != std::string::npos);
   BOOST_CHECK_THROW(sparse_attention<512>(a, kv), dsv4::error);
+}
+
+
+// Global entries in the shared page pool, pages handed out out of order (sequences released and
+// re-added), read through block tables: same results as the host reference in logical order.
+BOOST_AUTO_TEST_CASE(device_reads_paged_caches, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  using geo = cache::page_geometry<models::v41_flash, 256>;
+  using wf = numerics::fp8_act_format;
+  using gf = numerics::main_kv_format;
+  using wl = numerics::packed_vector<wf, 512>;
+  using gl = numerics::packed_vector<gf, 512>;
+  constexpr int dim = 512, window = 128, batch = 3, rows = 1, heads = 64, topk = 640;
+  auto rng = test::make_rng(80);
+  const long long pages = 40;
+  cache::page_allocator alloc(pages, geo::page_tokens, geo::page_bytes);
+  std::vector<int> ids;
+  for (int s = 0; s < 5; ++s) {
+    ids.push_back(alloc.add_sequence());
+    alloc.append(ids.back(), 600 + 300 * s);
+  }
+  alloc.release(ids[1]);
+  alloc.release(ids[3]);
+  const int seqs[batch] = {ids[0], alloc.add_sequence(), ids[4]};
+  alloc.append(seqs[1], 1500);
+  const auto& owner = geo::regions[3];  // layer 20: ratio 1, one entry per token
+  std::vector<std::uint8_t> pool(std::size_t(pages * geo::page_bytes), 0xCC);
+  int max_pages = 0;
+  for (int s : seqs) max_pages = std::max<int>(max_pages, int(alloc.block_table(s).size()));
+  std::vector<std::int32_t> tables(std::size_t(batch) * max_pages, 0);
+  int global = 1 << 30;
+  for (int b = 0; b < batch; ++b) {
+    const auto& t = alloc.block_table(seqs[b]);
+    std::copy(t.begin(), t.end(), tables.begin() + std::ptrdiff_t(b) * max_pages);
+    global = std::min<int>(global, int(alloc.tokens(seqs[b])));
+  }
+  problem p = make_problem(rng, batch, rows, heads, dim, topk, window + global);
+  std::vector<std::uint8_t> wcache(std::size_t(batch) * window * wl::bytes);
+  std::vector<bf16> qdq(p.kv.size());
+  for (int b = 0; b < batch; ++b) {
+    cache::paged_view v{pool.data(), tables.data() + std::ptrdiff_t(b) * max_pages, geo::page_bytes, owner.main_offset,
+                        gl::bytes, owner.entries_per_page};
+    for (int e = 0; e < window + global; ++e) {
+      const std::span<const bf16> x(p.kv.data() + (std::size_t(b) * (window + global) + e) * dim, dim);
+      const std::span<bf16> y(qdq.data() + (std::size_t(b) * (window + global) + e) * dim, dim);
+      std::uint8_t* ent = e < window ? wcache.data() + (std::size_t(b) * window + e) * wl::bytes
+                                     : const_cast<std::uint8_t*>(v.entry(e - window));
+      if (e < window) {
+        numerics::quantize_vector<wf>(x, {ent, wl::code_bytes}, {ent + wl::scale_offset, wl::scale_bytes});
+        numerics::dequantize_vector<wf>({ent, wl::code_bytes}, {ent + wl::scale_offset, wl::scale_bytes}, y);
+      } else {
+        numerics::quantize_vector<gf>(x, {ent, gl::code_bytes}, {ent + gl::scale_offset, gl::scale_bytes});
+        numerics::dequantize_vector<gf>({ent, gl::code_bytes}, {ent + gl::scale_offset, gl::scale_bytes}, y);
+      }
+    }
+  }
+  device_buffer<std::uint8_t> dpool{std::span<const std::uint8_t>(pool)}, dw{std::span<const std::uint8_t>(wcache)};
+  device_buffer<std::int32_t> dtables{std::span<const std::int32_t>(tables)};
+  paged_kv<wf, gf, dim> kv;
+  kv.window = dw.data();
+  kv.window_rows = window;
+  kv.window_seq_stride = static_cast<long long>(window) * wl::bytes;
+  kv.pool = dpool.data();
+  kv.block_tables = dtables.data();
+  kv.max_pages = max_pages;
+  kv.page_bytes = geo::page_bytes;
+  kv.region_offset = owner.main_offset;
+  kv.entries_per_page = owner.entries_per_page;
+  const float scale = 1.0f / std::sqrt(float(dim));
+  compare(run_device<dim>(p, kv, scale), host_reference<dim>(p, qdq, window + global, scale), dim, "paged operand");
 }
 
 BOOST_AUTO_TEST_SUITE_END()

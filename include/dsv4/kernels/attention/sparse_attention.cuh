@@ -83,6 +83,45 @@ struct packed_kv {
 
 //! `batch` sequences of `rows` query rows each (decode: 1 to 6 rows per sequence; prefill: the
 //! chunk's tokens), all with `heads` heads and `topk` indices per row.
+//! The production layout: each sequence's window ring (WindowFormat, contiguous) and its global
+//! entries in the shared page pool (cache/paged_cache.hpp), found through the sequence's block
+//! table. Index j < window_rows reads the ring; j >= window_rows reads global entry j - window_rows.
+template <class WindowFormat, class GlobalFormat, int Dim>
+struct paged_kv {
+  using window_layout = numerics::packed_vector<WindowFormat, Dim>;
+  using global_layout = numerics::packed_vector<GlobalFormat, Dim>;
+  const std::uint8_t* window = nullptr;
+  long long window_stride = window_layout::bytes;
+  long long window_seq_stride = 0;
+  int window_rows = 0;
+  const std::uint8_t* pool = nullptr;           //!< page pool base
+  const std::int32_t* block_tables = nullptr;   //!< [batch, max_pages]
+  int max_pages = 0;                            //!< row length of block_tables
+  long long page_bytes = 0;
+  long long region_offset = 0;                  //!< the owner's main-KV region in a page
+  int entries_per_page = 0;
+
+  DSV4_DEVICE void load8(int seq, int e, int c0, bf16 (&out)[8]) const {
+    if (e < window_rows) {
+      numerics::dequantize8<WindowFormat, Dim>(window + seq * window_seq_stride + e * window_stride, c0, out);
+      return;
+    }
+    const int g = e - window_rows;
+    const long long page = block_tables[static_cast<long long>(seq) * max_pages + g / entries_per_page];
+    numerics::dequantize8<GlobalFormat, Dim>(
+        pool + page * page_bytes + region_offset + static_cast<long long>(g % entries_per_page) * global_layout::bytes, c0, out);
+  }
+  std::string check() const {
+    if (window_rows > 0 &&
+        (!window || reinterpret_cast<std::uintptr_t>(window) % 4 || window_stride % 4 || window_seq_stride % 4))
+      return "window cache must be 4-byte aligned with strides that are multiples of 4 bytes";
+    if (!pool || !block_tables || entries_per_page <= 0 || reinterpret_cast<std::uintptr_t>(pool) % 4 ||
+        page_bytes % 4 || region_offset % 4)
+      return "paged cache needs a 4-byte aligned pool, block tables, and positive entries per page";
+    return {};
+  }
+};
+
 struct sparse_attention_args {
   const bf16* q = nullptr;            //!< [batch, rows, heads, dim]
   const std::int32_t* idx = nullptr;  //!< [batch, rows, topk], -1 = none, else an entry of the operand

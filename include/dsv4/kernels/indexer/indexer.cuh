@@ -105,7 +105,9 @@ inline constexpr int topk_threads = 1024;
 DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
   using scan_t = cub::BlockScan<int, topk_threads>;
   __shared__ typename scan_t::TempStorage scan_storage;
+  constexpr int warps = topk_threads / 32;
   __shared__ unsigned hist[256];
+  __shared__ unsigned warp_hist[warps][256];  // per-warp bins: ties pile into one bin otherwise
   __shared__ unsigned s_hi, s_need_hi, s_threshold, s_need_eq;
   __shared__ int s_base, s_eq_base;
   const int row = blockIdx.x;
@@ -113,13 +115,20 @@ DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
   const int k = a.k;
 
   // Pass 1 and 2: find the k-th largest key T (high byte, then low byte).
+  const int warp = threadIdx.x / 32;
   for (int pass = 0; pass < 2; ++pass) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+    for (int i = threadIdx.x; i < warps * 256; i += blockDim.x) warp_hist[i / 256][i % 256] = 0;
     __syncthreads();
     for (long long i = threadIdx.x; i < a.n; i += blockDim.x) {
       const unsigned key = order_key(sc[i]);
-      if (pass == 0) atomicAdd(&hist[key >> 8], 1u);
-      else if ((key >> 8) == s_hi) atomicAdd(&hist[key & 0xFF], 1u);
+      if (pass == 0) atomicAdd(&warp_hist[warp][key >> 8], 1u);
+      else if ((key >> 8) == s_hi) atomicAdd(&warp_hist[warp][key & 0xFF], 1u);
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+      unsigned total = 0;
+      for (int w = 0; w < warps; ++w) total += warp_hist[w][b];
+      hist[b] = total;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
