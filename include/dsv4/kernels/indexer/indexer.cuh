@@ -6,10 +6,11 @@
 //! memory as fp32; each thread dequantizes its MXFP4 key one 32-channel block at a time and keeps
 //! one fp32 dot product per head. Scores are stored as bf16 (-inf where not visible).
 //!
-//! Top-k: one CTA per row. Two histogram passes over the orderable 16-bit keys find the k-th
-//! largest score T and how many scores exceed it; an ordered pass then keeps every score > T and
-//! the lowest-index scores == T, compacting with block prefix sums, so the output comes out in
-//! ascending index order as the reference returns it.
+//! Top-k: one CTA per row. Two histogram passes over the orderable 16-bit keys (per-warp bins,
+//! 16-byte reads) find the k-th largest score T and how many scores exceed it; an ordered pass
+//! then keeps every score > T and the lowest-index scores == T, each thread owning 16 consecutive
+//! indices and a block prefix sum placing them, so the output comes out in ascending index order
+//! as the reference returns it.
 
 #include <cub/block/block_scan.cuh>  // provides cub::BlockScan
 #include <cuda_runtime.h>            // provides cudaStream_t
@@ -100,7 +101,7 @@ DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_ar
 //! bf16 bits -> unsigned key whose integer order is the numeric order (-inf lowest).
 DSV4_DEVICE unsigned order_key(std::uint16_t b) { return (b & 0x8000u) ? (~unsigned(b) & 0xFFFFu) : (b | 0x8000u); }
 
-inline constexpr int topk_threads = 1024;
+inline constexpr int topk_threads = 512;
 
 DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
   using scan_t = cub::BlockScan<int, topk_threads>;
@@ -109,21 +110,29 @@ DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
   __shared__ unsigned hist[256];
   __shared__ unsigned warp_hist[warps][256];  // per-warp bins: ties pile into one bin otherwise
   __shared__ unsigned s_hi, s_need_hi, s_threshold, s_need_eq;
-  __shared__ int s_base, s_eq_base;
   const int row = blockIdx.x;
   const std::uint16_t* sc = reinterpret_cast<const std::uint16_t*>(a.scores) + static_cast<long long>(row) * a.n;
   const int k = a.k;
 
-  // Pass 1 and 2: find the k-th largest key T (high byte, then low byte).
+  // Pass 1 and 2: find the k-th largest key T (high byte, then low byte). Reads are 8 scores
+  // (16 bytes) per thread per step where the row is 16-byte aligned.
   const int warp = threadIdx.x / 32;
   for (int pass = 0; pass < 2; ++pass) {
     for (int i = threadIdx.x; i < warps * 256; i += blockDim.x) warp_hist[i / 256][i % 256] = 0;
     __syncthreads();
-    for (long long i = threadIdx.x; i < a.n; i += blockDim.x) {
-      const unsigned key = order_key(sc[i]);
+    const unsigned hi_sel = pass == 0 ? 0u : s_hi;
+    auto count = [&](unsigned key) {
       if (pass == 0) atomicAdd(&warp_hist[warp][key >> 8], 1u);
-      else if ((key >> 8) == s_hi) atomicAdd(&warp_hist[warp][key & 0xFF], 1u);
+      else if ((key >> 8) == hi_sel) atomicAdd(&warp_hist[warp][key & 0xFF], 1u);
+    };
+    const bool vec = reinterpret_cast<std::uintptr_t>(sc) % 16 == 0;
+    const long long nvec = vec ? a.n / 8 : 0;
+    for (long long v = threadIdx.x; v < nvec; v += blockDim.x) {
+      const uint4 w = *reinterpret_cast<const uint4*>(sc + v * 8);
+      const unsigned words[4] = {w.x, w.y, w.z, w.w};
+      for (int j = 0; j < 8; ++j) count(order_key(std::uint16_t(words[j / 2] >> (16 * (j % 2)))));
     }
+    for (long long i = nvec * 8 + threadIdx.x; i < a.n; i += blockDim.x) count(order_key(sc[i]));
     __syncthreads();
     for (int b = threadIdx.x; b < 256; b += blockDim.x) {
       unsigned total = 0;
@@ -150,31 +159,43 @@ DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
     __syncthreads();
   }
   const unsigned T = s_threshold, need_eq = s_need_eq;
-  if (threadIdx.x == 0) {
-    s_base = 0;
-    s_eq_base = 0;
-  }
-  __syncthreads();
-  // Ordered pass: compact the selected indices in index order.
+  // Ordered pass: each thread owns `items` consecutive indices of a tile, so a block prefix sum of
+  // per-thread counts gives every selected index its place in ascending order.
+  constexpr int items = 16;
   std::int32_t* out = a.out + static_cast<long long>(row) * k;
   const long long vis = a.visible[row];
-  for (long long start = 0; start < a.n; start += blockDim.x) {
-    const long long i = start + threadIdx.x;
-    const unsigned key = i < a.n ? order_key(sc[i]) : 0u;
-    const int eq = (i < a.n && key == T) ? 1 : 0;
-    int eq_rank, eq_total;
-    scan_t(scan_storage).ExclusiveSum(eq, eq_rank, eq_total);
-    __syncthreads();
-    const int take = (i < a.n && (key > T || (eq && unsigned(s_eq_base + eq_rank) < need_eq))) ? 1 : 0;
-    int pos, total;
-    scan_t(scan_storage).ExclusiveSum(take, pos, total);
-    if (take) out[s_base + pos] = i < vis ? std::int32_t(i) + a.offset : -1;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      s_base += total;
-      s_eq_base += eq_total;
+  int base = 0, eq_base = 0;  // identical in every thread (block aggregates)
+  for (long long start = 0; start < a.n; start += static_cast<long long>(blockDim.x) * items) {
+    const long long first = start + static_cast<long long>(threadIdx.x) * items;
+    unsigned keys[items];
+    int n_eq = 0, n_gt = 0;
+#pragma unroll
+    for (int j = 0; j < items; ++j) {
+      keys[j] = first + j < a.n ? order_key(sc[first + j]) : 0u;
+      const bool valid = first + j < a.n;
+      n_eq += (valid && keys[j] == T) ? 1 : 0;
+      n_gt += (valid && keys[j] > T) ? 1 : 0;
     }
+    int eq_before, eq_total;
+    scan_t(scan_storage).ExclusiveSum(n_eq, eq_before, eq_total);
     __syncthreads();
+    // Equal keys this thread may take: those whose rank among equals is below need_eq.
+    const int eq_rank0 = eq_base + eq_before;
+    const int eq_take = max(0, min(n_eq, int(need_eq) - eq_rank0));
+    int pos, total;
+    scan_t(scan_storage).ExclusiveSum(n_gt + eq_take, pos, total);
+    __syncthreads();
+    int out_pos = base + pos, eq_seen = 0;
+#pragma unroll
+    for (int j = 0; j < items; ++j) {
+      const long long i = first + j;
+      if (i >= a.n) break;
+      bool take = keys[j] > T;
+      if (keys[j] == T) take = eq_seen++ < eq_take;
+      if (take) out[out_pos++] = i < vis ? std::int32_t(i) + a.offset : -1;
+    }
+    base += total;
+    eq_base += eq_total;
   }
 }
 }  // namespace detail
