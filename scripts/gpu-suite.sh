@@ -14,7 +14,7 @@ fail=0
 log() { echo "== $*" | tee -a "$out/summary.txt"; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
-git rev-parse HEAD 2>/dev/null | tee "$out/commit.txt"
+{ git rev-parse --verify -q HEAD 2>/dev/null || echo "unknown (the device copy has no git history; record the commit you sent)"; } | tee "$out/commit.txt"
 
 if ! cmake --preset gpu >"$out/configure.log" 2>&1; then tail -40 "$out/configure.log"; exit 1; fi
 if ! cmake --build --preset gpu -j "$(nproc)" >"$out/build.log" 2>&1; then grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; fi
