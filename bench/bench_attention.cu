@@ -21,13 +21,7 @@ using numerics::bf16;
 
 int main(int argc, char** argv) {
   std::string json;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
-    else {
-      std::fprintf(stderr, "usage: bench_attention [--json FILE]\n");
-      return 2;
-    }
-  }
+  if (!bench::parse_json_option(argc, argv, "bench_attention", json)) return 2;
   try {
     using wf = numerics::fp8_act_format;
     using gf = numerics::main_kv_format;
@@ -36,10 +30,9 @@ int main(int argc, char** argv) {
     using gl = numerics::packed_vector<gf, dim>;
     cudaDeviceProp prop{};
     DSV4_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    const double copy_bps = bench::copy_bandwidth(std::size_t(1) << 30);
-    const double gemm_fps = bench::bf16_gemm_rate();
-    std::printf("device: %s; ceilings: copy %.0f GB/s, cuBLAS bf16 GEMM %.0f TFLOP/s\n", prop.name, copy_bps / 1e9,
-                gemm_fps / 1e12);
+    std::printf("device: %s\n", prop.name);
+    const bench::ceilings ceil = bench::ceilings::measure();
+    const double copy_bps = ceil.copy_bps, gemm_fps = ceil.gemm_fps;
     std::printf("%6s %9s %10s %10s %10s %10s %9s\n", "batch", "context", "median us", "TFLOP/s", "GB/s", "floor us", "vs floor");
     FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
     if (jf) std::fprintf(jf, "{\"device\": \"%s\", \"copy_gbps\": %.1f, \"gemm_tflops\": %.1f, \"results\": [\n", prop.name,
@@ -64,9 +57,9 @@ int main(int argc, char** argv) {
         runtime::device_buffer<std::int32_t> didx{std::span<const std::int32_t>(idx)};
         runtime::device_buffer<float> dsink{std::span<const float>(sink)};
         packed_kv<wf, gf, dim> kv;
-        kv.window = dw.data();
-        kv.window_rows = window;
-        kv.window_seq_stride = static_cast<long long>(window) * wl::bytes;
+        kv.window.base = dw.data();
+        kv.window.rows = window;
+        kv.window.seq_stride = static_cast<long long>(window) * wl::bytes;
         kv.global = dg.data();
         kv.global_rows = int(global);
         kv.global_seq_stride = global * gl::bytes;
@@ -76,7 +69,7 @@ int main(int argc, char** argv) {
         const double flops = 4.0 * batch * heads * double(topk) * dim;  // QK^T and PV
         const double bytes = double(batch) * (window * wl::bytes + selected * gl::bytes + 2.0 * heads * dim * 2 +
                                               topk * 4.0);
-        const double floor_s = std::max(flops / gemm_fps, bytes / copy_bps);
+        const double floor_s = ceil.floor_s(flops, bytes);
         std::printf("%6d %9lld %10.1f %10.1f %10.1f %10.2f %8.1f%%\n", batch, context, ms * 1e3, flops / (ms * 1e-3) / 1e12,
                     bytes / (ms * 1e-3) / 1e9, floor_s * 1e6, 100 * floor_s / (ms * 1e-3));
         if (jf)

@@ -20,18 +20,11 @@ using numerics::bf16;
 
 int main(int argc, char** argv) {
   std::string json;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
-    else {
-      std::fprintf(stderr, "usage: bench_indexer [--json FILE]\n");
-      return 2;
-    }
-  }
+  if (!bench::parse_json_option(argc, argv, "bench_indexer", json)) return 2;
   try {
     constexpr int dim = 128, heads = 32, topk = 512, entry = 68;
-    const double copy_bps = bench::copy_bandwidth(std::size_t(1) << 30);
-    const double gemm_fps = bench::bf16_gemm_rate();
-    std::printf("ceilings: copy %.0f GB/s, cuBLAS bf16 GEMM %.0f TFLOP/s\n", copy_bps / 1e9, gemm_fps / 1e12);
+    const bench::ceilings ceil = bench::ceilings::measure();
+    const double copy_bps = ceil.copy_bps, gemm_fps = ceil.gemm_fps;
     std::printf("%-8s %6s %9s %10s %10s %10s %9s\n", "kernel", "rows", "keys", "median us", "TFLOP/s", "GB/s", "vs floor");
     FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
     if (jf) std::fprintf(jf, "{\"copy_gbps\": %.1f, \"gemm_tflops\": %.1f, \"results\": [\n", copy_bps / 1e9, gemm_fps / 1e12);
@@ -60,7 +53,7 @@ int main(int argc, char** argv) {
         struct { const char* name; double ms, flops, bytes; } res[2] = {{"scan", ms_scan, flops, scan_bytes},
                                                                          {"top-k", ms_topk, 0.0, topk_bytes}};
         for (auto& r : res) {
-          const double floor_s = std::max(r.flops / gemm_fps, r.bytes / copy_bps);
+          const double floor_s = ceil.floor_s(r.flops, r.bytes);
           std::printf("%-8s %6d %9lld %10.1f %10.2f %10.1f %8.1f%%\n", r.name, rows, keys, r.ms * 1e3,
                       r.flops / (r.ms * 1e-3) / 1e12, r.bytes / (r.ms * 1e-3) / 1e9, 100 * floor_s / (r.ms * 1e-3));
           if (jf)

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "dsv4/runtime/cuda_check.cuh"
@@ -63,5 +64,31 @@ inline double bf16_gemm_rate(int n = 8192) {
   cublasDestroy(h);
   return 2.0 * double(n) * n * n / (ms * 1e-3);
 }
+
+//! The benchmarks' one option: `--json FILE`. Returns false (after printing usage) on anything else.
+inline bool parse_json_option(int argc, char** argv, const char* name, std::string& json) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--json" && i + 1 < argc) {
+      json = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: %s [--json FILE]\n", name);
+      return false;
+    }
+  }
+  return true;
+}
+
+//! Both ceilings of a compute + memory roofline, measured now and printed.
+struct ceilings {
+  double copy_bps = 0, gemm_fps = 0;
+  static ceilings measure() {
+    ceilings c{copy_bandwidth(std::size_t(1) << 30), bf16_gemm_rate()};
+    std::printf("ceilings: copy %.0f GB/s (1 GiB D2D, read + write), cuBLAS bf16 GEMM %.0f TFLOP/s (8192^3)\n",
+                c.copy_bps / 1e9, c.gemm_fps / 1e12);
+    return c;
+  }
+  //! Seconds of the roofline floor for a kernel of `flops` and `bytes`.
+  double floor_s(double flops, double bytes) const { return std::max(flops / gemm_fps, bytes / copy_bps); }
+};
 
 }  // namespace dsv4::bench

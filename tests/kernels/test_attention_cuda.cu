@@ -157,9 +157,9 @@ void check_packed_operand(int batch, int rows, int heads, int window, int global
   const float scale = 1.0f / std::sqrt(float(Dim));
   device_buffer<std::uint8_t> dw{std::span<const std::uint8_t>(wcache)}, dg{std::span<const std::uint8_t>(gcache)};
   packed_kv<wf, gf, Dim> kv;
-  kv.window = dw.data();
-  kv.window_rows = window;
-  kv.window_seq_stride = static_cast<long long>(window) * wl::bytes;
+  kv.window.base = dw.data();
+  kv.window.rows = window;
+  kv.window.seq_stride = static_cast<long long>(window) * wl::bytes;
   kv.global = dg.data();
   kv.global_rows = global;
   kv.global_seq_stride = static_cast<long long>(global) * gl::bytes;
@@ -267,9 +267,9 @@ BOOST_AUTO_TEST_CASE(device_reads_paged_caches, *utf::label("gpu") * utf::precon
   device_buffer<std::uint8_t> dpool{std::span<const std::uint8_t>(pool)}, dw{std::span<const std::uint8_t>(wcache)};
   device_buffer<std::int32_t> dtables{std::span<const std::int32_t>(tables)};
   paged_kv<wf, gf, dim> kv;
-  kv.window = dw.data();
-  kv.window_rows = window;
-  kv.window_seq_stride = static_cast<long long>(window) * wl::bytes;
+  kv.window.base = dw.data();
+  kv.window.rows = window;
+  kv.window.seq_stride = static_cast<long long>(window) * wl::bytes;
   kv.pool = dpool.data();
   kv.block_tables = dtables.data();
   kv.max_pages = max_pages;

@@ -46,54 +46,60 @@ struct bf16_kv {
   }
 };
 
+//! Each sequence's local window ring: `rows` entries of WindowFormat (FP8, 528 B at Dim 512).
+template <class WindowFormat, int Dim>
+struct window_ring {
+  using layout = numerics::packed_vector<WindowFormat, Dim>;
+  const std::uint8_t* base = nullptr;
+  long long stride = layout::bytes;
+  long long seq_stride = 0;  //!< bytes from one sequence's ring to the next
+  int rows = 0;
+
+  DSV4_DEVICE void load8(int seq, int e, int c0, bf16 (&out)[8]) const {
+    numerics::dequantize8<WindowFormat, Dim>(base + seq * seq_stride + e * stride, c0, out);
+  }
+  std::string check() const {
+    if (rows > 0 && (!base || reinterpret_cast<std::uintptr_t>(base) % 4 || stride % 4 || seq_stride % 4))
+      return "window cache must be 4-byte aligned with strides that are multiples of 4 bytes";
+    return {};
+  }
+};
+
 //! The packed caches of each sequence, as the reference concatenates them (spec §5 combine):
-//! index j < window_rows reads window row j (WindowFormat, e.g. FP8 528 B), and
-//! j >= window_rows reads global entry j - window_rows (GlobalFormat, e.g. FP4 288 B).
+//! index j < window.rows reads window row j, and j >= window.rows reads global entry
+//! j - window.rows (GlobalFormat, FP4 288 B at Dim 512), contiguous per sequence.
 template <class WindowFormat, class GlobalFormat, int Dim>
 struct packed_kv {
-  using window_layout = numerics::packed_vector<WindowFormat, Dim>;
   using global_layout = numerics::packed_vector<GlobalFormat, Dim>;
-  const std::uint8_t* window = nullptr;
-  long long window_stride = window_layout::bytes;
-  long long window_seq_stride = 0;  //!< bytes from one sequence's window ring to the next
-  int window_rows = 0;
+  window_ring<WindowFormat, Dim> window;
   const std::uint8_t* global = nullptr;
   long long global_stride = global_layout::bytes;
   long long global_seq_stride = 0;  //!< bytes from one sequence's global entries to the next
   int global_rows = 0;
 
-  int entries() const { return window_rows + global_rows; }
+  int entries() const { return window.rows + global_rows; }
   DSV4_DEVICE void load8(int seq, int e, int c0, bf16 (&out)[8]) const {
-    if (e < window_rows)
-      numerics::dequantize8<WindowFormat, Dim>(window + seq * window_seq_stride + e * window_stride, c0, out);
+    if (e < window.rows)
+      window.load8(seq, e, c0, out);
     else
-      numerics::dequantize8<GlobalFormat, Dim>(global + seq * global_seq_stride + (e - window_rows) * global_stride,
+      numerics::dequantize8<GlobalFormat, Dim>(global + seq * global_seq_stride + (e - window.rows) * global_stride,
                                                c0, out);
   }
   std::string check() const {
-    if (window_rows > 0 &&
-        (!window || reinterpret_cast<std::uintptr_t>(window) % 4 || window_stride % 4 || window_seq_stride % 4))
-      return "window cache must be 4-byte aligned with strides that are multiples of 4 bytes";
     if (global_rows > 0 &&
         (!global || reinterpret_cast<std::uintptr_t>(global) % 4 || global_stride % 4 || global_seq_stride % 4))
       return "global cache must be 4-byte aligned with strides that are multiples of 4 bytes";
-    return {};
+    return window.check();
   }
 };
 
-//! `batch` sequences of `rows` query rows each (decode: 1 to 6 rows per sequence; prefill: the
-//! chunk's tokens), all with `heads` heads and `topk` indices per row.
-//! The production layout: each sequence's window ring (WindowFormat, contiguous) and its global
-//! entries in the shared page pool (cache/paged_cache.hpp), found through the sequence's block
-//! table. Index j < window_rows reads the ring; j >= window_rows reads global entry j - window_rows.
+//! The production layout: each sequence's window ring and its global entries in the shared page
+//! pool (cache/paged_cache.hpp), found through the sequence's block table. Index j < window.rows
+//! reads the ring; j >= window.rows reads global entry j - window.rows of the owner's region.
 template <class WindowFormat, class GlobalFormat, int Dim>
 struct paged_kv {
-  using window_layout = numerics::packed_vector<WindowFormat, Dim>;
   using global_layout = numerics::packed_vector<GlobalFormat, Dim>;
-  const std::uint8_t* window = nullptr;
-  long long window_stride = window_layout::bytes;
-  long long window_seq_stride = 0;
-  int window_rows = 0;
+  window_ring<WindowFormat, Dim> window;
   const std::uint8_t* pool = nullptr;           //!< page pool base
   const std::int32_t* block_tables = nullptr;   //!< [batch, max_pages]
   int max_pages = 0;                            //!< row length of block_tables
@@ -102,26 +108,25 @@ struct paged_kv {
   int entries_per_page = 0;
 
   DSV4_DEVICE void load8(int seq, int e, int c0, bf16 (&out)[8]) const {
-    if (e < window_rows) {
-      numerics::dequantize8<WindowFormat, Dim>(window + seq * window_seq_stride + e * window_stride, c0, out);
+    if (e < window.rows) {
+      window.load8(seq, e, c0, out);
       return;
     }
-    const int g = e - window_rows;
+    const int g = e - window.rows;
     const long long page = block_tables[static_cast<long long>(seq) * max_pages + g / entries_per_page];
     numerics::dequantize8<GlobalFormat, Dim>(
         pool + page * page_bytes + region_offset + static_cast<long long>(g % entries_per_page) * global_layout::bytes, c0, out);
   }
   std::string check() const {
-    if (window_rows > 0 &&
-        (!window || reinterpret_cast<std::uintptr_t>(window) % 4 || window_stride % 4 || window_seq_stride % 4))
-      return "window cache must be 4-byte aligned with strides that are multiples of 4 bytes";
     if (!pool || !block_tables || entries_per_page <= 0 || reinterpret_cast<std::uintptr_t>(pool) % 4 ||
         page_bytes % 4 || region_offset % 4)
       return "paged cache needs a 4-byte aligned pool, block tables, and positive entries per page";
-    return {};
+    return window.check();
   }
 };
 
+//! `batch` sequences of `rows` query rows each (decode: 1 to 6 rows per sequence; prefill: the
+//! chunk's tokens), all with `heads` heads and `topk` indices per row.
 struct sparse_attention_args {
   const bf16* q = nullptr;            //!< [batch, rows, heads, dim]
   const std::int32_t* idx = nullptr;  //!< [batch, rows, topk], -1 = none, else an entry of the operand
