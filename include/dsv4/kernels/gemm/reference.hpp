@@ -1,0 +1,81 @@
+#pragma once
+//! \file
+//! Host references of the block-scaled GEMMs (spec §3 `fp8_gemm`, `fp4_gemm`): C = A W^T with
+//! A in E4M3 with one UE8M0 scale per 32 activations (act_quant), and W either E4M3 with one
+//! UE8M0 scale per 32 x 32 tile, or E2M1 (packed, even element low) with one UE8M0 scale per 32
+//! along K. Per 32-wide K block: the block's dot product (exact in fp32 in practice; computed
+//! here in double and rounded once), times both scales (exact), added to an fp32 accumulator in
+//! increasing K order; the result is rounded once to bf16.
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/numerics/bf16.hpp"
+#include "dsv4/numerics/minifloat.hpp"
+#include "dsv4/numerics/quantize.hpp"
+
+namespace dsv4::kernels::gemm {
+
+using numerics::bf16;
+
+struct gemm_shape {
+  int m = 0, n = 0, k = 0;
+};
+
+namespace detail {
+template <class WeightElem, class WeightValue>
+std::vector<bf16> block_scaled_gemm(const gemm_shape& s, std::span<const std::uint8_t> a, std::span<const std::uint8_t> a_s,
+                                    WeightValue weight) {
+  if (s.k % 32) throw error("block-scaled GEMM: K (" + std::to_string(s.k) + ") must be a multiple of 32");
+  if (a.size() != std::size_t(s.m) * s.k || a_s.size() != std::size_t(s.m) * (s.k / 32))
+    throw error("block-scaled GEMM: activations must be [M, K] E4M3 codes with [M, K/32] scales");
+  std::vector<bf16> c(std::size_t(s.m) * s.n);
+  for (int i = 0; i < s.m; ++i)
+    for (int j = 0; j < s.n; ++j) {
+      float acc = 0.0f;
+      for (int kb = 0; kb < s.k / 32; ++kb) {
+        double partial = 0;
+        float wscale = 0;
+        for (int kk = 0; kk < 32; ++kk) {
+          const int k = kb * 32 + kk;
+          const float av = numerics::decode<numerics::e4m3>(a[std::size_t(i) * s.k + k]);
+          partial += double(av) * double(weight(j, k, wscale));
+        }
+        const float ascale = numerics::decode<numerics::ue8m0>(a_s[std::size_t(i) * (s.k / 32) + kb]);
+        acc += numerics::mul_rn(numerics::mul_rn(float(partial), ascale), wscale);
+      }
+      c[std::size_t(i) * s.n + j] = bf16::from_float(acc);
+    }
+  return c;
+}
+}  // namespace detail
+
+//! FP8 weights [N, K] with scales [ceil(N/32), K/32].
+inline std::vector<bf16> fp8_gemm_reference(const gemm_shape& s, std::span<const std::uint8_t> a,
+                                            std::span<const std::uint8_t> a_s, std::span<const std::uint8_t> w,
+                                            std::span<const std::uint8_t> w_s) {
+  const int nb = (s.n + 31) / 32, kb = s.k / 32;
+  if (w.size() != std::size_t(s.n) * s.k || w_s.size() != std::size_t(nb) * kb)
+    throw error("fp8_gemm_reference: weight must be [N, K] E4M3 with [ceil(N/32), K/32] scales");
+  return detail::block_scaled_gemm<numerics::e4m3>(s, a, a_s, [&](int j, int k, float& scale) {
+    scale = numerics::decode<numerics::ue8m0>(w_s[std::size_t(j / 32) * kb + k / 32]);
+    return numerics::decode<numerics::e4m3>(w[std::size_t(j) * s.k + k]);
+  });
+}
+
+//! FP4 weights [N, K/2] (two codes per byte) with scales [N, K/32].
+inline std::vector<bf16> fp4_gemm_reference(const gemm_shape& s, std::span<const std::uint8_t> a,
+                                            std::span<const std::uint8_t> a_s, std::span<const std::uint8_t> w,
+                                            std::span<const std::uint8_t> w_s) {
+  if (w.size() != std::size_t(s.n) * (s.k / 2) || w_s.size() != std::size_t(s.n) * (s.k / 32))
+    throw error("fp4_gemm_reference: weight must be [N, K/2] packed E2M1 with [N, K/32] scales");
+  return detail::block_scaled_gemm<numerics::e2m1>(s, a, a_s, [&](int j, int k, float& scale) {
+    scale = numerics::decode<numerics::ue8m0>(w_s[std::size_t(j) * (s.k / 32) + k / 32]);
+    return numerics::decode<numerics::e2m1>(numerics::load_code<numerics::e2m1>(w.data() + std::size_t(j) * (s.k / 2), k));
+  });
+}
+
+}  // namespace dsv4::kernels::gemm

@@ -1,0 +1,83 @@
+// mHC split + Sinkhorn and the block-scaled GEMMs against the official vectors (issue 4 pieces).
+
+#include <boost/test/unit_test.hpp>
+
+#include <cmath>
+#include <vector>
+
+#include "dsv4/io/safetensors.hpp"
+#include "dsv4/kernels/gemm/reference.hpp"
+#include "dsv4/kernels/mhc/sinkhorn.hpp"
+#include "dsv4/numerics/formats.hpp"
+#include "dsv4/numerics/quantize.hpp"
+#include "support/data.hpp"
+
+using namespace dsv4;
+using numerics::bf16;
+
+BOOST_AUTO_TEST_SUITE(mhc_gemm)
+
+BOOST_AUTO_TEST_CASE(sinkhorn_matches_the_official_vectors) {
+  io::safetensors_file f(test::data_path("reference/sinkhorn.safetensors"));
+  const auto mixes = io::copy_as<float>(f.tensor("mixes", io::st_dtype::F32, {256, 24}));
+  const auto scale = io::copy_as<float>(f.tensor("hc_scale", io::st_dtype::F32, {3}));
+  const auto base = io::copy_as<float>(f.tensor("hc_base", io::st_dtype::F32, {24}));
+  const auto pre = io::copy_as<float>(f.tensor("pre")), post = io::copy_as<float>(f.tensor("post"));
+  const auto comb = io::copy_as<float>(f.tensor("comb", io::st_dtype::F32, {256, 4, 4}));
+  double worst = 0;
+  int exact = 0;
+  for (int t = 0; t < 256; ++t) {
+    float p[4], q[4], c[16];
+    kernels::mhc::split_sinkhorn(&mixes[std::size_t(t) * 24], scale.data(), base.data(), 20, 1e-6f, p, q, c);
+    for (int i = 0; i < 4; ++i) {
+      worst = std::max(worst, std::fabs(double(p[i]) - pre[t * 4 + i]) / std::fabs(pre[t * 4 + i]));
+      worst = std::max(worst, std::fabs(double(q[i]) - post[t * 4 + i]) / std::max(1e-30, double(std::fabs(post[t * 4 + i]))));
+    }
+    for (int i = 0; i < 16; ++i) {
+      const double w = comb[std::size_t(t) * 16 + i];
+      worst = std::max(worst, std::fabs(double(c[i]) - w) / std::fabs(w));
+      exact += c[i] == float(w);
+    }
+  }
+  BOOST_TEST_MESSAGE("sinkhorn vs reference: worst relative error " << worst << ", " << exact << " of 4096 comb values exact");
+  BOOST_TEST(worst < 2e-6);  // last-ulp fp32 differences from exp, compounded over 20 iterations
+  // The balanced matrix: columns sum to ~1 (the loop ends on a column normalization).
+  float p[4], q[4], c[16];
+  kernels::mhc::split_sinkhorn(mixes.data(), scale.data(), base.data(), 20, 1e-6f, p, q, c);
+  for (int j = 0; j < 4; ++j) BOOST_TEST(std::fabs(c[j] + c[4 + j] + c[8 + j] + c[12 + j] - 1.0f) < 1e-5f);
+}
+
+BOOST_AUTO_TEST_CASE(block_scaled_gemms_match_the_official_vectors) {
+  io::safetensors_file f(test::data_path("reference/gemm.safetensors"));
+  const auto a = io::copy_as<bf16>(f.tensor("a", io::st_dtype::BF16, {5, 256}));
+  const auto a_q = io::copy_as<std::uint8_t>(f.tensor("a_q_e4m3", io::st_dtype::U8, {5, 256}));
+  const auto a_s = io::copy_as<std::uint8_t>(f.tensor("a_scale_ue8m0", io::st_dtype::U8, {5, 8}));
+  // The activations quantize to exactly the reference's codes and scales.
+  std::vector<std::uint8_t> codes(256 * 5), scales(8 * 5);
+  for (int r = 0; r < 5; ++r)
+    numerics::quantize_vector<numerics::fp8_act_format>(std::span(a).subspan(r * 256, 256), std::span(codes).subspan(r * 256, 256),
+                                                        std::span(scales).subspan(r * 8, 8));
+  BOOST_TEST(codes == a_q, boost::test_tools::per_element());
+  BOOST_TEST(scales == a_s, boost::test_tools::per_element());
+  const kernels::gemm::gemm_shape s{5, 96, 256};
+  auto check = [](const std::vector<bf16>& got, const std::vector<bf16>& want, const char* what) {
+    int worst = 0, exact = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      const int d = std::abs(int(got[i].bits & 0x7fff) - int(want[i].bits & 0x7fff)) +
+                    (((got[i].bits ^ want[i].bits) & 0x8000) ? 1000 : 0);
+      worst = std::max(worst, d);
+      exact += d == 0;
+    }
+    BOOST_TEST_MESSAGE(what << ": " << exact << " of " << got.size() << " exact, worst " << worst << " bf16 ulp");
+    BOOST_TEST(worst <= 1, what);  // MANIFEST: within ~1 bf16 ulp (tensor-core order inside a K block)
+  };
+  check(kernels::gemm::fp8_gemm_reference(s, a_q, a_s, io::copy_as<std::uint8_t>(f.tensor("w8_e4m3", io::st_dtype::U8, {96, 256})),
+                                          io::copy_as<std::uint8_t>(f.tensor("w8_scale_ue8m0", io::st_dtype::U8, {3, 8}))),
+        io::copy_as<bf16>(f.tensor("c_fp8", io::st_dtype::BF16, {5, 96})), "fp8_gemm");
+  check(kernels::gemm::fp4_gemm_reference(s, a_q, a_s, io::copy_as<std::uint8_t>(f.tensor("w4_packed", io::st_dtype::U8, {96, 128})),
+                                          io::copy_as<std::uint8_t>(f.tensor("w4_scale_ue8m0", io::st_dtype::U8, {96, 8}))),
+        io::copy_as<bf16>(f.tensor("c_fp4", io::st_dtype::BF16, {5, 96})), "fp4_gemm");
+  BOOST_CHECK_THROW(kernels::gemm::fp8_gemm_reference({5, 96, 250}, a_q, a_s, {}, {}), dsv4::error);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
