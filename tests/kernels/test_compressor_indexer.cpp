@@ -135,7 +135,8 @@ BOOST_AUTO_TEST_CASE(entries_rotate_the_main_kv_and_key_the_pre_rope_latent) {
   numerics::dequantize_vector<numerics::index_key_format>({at0.index, 32}, {at0.index + 32, 2}, k0);
   numerics::dequantize_vector<numerics::index_key_format>({at9.index, 32}, {at9.index + 32, 2}, k9);
   BOOST_TEST(!same_bits(std::span(k0).subspan(32), std::span(k9).subspan(32)));
-  // Main entry at position 9 dequantizes to RoPE(latent) within FP4 error.
+  // Main entry at position 9 dequantizes to RoPE(latent) within FP4 error: the largest E2M1 step
+  // (4 -> 6) is 2 s, so the error is at most s, and s = e4m3(amax / 6) is at most (amax / 6)(1 + 2^-4).
   std::vector<bf16> rotated = latent, back(128);
   const std::int64_t pos9[1] = {9};
   rope::apply_rope_reference(rotated, 128, 1, pos9, freqs, false);
@@ -144,7 +145,7 @@ BOOST_AUTO_TEST_CASE(entries_rotate_the_main_kv_and_key_the_pre_rope_latent) {
     float amax = 0;
     for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(rotated[b * 16 + i].to_float()));
     for (int i = 0; i < 16; ++i)
-      BOOST_TEST(std::fabs(back[b * 16 + i].to_float() - rotated[b * 16 + i].to_float()) <= amax / 6.0f * 1.01f);
+      BOOST_TEST(std::fabs(back[b * 16 + i].to_float() - rotated[b * 16 + i].to_float()) <= amax / 6.0f * 1.0625f);
   }
 }
 
