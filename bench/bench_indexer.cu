@@ -3,6 +3,7 @@
 //!
 //! Scan: FLOPs = rows x keys x heads x 128 x 2; bytes = keys x 68 (read) + rows x keys x 2 (scores).
 //! Top-k: bytes = rows x keys x 2 (one read of the scores; the kernel reads them three times).
+//! Reindex: a gathered scan of the 16,384 pool positions plus top-512 among them, per row.
 //! Ratios are to max(FLOPs / bf16 GEMM rate, bytes / copy bandwidth), both measured in this run.
 
 #include <cstdio>
@@ -47,11 +48,29 @@ int main(int argc, char** argv) {
         const topk_args ta{ds.data(), keys, rows, topk, dv.data(), 128, dout.data()};
         const double ms_scan = bench::median_ms([&] { index_scan<dim>(sa); }, 3, 15);
         const double ms_topk = bench::median_ms([&] { select_topk(ta); }, 3, 15);
+        // A Reindex layer: score only 16,384 candidate positions (2048 blocks of 8), then select.
+        constexpr int cand = 16384;
+        std::vector<std::int32_t> pos(std::size_t(rows) * cand);
+        for (int r = 0; r < rows; ++r)
+          for (int c = 0; c < cand; ++c)
+            pos[std::size_t(r) * cand + c] = std::int32_t((long long)(c / 8) * (keys / 2048) + c % 8);  // ascending
+        runtime::device_buffer<std::int32_t> dpos{std::span<const std::int32_t>(pos)};
+        runtime::device_buffer<bf16> dcs(std::size_t(rows) * cand);
+        const gathered_scan_args ga{{dq.data(), dw.data(), dkeys.data(), entry, dcs.data(), dv.data(), rows, heads, cand},
+                                    dpos.data()};
+        const topk_args ra{dcs.data(), cand, rows, topk, dv.data(), 128, dout.data(), dpos.data()};
+        const double ms_reindex = bench::median_ms([&] {
+          index_scan_gathered<dim>(ga);
+          select_topk(ra);
+        }, 3, 15);
         const double flops = 2.0 * rows * double(keys) * heads * dim;
         const double scan_bytes = double(keys) * entry + 2.0 * rows * double(keys);
         const double topk_bytes = 2.0 * rows * double(keys);
-        struct { const char* name; double ms, flops, bytes; } res[2] = {{"scan", ms_scan, flops, scan_bytes},
-                                                                         {"top-k", ms_topk, 0.0, topk_bytes}};
+        const double re_flops = 2.0 * rows * double(cand) * heads * dim;
+        const double re_bytes = double(rows) * cand * (entry + 4.0 + 2.0 * 2);
+        struct { const char* name; double ms, flops, bytes; } res[3] = {{"scan", ms_scan, flops, scan_bytes},
+                                                                         {"top-k", ms_topk, 0.0, topk_bytes},
+                                                                         {"reindex", ms_reindex, re_flops, re_bytes}};
         for (auto& r : res) {
           const double floor_s = ceil.floor_s(r.flops, r.bytes);
           std::printf("%-8s %6d %9lld %10.1f %10.2f %10.1f %8.1f%%\n", r.name, rows, keys, r.ms * 1e3,

@@ -122,6 +122,80 @@ BOOST_AUTO_TEST_CASE(select_breaks_ties_toward_lowest_index, *utf::label("gpu") 
   }
 }
 
+// The hierarchical path (spec §7): the candidate source's scores give the pool; a Reindex layer
+// scores only the pool's positions and selects among them. Equal to the reference, which scores
+// every position, masks the non-candidates and selects.
+void check_candidate_path(int rows, int heads, long long n, int topk, int block, int topk_blocks, std::uint64_t salt) {
+  constexpr int dim = 128;
+  using layout = numerics::packed_vector<numerics::index_key_format, dim>;
+  auto rng = test::make_rng(salt);
+  std::normal_distribution<float> nk(0.0f, 1.0f);
+  std::vector<bf16> kx(std::size_t(n) * dim);
+  for (auto& v : kx) v = bf16::from_float(nk(rng));
+  std::vector<std::uint8_t> cache(std::size_t(n) * layout::bytes);
+  std::vector<bf16> kq(kx.size());
+  for (long long t = 0; t < n; ++t) {
+    std::uint8_t* e = cache.data() + t * layout::bytes;
+    numerics::quantize_vector<numerics::index_key_format>(std::span(kx).subspan(t * dim, dim), {e, layout::code_bytes},
+                                                          {e + layout::scale_offset, layout::scale_bytes});
+    numerics::dequantize_vector<numerics::index_key_format>({e, layout::code_bytes}, {e + layout::scale_offset, layout::scale_bytes},
+                                                            std::span(kq).subspan(t * dim, dim));
+  }
+  std::vector<long long> visible(static_cast<std::size_t>(rows));
+  for (int r = 0; r < rows; ++r) visible[r] = n - (long long)(rng() % 50);
+  auto make_queries = [&] {
+    std::vector<bf16> q = qdq_rows(rng, std::size_t(rows) * heads, dim, 1.0f), w(std::size_t(rows) * heads);
+    for (auto& v : w) v = bf16::from_float(numerics::round_to_bf16(nk(rng)) * 0.015625f);
+    return std::pair{q, w};
+  };
+  const auto [q_src, w_src] = make_queries();  // the candidate source (layer 20)
+  const auto [q_re, w_re] = make_queries();    // a Reindex layer (24, 28, ...)
+
+  device_buffer<std::uint8_t> dkeys{std::span<const std::uint8_t>(cache)};
+  device_buffer<long long> dvis{std::span<const long long>(visible)};
+  device_buffer<bf16> dqs{std::span<const bf16>(q_src)}, dws{std::span<const bf16>(w_src)}, dscores(std::size_t(rows) * n);
+  index_scan<dim>({dqs.data(), dws.data(), dkeys.data(), layout::bytes, dscores.data(), dvis.data(), rows, heads, n});
+  const long long blocks = (n + block - 1) / block;
+  const int kb = int(std::min<long long>(topk_blocks, blocks));
+  device_buffer<bf16> dblock(std::size_t(rows) * blocks);
+  device_buffer<std::int32_t> dids(std::size_t(rows) * kb), dpos(std::size_t(rows) * kb * block);
+  const long long cols = candidate_pool({dscores.data(), n, rows, block, topk_blocks, dvis.data(), dblock.data(), dids.data(), dpos.data()});
+  BOOST_REQUIRE(cols == static_cast<long long>(kb) * block);
+  device_buffer<bf16> dqr{std::span<const bf16>(q_re)}, dwr{std::span<const bf16>(w_re)}, dcand(std::size_t(rows) * cols);
+  index_scan_gathered<dim>({{dqr.data(), dwr.data(), dkeys.data(), layout::bytes, dcand.data(), dvis.data(), rows, heads, cols}, dpos.data()});
+  const int k = int(std::min<long long>(topk, n));
+  device_buffer<std::int32_t> dsel(std::size_t(rows) * k);
+  topk_args t{dcand.data(), cols, rows, k, dvis.data(), 128, dsel.data(), dpos.data()};
+  select_topk(t);
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto src_scores = dscores.download();
+  const auto positions = dpos.download();
+  const auto sel = dsel.download();
+  for (int r = 0; r < rows; ++r) {
+    std::vector<float> s(static_cast<std::size_t>(n));
+    for (long long i = 0; i < n; ++i) s[std::size_t(i)] = src_scores[std::size_t(r) * n + i].to_float();
+    const auto mask = candidate_mask_reference(s, visible[r], topk_blocks, block);
+    std::vector<std::int32_t> want_pos, got_pos;
+    for (long long i = 0; i < n; ++i)
+      if (mask[std::size_t(i)]) want_pos.push_back(std::int32_t(i));
+    for (long long c = 0; c < cols; ++c)
+      if (positions[std::size_t(r) * cols + c] >= 0) got_pos.push_back(positions[std::size_t(r) * cols + c]);
+    BOOST_TEST(got_pos == want_pos, "row " << r << ": candidate pool differs");
+    auto re = index_scores_reference(std::span(q_re).subspan(std::size_t(r) * heads * dim, std::size_t(heads) * dim),
+                                     std::span(w_re).subspan(std::size_t(r) * heads, heads), kq, heads, dim, visible[r]);
+    apply_candidate_mask(re, mask);
+    const auto want_sel = select_reference(re, topk, visible[r], 128);
+    BOOST_TEST(std::vector<std::int32_t>(sel.begin() + std::ptrdiff_t(r) * k, sel.begin() + std::ptrdiff_t(r + 1) * k) == want_sel,
+               "row " << r << ": Reindex selection differs");
+  }
+}
+
+BOOST_AUTO_TEST_CASE(candidate_pool_and_reindex_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  check_candidate_path(3, 4, 300, 16, 4, 8, 61);         // tiny sizes: the 32-entry pool binds
+  check_candidate_path(2, 32, 20000, 512, 8, 2048, 62);  // V4.1 sizes: 16,384 candidates of 20,000
+  check_candidate_path(2, 32, 9000, 512, 8, 2048, 63);   // below the pool size: every visible block kept
+}
+
 BOOST_AUTO_TEST_CASE(bad_arguments_are_errors) {
   BOOST_CHECK_THROW(select_topk({nullptr, 10, 1, 11, nullptr, 0, nullptr}), dsv4::error);  // k > n
   BOOST_CHECK_THROW(index_scan<128>({nullptr, nullptr, nullptr, 68, nullptr, nullptr, 1, 65, 10}), dsv4::error);

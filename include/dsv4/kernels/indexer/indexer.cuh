@@ -15,6 +15,7 @@
 #include <cub/block/block_scan.cuh>  // provides cub::BlockScan
 #include <cuda_runtime.h>            // provides cudaStream_t
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -45,6 +46,30 @@ struct topk_args {
   const long long* visible = nullptr;  //!< [rows]; selected t >= visible[row] become -1
   int offset = 0;                    //!< added to the other selected indices (window operand length)
   std::int32_t* out = nullptr;       //!< [rows, k]
+  //! Optional [rows, n]: score column i stands for position positions[i] (ascending, -1 = hole),
+  //! as in a gathered candidate scan; the output then holds positions, not columns.
+  const std::int32_t* positions = nullptr;
+};
+
+//! Scan of a gathered list of key positions (a Reindex layer scoring only its candidate pool):
+//! column i scores key positions[row, i]; -1 holes and positions >= visible score -inf.
+struct gathered_scan_args {
+  index_scan_args scan;                   //!< scan.n_keys = columns per row
+  const std::int32_t* positions = nullptr;  //!< [rows, columns]
+};
+
+//! Candidate pool of the candidate-source layer (spec §7): from its scores [rows, n], block
+//! maxima over `block` positions with the newest visible block forced in, the top `topk_blocks`
+//! blocks with a finite maximum, expanded to an ascending position list [rows, topk_blocks x block]
+//! with -1 holes (blocks with no finite score, positions past n).
+struct candidate_args {
+  const bf16* scores = nullptr;       //!< [rows, n], the candidate source's masked scores
+  long long n = 0;
+  int rows = 0, block = 8, topk_blocks = 2048;
+  const long long* visible = nullptr; //!< [rows]
+  bf16* block_scores = nullptr;       //!< workspace [rows, ceil(n / block)]
+  std::int32_t* block_ids = nullptr;  //!< workspace [rows, min(topk_blocks, ceil(n / block))]
+  std::int32_t* positions = nullptr;  //!< [rows, min(topk_blocks, blocks) x block]
 };
 
 namespace detail {
@@ -52,7 +77,7 @@ inline constexpr int scan_threads = 128;
 inline constexpr int max_index_heads = 64;
 
 template <int Dim>
-DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_args a) {
+DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_args a, const std::int32_t* positions) {
   using F = numerics::index_key_format;
   using layout = numerics::packed_vector<F, Dim>;
   extern __shared__ float qs[];  // [heads][Dim] then w[heads]
@@ -65,13 +90,14 @@ DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_ar
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= a.n_keys) return;
   bf16* out = a.scores + static_cast<long long>(row) * a.n_keys + t;
-  if (t >= a.visible[row]) {
+  const long long key_pos = positions ? positions[static_cast<long long>(row) * a.n_keys + t] : t;
+  if (key_pos < 0 || key_pos >= a.visible[row]) {
     *out = bf16::from_bits(0xFF80);  // -inf
     return;
   }
   float dot[max_index_heads];
   for (int h = 0; h < max_index_heads; ++h) dot[h] = 0.0f;
-  const std::uint8_t* key = a.keys + t * a.key_stride;
+  const std::uint8_t* key = a.keys + key_pos * a.key_stride;
 #pragma unroll 1
   for (int c0 = 0; c0 < Dim; c0 += 8) {
     bf16 k8[8];
@@ -163,7 +189,7 @@ DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
   // per-thread counts gives every selected index its place in ascending order.
   constexpr int items = 16;
   std::int32_t* out = a.out + static_cast<long long>(row) * k;
-  const long long vis = a.visible[row];
+  const long long vis = a.visible ? a.visible[row] : a.n;
   int base = 0, eq_base = 0;  // identical in every thread (block aggregates)
   for (long long start = 0; start < a.n; start += static_cast<long long>(blockDim.x) * items) {
     const long long first = start + static_cast<long long>(threadIdx.x) * items;
@@ -192,11 +218,46 @@ DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
       if (i >= a.n) break;
       bool take = keys[j] > T;
       if (keys[j] == T) take = eq_seen++ < eq_take;
-      if (take) out[out_pos++] = i < vis ? std::int32_t(i) + a.offset : -1;
+      if (take) {
+        const long long p = a.positions ? a.positions[static_cast<long long>(row) * a.n + i] : i;
+        out[out_pos++] = (p >= 0 && p < vis) ? std::int32_t(p) + a.offset : -1;
+      }
     }
     base += total;
     eq_base += eq_total;
   }
+}
+//! Block maxima of one row's scores, the newest visible block forced to +inf.
+DSV4_KERNEL void block_max_kernel(candidate_args a) {
+  const long long blocks = (a.n + a.block - 1) / a.block;
+  const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int row = blockIdx.y;
+  if (t >= blocks) return;
+  const std::uint16_t* sc = reinterpret_cast<const std::uint16_t*>(a.scores) + static_cast<long long>(row) * a.n;
+  unsigned best = 0;  // order keys: 0 is below -inf's key
+  std::uint16_t best_bits = 0xFF80;
+  for (long long i = t * a.block; i < min(a.n, (t + 1) * a.block); ++i) {
+    const unsigned k = order_key(sc[i]);
+    if (k > best) {
+      best = k;
+      best_bits = sc[i];
+    }
+  }
+  const long long vis = a.visible[row];
+  if (vis > 0 && t == (vis - 1) / a.block) best_bits = 0x7F80;  // +inf: always kept
+  a.block_scores[static_cast<long long>(row) * blocks + t] = bf16::from_bits(best_bits);
+}
+
+//! Expands the selected blocks (ascending) into positions; blocks with a -inf maximum are holes.
+DSV4_KERNEL void expand_blocks_kernel(candidate_args a, int kb) {
+  const long long blocks = (a.n + a.block - 1) / a.block;
+  const int row = blockIdx.y;
+  const long long slot = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (slot >= static_cast<long long>(kb) * a.block) return;
+  const int b = a.block_ids[static_cast<long long>(row) * kb + slot / a.block];
+  const std::uint16_t bmax = a.block_scores[static_cast<long long>(row) * blocks + b].bits;
+  const long long p = static_cast<long long>(b) * a.block + slot % a.block;
+  a.positions[static_cast<long long>(row) * kb * a.block + slot] = (bmax == 0xFF80 || p >= a.n) ? -1 : std::int32_t(p);
 }
 }  // namespace detail
 
@@ -213,17 +274,68 @@ void index_scan(const index_scan_args& a, cudaStream_t stream = nullptr) {
   auto kernel = detail::index_scan_kernel<Dim>;
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(unsigned((a.n_keys + detail::scan_threads - 1) / detail::scan_threads), unsigned(a.rows));
-  kernel<<<grid, detail::scan_threads, smem, stream>>>(a);
+  kernel<<<grid, detail::scan_threads, smem, stream>>>(a, nullptr);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 
-//! Selects min(k, n) indices per row; `a.k` must already be min(topk, n).
-inline void select_topk(const topk_args& a, cudaStream_t stream = nullptr) {
+//! Scores only the listed key positions (a Reindex layer inside its candidate pool).
+template <int Dim>
+void index_scan_gathered(const gathered_scan_args& g, cudaStream_t stream = nullptr) {
+  const index_scan_args& a = g.scan;
+  if (a.rows < 0 || a.n_keys < 0 || a.heads <= 0 || a.heads > detail::max_index_heads)
+    throw error("index_scan_gathered: need rows, columns >= 0 and 0 < heads <= 64");
+  if (a.rows == 0 || a.n_keys == 0) return;
+  if (!a.q || !a.w || !a.keys || !a.scores || !a.visible || !g.positions)
+    throw error("index_scan_gathered: null pointer argument");
+  if (a.key_stride % 4 || reinterpret_cast<std::uintptr_t>(a.keys) % 4)
+    throw error("index_scan_gathered: keys must be 4-byte aligned with a stride that is a multiple of 4 bytes");
+  const int smem = (a.heads * Dim + a.heads) * int(sizeof(float));
+  auto kernel = detail::index_scan_kernel<Dim>;
+  DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(unsigned((a.n_keys + detail::scan_threads - 1) / detail::scan_threads), unsigned(a.rows));
+  kernel<<<grid, detail::scan_threads, smem, stream>>>(a, g.positions);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+
+inline void select_topk(const topk_args& a, cudaStream_t stream = nullptr);
+
+//! Builds the candidate position lists (three launches: block maxima, top blocks, expansion).
+//! Returns the number of positions per row, min(topk_blocks, blocks) x block.
+inline long long candidate_pool(const candidate_args& a, cudaStream_t stream = nullptr) {
+  if (a.rows < 0 || a.n < 0 || a.block <= 0 || a.topk_blocks <= 0)
+    throw error("candidate_pool: need rows, n >= 0 and positive block and topk_blocks");
+  const long long blocks = (a.n + a.block - 1) / a.block;
+  const int kb = int(std::min<long long>(a.topk_blocks, blocks));
+  if (a.rows == 0 || a.n == 0) return 0;
+  if (!a.scores || !a.visible || !a.block_scores || !a.block_ids || !a.positions)
+    throw error("candidate_pool: null pointer argument");
+  detail::block_max_kernel<<<dim3(unsigned((blocks + 255) / 256), unsigned(a.rows)), 256, 0, stream>>>(a);
+  DSV4_CUDA_CHECK_LAUNCH();
+  // Visible = all blocks: the expansion, not the selection, turns unusable blocks into holes.
+  // The visible counts must live on the device; the block count is the same for every row.
+  topk_args t;
+  t.scores = a.block_scores;
+  t.n = blocks;
+  t.rows = a.rows;
+  t.k = kb;
+  t.visible = nullptr;  // all columns count as visible
+  t.offset = 0;
+  t.out = a.block_ids;
+  select_topk(t, stream);
+  detail::expand_blocks_kernel<<<dim3(unsigned((static_cast<long long>(kb) * a.block + 255) / 256), unsigned(a.rows)), 256, 0,
+                                 stream>>>(a, kb);
+  DSV4_CUDA_CHECK_LAUNCH();
+  return static_cast<long long>(kb) * a.block;
+}
+
+//! Selects min(k, n) indices per row; `a.k` must already be min(topk, n). With `visible` null,
+//! every column counts as visible.
+inline void select_topk(const topk_args& a, cudaStream_t stream) {
   if (a.rows < 0 || a.n < 0 || a.k < 0 || a.k > a.n)
     throw error("select_topk: need rows >= 0 and 0 <= k <= n (got k " + std::to_string(a.k) + ", n " +
                 std::to_string(a.n) + ")");
   if (a.rows == 0 || a.k == 0) return;
-  if (!a.scores || !a.out || !a.visible) throw error("select_topk: null pointer argument");
+  if (!a.scores || !a.out) throw error("select_topk: null pointer argument");
   detail::topk_kernel<<<unsigned(a.rows), detail::topk_threads, 0, stream>>>(a);
   DSV4_CUDA_CHECK_LAUNCH();
 }
