@@ -1,0 +1,112 @@
+#pragma once
+//! \file
+//! Host reference of the MoE routing and combination (spec §9).
+//!
+//! Gate (fp32 throughout): s = fp32(x) . fp32(W)^T / gate_temp; sqrtsoftplus s = sqrt(softplus(s))
+//! with softplus(s) = s for s > 20; the bias (bias_vl inside image spans) only chooses the top-k
+//! experts (descending biased score; ties toward the lower expert id); the weights are the
+//! unbiased scores of the chosen experts, normalized by (sum + 1e-20) when k > 1, times route_scale.
+//!
+//! Expert activation: u clamped to [-limit, limit], g clamped above at limit only, h = silu(g) u
+//! times the routing weight, in fp32, rounded to bf16 before w2.
+//!
+//! Combination: an fp32 buffer starting at 0 adds each chosen expert's bf16 output in ascending
+//! expert id (not top-k rank order), then the shared expert's bf16 output, then rounds once.
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/numerics/bf16.hpp"
+
+namespace dsv4::kernels::moe {
+
+using numerics::bf16;
+
+struct gate_params {
+  int experts = 0, k = 0, dim = 0;
+  std::vector<float> weight;  //!< [experts, dim], bf16 values
+  std::vector<float> bias;    //!< [experts], fp32
+  float route_scale = 1.5f, gate_temp = 1.0f;
+  bool norm_topk_prob = true;
+};
+
+struct routing {
+  std::vector<int> experts;     //!< in descending biased-score order
+  std::vector<float> weights;   //!< same order
+};
+
+inline float softplus_torch(float s) { return s > 20.0f ? s : std::log1p(std::exp(s)); }
+
+inline routing route_reference(std::span<const bf16> x, const gate_params& g) {
+  if (x.size() != std::size_t(g.dim) || g.weight.size() != std::size_t(g.experts) * g.dim ||
+      g.bias.size() != std::size_t(g.experts) || g.k < 1 || g.k > g.experts)
+    throw error("route_reference: x [dim], weight [experts, dim], bias [experts] and 1 <= k <= experts required");
+  std::vector<float> s(static_cast<std::size_t>(g.experts)), biased(s.size());
+  for (int e = 0; e < g.experts; ++e) {
+    double dot = 0;
+    for (int d = 0; d < g.dim; ++d) dot += double(x[std::size_t(d)].to_float()) * g.weight[std::size_t(e) * g.dim + d];
+    const float logit = float(dot) / g.gate_temp;
+    s[std::size_t(e)] = std::sqrt(softplus_torch(logit));
+    biased[std::size_t(e)] = s[std::size_t(e)] + g.bias[std::size_t(e)];
+  }
+  std::vector<int> order(s.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return biased[std::size_t(a)] > biased[std::size_t(b)]; });
+  routing r;
+  r.experts.assign(order.begin(), order.begin() + g.k);
+  float sum = 0.0f;
+  for (int e : r.experts) {
+    r.weights.push_back(s[std::size_t(e)]);
+    sum += s[std::size_t(e)];
+  }
+  if (g.norm_topk_prob && g.k > 1)
+    for (float& w : r.weights) w = w / (sum + 1e-20f);
+  for (float& w : r.weights) w *= g.route_scale;
+  return r;
+}
+
+//! The clamped SwiGLU activation times the routing weight, rounded to bf16 (the input of w2).
+inline std::vector<bf16> expert_activation(std::span<const bf16> gate_out, std::span<const bf16> up_out, float route_weight,
+                                           float limit) {
+  if (gate_out.size() != up_out.size()) throw error("expert_activation: w1 and w3 outputs differ in length");
+  std::vector<bf16> h(gate_out.size());
+  for (std::size_t i = 0; i < h.size(); ++i) {
+    const float g = std::min(gate_out[i].to_float(), limit);
+    const float u = std::clamp(up_out[i].to_float(), -limit, limit);
+    const float silu = g / (1.0f + std::exp(-g));
+    h[i] = bf16::from_float(route_weight * (silu * u));
+  }
+  return h;
+}
+
+//! ((0 + e_{i1}) + ... + e_{ik}) + shared in fp32, with i1 < ... < ik (before the one rounding).
+inline std::vector<float> combine_fp32(const std::vector<int>& experts, const std::vector<std::vector<bf16>>& outputs,
+                                       std::span<const bf16> shared) {
+  if (experts.size() != outputs.size()) throw error("combine_reference: one output per chosen expert");
+  std::vector<std::size_t> order(experts.size());
+  std::iota(order.begin(), order.end(), std::size_t(0));
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return experts[a] < experts[b]; });
+  std::vector<float> acc(shared.size(), 0.0f);
+  for (std::size_t o : order) {
+    if (outputs[o].size() != shared.size()) throw error("combine_reference: expert outputs differ in width");
+    for (std::size_t d = 0; d < acc.size(); ++d) acc[d] += outputs[o][d].to_float();
+  }
+  for (std::size_t d = 0; d < acc.size(); ++d) acc[d] += shared[d].to_float();
+  return acc;
+}
+
+//! The MoE output: combine_fp32 rounded once to bf16.
+inline std::vector<bf16> combine_reference(const std::vector<int>& experts, const std::vector<std::vector<bf16>>& outputs,
+                                           std::span<const bf16> shared) {
+  const std::vector<float> acc = combine_fp32(experts, outputs, shared);
+  std::vector<bf16> y(acc.size());
+  for (std::size_t d = 0; d < acc.size(); ++d) y[d] = bf16::from_float(acc[d]);
+  return y;
+}
+
+}  // namespace dsv4::kernels::moe
