@@ -63,6 +63,14 @@ struct v41_flash {
   //! Rows of the Engram tables of layers 1 and 14 (config `engram_num_embeddings`); the test
   //! suite re-derives them from the prime layout (engram/table_layout.hpp).
   static constexpr std::array<long long, 2> engram_num_embeddings = {384006168, 384016682};
+
+  //! Engram hash multipliers of layers 1 and 14, index k = look-back shift (spec §10: engram.py's
+  //! `compute_hash_multipliers((1, 14), 4, 99092)`, NumPy's default_rng; also in the reference
+  //! MANIFEST, which the tests compare against).
+  static constexpr std::array<std::array<long long, 4>, 2> engram_multipliers = {{
+      {76632096046245, 4839876093313, 35959672319349, 73987337458391},
+      {67716810739261, 51510806800915, 30921347202721, 82619226485591},
+  }};
 };
 
 using v41_flash_traits = model_traits<v41_flash>;
