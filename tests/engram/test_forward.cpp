@@ -1,0 +1,96 @@
+// Engram forward (spec §10) on a small configuration: masking, gating, the shared value.
+
+#include <boost/test/unit_test.hpp>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "dsv4/engram/reference.hpp"
+#include "support/random.hpp"
+
+using namespace dsv4;
+using numerics::bf16;
+
+namespace {
+engram::engram_weights make_weights(std::mt19937_64& rng) {
+  engram::engram_weights w;
+  w.dim = 64;
+  w.head_dim = 32;
+  w.columns = 6;  // (4 - 1) orders x 2 heads
+  w.rows = 50;
+  const int k = w.columns * w.head_dim, n = w.dim * (w.hc + 1);
+  auto code = [&] { return std::uint8_t(rng() % 0x7E) | std::uint8_t(rng() % 2 ? 0x80 : 0); };  // finite E4M3
+  w.embed.resize(std::size_t(w.rows) * w.head_dim);
+  for (auto& c : w.embed) c = code();
+  w.embed_scale.assign(std::size_t(w.rows), 127 - 6);
+  w.wkv.resize(std::size_t(n) * k);
+  for (auto& c : w.wkv) c = code();
+  w.wkv_scale.assign(std::size_t((n + 31) / 32) * (k / 32), 127 - 8);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  w.q_weight.resize(std::size_t(w.hc) * w.dim);
+  w.k_weight.resize(w.q_weight.size());
+  for (auto& v : w.q_weight) v = numerics::round_to_bf16(d(rng));
+  for (auto& v : w.k_weight) v = numerics::round_to_bf16(d(rng));
+  return w;
+}
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(engram_forward)
+
+BOOST_AUTO_TEST_CASE(image_tokens_pass_through_and_text_tokens_are_gated) {
+  auto rng = test::make_rng(110);
+  const auto w = make_weights(rng);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<bf16> x(std::size_t(w.hc) * w.dim);
+  for (auto& v : x) v = bf16::from_float(d(rng));
+  const std::vector<std::int64_t> hashes = {0, 7, 13, 21, 34, 49};
+  std::vector<bf16> img = x;
+  engram::engram_forward_reference(w, img, hashes, true);
+  for (std::size_t i = 0; i < x.size(); ++i) BOOST_TEST(img[i].bits == x[i].bits);  // gate 0: unchanged
+  std::vector<bf16> txt = x;
+  engram::engram_forward_reference(w, txt, hashes, false);
+  // Every stream moves along the same value vector, scaled by its own gate in (0, 1).
+  std::vector<double> gate(std::size_t(w.hc));
+  int changed = 0;
+  for (int c = 0; c < w.hc; ++c) {
+    double num = 0, den = 0;
+    for (int dd = 0; dd < w.dim; ++dd) {
+      const double delta = double(txt[c * w.dim + dd].to_float()) - x[c * w.dim + dd].to_float();
+      const double ref = double(txt[0 * w.dim + dd].to_float()) - x[0 * w.dim + dd].to_float();
+      num += delta * ref;
+      den += ref * ref;
+      changed += txt[c * w.dim + dd].bits != x[c * w.dim + dd].bits;
+    }
+    gate[std::size_t(c)] = num / den;  // gate_c / gate_0 (least squares)
+  }
+  BOOST_TEST(changed > 0);
+  for (int c = 1; c < w.hc; ++c) BOOST_TEST((gate[std::size_t(c)] > 0.0 && gate[std::size_t(c)] < 1e3));
+  const std::vector<std::int64_t> bad = {0, 7, 13, 21, 34, 50};
+  BOOST_CHECK_THROW(engram::engram_forward_reference(w, txt, bad, false), dsv4::error);  // row outside the table
+}
+
+// A zero key weight makes dot = 0: every gate is sigmoid(+0.001), the signed square root's floor,
+// and the update is bf16(x + gate * value) for every stream.
+BOOST_AUTO_TEST_CASE(zero_dot_gives_the_floor_gate) {
+  auto rng = test::make_rng(111);
+  auto w = make_weights(rng);
+  std::fill(w.k_weight.begin(), w.k_weight.end(), 0.0f);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<bf16> x(std::size_t(w.hc) * w.dim);
+  for (auto& v : x) v = bf16::from_float(d(rng));
+  const std::vector<std::int64_t> hashes = {1, 2, 3, 4, 5, 6};
+  const auto mix = engram::engram_gates_reference(w, x, hashes, false);
+  const float floor_gate = 1.0f / (1.0f + std::exp(-std::sqrt(1e-6f)));
+  for (float g : mix.gates) BOOST_TEST(g == floor_gate);
+  std::vector<bf16> y = x;
+  engram::engram_forward_reference(w, y, hashes, false);
+  for (int c = 0; c < w.hc; ++c)
+    for (int dd = 0; dd < w.dim; ++dd)
+      BOOST_TEST(y[c * w.dim + dd].bits ==
+                 bf16::from_float(x[c * w.dim + dd].to_float() + floor_gate * mix.value[dd].to_float()).bits);
+  BOOST_TEST(engram::engram_gates_reference(w, x, hashes, true).gates == std::vector<float>(4, 0.0f),
+             boost::test_tools::per_element());
+}
+
+BOOST_AUTO_TEST_SUITE_END()
