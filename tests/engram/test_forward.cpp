@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "dsv4/engram/reference.hpp"
+#include "dsv4/kernels/gemm/reference.hpp"
+#include "dsv4/numerics/quantize.hpp"
 #include "support/random.hpp"
 
 using namespace dsv4;
@@ -37,6 +39,43 @@ engram::engram_weights make_weights(std::mt19937_64& rng) {
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(engram_forward)
+
+// Steps 4-5 recomputed independently in double from the module's own value and key (the kv split:
+// key = kv[:4 * dim] copy-major) for one token; the gates agree to fp32 precision.
+BOOST_AUTO_TEST_CASE(gates_follow_the_per_stream_formula) {
+  auto rng = test::make_rng(112);
+  const auto w = make_weights(rng);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<bf16> x(std::size_t(w.hc) * w.dim);
+  for (auto& v : x) v = bf16::from_float(d(rng));
+  const std::vector<std::int64_t> hashes = {3, 9, 27, 30, 41, 0};
+  const auto mix = engram::engram_gates_reference(w, x, hashes, false);
+  // Rebuild kv exactly as step 1-2 do, through the public pieces.
+  const int k = w.columns * w.head_dim, n = w.dim * (w.hc + 1);
+  std::vector<bf16> e(static_cast<std::size_t>(k));
+  for (int c = 0; c < w.columns; ++c)
+    for (int j = 0; j < w.head_dim; ++j)
+      e[std::size_t(c) * w.head_dim + j] = bf16::from_float(
+          numerics::decode<numerics::e4m3>(w.embed[std::size_t(hashes[c]) * w.head_dim + j]) *
+          numerics::decode<numerics::ue8m0>(w.embed_scale[std::size_t(hashes[c]) * (w.head_dim / 32) + j / 32]));
+  std::vector<std::uint8_t> codes(static_cast<std::size_t>(k)), scales(static_cast<std::size_t>(k / 32));
+  numerics::quantize_vector<numerics::fp8_act_format>(e, codes, scales);
+  const auto kv = kernels::gemm::fp8_gemm_reference({1, n, k}, codes, scales, w.wkv, w.wkv_scale);
+  for (int d2 = 0; d2 < w.dim; ++d2) BOOST_TEST(mix.value[d2].bits == kv[std::size_t(w.hc) * w.dim + d2].bits);
+  for (int c = 0; c < w.hc; ++c) {
+    double hh = 0, kk = 0, dot = 0;
+    for (int j = 0; j < w.dim; ++j) {
+      const double h = x[std::size_t(c) * w.dim + j].to_float(), key = kv[std::size_t(c) * w.dim + j].to_float();
+      const double wq = double(w.q_weight[std::size_t(c) * w.dim + j]) * w.k_weight[std::size_t(c) * w.dim + j];
+      hh += h * h;
+      kk += key * key;
+      dot += h * wq * key;
+    }
+    const double dc = dot / std::sqrt(hh / w.dim) / std::sqrt(kk / w.dim) / std::sqrt(double(w.dim));
+    const double want = 1.0 / (1.0 + std::exp(-std::copysign(std::sqrt(std::max(std::fabs(dc), 1e-6)), dc)));
+    BOOST_TEST(std::fabs(mix.gates[std::size_t(c)] - want) < 2e-6, "stream " << c);
+  }
+}
 
 BOOST_AUTO_TEST_CASE(image_tokens_pass_through_and_text_tokens_are_gated) {
   auto rng = test::make_rng(110);

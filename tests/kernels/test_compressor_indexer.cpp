@@ -94,18 +94,19 @@ BOOST_AUTO_TEST_CASE(ratio2_pools_with_a_per_channel_softmax) {
   std::vector<bf16> want(32);
   norm::rmsnorm_reference(mean, w.norm, w.eps, want);
   BOOST_TEST(same_bits(lat, want));
-  // A decisive gate picks one token per channel.
+  // The softmax is per channel: even channels' gates follow +x[0], odd channels' follow -x[0], so
+  // with x[0] = 1 in token 0 and 0 in token 1, even channels take token 0's k and odd ones token 1's.
   std::fill(w.wgate.begin(), w.wgate.end(), 0.0f);
-  for (int c = 0; c < 32; ++c) w.wgate[std::size_t(c) * 32] = 1000.0f;  // channel c follows x[0] of each token
-  std::vector<bf16> y(64, bf16::from_float(0.0f));
-  y[0] = bf16::from_float(1.0f);  // token 0 has x[0] = 1, token 1 has x[0] = 0: softmax picks token 0
-  for (int i = 1; i < 32; ++i) y[i] = x[i];
-  for (int i = 33; i < 64; ++i) y[i] = x[i];
+  for (int c = 0; c < 32; ++c) w.wgate[std::size_t(c) * 32] = (c % 2 == 0) ? 1000.0f : -1000.0f;
+  std::vector<bf16> y(x.begin(), x.end());
+  y[0] = bf16::from_float(1.0f);
+  y[32] = bf16::from_float(0.0f);
   compressor::compressor_state st2(w);
   const auto picked = compressor::compress_prefill(w, y, 2, st2);
-  const auto ky = linear::linear_fp32_reference(linear::widen(std::span(y).subspan(0, 32)), w.wkv, 32);
+  const auto ky0 = linear::linear_fp32_reference(linear::widen(std::span(y).subspan(0, 32)), w.wkv, 32);
+  const auto ky1 = linear::linear_fp32_reference(linear::widen(std::span(y).subspan(32, 32)), w.wkv, 32);
   std::vector<float> r(32);
-  for (int c = 0; c < 32; ++c) r[c] = numerics::round_to_bf16(ky[c]);
+  for (int c = 0; c < 32; ++c) r[c] = numerics::round_to_bf16(c % 2 == 0 ? ky0[c] : ky1[c]);
   std::vector<bf16> want2(32);
   norm::rmsnorm_reference(r, w.norm, w.eps, want2);
   BOOST_TEST(same_bits(picked, want2));
@@ -134,6 +135,7 @@ BOOST_AUTO_TEST_CASE(entries_rotate_the_main_kv_and_key_the_pre_rope_latent) {
   std::vector<bf16> k0(64), k9(64);
   numerics::dequantize_vector<numerics::index_key_format>({at0.index, 32}, {at0.index + 32, 2}, k0);
   numerics::dequantize_vector<numerics::index_key_format>({at9.index, 32}, {at9.index + 32, 2}, k9);
+  BOOST_TEST(same_bits(std::span(k0).subspan(0, 32), std::span(k9).subspan(0, 32)));  // from the pre-RoPE latent
   BOOST_TEST(!same_bits(std::span(k0).subspan(32), std::span(k9).subspan(32)));
   // Main entry at position 9 dequantizes to RoPE(latent) within FP4 error: the largest E2M1 step
   // (4 -> 6) is 2 s, so the error is at most s, and s = e4m3(amax / 6) is at most (amax / 6)(1 + 2^-4).

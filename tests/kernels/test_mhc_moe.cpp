@@ -55,6 +55,7 @@ BOOST_AUTO_TEST_CASE(pre_and_post_edge_cases) {
 }
 
 // The mixes see the streams only through x / rms(x): doubling every stream changes nothing, bit for bit.
+// (The order "project, then multiply by the token's rsqrt" is checked in mixes_follow_the_spec_order.)
 BOOST_AUTO_TEST_CASE(mixes_are_scale_invariant) {
   auto rng = test::make_rng(101);
   const int dim = 32;
@@ -66,6 +67,24 @@ BOOST_AUTO_TEST_CASE(mixes_are_scale_invariant) {
   for (int i = 0; i < 4; ++i) BOOST_TEST(a.pre[i] == b.pre[i]);
   for (int i = 0; i < 16; ++i) BOOST_TEST(a.comb[i] == b.comb[i]);
   for (int i = 0; i < 4; ++i) BOOST_TEST((a.pre[i] > 0.0f && a.pre[i] <= 1.0f + 1e-6f && a.post[i] >= 0.0f && a.post[i] <= 2.0f));
+}
+
+// Spec §8: m = fp32(x . fn^T) * rsqrt(mean(x^2) + eps); with a single nonzero fn row the pre
+// coefficient of stream 0 is sigmoid(m0 * scale0 + base0) + eps, computable by hand.
+BOOST_AUTO_TEST_CASE(mixes_follow_the_spec_order) {
+  const int dim = 4;
+  mhc::mix_params p;
+  p.fn.assign(std::size_t(24) * 4 * dim, 0.0f);
+  p.fn[0] = 0.5f;  // m0 = 0.5 * x[0] * rsqrt(mean x^2)
+  p.base.assign(24, 0.0f);
+  p.scale = {1.0f, 1.0f, 1.0f};
+  std::vector<bf16> x(4 * dim, bf16::from_float(0.0f));
+  x[0] = bf16::from_float(2.0f);
+  x[5] = bf16::from_float(2.0f);  // mean of squares over 16 values = 8 / 16 = 0.5
+  const auto c = mhc::hc_coefficients(x, dim, p);
+  const float m0 = (0.5f * 2.0f) * (1.0f / std::sqrt(0.5f + 1e-20f));
+  BOOST_TEST(c.pre[0] == 1.0f / (1.0f + std::exp(-m0)) + 1e-6f);
+  BOOST_TEST(c.pre[1] == 0.5f + 1e-6f);  // m1 = 0: sigmoid(0) + eps
 }
 
 // Spec §8: attention reads hc_pre(X, previous pre), the FFN reads hc_pre(X1, this block's attention
@@ -88,7 +107,9 @@ BOOST_AUTO_TEST_CASE(block_forward_consumes_the_previous_sublayers_pre) {
   for (int d = 0; d < dim; ++d) BOOST_TEST(ffn_in[d].bits == want_ffn_in[d].bits);
   const auto f = mhc::hc_coefficients(x1, dim, fm);
   for (int c = 0; c < 4; ++c) BOOST_TEST(pre[c] == f.pre[c]);
-  BOOST_TEST(out.size() == x.size());
+  const auto want_out = mhc::hc_post(std::vector<bf16>(dim, bf16::from_float(0.25f)), x1, dim, f);
+  BOOST_REQUIRE(out.size() == want_out.size());
+  for (std::size_t i = 0; i < out.size(); ++i) BOOST_TEST(out[i].bits == want_out[i].bits);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

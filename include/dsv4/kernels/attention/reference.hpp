@@ -55,7 +55,7 @@ inline void sparse_attention_reference(const sparse_attention_problem& p, std::s
       throw error("sparse_attention_reference: index " + std::to_string(j) + " outside [-1, " +
                   std::to_string(p.entries) + ")");
 
-  std::vector<float> acc(std::size_t(p.dim)), s(sparse_chunk), prob(sparse_chunk);
+  std::vector<float> acc(std::size_t(p.dim)), chunk(std::size_t(p.dim)), s(sparse_chunk), prob(sparse_chunk);
   for (int r = 0; r < p.rows; ++r) {
     const std::int32_t* row_idx = idx.data() + std::size_t(r) * p.topk;
     for (int h = 0; h < p.heads; ++h) {
@@ -74,7 +74,7 @@ inline void sparse_attention_reference(const sparse_attention_problem& p, std::s
           double dot = 0;
           const bf16* k = kv.data() + std::size_t(e) * p.dim;
           for (int d = 0; d < p.dim; ++d) dot += double(qv[d].to_float()) * double(k[d].to_float());
-          s[j] = float(dot) * p.scale;
+          s[j] = numerics::mul_rn(float(dot), p.scale);
           chunk_max = std::max(chunk_max, s[j]);
         }
         const float m_new = std::max(m, chunk_max);
@@ -84,15 +84,17 @@ inline void sparse_attention_reference(const sparse_attention_problem& p, std::s
           prob[j] = std::exp(s[j] - m_new);  // exp(-inf) = 0 for empty slots
           psum += prob[j];
         }
-        l = l * alpha + psum;
-        for (int d = 0; d < p.dim; ++d) acc[std::size_t(d)] *= alpha;
+        l = numerics::mul_rn(l, alpha) + psum;
+        // acc <- acc * alpha + sum_j bf16(p_j) kv_j, the chunk's sum formed first (spec §3).
+        std::fill(chunk.begin(), chunk.end(), 0.0f);
         for (int j = 0; j < n; ++j) {
           const std::int32_t e = row_idx[c0 + j];
           if (e < 0) continue;
           const float pb = numerics::round_to_bf16(prob[j]);  // bf16 probabilities weight the values
           const bf16* v = kv.data() + std::size_t(e) * p.dim;
-          for (int d = 0; d < p.dim; ++d) acc[std::size_t(d)] += pb * v[d].to_float();
+          for (int d = 0; d < p.dim; ++d) chunk[std::size_t(d)] += numerics::mul_rn(pb, v[d].to_float());
         }
+        for (int d = 0; d < p.dim; ++d) acc[std::size_t(d)] = numerics::mul_rn(acc[std::size_t(d)], alpha) + chunk[std::size_t(d)];
         m = m_new;
       }
       l += std::exp(sink[std::size_t(h)] - m);

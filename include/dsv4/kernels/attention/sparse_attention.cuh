@@ -272,9 +272,9 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(s
 //! Empty when the launch can proceed, else why not.
 template <int Dim, class KV>
 std::string can_implement(const sparse_attention_args& a, const KV& kv) {
-  static_assert(Dim % 256 == 0 || Dim == 128 || Dim == 64,
-                "sparse_attention<Dim>: Dim must be 64, 128 or a multiple of 256 (Dim/32 channels per lane, "
-                "8-channel loads)");
+  static_assert(Dim % 256 == 0 || Dim == 128,
+                "sparse_attention<Dim>: Dim must be 128 or a multiple of 256 (each lane owns Dim/32 channels, "
+                "read 4 at a time)");
   if (a.batch < 0 || a.rows < 0 || a.heads <= 0 || a.topk < 0) return "batch, rows, topk must be >= 0 and heads > 0";
   if (static_cast<long long>(a.batch) * a.rows > 0x7fffffffll) return "batch * rows exceeds the grid limit";
   if (a.rows == 0 || a.batch == 0) return {};

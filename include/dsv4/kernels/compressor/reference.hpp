@@ -78,7 +78,7 @@ inline std::vector<bf16> pool(const compressor_weights& w, std::span<const float
     std::vector<float> e(std::size_t(w.ratio));
     for (int t = 0; t < w.ratio; ++t) sum += e[std::size_t(t)] = std::exp(score[std::size_t(t) * w.head_dim + ch] - mx);
     float acc = 0;
-    for (int t = 0; t < w.ratio; ++t) acc += (e[std::size_t(t)] / sum) * kv[std::size_t(t) * w.head_dim + ch];
+    for (int t = 0; t < w.ratio; ++t) acc += numerics::mul_rn(e[std::size_t(t)] / sum, kv[std::size_t(t) * w.head_dim + ch]);
     c[std::size_t(ch)] = acc;
   }
   return finish(w, c);

@@ -124,7 +124,9 @@ DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_ar
   (void)layout::bytes;
 }
 
-//! bf16 bits -> unsigned key whose integer order is the numeric order (-inf lowest).
+//! bf16 bits -> unsigned key whose integer order is the numeric order (-inf lowest). Scores from
+//! index_scan are never NaN or -0; for other inputs note that -0 ranks below +0 here (torch.topk
+//! treats them as equal) and a negative NaN below -inf (torch ranks NaN highest).
 DSV4_DEVICE unsigned order_key(std::uint16_t b) { return (b & 0x8000u) ? (~unsigned(b) & 0xFFFFu) : (b | 0x8000u); }
 
 inline constexpr int topk_threads = 512;
@@ -267,6 +269,7 @@ void index_scan(const index_scan_args& a, cudaStream_t stream = nullptr) {
   if (a.rows < 0 || a.n_keys < 0 || a.heads <= 0 || a.heads > detail::max_index_heads)
     throw error("index_scan: need rows, n_keys >= 0 and 0 < heads <= 64 (got heads " + std::to_string(a.heads) + ")");
   if (a.rows == 0 || a.n_keys == 0) return;
+  if (a.rows > 65535) throw error("index_scan: at most 65535 query rows per launch (grid y); split the prefill into chunks");
   if (!a.q || !a.w || !a.keys || !a.scores || !a.visible) throw error("index_scan: null pointer argument");
   if (a.key_stride % 4 || reinterpret_cast<std::uintptr_t>(a.keys) % 4)
     throw error("index_scan: keys must be 4-byte aligned with a stride that is a multiple of 4 bytes");
@@ -285,6 +288,7 @@ void index_scan_gathered(const gathered_scan_args& g, cudaStream_t stream = null
   if (a.rows < 0 || a.n_keys < 0 || a.heads <= 0 || a.heads > detail::max_index_heads)
     throw error("index_scan_gathered: need rows, columns >= 0 and 0 < heads <= 64");
   if (a.rows == 0 || a.n_keys == 0) return;
+  if (a.rows > 65535) throw error("index_scan_gathered: at most 65535 query rows per launch (grid y); split the rows");
   if (!a.q || !a.w || !a.keys || !a.scores || !a.visible || !g.positions)
     throw error("index_scan_gathered: null pointer argument");
   if (a.key_stride % 4 || reinterpret_cast<std::uintptr_t>(a.keys) % 4)
@@ -307,6 +311,7 @@ inline long long candidate_pool(const candidate_args& a, cudaStream_t stream = n
   const long long blocks = (a.n + a.block - 1) / a.block;
   const int kb = int(std::min<long long>(a.topk_blocks, blocks));
   if (a.rows == 0 || a.n == 0) return 0;
+  if (a.rows > 65535) throw error("candidate_pool: at most 65535 rows per launch (grid y); split the rows");
   if (!a.scores || !a.visible || !a.block_scores || !a.block_ids || !a.positions)
     throw error("candidate_pool: null pointer argument");
   detail::block_max_kernel<<<dim3(unsigned((blocks + 255) / 256), unsigned(a.rows)), 256, 0, stream>>>(a);
