@@ -34,6 +34,7 @@ BOOST_AUTO_TEST_CASE(info_v41_flash_reports_the_cache_accounting) {
   BOOST_TEST(has(r.out, "index producers: 2, 8, 14, 20, 24, 28, 32, 36\n"));
   BOOST_TEST(has(r.out, "candidate source: 20 (pool of 2048 blocks x 8 = 16384 candidates)"));
   BOOST_TEST(has(r.out, "local window: 528 bytes per position per layer"));
+  BOOST_TEST(has(r.out, "paged global cache: pages of 256 tokens = 227840 bytes"));
   BOOST_TEST(has(r.out, "   24  decoder  Reindex      1        20          24"));
   BOOST_TEST(has(r.out, "    7  encoder  Reuse        2         2           2"));
 }

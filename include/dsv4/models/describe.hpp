@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "dsv4/cache/paged_cache.hpp"
 #include "dsv4/models/model_traits.hpp"
 
 namespace dsv4::models {
@@ -38,6 +39,8 @@ struct model_description {
   bytes_per_token global_main{}, global_index{}, global_total{};
   long long local_window_bytes_per_layer = 0;
   int window_layers = 0;
+  int page_tokens = 0;       //!< tokens per page of the paged global cache
+  long long page_bytes = 0;  //!< bytes per page (page_tokens x global bytes per token)
 };
 
 template <class Model>
@@ -87,6 +90,9 @@ model_description describe() {
   d.global_total = traits::global_kv_per_token;
   d.local_window_bytes_per_layer = traits::local_window_bytes_per_layer;
   d.window_layers = traits::window_layers;
+  using pages = cache::page_geometry<Model>;
+  d.page_tokens = pages::page_tokens;
+  d.page_bytes = pages::page_bytes;
   return d;
 }
 
@@ -161,7 +167,9 @@ inline void print_info(std::ostream& os, const model_description& d) {
      << " scales), ring of " << a.window_size
      << " = " << d.local_window_bytes_per_layer << " bytes per layer per sequence, "
      << d.window_layers << " rings (" << d.num_layers << " layers + " << d.dspark_stages
-     << " DSpark) = " << d.local_window_bytes_per_layer * d.window_layers << " bytes per sequence\n";
+     << " DSpark) = " << d.local_window_bytes_per_layer * d.window_layers << " bytes per sequence\n"
+     << "  paged global cache: pages of " << d.page_tokens << " tokens = " << d.page_bytes
+     << " bytes (all owners' entries, no padding)\n";
 }
 
 }  // namespace dsv4::models
