@@ -14,17 +14,12 @@
 #include <string>
 #include <vector>
 
-#include "dsv4/io/safetensors.hpp"
+#include "dsv4/io/tensor_spec.hpp"
 #include "dsv4/models/model_traits.hpp"
 
 namespace dsv4::models {
 
-struct tensor_spec {
-  std::string name;
-  std::vector<long long> shape;            //!< empty: shape checked elsewhere (see wo_a.scale)
-  std::vector<io::st_dtype> dtypes;        //!< accepted stored dtypes
-  bool optional = false;                   //!< may be absent (gate.bias_vl in some shards)
-};
+using io::tensor_spec;
 
 namespace detail {
 class schema_builder {

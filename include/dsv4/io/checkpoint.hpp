@@ -1,0 +1,114 @@
+#pragma once
+//! \file
+//! A checkpoint: one safetensors file, or a folder of shards with model.safetensors.index.json
+//! (its "weight_map" names the shard of every tensor). Shards are opened (memory-mapped) on first
+//! use. `validate` checks every tensor of a schema and reports all problems at once, each naming
+//! the tensor and the file.
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/io/json.hpp"
+#include "dsv4/io/safetensors.hpp"
+#include "dsv4/io/tensor_spec.hpp"
+
+namespace dsv4::io {
+
+class checkpoint {
+ public:
+  //! `path`: a .safetensors file, or a folder holding model.safetensors.index.json (or exactly one
+  //! .safetensors file).
+  explicit checkpoint(const std::string& path) {
+    namespace fs = std::filesystem;
+    if (fs::is_directory(path)) {
+      const fs::path index = fs::path(path) / "model.safetensors.index.json";
+      if (fs::exists(index)) {
+        std::ifstream f(index);
+        std::stringstream ss;
+        ss << f.rdbuf();
+        const json j = parse_json(ss.str(), index.string());
+        if (!j.is_object() || !j.object().count("weight_map") || !j.object().at("weight_map").is_object())
+          throw error(index.string() + ": no \"weight_map\" object");
+        for (const auto& [name, file] : j.object().at("weight_map").object()) {
+          if (!file.is_string()) throw error(index.string() + ": weight_map entry '" + name + "' is not a file name");
+          where_[name] = (fs::path(path) / file.string()).string();
+        }
+        return;
+      }
+      std::vector<std::string> files;
+      for (const auto& e : fs::directory_iterator(path))
+        if (e.path().extension() == ".safetensors") files.push_back(e.path().string());
+      if (files.size() != 1)
+        throw error(path + ": a checkpoint folder needs model.safetensors.index.json or exactly one .safetensors file (found " +
+                    std::to_string(files.size()) + ")");
+      add_single(files[0]);
+      return;
+    }
+    add_single(path);
+  }
+
+  bool contains(const std::string& name) const { return where_.count(name) != 0; }
+  std::size_t size() const { return where_.size(); }
+  //! The file that holds `name` (throws if the checkpoint has no such tensor).
+  const std::string& file_of(const std::string& name) const {
+    auto it = where_.find(name);
+    if (it == where_.end()) throw error("checkpoint: no tensor named '" + name + "'");
+    return it->second;
+  }
+  const tensor_view& tensor(const std::string& name) { return open(file_of(name)).tensor(name); }
+
+  //! Checks every tensor of `schema`: present (unless optional), an accepted dtype, the shape.
+  //! Throws one error listing up to 20 problems, each with tensor and file.
+  void validate(const std::vector<tensor_spec>& schema) {
+    std::vector<std::string> problems;
+    for (const auto& t : schema) {
+      auto it = where_.find(t.name);
+      if (it == where_.end()) {
+        if (!t.optional) problems.push_back("missing tensor '" + t.name + "'");
+        continue;
+      }
+      try {
+        const tensor_view& v = open(it->second).tensor(t.name);
+        bool dtype_ok = false;
+        for (st_dtype d : t.dtypes) dtype_ok |= d == v.dtype;
+        if (!dtype_ok) {
+          std::string want;
+          for (st_dtype d : t.dtypes) want += (want.empty() ? "" : " or ") + dtype_name(d);
+          problems.push_back(it->second + ": tensor '" + t.name + "' has dtype " + dtype_name(v.dtype) + ", expected " + want);
+        } else if (!t.shape.empty() && v.shape != t.shape) {
+          problems.push_back(it->second + ": tensor '" + t.name + "' has shape " + safetensors_file::shape_string(v.shape) +
+                             ", expected " + safetensors_file::shape_string(t.shape));
+        }
+      } catch (const error& e) {
+        problems.push_back(e.what());
+      }
+    }
+    if (problems.empty()) return;
+    std::string msg = "checkpoint does not match the model: " + std::to_string(problems.size()) + " problem(s)";
+    for (std::size_t i = 0; i < problems.size() && i < 20; ++i) msg += "\n  " + problems[i];
+    if (problems.size() > 20) msg += "\n  ...";
+    throw error(msg);
+  }
+
+ private:
+  std::map<std::string, std::string> where_;  // tensor -> file
+  std::map<std::string, std::unique_ptr<safetensors_file>> open_;
+
+  void add_single(const std::string& file) {
+    safetensors_file& f = open(file);
+    for (const auto& n : f.names()) where_[n] = file;
+  }
+  safetensors_file& open(const std::string& file) {
+    auto it = open_.find(file);
+    if (it == open_.end()) it = open_.emplace(file, std::make_unique<safetensors_file>(file)).first;
+    return *it->second;
+  }
+};
+
+}  // namespace dsv4::io

@@ -1,0 +1,106 @@
+// Checkpoints: writer, sharded reader, validation against the schema with errors that name the
+// tensor and the file; a random tiny checkpoint round trip.
+
+#include <boost/test/unit_test.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "dsv4/io/checkpoint.hpp"
+#include "dsv4/io/random_checkpoint.hpp"
+#include "dsv4/models/checkpoint_schema.hpp"
+#include "dsv4/models/tiny.hpp"
+
+using namespace dsv4;
+namespace fs = std::filesystem;
+
+namespace {
+std::string scratch(const std::string& name) {
+  const auto p = fs::temp_directory_path() / "dsv4_test_checkpoint" / name;
+  fs::remove_all(p);
+  return p.string();
+}
+bool throws_with(auto&& f, const std::string& needle) {
+  try {
+    f();
+  } catch (const dsv4::error& e) {
+    if (std::string(e.what()).find(needle) != std::string::npos) return true;
+    BOOST_TEST_MESSAGE("message was: " << e.what());
+  }
+  return false;
+}
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(checkpoint_io)
+
+BOOST_AUTO_TEST_CASE(random_tiny_checkpoint_round_trips_and_validates) {
+  const auto schema = models::checkpoint_schema<models::tiny>();
+  const std::string dir = scratch("tiny");
+  io::write_random_checkpoint(schema, dir, 8u << 20, 1234);
+  io::checkpoint ck(dir);
+  BOOST_TEST(ck.size() == schema.size());
+  BOOST_CHECK_NO_THROW(ck.validate(schema));
+  int shards = 0;
+  for (const auto& e : fs::directory_iterator(dir)) shards += e.path().extension() == ".safetensors";
+  BOOST_TEST(shards > 2);  // sharded by the 8 MiB limit
+  const auto& t = ck.tensor("layers.20.attn.indexer.wk.weight");
+  BOOST_TEST((t.shape == std::vector<long long>{64, 128}));
+  BOOST_TEST(ck.file_of("embed.weight").find("model-1.safetensors") != std::string::npos);
+  // The same seed writes the same bytes.
+  const std::string dir2 = scratch("tiny2");
+  io::write_random_checkpoint(schema, dir2, 8u << 20, 1234);
+  io::checkpoint ck2(dir2);
+  const auto& a = ck.tensor("layers.3.ffn.experts.2.w1.weight");
+  const auto& b = ck2.tensor("layers.3.ffn.experts.2.w1.weight");
+  BOOST_TEST(std::equal(a.bytes.begin(), a.bytes.end(), b.bytes.begin(), b.bytes.end()));
+}
+
+BOOST_AUTO_TEST_CASE(validation_names_tensor_and_file) {
+  auto schema = models::checkpoint_schema<models::tiny>();
+  const std::string dir = scratch("bad");
+  auto written = schema;
+  auto find = [&](const std::string& name) {
+    for (std::size_t i = 0; i < written.size(); ++i)
+      if (written[i].name == name) return i;
+    BOOST_FAIL("no tensor " << name);
+    return std::size_t(0);
+  };
+  written.erase(written.begin() + std::ptrdiff_t(find("layers.0.attn.wq_b.scale")));  // missing
+  written[find("layers.0.attn.wkv.weight")].dtypes = {io::st_dtype::F32};             // wrong dtype
+  written[find("layers.0.ffn.experts.0.w1.scale")].shape[0] += 1;                     // wrong shape
+  io::write_random_checkpoint(written, dir, 64u << 20, 1);
+  io::checkpoint ck(dir);
+  try {
+    ck.validate(schema);
+    BOOST_FAIL("expected a validation error");
+  } catch (const dsv4::error& e) {
+    const std::string m = e.what();
+    BOOST_TEST(m.find("3 problem(s)") != std::string::npos, m);
+    BOOST_TEST(m.find("missing tensor 'layers.0.attn.wq_b.scale'") != std::string::npos, m);
+    BOOST_TEST(m.find("model-1.safetensors: tensor 'layers.0.attn.wkv.weight' has dtype F32, expected F8_E4M3") !=
+                   std::string::npos, m);
+    BOOST_TEST(m.find("tensor 'layers.0.ffn.experts.0.w1.scale' has shape [129, 8], expected [128, 8]") != std::string::npos, m);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(broken_files_are_clear_errors) {
+  const std::string dir = scratch("broken");
+  fs::create_directories(dir);
+  { std::ofstream(fs::path(dir) / "model.safetensors.index.json") << "{\"weight_map\": {\"x\": \"gone.safetensors\"}}"; }
+  io::checkpoint ck(dir);
+  BOOST_TEST(throws_with([&] { ck.tensor("x"); }, "gone.safetensors: cannot open"));
+  BOOST_TEST(throws_with([&] { ck.tensor("y"); }, "no tensor named 'y'"));
+  const std::string dir2 = scratch("empty");
+  fs::create_directories(dir2);
+  BOOST_TEST(throws_with([&] { io::checkpoint c(dir2); }, "needs model.safetensors.index.json or exactly one .safetensors file"));
+  // A truncated shard.
+  const std::string dir3 = scratch("truncated");
+  io::write_random_checkpoint({{"w", {1000}, {io::st_dtype::F32}, false}}, dir3, 1u << 20, 3);
+  const auto shard = fs::path(dir3) / "model-1.safetensors";
+  fs::resize_file(shard, fs::file_size(shard) - 100);
+  io::checkpoint ck3(dir3);
+  BOOST_TEST(throws_with([&] { ck3.tensor("w"); }, "the file is truncated"));
+}
+
+BOOST_AUTO_TEST_SUITE_END()
