@@ -3,11 +3,15 @@
 //! The `dsv4` command line, as a library function: the app is a two-line main(), the tests
 //! drive it exactly as a user does, and an embedding program can reuse it.
 
+#include <map>
 #include <ostream>
 #include <string>
 #include <vector>
 
 #include "dsv4/dsv4.hpp"
+#include "dsv4/io/checkpoint.hpp"
+#include "dsv4/io/random_checkpoint.hpp"
+#include "dsv4/models/checkpoint_schema.hpp"
 
 namespace dsv4::cli {
 
@@ -19,11 +23,64 @@ inline void usage(std::ostream& os) {
   std::string names;
   for (const auto& n : models::builtin_names()) names += (names.empty() ? "" : ", ") + n;
   os << names << "; default v41-flash)\n"
+        "  check-checkpoint PATH [--config NAME]\n"
+        "                       check that a checkpoint (a .safetensors file, or a folder with\n"
+        "                       model.safetensors.index.json) holds every tensor of the model\n"
+        "                       with the right dtype and shape; lists every problem\n"
+        "  random-checkpoint DIR [--config NAME] [--seed N] [--shard-mib M]\n"
+        "                       write a checkpoint with random weights (default config tiny)\n"
         "  version              print the dsv4 version\n"
         "  help                 print this text\n";
 }
 
 //! Run the CLI; returns the process exit code (0 ok, 2 usage error). Never throws.
+namespace detail {
+//! The schema of a built-in config, by name.
+inline std::vector<io::tensor_spec> schema_of(const std::string& config) {
+  if (config == models::v41_flash::name) return models::checkpoint_schema<models::v41_flash>();
+  if (config == models::tiny::name) return models::checkpoint_schema<models::tiny>();
+  models::describe_builtin(config);  // throws the "unknown model config" error with the valid names
+  return {};
+}
+
+//! Parses "--name value" / "--name=value" options after the positional arguments.
+struct options {
+  std::vector<std::string> positional;
+  std::map<std::string, std::string> named;
+};
+inline options parse(const std::vector<std::string>& args, const std::string& cmd, const std::vector<std::string>& allowed) {
+  options o;
+  for (std::size_t i = 1; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a.rfind("--", 0) != 0) {
+      o.positional.push_back(a);
+      continue;
+    }
+    const auto eq = a.find('=');
+    const std::string key = a.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+    bool ok = false;
+    for (const auto& k : allowed) ok |= k == key;
+    if (!ok) throw error(cmd + ": unknown option '" + a + "'");
+    if (eq != std::string::npos) {
+      o.named[key] = a.substr(eq + 1);
+    } else {
+      if (i + 1 >= args.size()) throw error(cmd + ": --" + key + " needs a value");
+      o.named[key] = args[++i];
+    }
+  }
+  return o;
+}
+inline long long parse_integer(const std::string& cmd, const std::string& key, const std::string& v) {
+  try {
+    std::size_t used = 0;
+    const long long n = std::stoll(v, &used);
+    if (used == v.size() && n >= 0) return n;
+  } catch (const std::exception&) {
+  }
+  throw error(cmd + ": --" + key + " needs a non-negative integer, got '" + v + "'");
+}
+}  // namespace detail
+
 inline int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   try {
     if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
@@ -48,6 +105,29 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
         }
       }
       models::print_info(out, models::describe_builtin(config));
+      return 0;
+    }
+    if (cmd == "check-checkpoint") {
+      const auto o = detail::parse(args, cmd, {"config"});
+      if (o.positional.size() != 1) throw error("check-checkpoint: give exactly one checkpoint path");
+      const std::string config = o.named.count("config") ? o.named.at("config") : models::v41_flash::name;
+      const auto schema = detail::schema_of(config);
+      io::checkpoint ck(o.positional[0]);
+      ck.validate(schema);
+      out << o.positional[0] << ": all " << schema.size() << " tensors of " << config << " present with the right dtype and shape ("
+          << ck.size() << " tensors in the checkpoint)\n";
+      return 0;
+    }
+    if (cmd == "random-checkpoint") {
+      const auto o = detail::parse(args, cmd, {"config", "seed", "shard-mib"});
+      if (o.positional.size() != 1) throw error("random-checkpoint: give exactly one output folder");
+      const std::string config = o.named.count("config") ? o.named.at("config") : models::tiny::name;
+      const long long seed = o.named.count("seed") ? detail::parse_integer(cmd, "seed", o.named.at("seed")) : 0;
+      const long long mib = o.named.count("shard-mib") ? detail::parse_integer(cmd, "shard-mib", o.named.at("shard-mib")) : 1024;
+      if (mib == 0) throw error("random-checkpoint: --shard-mib must be at least 1");
+      const auto schema = detail::schema_of(config);
+      io::write_random_checkpoint(schema, o.positional[0], std::size_t(mib) << 20, std::uint64_t(seed));
+      out << "wrote " << schema.size() << " random tensors of " << config << " to " << o.positional[0] << "\n";
       return 0;
     }
     throw error("unknown command '" + cmd + "' (try: dsv4 help)");

@@ -2,6 +2,7 @@
 
 #include <boost/test/unit_test.hpp>
 
+#include <filesystem>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -57,6 +58,38 @@ BOOST_AUTO_TEST_CASE(bad_input_is_a_clear_error) {
   r = run({});
   BOOST_TEST((r.code == 2 && has(r.err, "usage: dsv4")));
   BOOST_TEST(run({"version"}).out == "dsv4 0.1.0\n");
+}
+
+// A user writes a random tiny checkpoint and checks it; a checkpoint of the wrong config is
+// rejected with the problems listed.
+BOOST_AUTO_TEST_CASE(random_checkpoint_then_check) {
+  const auto dir = (std::filesystem::temp_directory_path() / "dsv4_test_cli_ckpt").string();
+  std::filesystem::remove_all(dir);
+  result r = run({"random-checkpoint", dir, "--config", "tiny", "--seed", "7", "--shard-mib=4"});
+  BOOST_TEST(r.code == 0, r.err);
+  BOOST_TEST(has(r.out, "random tensors of tiny"));
+  r = run({"check-checkpoint", dir, "--config=tiny"});
+  BOOST_TEST(r.code == 0, r.err);
+  BOOST_TEST(has(r.out, "present with the right dtype and shape"));
+  r = run({"check-checkpoint", dir, "--config", "v41-flash"});
+  BOOST_TEST(r.code == 2);
+  BOOST_TEST(has(r.err, "checkpoint does not match the model"));
+  BOOST_TEST(has(r.err, "has shape"));
+  BOOST_TEST(run({"random-checkpoint", dir, "--seed", "x"}).code == 2);
+  BOOST_TEST(has(run({"random-checkpoint", dir, "--seed", "x"}).err, "--seed needs a non-negative integer, got 'x'"));
+  BOOST_TEST(has(run({"check-checkpoint"}).err, "give exactly one checkpoint path"));
+  BOOST_TEST(has(run({"check-checkpoint", "/nonexistent/path.safetensors"}).err, "/nonexistent/path.safetensors: cannot open"));
+  BOOST_TEST(has(run({"random-checkpoint", dir, "--config", "v9"}).err, "unknown model config 'v9'"));
+  // V4.1 Flash is 510 GB: refused before anything is written. (Only tried where it cannot fit, so
+  // the test never writes half a terabyte.)
+  if (std::filesystem::space(std::filesystem::temp_directory_path()).available < (475ull << 30)) {
+    const auto dir41 = (std::filesystem::temp_directory_path() / "dsv4_test_cli_v41").string();
+    r = run({"random-checkpoint", dir41, "--config", "v41-flash"});
+    BOOST_TEST(r.code == 2);
+    BOOST_TEST(has(r.err, "needs 486646 MiB"));
+    BOOST_TEST(std::filesystem::is_empty(dir41));
+    std::filesystem::remove_all(dir41);
+  }
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -103,4 +103,24 @@ BOOST_AUTO_TEST_CASE(broken_files_are_clear_errors) {
   BOOST_TEST(throws_with([&] { ck3.tensor("w"); }, "the file is truncated"));
 }
 
+// convert.py's renames (spec §16): HF-style names are found under their official names.
+BOOST_AUTO_TEST_CASE(hf_style_names_map_to_official_names) {
+  BOOST_TEST(io::official_tensor_name("model.layers.3.self_attn.wq_a.weight_scale_inv") == "layers.3.attn.wq_a.scale");
+  BOOST_TEST(io::official_tensor_name("model.layers.3.mlp.gate.e_score_correction_bias") == "layers.3.ffn.gate.bias");
+  BOOST_TEST(io::official_tensor_name("vision.blocks.0.mlp.w1.weight") == "vision.blocks.0.mlp.w1.weight");
+  BOOST_TEST(io::official_tensor_name("layers.0.attn.wkv.weight") == "layers.0.attn.wkv.weight");
+  BOOST_TEST(io::official_tensor_name("layers.0.attn.mlpx.weight") == "layers.0.attn.mlpx.weight");  // whole parts only
+  const std::string dir = scratch("hf");
+  io::write_random_checkpoint({{"model.layers.0.self_attn.wkv.weight_scale_inv", {2, 3}, {io::st_dtype::F8_E8M0}, false},
+                               {"layers.0.attn.wkv.scale", {1}, {io::st_dtype::F32}, false}},
+                              dir, 1u << 20, 5);
+  BOOST_TEST(throws_with([&] { io::checkpoint c(dir); }, "two tensors map to 'layers.0.attn.wkv.scale'"));
+  const std::string dir2 = scratch("hf2");
+  io::write_random_checkpoint({{"model.layers.0.self_attn.wkv.weight_scale_inv", {2, 3}, {io::st_dtype::F8_E8M0}, false}},
+                              dir2, 1u << 20, 5);
+  io::checkpoint ck(dir2);
+  BOOST_TEST((ck.tensor("layers.0.attn.wkv.scale").shape == std::vector<long long>{2, 3}));
+  BOOST_CHECK_NO_THROW(ck.validate({{"layers.0.attn.wkv.scale", {2, 3}, {io::st_dtype::F8_E8M0}, false}}));
+}
+
 BOOST_AUTO_TEST_SUITE_END()

@@ -5,6 +5,7 @@
 #include <map>
 #include <set>
 
+#include "dsv4/io/random_checkpoint.hpp"
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/tiny.hpp"
 #include "dsv4/models/v41_flash.hpp"
@@ -25,6 +26,8 @@ BOOST_AUTO_TEST_SUITE(checkpoint_schema)
 BOOST_AUTO_TEST_CASE(v41_lists_every_tensor_of_the_official_index) {
   const auto schema = models::checkpoint_schema<models::v41_flash>();
   BOOST_TEST(schema.size() == 96085u);
+  // ... and the index's total_size, 510,286,023,000 bytes, to the byte: every stored dtype and shape.
+  BOOST_TEST(io::checkpoint_bytes(schema) == 510286023000ull);
   const auto m = by_name(schema);
   // Spot checks against the spec's tables.
   BOOST_TEST((m.at("layers.0.attn.wq_b.weight").shape == std::vector<long long>{32768, 1280}));

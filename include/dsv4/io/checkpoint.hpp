@@ -20,6 +20,31 @@
 
 namespace dsv4::io {
 
+//! The official module name of an HF-style tensor name, as convert.py maps them (spec §16): strip
+//! "model.", "self_attn" -> "attn", "mlp" -> "ffn" (not under "vision."), "weight_scale_inv" ->
+//! "scale", "e_score_correction_bias" -> "bias". Official names map to themselves.
+inline std::string official_tensor_name(std::string name) {
+  auto replace_part = [&](const std::string& from, const std::string& to) {
+    std::string out;
+    std::size_t start = 0;
+    while (start <= name.size()) {
+      std::size_t dot = name.find('.', start);
+      if (dot == std::string::npos) dot = name.size();
+      const std::string part = name.substr(start, dot - start);
+      out += (part == from ? to : part);
+      if (dot < name.size()) out += '.';
+      start = dot + 1;
+    }
+    name = out;
+  };
+  if (name.rfind("model.", 0) == 0) name = name.substr(6);
+  replace_part("self_attn", "attn");
+  if (name.rfind("vision.", 0) != 0) replace_part("mlp", "ffn");
+  replace_part("weight_scale_inv", "scale");
+  replace_part("e_score_correction_bias", "bias");
+  return name;
+}
+
 class checkpoint {
  public:
   //! `path`: a .safetensors file, or a folder holding model.safetensors.index.json (or exactly one
@@ -37,7 +62,7 @@ class checkpoint {
           throw error(index.string() + ": no \"weight_map\" object");
         for (const auto& [name, file] : j.object().at("weight_map").object()) {
           if (!file.is_string()) throw error(index.string() + ": weight_map entry '" + name + "' is not a file name");
-          where_[name] = (fs::path(path) / file.string()).string();
+          add_name(name, (fs::path(path) / file.string()).string(), index.string());
         }
         return;
       }
@@ -61,7 +86,10 @@ class checkpoint {
     if (it == where_.end()) throw error("checkpoint: no tensor named '" + name + "'");
     return it->second;
   }
-  const tensor_view& tensor(const std::string& name) { return open(file_of(name)).tensor(name); }
+  const tensor_view& tensor(const std::string& name) {
+    const std::string& file = file_of(name);
+    return open(file).tensor(stored_name(name));
+  }
 
   //! Checks every tensor of `schema`: present (unless optional), an accepted dtype, the shape.
   //! Throws one error listing up to 20 problems, each with tensor and file.
@@ -74,7 +102,7 @@ class checkpoint {
         continue;
       }
       try {
-        const tensor_view& v = open(it->second).tensor(t.name);
+        const tensor_view& v = open(it->second).tensor(stored_name(t.name));
         bool dtype_ok = false;
         for (st_dtype d : t.dtypes) dtype_ok |= d == v.dtype;
         if (!dtype_ok) {
@@ -97,12 +125,23 @@ class checkpoint {
   }
 
  private:
-  std::map<std::string, std::string> where_;  // tensor -> file
+  std::map<std::string, std::string> where_;   // official tensor name -> file
+  std::map<std::string, std::string> stored_;  // official name -> name as stored, where they differ
   std::map<std::string, std::unique_ptr<safetensors_file>> open_;
 
+  void add_name(const std::string& stored, const std::string& file, const std::string& source) {
+    const std::string official = official_tensor_name(stored);
+    if (!where_.emplace(official, file).second)
+      throw error(source + ": two tensors map to '" + official + "' (one of them is '" + stored + "')");
+    if (official != stored) stored_[official] = stored;
+  }
+  const std::string& stored_name(const std::string& official) const {
+    auto it = stored_.find(official);
+    return it == stored_.end() ? official : it->second;
+  }
   void add_single(const std::string& file) {
     safetensors_file& f = open(file);
-    for (const auto& n : f.names()) where_[n] = file;
+    for (const auto& n : f.names()) add_name(n, file, file);
   }
   safetensors_file& open(const std::string& file) {
     auto it = open_.find(file);

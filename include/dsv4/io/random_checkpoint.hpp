@@ -52,10 +52,32 @@ inline std::vector<std::uint8_t> random_bytes(std::mt19937_64& rng, st_dtype d, 
 }
 }  // namespace detail
 
+//! Bytes the checkpoint of `schema` takes (open shapes counted as 32 x 32 tiles of the weight
+//! before them).
+inline unsigned long long checkpoint_bytes(const std::vector<tensor_spec>& schema) {
+  unsigned long long total = 0;
+  std::vector<long long> last;
+  for (const auto& t : schema) {
+    std::vector<long long> shape = t.shape;
+    if (shape.empty() && last.size() == 2) shape = {(last[0] + 31) / 32, (last[1] + 31) / 32};
+    unsigned long long n = t.dtypes.empty() ? 0 : unsigned(dtype_bytes(t.dtypes.front()));
+    for (long long s : shape) n *= static_cast<unsigned long long>(s);
+    total += n;
+    last = shape;
+  }
+  return total;
+}
+
 inline void write_random_checkpoint(const std::vector<tensor_spec>& schema, const std::string& folder,
                                     std::size_t shard_bytes, std::uint64_t seed) {
   namespace fs = std::filesystem;
   fs::create_directories(folder);
+  // Refuse up front rather than fill the disk halfway (a V4.1 Flash checkpoint is ~510 GB).
+  const unsigned long long need = checkpoint_bytes(schema);
+  const unsigned long long free_bytes = fs::space(folder).available;
+  if (need > free_bytes)
+    throw error(folder + ": a random checkpoint of this model needs " + std::to_string(need >> 20) + " MiB but only " +
+                std::to_string(free_bytes >> 20) + " MiB are free");
   std::mt19937_64 rng(seed);
   std::vector<std::pair<std::string, std::string>> weight_map;
   std::vector<std::string> shard_files;
