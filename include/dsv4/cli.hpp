@@ -3,8 +3,10 @@
 //! The `dsv4` command line, as a library function: the app is a two-line main(), the tests
 //! drive it exactly as a user does, and an embedding program can reuse it.
 
+#include <fstream>
 #include <map>
 #include <ostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "dsv4/io/checkpoint.hpp"
 #include "dsv4/io/random_checkpoint.hpp"
 #include "dsv4/models/checkpoint_schema.hpp"
+#include "dsv4/models/config_json.hpp"
 
 namespace dsv4::cli {
 
@@ -23,10 +26,11 @@ inline void usage(std::ostream& os) {
   std::string names;
   for (const auto& n : models::builtin_names()) names += (names.empty() ? "" : ", ") + n;
   os << names << "; default v41-flash)\n"
-        "  check-checkpoint PATH [--config NAME]\n"
+        "  check-checkpoint PATH [--config NAME] [--config-json FILE]\n"
         "                       check that a checkpoint (a .safetensors file, or a folder with\n"
         "                       model.safetensors.index.json) holds every tensor of the model\n"
-        "                       with the right dtype and shape; lists every problem\n"
+        "                       with the right dtype and shape, and that an inference\n"
+        "                       config.json, if given, has the model's values; lists every problem\n"
         "  random-checkpoint DIR [--config NAME] [--seed N] [--shard-mib M]\n"
         "                       write a checkpoint with random weights (default config tiny)\n"
         "  version              print the dsv4 version\n"
@@ -36,6 +40,18 @@ inline void usage(std::ostream& os) {
 //! Run the CLI; returns the process exit code (0 ok, 2 usage error). Never throws.
 namespace detail {
 //! The schema of a built-in config, by name.
+inline std::vector<std::string> config_problems(const std::string& config, const std::string& path) {
+  std::ifstream f(path);
+  if (!f) throw error(path + ": cannot open");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const io::json j = io::parse_json(ss.str(), path);
+  if (config == models::v41_flash::name) return models::compare_config_json<models::v41_flash>(j);
+  if (config == models::tiny::name) return models::compare_config_json<models::tiny>(j);
+  models::describe_builtin(config);
+  return {};
+}
+
 inline std::vector<io::tensor_spec> schema_of(const std::string& config) {
   if (config == models::v41_flash::name) return models::checkpoint_schema<models::v41_flash>();
   if (config == models::tiny::name) return models::checkpoint_schema<models::tiny>();
@@ -108,9 +124,18 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       return 0;
     }
     if (cmd == "check-checkpoint") {
-      const auto o = detail::parse(args, cmd, {"config"});
+      const auto o = detail::parse(args, cmd, {"config", "config-json"});
       if (o.positional.size() != 1) throw error("check-checkpoint: give exactly one checkpoint path");
       const std::string config = o.named.count("config") ? o.named.at("config") : models::v41_flash::name;
+      if (o.named.count("config-json")) {
+        const auto problems = detail::config_problems(config, o.named.at("config-json"));
+        if (!problems.empty()) {
+          std::string msg = o.named.at("config-json") + " does not match " + config + ": " + std::to_string(problems.size()) + " problem(s)";
+          for (const auto& p : problems) msg += "\n  " + p;
+          throw error(msg);
+        }
+        out << o.named.at("config-json") << ": every key matches " << config << "\n";
+      }
       const auto schema = detail::schema_of(config);
       io::checkpoint ck(o.positional[0]);
       ck.validate(schema);

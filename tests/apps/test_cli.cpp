@@ -71,6 +71,11 @@ BOOST_AUTO_TEST_CASE(random_checkpoint_then_check) {
   r = run({"check-checkpoint", dir, "--config=tiny"});
   BOOST_TEST(r.code == 0, r.err);
   BOOST_TEST(has(r.out, "present with the right dtype and shape"));
+  const std::string official = std::string(DSV4_TEST_DATA) + "/v41_inference_config.json";
+  r = run({"check-checkpoint", dir, "--config", "tiny", "--config-json", official});
+  BOOST_TEST(r.code == 2);
+  BOOST_TEST(has(r.err, "does not match tiny"));
+  BOOST_TEST(has(r.err, "key 'dim' is 5120.000000, the model has 256.000000"));
   r = run({"check-checkpoint", dir, "--config", "v41-flash"});
   BOOST_TEST(r.code == 2);
   BOOST_TEST(has(r.err, "checkpoint does not match the model"));
