@@ -11,8 +11,10 @@
 #include "dsv4/io/random_checkpoint.hpp"
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/tiny.hpp"
+#include "support/errors.hpp"
 
 using namespace dsv4;
+using dsv4::test::throws_with;
 namespace fs = std::filesystem;
 
 namespace {
@@ -20,15 +22,6 @@ std::string scratch(const std::string& name) {
   const auto p = fs::temp_directory_path() / "dsv4_test_checkpoint" / name;
   fs::remove_all(p);
   return p.string();
-}
-bool throws_with(auto&& f, const std::string& needle) {
-  try {
-    f();
-  } catch (const dsv4::error& e) {
-    if (std::string(e.what()).find(needle) != std::string::npos) return true;
-    BOOST_TEST_MESSAGE("message was: " << e.what());
-  }
-  return false;
 }
 }  // namespace
 

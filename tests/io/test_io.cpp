@@ -13,21 +13,12 @@
 #include "dsv4/io/json.hpp"
 #include "dsv4/io/safetensors.hpp"
 #include "support/data.hpp"
+#include "support/errors.hpp"
 
 using namespace dsv4;
+using dsv4::test::throws_with;
 
 namespace {
-
-bool throws_with(auto&& f, const std::string& needle) {
-  try {
-    f();
-  } catch (const dsv4::error& e) {
-    if (std::string(e.what()).find(needle) != std::string::npos) return true;
-    BOOST_TEST_MESSAGE("message was: " << e.what());
-    return false;
-  }
-  return false;
-}
 
 // Writes a safetensors file from a header string and raw data.
 std::string write_file(const std::string& name, const std::string& header, const std::vector<std::uint8_t>& data,
