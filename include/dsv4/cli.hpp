@@ -3,10 +3,8 @@
 //! The `dsv4` command line, as a library function: the app is a two-line main(), the tests
 //! drive it exactly as a user does, and an embedding program can reuse it.
 
-#include <fstream>
 #include <map>
 #include <ostream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -41,11 +39,7 @@ inline void usage(std::ostream& os) {
 namespace detail {
 //! The schema of a built-in config, by name.
 inline std::vector<std::string> config_problems(const std::string& config, const std::string& path) {
-  std::ifstream f(path);
-  if (!f) throw error(path + ": cannot open");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const io::json j = io::parse_json(ss.str(), path);
+  const io::json j = io::parse_json_file(path);
   if (config == models::v41_flash::name) return models::compare_config_json<models::v41_flash>(j);
   if (config == models::tiny::name) return models::compare_config_json<models::tiny>(j);
   models::describe_builtin(config);

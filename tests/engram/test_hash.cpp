@@ -2,8 +2,6 @@
 
 #include <boost/test/unit_test.hpp>
 
-#include <fstream>
-#include <sstream>
 #include <vector>
 
 #include "dsv4/engram/hash.hpp"
@@ -35,10 +33,7 @@ BOOST_AUTO_TEST_CASE(v41_prime_layout) {
 
 // The V4.1 multipliers in the dsv4 config equal the reference MANIFEST's (computed by engram.py).
 BOOST_AUTO_TEST_CASE(v41_multipliers_match_the_manifest) {
-  std::ifstream f(test::data_path("reference/MANIFEST.json"));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const auto j = io::parse_json(ss.str(), "MANIFEST.json");
+  const auto j = io::parse_json_file(test::data_path("reference/MANIFEST.json"));
   const auto& m = j.object().at("engram_multipliers").object();
   for (int l = 0; l < 2; ++l) {
     const auto& arr = m.at(l == 0 ? "1" : "14").array();

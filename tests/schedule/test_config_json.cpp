@@ -2,8 +2,6 @@
 
 #include <boost/test/unit_test.hpp>
 
-#include <fstream>
-#include <sstream>
 
 #include "dsv4/models/config_json.hpp"
 #include "dsv4/models/tiny.hpp"
@@ -13,12 +11,7 @@
 using namespace dsv4;
 
 namespace {
-io::json load(const std::string& rel) {
-  std::ifstream f(test::data_path(rel));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return io::parse_json(ss.str(), rel);
-}
+io::json load(const std::string& rel) { return io::parse_json_file(test::data_path(rel)); }
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(config_json)

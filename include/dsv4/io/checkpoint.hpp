@@ -6,10 +6,8 @@
 //! the tensor and the file.
 
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -54,10 +52,7 @@ class checkpoint {
     if (fs::is_directory(path)) {
       const fs::path index = fs::path(path) / "model.safetensors.index.json";
       if (fs::exists(index)) {
-        std::ifstream f(index);
-        std::stringstream ss;
-        ss << f.rdbuf();
-        const json j = parse_json(ss.str(), index.string());
+        const json j = parse_json_file(index.string());
         if (!j.is_object() || !j.object().count("weight_map") || !j.object().at("weight_map").is_object())
           throw error(index.string() + ": no \"weight_map\" object");
         for (const auto& [name, file] : j.object().at("weight_map").object()) {

@@ -4,8 +4,10 @@
 //! model.safetensors.index.json. Errors name the source and the byte offset.
 
 #include <cstdint>
+#include <fstream>
 #include <map>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <variant>
@@ -224,6 +226,15 @@ class json_parser {
 //! Parse `text`; `source` (a file name) prefixes every error message.
 inline json parse_json(std::string_view text, const std::string& source) {
   return detail::json_parser(text, source).parse_document();
+}
+
+//! Read and parse a JSON file; errors name the file.
+inline json parse_json_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw error(path + ": cannot open");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return parse_json(ss.str(), path);
 }
 
 }  // namespace dsv4::io
