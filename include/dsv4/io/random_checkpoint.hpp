@@ -52,18 +52,31 @@ inline std::vector<std::uint8_t> random_bytes(std::mt19937_64& rng, st_dtype d, 
 }
 }  // namespace detail
 
-//! Bytes the checkpoint of `schema` takes (open shapes counted as 32 x 32 tiles of the weight
-//! before them).
-inline unsigned long long checkpoint_bytes(const std::vector<tensor_spec>& schema) {
-  unsigned long long total = 0;
-  std::vector<long long> last;
+//! The shape each tensor of `schema` is written with: its own, or, where the schema leaves it open
+//! (a scale whose tiling convert.py does not pin), 32 x 32 tiles of the tensor written before it.
+inline std::vector<std::vector<long long>> written_shapes(const std::vector<tensor_spec>& schema) {
+  std::vector<std::vector<long long>> shapes;
+  shapes.reserve(schema.size());
   for (const auto& t : schema) {
-    std::vector<long long> shape = t.shape;
-    if (shape.empty() && last.size() == 2) shape = {(last[0] + 31) / 32, (last[1] + 31) / 32};
-    unsigned long long n = t.dtypes.empty() ? 0 : unsigned(dtype_bytes(t.dtypes.front()));
-    for (long long s : shape) n *= static_cast<unsigned long long>(s);
+    if (!t.shape.empty()) {
+      shapes.push_back(t.shape);
+      continue;
+    }
+    if (shapes.empty() || shapes.back().size() != 2)
+      throw error("write_random_checkpoint: cannot infer the shape of '" + t.name + "'");
+    shapes.push_back({(shapes.back()[0] + 31) / 32, (shapes.back()[1] + 31) / 32});
+  }
+  return shapes;
+}
+
+//! Bytes the checkpoint of `schema` takes, each tensor in its first accepted dtype.
+inline unsigned long long checkpoint_bytes(const std::vector<tensor_spec>& schema) {
+  const auto shapes = written_shapes(schema);
+  unsigned long long total = 0;
+  for (std::size_t i = 0; i < schema.size(); ++i) {
+    unsigned long long n = schema[i].dtypes.empty() ? 0 : unsigned(dtype_bytes(schema[i].dtypes.front()));
+    for (long long s : shapes[i]) n *= static_cast<unsigned long long>(s);
     total += n;
-    last = shape;
   }
   return total;
 }
@@ -83,7 +96,7 @@ inline void write_random_checkpoint(const std::vector<tensor_spec>& schema, cons
   std::vector<std::string> shard_files;
   safetensors_writer shard;
   std::vector<std::string> shard_names;
-  std::vector<long long> last_weight_shape;
+  const auto shapes = written_shapes(schema);
   auto flush = [&] {
     if (shard.empty()) return;
     const std::string name = "model-" + std::to_string(shard_files.size() + 1) + ".safetensors";
@@ -93,20 +106,16 @@ inline void write_random_checkpoint(const std::vector<tensor_spec>& schema, cons
     shard = safetensors_writer{};
     shard_names.clear();
   };
-  for (const auto& t : schema) {
+  for (std::size_t i = 0; i < schema.size(); ++i) {
+    const tensor_spec& t = schema[i];
     if (t.dtypes.empty()) throw error("write_random_checkpoint: tensor '" + t.name + "' accepts no dtype");
-    std::vector<long long> shape = t.shape;
-    if (shape.empty()) {  // a scale whose tiling the schema leaves open: 32 x 32 tiles of the weight before it
-      if (last_weight_shape.size() != 2) throw error("write_random_checkpoint: cannot infer the shape of '" + t.name + "'");
-      shape = {(last_weight_shape[0] + 31) / 32, (last_weight_shape[1] + 31) / 32};
-    }
+    const std::vector<long long>& shape = shapes[i];
     long long numel = 1;
     for (long long s : shape) numel *= s;
     auto bytes = detail::random_bytes(rng, t.dtypes.front(), numel);
     if (shard.bytes() + bytes.size() > shard_bytes) flush();
     shard.add(t.name, t.dtypes.front(), shape, std::move(bytes));
     shard_names.push_back(t.name);
-    last_weight_shape = shape;
   }
   flush();
   std::ofstream idx(fs::path(folder) / "model.safetensors.index.json");
