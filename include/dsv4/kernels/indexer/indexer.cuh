@@ -263,42 +263,40 @@ DSV4_KERNEL void expand_blocks_kernel(candidate_args a, int kb) {
 }
 }  // namespace detail
 
+namespace detail {
+//! Checks and launches the scan; `positions` (null for a plain scan) lists the keys to score.
+template <int Dim>
+void launch_index_scan(const char* op, const index_scan_args& a, const std::int32_t* positions, bool gathered,
+                       cudaStream_t stream) {
+  static_assert(Dim % 32 == 0, "index_scan<Dim>: Dim must be a multiple of the MXFP4 block (32)");
+  const std::string name(op);
+  if (a.rows < 0 || a.n_keys < 0 || a.heads <= 0 || a.heads > max_index_heads)
+    throw error(name + ": need rows, n_keys >= 0 and 0 < heads <= 64 (got heads " + std::to_string(a.heads) + ")");
+  if (a.rows == 0 || a.n_keys == 0) return;
+  if (a.rows > 65535) throw error(name + ": at most 65535 query rows per launch (grid y); split the rows into chunks");
+  if (!a.q || !a.w || !a.keys || !a.scores || !a.visible || (gathered && !positions))
+    throw error(name + ": null pointer argument");
+  if (a.key_stride % 4 || reinterpret_cast<std::uintptr_t>(a.keys) % 4)
+    throw error(name + ": keys must be 4-byte aligned with a stride that is a multiple of 4 bytes");
+  const int smem = (a.heads * Dim + a.heads) * int(sizeof(float));
+  auto kernel = index_scan_kernel<Dim>;
+  DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(unsigned((a.n_keys + scan_threads - 1) / scan_threads), unsigned(a.rows));
+  kernel<<<grid, scan_threads, smem, stream>>>(a, positions);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+}  // namespace detail
+
+//! Scores every key [0, n_keys) for each query row.
 template <int Dim>
 void index_scan(const index_scan_args& a, cudaStream_t stream = nullptr) {
-  static_assert(Dim % 32 == 0, "index_scan<Dim>: Dim must be a multiple of the MXFP4 block (32)");
-  if (a.rows < 0 || a.n_keys < 0 || a.heads <= 0 || a.heads > detail::max_index_heads)
-    throw error("index_scan: need rows, n_keys >= 0 and 0 < heads <= 64 (got heads " + std::to_string(a.heads) + ")");
-  if (a.rows == 0 || a.n_keys == 0) return;
-  if (a.rows > 65535) throw error("index_scan: at most 65535 query rows per launch (grid y); split the prefill into chunks");
-  if (!a.q || !a.w || !a.keys || !a.scores || !a.visible) throw error("index_scan: null pointer argument");
-  if (a.key_stride % 4 || reinterpret_cast<std::uintptr_t>(a.keys) % 4)
-    throw error("index_scan: keys must be 4-byte aligned with a stride that is a multiple of 4 bytes");
-  const int smem = (a.heads * Dim + a.heads) * int(sizeof(float));
-  auto kernel = detail::index_scan_kernel<Dim>;
-  DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(unsigned((a.n_keys + detail::scan_threads - 1) / detail::scan_threads), unsigned(a.rows));
-  kernel<<<grid, detail::scan_threads, smem, stream>>>(a, nullptr);
-  DSV4_CUDA_CHECK_LAUNCH();
+  detail::launch_index_scan<Dim>("index_scan", a, nullptr, false, stream);
 }
 
 //! Scores only the listed key positions (a Reindex layer inside its candidate pool).
 template <int Dim>
 void index_scan_gathered(const gathered_scan_args& g, cudaStream_t stream = nullptr) {
-  const index_scan_args& a = g.scan;
-  if (a.rows < 0 || a.n_keys < 0 || a.heads <= 0 || a.heads > detail::max_index_heads)
-    throw error("index_scan_gathered: need rows, columns >= 0 and 0 < heads <= 64");
-  if (a.rows == 0 || a.n_keys == 0) return;
-  if (a.rows > 65535) throw error("index_scan_gathered: at most 65535 query rows per launch (grid y); split the rows");
-  if (!a.q || !a.w || !a.keys || !a.scores || !a.visible || !g.positions)
-    throw error("index_scan_gathered: null pointer argument");
-  if (a.key_stride % 4 || reinterpret_cast<std::uintptr_t>(a.keys) % 4)
-    throw error("index_scan_gathered: keys must be 4-byte aligned with a stride that is a multiple of 4 bytes");
-  const int smem = (a.heads * Dim + a.heads) * int(sizeof(float));
-  auto kernel = detail::index_scan_kernel<Dim>;
-  DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(unsigned((a.n_keys + detail::scan_threads - 1) / detail::scan_threads), unsigned(a.rows));
-  kernel<<<grid, detail::scan_threads, smem, stream>>>(a, g.positions);
-  DSV4_CUDA_CHECK_LAUNCH();
+  detail::launch_index_scan<Dim>("index_scan_gathered", g.scan, g.positions, true, stream);
 }
 
 inline void select_topk(const topk_args& a, cudaStream_t stream = nullptr);
