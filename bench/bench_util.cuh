@@ -40,6 +40,44 @@ inline double median_ms(const std::function<void()>& fn, int warmup = 5, int rep
   return ms[ms.size() / 2];
 }
 
+//! Per-call milliseconds of `calls` back-to-back calls of `fn(stream)` replayed as one CUDA graph
+//! (median of `reps` replays, divided by `calls`). A model replays its decode step as a graph,
+//! so launch latency and host overhead are hidden there; timing a single short kernel between
+//! events would mostly time the launch.
+inline double median_ms_per_call(const std::function<void(cudaStream_t)>& fn, int calls = 20, int warmup = 2,
+                                 int reps = 10) {
+  cudaStream_t s;
+  DSV4_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  DSV4_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < calls; ++i) fn(s);
+  DSV4_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  DSV4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < warmup; ++i) DSV4_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  DSV4_CUDA_CHECK(cudaStreamSynchronize(s));
+  cudaEvent_t start, stop;
+  DSV4_CUDA_CHECK(cudaEventCreate(&start));
+  DSV4_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    DSV4_CUDA_CHECK(cudaEventRecord(start, s));
+    DSV4_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    DSV4_CUDA_CHECK(cudaEventRecord(stop, s));
+    DSV4_CUDA_CHECK(cudaEventSynchronize(stop));
+    float t = 0;
+    DSV4_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2] / calls;
+}
+
 //! Device copy bandwidth in bytes/s (read + write counted), over `bytes` per direction.
 inline double copy_bandwidth(std::size_t bytes) {
   runtime::device_buffer<unsigned char> a(bytes), b(bytes);

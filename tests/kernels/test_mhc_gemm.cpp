@@ -7,10 +7,13 @@
 
 #include "dsv4/io/safetensors.hpp"
 #include "dsv4/kernels/gemm/reference.hpp"
+#include "dsv4/kernels/gemm/weight_tiles.hpp"
 #include "dsv4/kernels/mhc/sinkhorn.hpp"
 #include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/quantize.hpp"
 #include "support/data.hpp"
+#include "support/errors.hpp"
+#include "support/random.hpp"
 
 using namespace dsv4;
 using numerics::bf16;
@@ -78,6 +81,43 @@ BOOST_AUTO_TEST_CASE(block_scaled_gemms_match_the_official_vectors) {
                                           io::copy_as<std::uint8_t>(f.tensor("w4_scale_ue8m0", io::st_dtype::U8, {96, 8}))),
         io::copy_as<bf16>(f.tensor("c_fp4", io::st_dtype::BF16, {5, 96})), "fp4_gemm");
   BOOST_CHECK_THROW(kernels::gemm::fp8_gemm_reference({5, 96, 250}, a_q, a_s, {}, {}), dsv4::error);
+}
+
+BOOST_AUTO_TEST_CASE(mma_tile_layout_holds_every_code_where_the_kernels_read_it) {
+  using kernels::gemm::weight_format;
+  auto rng = test::make_rng(40);
+  for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32}) {
+    const int n = 37, k = 96, kb_count = 3;  // a ragged last row tile
+    const kernels::gemm::weight_tile_shape shape{n, k, wf};
+    std::vector<std::uint8_t> codes(shape.checkpoint_code_bytes()), scales(shape.checkpoint_scale_bytes());
+    for (auto& v : codes) v = std::uint8_t(rng());
+    for (auto& v : scales) v = std::uint8_t(rng());
+    const auto t = kernels::gemm::tile_weight(wf, n, k, codes, scales);
+    BOOST_TEST(t.codes.size() == shape.code_bytes());
+    BOOST_TEST(t.scales.size() == shape.scale_bytes());
+    std::size_t wrong = 0;
+    for (int row = 0; row < 48; ++row)
+      for (int e = 0; e < k; ++e) {
+        // Where the kernel finds element (row, e): tile (row/16, e/32), lane 4 (row%8) + (e%32)/8.
+        const int rt = row / 16, kb = e / 32, lane = 4 * (row % 8) + (e % 32) / 8, half = (row % 16) / 8, i = e % 8;
+        if (wf == weight_format::fp8_tile32) {
+          const std::uint8_t got = t.codes[(std::size_t(rt) * kb_count + kb) * 512 + lane * 16 + half * 8 + i];
+          wrong += got != (row < n ? codes[std::size_t(row) * k + e] : 0);
+        } else {
+          const std::uint8_t byte = t.codes[(std::size_t(rt) * kb_count + kb) * 256 + lane * 8 + half * 4 + i / 2];
+          const int want = row < n ? numerics::load_code<numerics::e2m1>(codes.data() + std::size_t(row) * (k / 2), e) : 0;
+          wrong += ((byte >> (4 * (i % 2))) & 0xF) != want;
+          if (e % 32 == 0) {
+            const int want_s = row < n ? scales[std::size_t(row) * kb_count + kb] : 127;
+            wrong += t.scales[(std::size_t(rt) * kb_count + kb) * 16 + row % 16] != want_s;
+          }
+        }
+      }
+    BOOST_TEST(wrong == 0u);
+  }
+  std::vector<std::uint8_t> few(10);
+  BOOST_TEST(test::throws_with([&] { kernels::gemm::tile_weight(weight_format::fp8_tile32, 4, 32, few, few); }, "codes have 10 bytes, expected 128"));
+  BOOST_TEST(test::throws_with([&] { kernels::gemm::tile_weight(weight_format::fp4_row32, 4, 48, few, few); }, "multiple of 32"));
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -1,0 +1,156 @@
+//! \brief Block-scaled linear layers of V4.1 (FP8 32x32-tile weights, FP4 experts) at decode and
+//! prefill token counts, against cuBLAS BF16 on the same shape and the weight-streaming floor.
+//! Usage: bench_gemm [--json FILE]
+//!
+//! Times are per call of back-to-back calls replayed as a CUDA graph (bench_util.cuh:
+//! median_ms_per_call), as a model's decode graph runs them. Each call reads a different copy
+//! of the weights (copies rotate through more than 256 MiB,
+//! five times the L2), so decode shapes stream from HBM as they do in a model; cuBLAS gets the
+//! same treatment with bf16 weights. Bytes = weight codes + scales + activations + output.
+//! Floor = max(2MNK / cuBLAS bf16 8192^3 rate, bytes / copy bandwidth), both measured here.
+//! RMSNorm (5120 wide) is listed with its bytes (read + write) against the copy ceiling.
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "bench_util.cuh"
+#include "dsv4/kernels/gemm/dequant_gemm.cuh"
+#include "dsv4/kernels/norm/rmsnorm.cuh"
+
+using namespace dsv4;
+using kernels::gemm::weight_format;
+using numerics::bf16;
+
+namespace {
+
+// Pseudo-random bytes without E4M3 NaN codes (bit 3 clear excludes 0x7F and 0xFF).
+__global__ void fill_codes(std::uint8_t* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
+    std::uint32_t h = std::uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    h ^= h >> 15;
+    p[i] = std::uint8_t(h & 0xF7u);
+  }
+}
+
+struct layer_shape {
+  const char* name;
+  int n, k;
+  weight_format wf;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json;
+  if (!bench::parse_json_option(argc, argv, "bench_gemm", json)) return 2;
+  try {
+    const bench::ceilings ceil = bench::ceilings::measure();
+    const layer_shape layers[] = {
+        {"wq_a", 1280, 5120, weight_format::fp8_tile32},         {"wkv", 512, 5120, weight_format::fp8_tile32},
+        {"wq_b", 32768, 1280, weight_format::fp8_tile32},        {"idx.wq_b", 4096, 1280, weight_format::fp8_tile32},
+        {"wo_b", 5120, 8192, weight_format::fp8_tile32},         {"shared.w1", 2304, 5120, weight_format::fp8_tile32},
+        {"shared.w2", 5120, 2304, weight_format::fp8_tile32},    {"expert.w1", 2304, 5120, weight_format::fp4_row32},
+        {"expert.w2", 5120, 2304, weight_format::fp4_row32},
+    };
+    cublasHandle_t h;
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) throw error("cublasCreate failed");
+    FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
+    if (jf) std::fprintf(jf, "{\"copy_gbps\": %.1f, \"gemm_tflops\": %.1f, \"results\": [\n", ceil.copy_bps / 1e9, ceil.gemm_fps / 1e12);
+    bool first = true;
+    // "mma us": the MMA kernel (split-K); "dq+cuBLAS": dequantize to bf16 + cuBLAS (M >= 64 only);
+    // TFLOP/s, GB/s and the floor ratio are of the faster of the two; "cuBLAS us" is a plain bf16
+    // GEMM on bf16 weights of the same shape, "speedup" its time over ours.
+    std::printf("%-10s %4s %6s %6s %5s %9s %9s %9s %9s %9s %11s %9s\n", "layer", "fmt", "N", "K", "M", "mma us",
+                "dq+cuBLAS", "TFLOP/s", "GB/s", "vs floor", "cuBLAS us", "speedup");
+    for (const auto& L : layers) {
+      const bool fp8 = L.wf == weight_format::fp8_tile32;
+      const kernels::gemm::weight_tile_shape tiles{L.n, L.k, L.wf};  // the MMA-tile layout's sizes
+      const std::size_t w_bytes = tiles.code_bytes(), ws_bytes = tiles.scale_bytes();
+      const std::size_t bf_bytes = std::size_t(L.n) * L.k * 2;
+      const int copies = int(std::max<std::size_t>(1, ((std::size_t(256) << 20) + w_bytes - 1) / w_bytes));
+      const int bf_copies = int(std::max<std::size_t>(1, ((std::size_t(256) << 20) + bf_bytes - 1) / bf_bytes));
+      runtime::device_buffer<std::uint8_t> w(w_bytes * copies), w_s(ws_bytes * copies);
+      runtime::device_buffer<unsigned short> wbf(bf_bytes / 2 * bf_copies);
+      fill_codes<<<1024, 256>>>(w.data(), w.size(), 1);
+      w_s.fill_bytes(127);
+      wbf.fill_bytes(0x3c);
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      for (int m : {1, 8, 32, 64, 256, 4096}) {
+        const kernels::gemm::gemm_shape s{m, L.n, L.k};
+        runtime::device_buffer<std::uint8_t> a(std::size_t(m) * L.k), a_s(std::size_t(m) * (L.k / 32));
+        fill_codes<<<1024, 256>>>(a.data(), a.size(), 2);
+        a_s.fill_bytes(127);
+        runtime::device_buffer<bf16> c(std::size_t(m) * L.n);
+        runtime::device_buffer<unsigned short> abf(std::size_t(m) * L.k), cbf(std::size_t(m) * L.n);
+        abf.fill_bytes(0x3c);
+        kernels::gemm::gemm_workspace work(std::max<std::size_t>(1, kernels::gemm::gemm_partial_floats(s)),
+                                           m >= 64 ? kernels::gemm::dequant_elems(s) : 0);
+        int it = 0;
+        auto args = [&](int i) {
+          return kernels::gemm::block_scaled_gemm_args{s, a.data(), a_s.data(), w.data() + w_bytes * i,
+                                                       w_s.data() + ws_bytes * i, c.data()};
+        };
+        const int calls = std::max(20, copies);  // every copy once per replay: no weight stays in L2
+        const double ms = bench::median_ms_per_call([&](cudaStream_t st) {
+          kernels::gemm::block_scaled_gemm(args(it++ % copies), L.wf, &work, st);
+        }, calls);
+        const double ms_dq = m < 64 ? 0.0 : bench::median_ms_per_call([&](cudaStream_t st) {
+          kernels::gemm::dequant_gemm(args(it++ % copies), L.wf, work, h, st);
+        }, calls);
+        int jt = 0;
+        const float one = 1.0f, zero = 0.0f;
+        const double ms_cublas = bench::median_ms_per_call([&](cudaStream_t st) {
+          const int i = jt++ % bf_copies;
+          cublasSetStream(h, st);
+          // Row-major C[M,N] = A[M,K] W[N,K]^T is column-major C^T = W A^T.
+          if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, L.n, m, L.k, &one, wbf.data() + bf_bytes / 2 * i, CUDA_R_16BF, L.k,
+                           abf.data(), CUDA_R_16BF, L.k, &zero, cbf.data(), CUDA_R_16BF, L.n, CUBLAS_COMPUTE_32F,
+                           CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+            throw error("cublasGemmEx failed");
+        }, std::max(20, bf_copies));
+        const double flops = 2.0 * m * double(L.n) * L.k;
+        const double bytes = double(w_bytes + ws_bytes) + double(m) * (L.k + L.k / 32) + 2.0 * m * L.n;
+        const double floor_s = ceil.floor_s(flops, bytes);
+        const double best = ms_dq > 0 ? std::min(ms, ms_dq) : ms;
+        std::printf("%-10s %4s %6d %6d %5d %9.1f %9.1f %9.1f %9.0f %8.1f%% %11.1f %8.2fx\n", L.name, fp8 ? "fp8" : "fp4",
+                    L.n, L.k, m, ms * 1e3, ms_dq * 1e3, flops / (best * 1e-3) / 1e12, bytes / (best * 1e-3) / 1e9,
+                    100 * floor_s / (best * 1e-3), ms_cublas * 1e3, ms_cublas / best);
+        if (jf)
+          std::fprintf(jf,
+                       "%s  {\"layer\": \"%s\", \"format\": \"%s\", \"n\": %d, \"k\": %d, \"m\": %d, \"us\": %.2f, "
+                       "\"dequant_cublas_us\": %.2f, \"tflops\": %.2f, \"ratio\": %.4f, \"cublas_bf16_us\": %.2f}",
+                       first ? "" : ",\n", L.name, fp8 ? "fp8" : "fp4", L.n, L.k, m, ms * 1e3, ms_dq * 1e3,
+                       flops / (best * 1e-3) / 1e12, floor_s / (best * 1e-3), ms_cublas * 1e3);
+        first = false;
+      }
+    }
+    cublasDestroy(h);
+    // RMSNorm over 5120-wide rows (bf16 weight), read x + write y.
+    std::printf("\n%-10s %6s %10s %9s %9s\n", "rmsnorm", "rows", "median us", "GB/s", "vs copy");
+    runtime::device_buffer<bf16> wn(5120);
+    wn.fill_bytes(0x3f);
+    for (long long rows : {1LL, 64LL, 4096LL, 32768LL}) {
+      runtime::device_buffer<bf16> x(std::size_t(rows) * 5120), y(std::size_t(rows) * 5120);
+      x.fill_bytes(0x3f);
+      const double ms = bench::median_ms_per_call([&](cudaStream_t st) {
+        kernels::norm::rmsnorm<bf16>({x.data(), 5120, wn.data(), y.data(), 5120, rows, 5120, 1e-20f}, st);
+      });
+      const double bytes = 2.0 * 2.0 * double(rows) * 5120;
+      std::printf("%-10s %6lld %10.1f %9.0f %8.1f%%\n", "", rows, ms * 1e3, bytes / (ms * 1e-3) / 1e9,
+                  100 * bytes / ceil.copy_bps / (ms * 1e-3));
+      if (jf)
+        std::fprintf(jf, ",\n  {\"layer\": \"rmsnorm\", \"rows\": %lld, \"us\": %.2f, \"ratio\": %.4f}", rows, ms * 1e3,
+                     bytes / ceil.copy_bps / (ms * 1e-3));
+    }
+    if (jf) {
+      std::fprintf(jf, "\n]}\n");
+      std::fclose(jf);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_gemm: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,378 @@
+#pragma once
+//! \file
+//! CUDA block-scaled GEMMs (spec §3 `fp8_gemm`, `fp4_gemm`): C[M, N] = A[M, K] W[N, K]^T with A in
+//! E4M3 plus one UE8M0 scale per 32 activations, W either E4M3 with one UE8M0 scale per 32 x 32
+//! tile or packed E2M1 with one UE8M0 scale per 32 along K; bf16 out. Weights are in the MMA-tile
+//! layout of weight_tiles.hpp (tile_weight repacks a checkpoint weight). Host reference:
+//! reference.hpp (checkpoint layout).
+//!
+//! Method (measured in bench/bench_gemm.cu, docs/perf.md; reasons in docs/decisions.md):
+//! - Tensor cores through `mma.sync.m16n8k32` E4M3 x E4M3 -> fp32. One MMA instruction covers
+//!   exactly one 32-wide K block, so every block's dot product comes out of the tensor core on
+//!   its own and is scaled and added to an fp32 accumulator in increasing K order, as the
+//!   reference does (the sum inside a block is the tensor core's, as in the official kernel).
+//! - The MMA runs "swapped": the weight rows are the MMA's M side (16 per fragment) and the
+//!   tokens its N side (8 per fragment), so a decode step with one token wastes no weight bytes.
+//!   Both operands are read straight from global memory into registers: inside each 32-block the
+//!   K positions are permuted identically for both operands (thread t of a quad takes the 8
+//!   consecutive elements 8t..8t+7), which leaves each block's dot product unchanged and makes
+//!   an activation fragment one 8-byte load and a weight fragment one 16-byte (FP4: 8-byte) load
+//!   from a contiguous 512-byte (256) run per warp.
+//! - FP4 weights become E4M3 in registers: every E2M1 value (0, 0.5 .. 6) is an E4M3 value, so
+//!   the conversion (two byte permutes) is exact and the FP8 MMA computes the same products.
+//! - Decode shapes (few tokens, weights streamed once) split K across CTAs so that every SM
+//!   streams; the last CTA of each output tile to finish sums the slices' fp32 partials in slice
+//!   order (deterministic; the order differs from the reference's by a few fp32 ulp), so one
+//!   launch does it all.
+//! - Each block's partial is scaled and accumulated with one FMA by the product of the two
+//!   power-of-two scales (exact; see the kernel), so the fp32 pipe keeps up with the MMAs.
+
+#include <cuda_runtime.h>  // provides cudaStream_t, uint2
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/kernels/gemm/reference.hpp"
+#include "dsv4/kernels/gemm/weight_tiles.hpp"
+#include "dsv4/numerics/bf16.hpp"
+#include "dsv4/numerics/bits.hpp"
+#include "dsv4/runtime/cuda_check.cuh"
+#include "dsv4/runtime/device_buffer.cuh"
+
+namespace dsv4::kernels::gemm {
+
+struct block_scaled_gemm_args {
+  gemm_shape shape;                    //!< m tokens, n output features, k input features
+  const std::uint8_t* a = nullptr;     //!< [M, K] E4M3 codes, rows contiguous
+  const std::uint8_t* a_s = nullptr;   //!< [M, K/32] UE8M0 codes
+  const std::uint8_t* w = nullptr;     //!< weight codes, MMA-tile layout (weight_tiles.hpp)
+  const std::uint8_t* w_s = nullptr;   //!< weight scales, MMA-tile layout (weight_tiles.hpp)
+  numerics::bf16* c = nullptr;         //!< [M, N] bf16 out
+};
+
+//! Scratch of the GEMMs. For split-K: fp32 partials of the K slices and one arrival counter per
+//! output tile; the counters start at zero (the constructor clears them) and every GEMM leaves
+//! them at zero, so one workspace serves any number of GEMMs on one stream, one at a time. For
+//! the prefill path (dequant_gemm.cuh): bf16 copies of the dequantized operands.
+class gemm_workspace {
+ public:
+  static constexpr std::size_t max_tiles = 8192;
+  explicit gemm_workspace(std::size_t partial_floats = std::size_t(1) << 22, std::size_t dequant_elems = 0)
+      : counters_(max_tiles), partials_(std::max<std::size_t>(1, partial_floats)), dequant_(dequant_elems) {
+    counters_.fill_bytes(0);
+  }
+  unsigned* counters() { return counters_.data(); }
+  float* partials() { return partials_.data(); }
+  std::size_t partial_floats() const { return partials_.size(); }
+  numerics::bf16* dequant() { return dequant_.data(); }
+  std::size_t dequant_elems() const { return dequant_.size(); }
+
+ private:
+  runtime::device_buffer<unsigned> counters_;
+  runtime::device_buffer<float> partials_;
+  runtime::device_buffer<numerics::bf16> dequant_;
+};
+
+namespace detail {
+
+inline constexpr int gemm_warps = 4;  // per CTA; each warp owns its own weight rows
+
+DSV4_DEVICE void mma_e4m3(const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1, float (&d)[4]) {
+#if DSV4_DEVICE_PASS
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%10,%10,%10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+#endif
+}
+
+//! Four E2M1 codes (16 bits, element i in bits 4i..4i+3) -> four E4M3 bytes of the same values.
+DSV4_DEVICE std::uint32_t e2m1x4_to_e4m3x4(std::uint32_t v) {
+  // Magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 as E4M3 bytes; a byte permute looks them up.
+  const std::uint32_t mag = __byte_perm(0x3C383000u, 0x4C484440u, v & 0x7777u);
+  const std::uint32_t sign = __byte_perm(0x00008000u, 0u, (v >> 3) & 0x1111u);
+  return mag | sign;
+}
+
+//! 2^(code - 127), NaN for 0xFF; branch-free (code 0 is the subnormal 2^-127).
+DSV4_DEVICE float ue8m0_value(std::uint32_t code) {
+  const std::uint32_t bits = code == 0 ? 0x00400000u : code == 0xFFu ? 0x7fc00000u : code << 23;
+  return __uint_as_float(bits);
+}
+
+//! One CTA: gemm_warps warps x RowTiles x 16 weight rows, TokenTiles x 8 tokens, one K slice of
+//! `kbps` blocks. Grid: x = token groups (fastest, so CTAs that share weights run together and
+//! find them in L2), y = K slices, z = row groups. With one slice the CTA
+//! writes bf16 to C. With several, each CTA writes its fp32 partial, and the last CTA of a tile
+//! to arrive sums the slices in slice order (so the result does not depend on arrival order).
+template <weight_format WF, int TokenTiles, int RowTiles, int Unroll>
+DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
+    block_scaled_gemm_kernel(block_scaled_gemm_args g, int kbps, int slices, float* partials, unsigned* counters) {
+  constexpr bool kFp8 = WF == weight_format::fp8_tile32;
+  constexpr int kRowsPerCta = gemm_warps * RowTiles * 16, kToksPerCta = TokenTiles * 8;
+  constexpr int kTileBytes = tile_code_bytes(WF);
+  const int M = g.shape.m, N = g.shape.n, KB = g.shape.k / 32;
+  const int row_tiles = (N + 15) / 16;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, quad = lane % 4;
+  const int rt_base = (blockIdx.z * kRowsPerCta) / 16 + warp * RowTiles;
+  const int tok_base = blockIdx.x * kToksPerCta;
+  const int kb_begin = blockIdx.y * kbps;
+  const int kb_end = min(KB, kb_begin + kbps);
+
+  // Per thread: rows gid and gid+8 of each of its row tiles (tiles past N are skipped), token gid
+  // of each token tile for the B fragment, tokens 2q and 2q+1 for the C fragment's scales.
+  bool tile_ok[RowTiles];
+  const std::uint8_t* w_tile[RowTiles];
+  const std::uint8_t* ws_row[RowTiles][2];
+#pragma unroll
+  for (int r = 0; r < RowTiles; ++r) {
+    const int rt = rt_base + r;
+    tile_ok[r] = rt < row_tiles;
+    const int rts = tile_ok[r] ? rt : 0;
+    w_tile[r] = g.w + (long long)rts * KB * kTileBytes + lane * (kTileBytes / 32);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = rts * 16 + gid + 8 * h;
+      ws_row[r][h] = kFp8 ? g.w_s + (long long)(row / 32) * KB : g.w_s + (long long)rts * KB * 16 + gid + 8 * h;
+    }
+  }
+  const std::uint8_t* a_row[TokenTiles];
+  const std::uint8_t* as_row[TokenTiles][2];
+  bool tok_ok[TokenTiles];
+#pragma unroll
+  for (int t = 0; t < TokenTiles; ++t) {
+    const int tok = tok_base + t * 8 + gid;
+    tok_ok[t] = tok < M;
+    a_row[t] = g.a + (long long)(tok < M ? tok : 0) * g.shape.k + quad * 8;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int ct = tok_base + t * 8 + quad * 2 + h;
+      as_row[t][h] = g.a_s + (long long)(ct < M ? ct : 0) * KB;
+    }
+  }
+  const int ws_step = kFp8 ? 1 : 16;  // bytes between consecutive K blocks' scales of one row
+
+  // The loads of Unroll blocks (codes and scales) form a stage; two stages alternate so that the
+  // next stage's loads are in flight while the current one is multiplied.
+  struct stage {
+    std::uint32_t wf[Unroll][RowTiles][4];
+    uint2 af[Unroll][TokenTiles];
+    std::uint32_t wsc[Unroll][RowTiles][2], asc[Unroll][TokenTiles][2];
+  };
+  auto load = [&](stage& st, int kb0) {
+#pragma unroll
+    for (int u = 0; u < Unroll; ++u) {
+      const int kb = kb0 + u;
+      const bool ok = kb < kb_end;
+#pragma unroll
+      for (int r = 0; r < RowTiles; ++r) {
+        const bool go = ok && tile_ok[r];
+        if constexpr (kFp8) {
+          const uint4 v = go ? __ldg(reinterpret_cast<const uint4*>(w_tile[r] + (long long)kb * kTileBytes))
+                             : make_uint4(0, 0, 0, 0);
+          // a0 = row g, elements 0..3; a1 = row g+8, 0..3; a2 = row g, 4..7; a3 = row g+8, 4..7.
+          st.wf[u][r][0] = v.x, st.wf[u][r][2] = v.y, st.wf[u][r][1] = v.z, st.wf[u][r][3] = v.w;
+        } else {
+          const uint2 v = go ? __ldg(reinterpret_cast<const uint2*>(w_tile[r] + (long long)kb * kTileBytes))
+                             : make_uint2(0, 0);
+          st.wf[u][r][0] = v.x, st.wf[u][r][1] = v.y;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) st.wsc[u][r][h] = go ? __ldg(ws_row[r][h] + kb * ws_step) : 127u;
+      }
+#pragma unroll
+      for (int t = 0; t < TokenTiles; ++t) {
+        st.af[u][t] = ok && tok_ok[t] ? __ldg(reinterpret_cast<const uint2*>(a_row[t] + kb * 32)) : make_uint2(0, 0);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) st.asc[u][t][h] = ok ? __ldg(as_row[t][h] + kb) : 127u;
+      }
+    }
+  };
+  float acc[RowTiles][TokenTiles][4] = {};
+  auto multiply = [&](const stage& st, int kb0) {
+#pragma unroll
+    for (int u = 0; u < Unroll; ++u) {
+      if (kb0 + u >= kb_end) break;
+      float as[TokenTiles][2];
+#pragma unroll
+      for (int t = 0; t < TokenTiles; ++t) as[t][0] = ue8m0_value(st.asc[u][t][0]), as[t][1] = ue8m0_value(st.asc[u][t][1]);
+#pragma unroll
+      for (int r = 0; r < RowTiles; ++r) {
+        std::uint32_t frag[4];
+        if constexpr (kFp8) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) frag[i] = st.wf[u][r][i];
+        } else {
+          // FP4 -> E4M3, exact: row g's 8 codes give a0 (elements 0..3) and a2 (4..7).
+          frag[0] = e2m1x4_to_e4m3x4(st.wf[u][r][0] & 0xFFFFu), frag[2] = e2m1x4_to_e4m3x4(st.wf[u][r][0] >> 16);
+          frag[1] = e2m1x4_to_e4m3x4(st.wf[u][r][1] & 0xFFFFu), frag[3] = e2m1x4_to_e4m3x4(st.wf[u][r][1] >> 16);
+        }
+        const float ws0 = ue8m0_value(st.wsc[u][r][0]), ws1 = ue8m0_value(st.wsc[u][r][1]);
+#pragma unroll
+        for (int t = 0; t < TokenTiles; ++t) {
+          float d[4];
+          mma_e4m3(frag, st.af[u][t].x, st.af[u][t].y, d);
+          // acc += (d * a_scale) * w_scale of the reference, as one FMA with the product of the
+          // two power-of-two scales: d * s is exact, so the FMA rounds once like the reference's
+          // add (the same value unless the scales' product leaves the normal fp32 range).
+          acc[r][t][0] = __fmaf_rn(d[0], __fmul_rn(as[t][0], ws0), acc[r][t][0]);
+          acc[r][t][1] = __fmaf_rn(d[1], __fmul_rn(as[t][1], ws0), acc[r][t][1]);
+          acc[r][t][2] = __fmaf_rn(d[2], __fmul_rn(as[t][0], ws1), acc[r][t][2]);
+          acc[r][t][3] = __fmaf_rn(d[3], __fmul_rn(as[t][1], ws1), acc[r][t][3]);
+        }
+      }
+    }
+  };
+  stage even, odd;
+  if (kb_begin < kb_end) load(even, kb_begin);
+  for (int kb0 = kb_begin; kb0 < kb_end;) {
+    if (kb0 + Unroll < kb_end) load(odd, kb0 + Unroll);
+    multiply(even, kb0);
+    kb0 += Unroll;
+    if (kb0 >= kb_end) break;
+    if (kb0 + Unroll < kb_end) load(even, kb0 + Unroll);
+    multiply(odd, kb0);
+    kb0 += Unroll;
+  }
+
+#pragma unroll
+  for (int r = 0; r < RowTiles; ++r)
+#pragma unroll
+    for (int t = 0; t < TokenTiles; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = (rt_base + r) * 16 + gid + 8 * (i / 2), tok = tok_base + t * 8 + quad * 2 + (i % 2);
+        if (row >= N || tok >= M) continue;
+        if (slices == 1)
+          g.c[(long long)tok * N + row] = numerics::bf16::from_float(acc[r][t][i]);
+        else
+          partials[((long long)blockIdx.y * M + tok) * N + row] = acc[r][t][i];
+      }
+  if (slices == 1) return;
+  // Release this slice's partial, take a ticket; the last arrival reduces the tile.
+  __threadfence();
+  __syncthreads();
+  __shared__ unsigned ticket;
+  unsigned* counter = counters + blockIdx.z * gridDim.x + blockIdx.x;
+  if (threadIdx.x == 0) ticket = atomicAdd(counter, 1u);
+  __syncthreads();
+  if (ticket != unsigned(slices - 1)) return;
+  __threadfence();
+  const int row0 = blockIdx.z * kRowsPerCta;
+  const int rows = min(kRowsPerCta, N - row0), toks = min(kToksPerCta, M - tok_base);
+  for (int idx = threadIdx.x; idx < rows * toks; idx += blockDim.x) {
+    const int row = row0 + idx % rows, tok = tok_base + idx / rows;
+    const long long at = (long long)tok * N + row;
+    float sum = __ldcg(partials + at);
+    for (int s = 1; s < slices; ++s) sum += __ldcg(partials + (long long)s * M * N + at);
+    g.c[at] = numerics::bf16::from_float(sum);
+  }
+  if (threadIdx.x == 0) *counter = 0;  // ready for the next GEMM
+}
+
+//! The launch shape chosen for a problem.
+struct gemm_plan {
+  int token_tiles = 1;  // tokens per CTA / 8
+  int row_tiles = 1;    // rows per warp / 16
+  int slices = 1;
+  int kbps = 0;         // K blocks per slice
+  unsigned token_groups = 0, row_groups = 0;
+};
+
+//! SMs of the current device (asked once per device: the GEMMs are launched per layer).
+inline int sm_count() {
+  static std::atomic<int> cached[64] = {};
+  int dev = 0, sms = 0;
+  DSV4_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= 0 && dev < 64 && (sms = cached[dev].load(std::memory_order_relaxed)) > 0) return sms;
+  DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (dev >= 0 && dev < 64) cached[dev].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
+//! 16 rows per warp; 8 tokens per CTA up to 8 tokens, 16 up to 128 (token groups run side by
+//! side and re-read the weights from L2), 64 beyond (the fallback when the dequantize + cuBLAS
+//! path is not taken). K is split until about eight CTAs per SM stream weights,
+//! as far as the workspace holds the partials and the last CTA's reduction stays short.
+inline gemm_plan make_plan(const gemm_shape& s, int sms, std::size_t partial_floats) {
+  gemm_plan p;
+  const int kb = s.k / 32;
+  p.token_tiles = s.m <= 8 ? 1 : s.m <= 128 ? 2 : 8;
+  p.row_tiles = 1;
+  const int rows_per_cta = gemm_warps * p.row_tiles * 16, toks_per_cta = p.token_tiles * 8;
+  p.row_groups = unsigned((s.n + rows_per_cta - 1) / rows_per_cta);
+  p.token_groups = unsigned((s.m + toks_per_cta - 1) / toks_per_cta);
+  const long long tiles = (long long)p.row_groups * p.token_groups, target = 8LL * sms;
+  long long slices = 1;
+  if (tiles < target && tiles <= (long long)gemm_workspace::max_tiles) {
+    slices = std::min<long long>((target + tiles - 1) / tiles, std::max(1, kb / 4));
+    // The last CTA of a tile reads slices x (its outputs): keep that to ~64 loads per thread.
+    const long long tile_outputs = (long long)rows_per_cta * std::min(s.m, toks_per_cta);
+    slices = std::min<long long>(slices, std::max<long long>(1, 64LL * gemm_warps * 32 / tile_outputs));
+  }
+  const std::size_t per_slice = std::size_t(s.m) * std::size_t(s.n);
+  if (per_slice) slices = std::min<long long>(slices, (long long)std::max<std::size_t>(1, partial_floats / per_slice));
+  p.kbps = int((kb + slices - 1) / slices);
+  p.slices = p.kbps ? (kb + p.kbps - 1) / p.kbps : 1;  // no empty slice
+  return p;
+}
+
+inline std::string check_args(const block_scaled_gemm_args& g, weight_format wf) {
+  const auto& s = g.shape;
+  const std::string dims = " (M " + std::to_string(s.m) + ", N " + std::to_string(s.n) + ", K " + std::to_string(s.k) + ")";
+  if (s.m < 0 || s.n < 0 || s.k < 0) return "negative dimension" + dims;
+  if (s.k % 32 != 0) return "K must be a multiple of 32 (one activation scale per 32)" + dims;
+  if (s.n > 65535LL * 64) return "N is too large for one launch" + dims;
+  if (s.m == 0 || s.n == 0) return {};
+  if (s.k == 0) return "K is 0 (an empty sum)" + dims;
+  if (!g.a || !g.a_s || !g.w || !g.w_s || !g.c) return "null pointer argument";
+  auto misaligned = [](const void* p, std::size_t a) { return reinterpret_cast<std::uintptr_t>(p) % a != 0; };
+  if (misaligned(g.a, 8)) return "the activations must be 8-byte aligned";
+  if (misaligned(g.w, wf == weight_format::fp8_tile32 ? 16 : 8))
+    return std::string("the weight codes (MMA tiles) must be ") + (wf == weight_format::fp8_tile32 ? "16" : "8") +
+           "-byte aligned";
+  return {};
+}
+
+template <weight_format WF>
+void launch(const block_scaled_gemm_args& g, const gemm_plan& p, gemm_workspace* ws, cudaStream_t stream) {
+  const dim3 grid(p.token_groups, unsigned(p.slices), p.row_groups);
+  float* partials = ws ? ws->partials() : nullptr;
+  unsigned* counters = ws ? ws->counters() : nullptr;
+  auto go = [&](auto kernel) { kernel<<<grid, gemm_warps * 32, 0, stream>>>(g, p.kbps, p.slices, partials, counters); };
+  if (p.token_tiles == 8) return go(block_scaled_gemm_kernel<WF, 8, 1, 2>);
+  switch (p.token_tiles) {
+    case 1: return go(block_scaled_gemm_kernel<WF, 1, 1, 4>);
+    default: return go(block_scaled_gemm_kernel<WF, 2, 1, 4>);
+  }
+}
+
+}  // namespace detail
+
+//! Partial floats a workspace needs for this shape's full split (0: it never splits).
+inline std::size_t gemm_partial_floats(const gemm_shape& s) {
+  if (s.m <= 0 || s.n <= 0 || s.k < 32) return 0;
+  const auto p = detail::make_plan(s, detail::sm_count(), ~std::size_t(0) / 8);
+  return p.slices > 1 ? std::size_t(p.slices) * s.m * s.n : 0;
+}
+
+//! C = A W^T on the tensor cores (bf16 out). With a workspace, few-token shapes split K across
+//! CTAs; without one they run unsplit (same result up to fp32 summation order, slower).
+//! Throws dsv4::error on bad shapes or pointers, before any launch.
+inline void block_scaled_gemm(const block_scaled_gemm_args& g, weight_format wf, gemm_workspace* workspace = nullptr,
+                              cudaStream_t stream = nullptr) {
+  if (auto why = detail::check_args(g, wf); !why.empty()) throw error("block_scaled_gemm: " + why);
+  if (g.shape.m == 0 || g.shape.n == 0) return;
+  const auto p = detail::make_plan(g.shape, detail::sm_count(), workspace ? workspace->partial_floats() : 0);
+  if (wf == weight_format::fp8_tile32)
+    detail::launch<weight_format::fp8_tile32>(g, p, workspace, stream);
+  else
+    detail::launch<weight_format::fp4_row32>(g, p, workspace, stream);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace dsv4::kernels::gemm

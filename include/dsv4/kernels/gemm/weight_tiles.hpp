@@ -1,0 +1,114 @@
+#pragma once
+//! \file
+//! The in-memory layout of FP8 / FP4 linear weights for the GEMM kernels ("MMA tiles"), and the
+//! host repacking from the checkpoint layout (row-major [N, K] codes; spec fp8_gemm / fp4_gemm).
+//!
+//! Why: a decode GEMM streams every weight byte once, so the kernel must read long contiguous
+//! runs. In the checkpoint layout the 16 rows of an MMA fragment are K bytes apart, and a warp's
+//! load touches 16 rows x 32 bytes: short runs scattered over DRAM pages (measured 1.4 TB/s of
+//! 4.2 at best, docs/perf.md). Here the bytes one warp needs for one 32-wide K block of 16 rows
+//! are one contiguous run, in the order the lanes consume them, and consecutive K blocks follow
+//! each other: a warp streams its rows as one sequential read.
+//!
+//! Layout, with row tile rt = rows [16 rt, 16 rt + 16), K block kb, lane l = 4 g + q:
+//! - FP8 codes: 512 bytes per (rt, kb) at (rt * KB + kb) * 512; lane l's 16 bytes at l * 16 hold
+//!   row 16 rt + g, elements 32 kb + 8 q .. + 7, then row 16 rt + g + 8, the same elements.
+//! - FP4 codes: 256 bytes per (rt, kb) at (rt * KB + kb) * 256; lane l's 8 bytes at l * 8 hold
+//!   the 8 codes (4 bytes, low nibble first) of row 16 rt + g, then those of row 16 rt + g + 8.
+//! - FP8 scales keep the checkpoint layout [ceil(N/32), KB]; FP4 scales become 16 bytes per
+//!   (rt, kb) at (rt * KB + kb) * 16, one per row of the tile.
+//! Rows past N (up to the next multiple of 16) are zero codes with scale 2^0.
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dsv4/config.hpp"
+#include "dsv4/core/error.hpp"
+
+namespace dsv4::kernels::gemm {
+
+//! How the weight is stored; the activations are always E4M3 with UE8M0 scales per 32.
+enum class weight_format {
+  fp8_tile32,  //!< E4M3 with one UE8M0 scale per 32 x 32 tile (spec fp8_gemm)
+  fp4_row32,   //!< E2M1 with one UE8M0 scale per row per 32 along K (spec fp4_gemm)
+};
+
+inline constexpr int mma_tile_rows = 16;
+
+inline const char* weight_format_name(weight_format wf) { return wf == weight_format::fp8_tile32 ? "fp8" : "fp4"; }
+
+//! Bytes of one (row tile, K block) of codes.
+DSV4_HOST_DEVICE constexpr int tile_code_bytes(weight_format wf) { return wf == weight_format::fp8_tile32 ? 512 : 256; }
+
+//! Sizes of a weight of [n, k] in the MMA-tile layout.
+struct weight_tile_shape {
+  int n = 0, k = 0;
+  weight_format wf = weight_format::fp8_tile32;
+  int row_tiles() const { return (n + mma_tile_rows - 1) / mma_tile_rows; }
+  int k_blocks() const { return k / 32; }
+  std::size_t code_bytes() const { return std::size_t(row_tiles()) * k_blocks() * tile_code_bytes(wf); }
+  std::size_t scale_bytes() const {
+    return wf == weight_format::fp8_tile32 ? std::size_t((n + 31) / 32) * k_blocks()
+                                           : std::size_t(row_tiles()) * k_blocks() * mma_tile_rows;
+  }
+  //! Sizes of the checkpoint layout, for checking inputs.
+  std::size_t checkpoint_code_bytes() const {
+    return wf == weight_format::fp8_tile32 ? std::size_t(n) * k : std::size_t(n) * (k / 2);
+  }
+  std::size_t checkpoint_scale_bytes() const {
+    return wf == weight_format::fp8_tile32 ? std::size_t((n + 31) / 32) * k_blocks() : std::size_t(n) * k_blocks();
+  }
+};
+
+struct tiled_weight {
+  weight_tile_shape shape;
+  std::vector<std::uint8_t> codes, scales;
+};
+
+//! Repacks a checkpoint-layout weight (codes [n, k] or [n, k/2], scales as in the spec) into
+//! MMA tiles. Throws dsv4::error naming the mismatch on wrong sizes.
+inline tiled_weight tile_weight(weight_format wf, int n, int k, std::span<const std::uint8_t> codes,
+                                std::span<const std::uint8_t> scales) {
+  const weight_tile_shape s{n, k, wf};
+  const std::string what = std::string("tile_weight (") + weight_format_name(wf) + " [" + std::to_string(n) + ", " +
+                           std::to_string(k) + "]): ";
+  if (n <= 0 || k <= 0 || k % 32 != 0) throw error(what + "need n > 0 and k a positive multiple of 32");
+  if (codes.size() != s.checkpoint_code_bytes())
+    throw error(what + "codes have " + std::to_string(codes.size()) + " bytes, expected " +
+                std::to_string(s.checkpoint_code_bytes()));
+  if (scales.size() != s.checkpoint_scale_bytes())
+    throw error(what + "scales have " + std::to_string(scales.size()) + " bytes, expected " +
+                std::to_string(s.checkpoint_scale_bytes()));
+  tiled_weight t{s, std::vector<std::uint8_t>(s.code_bytes(), 0), {}};
+  const int kb_count = s.k_blocks(), tile_bytes = tile_code_bytes(wf);
+  for (int rt = 0; rt < s.row_tiles(); ++rt)
+    for (int kb = 0; kb < kb_count; ++kb) {
+      std::uint8_t* tile = t.codes.data() + (std::size_t(rt) * kb_count + kb) * tile_bytes;
+      for (int lane = 0; lane < 32; ++lane)
+        for (int half = 0; half < 2; ++half) {
+          const int row = rt * mma_tile_rows + lane / 4 + 8 * half;
+          if (row >= n) continue;
+          if (wf == weight_format::fp8_tile32) {
+            const std::uint8_t* src = codes.data() + std::size_t(row) * k + kb * 32 + (lane % 4) * 8;
+            for (int i = 0; i < 8; ++i) tile[lane * 16 + half * 8 + i] = src[i];
+          } else {
+            const std::uint8_t* src = codes.data() + std::size_t(row) * (k / 2) + kb * 16 + (lane % 4) * 4;
+            for (int i = 0; i < 4; ++i) tile[lane * 8 + half * 4 + i] = src[i];
+          }
+        }
+    }
+  if (wf == weight_format::fp8_tile32) {
+    t.scales.assign(scales.begin(), scales.end());
+  } else {
+    t.scales.assign(s.scale_bytes(), 127);
+    for (int row = 0; row < n; ++row)
+      for (int kb = 0; kb < kb_count; ++kb)
+        t.scales[(std::size_t(row / mma_tile_rows) * kb_count + kb) * mma_tile_rows + row % mma_tile_rows] =
+            scales[std::size_t(row) * kb_count + kb];
+  }
+  return t;
+}
+
+}  // namespace dsv4::kernels::gemm

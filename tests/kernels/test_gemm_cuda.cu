@@ -1,0 +1,236 @@
+// CUDA block-scaled GEMMs (FP8 and FP4 weights) and RMSNorm against their host references, on
+// fresh random codes and scales; outputs are poisoned with NaN before every launch.
+
+#include <boost/test/unit_test.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
+#include "dsv4/kernels/gemm/dequant_gemm.cuh"
+#include "dsv4/kernels/gemm/reference.hpp"
+#include "dsv4/kernels/norm/reference.hpp"
+#include "dsv4/kernels/norm/rmsnorm.cuh"
+#include "dsv4/numerics/minifloat.hpp"
+#include "dsv4/runtime/device_buffer.cuh"
+#include "support/errors.hpp"
+#include "support/gpu.hpp"
+#include "support/random.hpp"
+
+namespace utf = boost::unit_test;
+using namespace dsv4;
+using kernels::gemm::gemm_shape;
+using kernels::gemm::weight_format;
+using numerics::bf16;
+using runtime::device_buffer;
+
+namespace {
+
+//! Random operands in the real formats: E4M3 codes (never NaN), UE8M0 scales near 2^0.
+struct gemm_operands {
+  gemm_shape s;
+  weight_format wf;
+  std::vector<std::uint8_t> a, a_s, w, w_s;
+
+  gemm_operands(gemm_shape shape, weight_format f, std::mt19937_64& rng) : s(shape), wf(f) {
+    std::uniform_int_distribution<int> byte(0, 255), act_scale(118, 132), w_scale(112, 128);
+    auto e4m3 = [&] {
+      int c;
+      do c = byte(rng);
+      while ((c & 0x7F) == 0x7F);
+      return std::uint8_t(c);
+    };
+    a.resize(std::size_t(s.m) * s.k);
+    for (auto& v : a) v = e4m3();
+    a_s.resize(std::size_t(s.m) * (s.k / 32));
+    for (auto& v : a_s) v = std::uint8_t(act_scale(rng));
+    if (wf == weight_format::fp8_tile32) {
+      w.resize(std::size_t(s.n) * s.k);
+      for (auto& v : w) v = e4m3();
+      w_s.resize(std::size_t((s.n + 31) / 32) * (s.k / 32));
+    } else {
+      w.resize(std::size_t(s.n) * (s.k / 2));
+      for (auto& v : w) v = std::uint8_t(byte(rng));
+      w_s.resize(std::size_t(s.n) * (s.k / 32));
+    }
+    for (auto& v : w_s) v = std::uint8_t(w_scale(rng));
+  }
+
+  std::vector<bf16> reference(bool magnitudes = false) const {
+    auto aa = a, ww = w;
+    if (magnitudes) {  // the same products without signs: the scale of the sum, for the tolerance
+      for (auto& v : aa) v &= 0x7F;
+      for (auto& v : ww) v &= wf == weight_format::fp8_tile32 ? 0x7F : 0x77;
+    }
+    return wf == weight_format::fp8_tile32 ? kernels::gemm::fp8_gemm_reference(s, aa, a_s, ww, w_s)
+                                           : kernels::gemm::fp4_gemm_reference(s, aa, a_s, ww, w_s);
+  }
+
+  //! Runs the device GEMM (split-K with a workspace, else unsplit) twice and downloads C; the
+  //! second run must repeat the first bit for bit (the split's counters are reset by the GEMM).
+  std::vector<bf16> device(bool with_workspace) const {
+    const auto tiled = kernels::gemm::tile_weight(wf, s.n, s.k, w, w_s);
+    device_buffer<std::uint8_t> da{std::span<const std::uint8_t>(a)}, das{std::span<const std::uint8_t>(a_s)},
+        dw{std::span<const std::uint8_t>(tiled.codes)}, dws{std::span<const std::uint8_t>(tiled.scales)};
+    device_buffer<bf16> dc(std::size_t(s.m) * s.n);
+    std::unique_ptr<kernels::gemm::gemm_workspace> work;
+    if (with_workspace)
+      work = std::make_unique<kernels::gemm::gemm_workspace>(std::max<std::size_t>(1, kernels::gemm::gemm_partial_floats(s)));
+    std::vector<bf16> runs[2];
+    for (auto& run : runs) {
+      dc.fill_bytes(0xFF);  // NaN everywhere: every output must be written
+      kernels::gemm::block_scaled_gemm({s, da.data(), das.data(), dw.data(), dws.data(), dc.data()}, wf, work.get());
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      run = dc.download();
+    }
+    std::size_t differ = 0;
+    for (std::size_t i = 0; i < runs[0].size(); ++i) differ += runs[0][i].bits != runs[1][i].bits;
+    BOOST_TEST(differ == 0u, "a second run of the same GEMM changed " << differ << " outputs");
+    return runs[1];
+  }
+
+  //! The prefill path: dequantize both operands to bf16, one cuBLAS GEMM.
+  std::vector<bf16> device_dequant() const {
+    const auto tiled = kernels::gemm::tile_weight(wf, s.n, s.k, w, w_s);
+    device_buffer<std::uint8_t> da{std::span<const std::uint8_t>(a)}, das{std::span<const std::uint8_t>(a_s)},
+        dw{std::span<const std::uint8_t>(tiled.codes)}, dws{std::span<const std::uint8_t>(tiled.scales)};
+    device_buffer<bf16> dc(std::size_t(s.m) * s.n);
+    dc.fill_bytes(0xFF);
+    kernels::gemm::gemm_workspace work(1, kernels::gemm::dequant_elems(s));
+    cublasHandle_t blas = nullptr;
+    BOOST_REQUIRE(cublasCreate(&blas) == CUBLAS_STATUS_SUCCESS);
+    kernels::gemm::dequant_gemm({s, da.data(), das.data(), dw.data(), dws.data(), dc.data()}, wf, work, blas);
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    cublasDestroy(blas);
+    return dc.download();
+  }
+};
+
+//! Device vs host: the fp32 sums differ in order (inside a block: the tensor core's, as in the
+//! official kernel; across blocks: split-K or cuBLAS), so allow one bf16 ulp of the result (a
+//! rounding boundary crossed) plus 2^-16 of the sum of magnitudes (cancellation). The worst
+//! error over the tolerance is printed.
+void expect_close(const std::vector<bf16>& got, const std::vector<bf16>& want, const std::vector<bf16>& mag,
+                  const char* what) {
+  BOOST_REQUIRE_EQUAL(got.size(), want.size());
+  std::size_t nan = 0, bad = 0, exact = 0;
+  double worst = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double g = got[i].to_float(), w = want[i].to_float(), m = mag[i].to_float();
+    if (std::isnan(g)) {
+      ++nan;
+      continue;
+    }
+    const double err = std::fabs(g - w), tol = std::fabs(w) * 0x1p-7 + m * 0x1p-16;
+    worst = std::max(worst, err / std::max(tol, 1e-30));
+    bad += err > tol;
+    exact += g == w;
+  }
+  BOOST_TEST_MESSAGE(what << ": " << exact << " of " << got.size() << " bit-equal, worst error / tolerance " << worst);
+  BOOST_TEST(nan == 0u, what << ": " << nan << " NaN outputs");
+  BOOST_TEST(bad == 0u, what << ": " << bad << " outputs out of tolerance");
+  BOOST_TEST(exact * 10 >= got.size() * 9, what << ": fewer than 90% of the outputs are bit-equal to the host");
+}
+
+void check_shape(gemm_shape s, weight_format wf, std::uint64_t salt) {
+  auto rng = test::make_rng(salt);
+  const gemm_operands op(s, wf, rng);
+  const auto want = op.reference(), mag = op.reference(true);
+  const std::string name = std::string(wf == weight_format::fp8_tile32 ? "fp8" : "fp4") + " M" +
+                           std::to_string(s.m) + " N" + std::to_string(s.n) + " K" + std::to_string(s.k);
+  expect_close(op.device(true), want, mag, (name + " split-K").c_str());
+  expect_close(op.device(false), want, mag, (name + " one slice").c_str());
+  expect_close(op.device_dequant(), want, mag, (name + " dequantize + cuBLAS").c_str());
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(gemm_cuda)
+
+BOOST_AUTO_TEST_CASE(fp8_weights_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  // Decode shapes (1..64 tokens, each token-tile variant), ragged N and M, and a prefill-like M
+  // that takes the 32-row x 64-token tiles.
+  check_shape({1, 512, 5120}, weight_format::fp8_tile32, 1);
+  check_shape({3, 100, 96}, weight_format::fp8_tile32, 2);
+  check_shape({13, 1280, 1024}, weight_format::fp8_tile32, 3);
+  check_shape({29, 272, 2048}, weight_format::fp8_tile32, 4);
+  check_shape({64, 520, 1280}, weight_format::fp8_tile32, 5);
+  check_shape({197, 300, 512}, weight_format::fp8_tile32, 6);
+}
+
+BOOST_AUTO_TEST_CASE(fp4_weights_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  check_shape({1, 2304, 5120}, weight_format::fp4_row32, 11);
+  check_shape({5, 72, 160}, weight_format::fp4_row32, 12);
+  check_shape({16, 1040, 2304}, weight_format::fp4_row32, 13);
+  check_shape({40, 256, 1024}, weight_format::fp4_row32, 14);
+  check_shape({150, 330, 768}, weight_format::fp4_row32, 15);
+}
+
+BOOST_AUTO_TEST_CASE(exact_products_are_exact, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  // Activations +-0.5 / +-1 times E2M1 weights: every partial sum is a multiple of 0.25 below
+  // 2^15, so nothing rounds before the bf16 output (not even in the tensor core's reduced-precision
+  // FP8 accumulation): the device must equal the host bit for bit, whatever the summation order.
+  auto rng = test::make_rng(21);
+  gemm_operands op({33, 96, 4096}, weight_format::fp4_row32, rng);
+  for (auto& v : op.a) v = std::uint8_t((v & 0x88) | 0x30);  // +-0.5 and +-1: block sums need 10 bits
+  for (auto& v : op.a_s) v = 127;
+  for (auto& v : op.w_s) v = 127;
+  const auto want = op.reference(), got = op.device(true);
+  std::size_t diff = 0;
+  const auto got_dq = op.device_dequant();
+  for (std::size_t i = 0; i < got.size(); ++i) diff += (got[i].bits != want[i].bits) + (got_dq[i].bits != want[i].bits);
+  BOOST_TEST(diff == 0u);
+}
+
+BOOST_AUTO_TEST_CASE(bad_arguments_are_errors) {
+  std::uint8_t dummy[64] = {};
+  bf16 out[4];
+  kernels::gemm::block_scaled_gemm_args g{{1, 1, 48}, dummy, dummy, dummy, dummy, out};
+  BOOST_TEST(test::throws_with([&] { kernels::gemm::block_scaled_gemm(g, weight_format::fp8_tile32); }, "multiple of 32"));
+  g.shape = {1, 1, 32};
+  g.w = nullptr;
+  BOOST_TEST(test::throws_with([&] { kernels::gemm::block_scaled_gemm(g, weight_format::fp4_row32); }, "null pointer"));
+  g.shape = {-1, 1, 32};
+  BOOST_TEST(test::throws_with([&] { kernels::gemm::block_scaled_gemm(g, weight_format::fp4_row32); }, "negative"));
+}
+
+BOOST_AUTO_TEST_CASE(rmsnorm_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  auto rng = test::make_rng(31);
+  for (const int dim : {5120, 1024, 256, 8}) {
+    const long long rows = dim == 8 ? 3 : 97;
+    std::normal_distribution<float> n(0.0f, 4.0f);
+    std::vector<bf16> x(std::size_t(rows) * dim), w(static_cast<std::size_t>(dim));
+    for (auto& v : x) v = bf16::from_float(n(rng));
+    for (auto& v : w) v = bf16::from_float(1.0f + n(rng) / 16);
+    x[5] = bf16::from_float(0.0f);
+    device_buffer<bf16> dx{std::span<const bf16>(x)}, dw{std::span<const bf16>(w)}, dy(x.size());
+    dy.fill_bytes(0xFF);
+    kernels::norm::rmsnorm<bf16>({dx.data(), dim, dw.data(), dy.data(), dim, rows, dim, 1e-20f});
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto y = dy.download();
+    std::vector<float> wf(w.size());
+    for (std::size_t i = 0; i < w.size(); ++i) wf[i] = w[i].to_float();
+    std::size_t diff = 0;
+    for (long long r = 0; r < rows; ++r) {
+      std::vector<float> xf(static_cast<std::size_t>(dim));
+      for (int i = 0; i < dim; ++i) xf[std::size_t(i)] = x[std::size_t(r) * dim + i].to_float();
+      std::vector<bf16> want(static_cast<std::size_t>(dim));
+      kernels::norm::rmsnorm_reference(xf, wf, 1e-20f, want);
+      for (int i = 0; i < dim; ++i) diff += y[std::size_t(r) * dim + i].bits != want[std::size_t(i)].bits;
+    }
+    BOOST_TEST_MESSAGE("rmsnorm dim " << dim << ": " << diff << " outputs differ from the host");
+    BOOST_TEST(diff == 0u);
+  }
+  // An all-zero row: eps keeps the rsqrt finite (1e-20 -> 1e10) and the output is zeros.
+  std::vector<bf16> z(256, bf16::from_float(0.0f)), w(256, bf16::from_float(1.0f));
+  device_buffer<bf16> dz{std::span<const bf16>(z)}, dw{std::span<const bf16>(w)}, dy(256);
+  dy.fill_bytes(0xFF);
+  kernels::norm::rmsnorm<bf16>({dz.data(), 256, dw.data(), dy.data(), 256, 1, 256, 1e-20f});
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  for (const auto v : dy.download()) BOOST_TEST(v.bits == 0u);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
