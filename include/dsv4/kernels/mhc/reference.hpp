@@ -17,6 +17,7 @@
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/mhc/sinkhorn.hpp"
+#include "dsv4/kernels/norm/reference.hpp"
 #include "dsv4/numerics/bf16.hpp"
 
 namespace dsv4::kernels::mhc {
@@ -95,6 +96,33 @@ inline std::vector<bf16> block_forward(std::span<const bf16> x, int dim, float (
   const std::vector<bf16> x2 = hc_post(ffn(hc_pre(x1, dim, a.pre)), x1, dim, f);
   for (int c = 0; c < hc; ++c) pre_mix[c] = f.pre[c];
   return x2;
+}
+
+//! What a sublayer boundary computes for one token (the CUDA `mhc_step` fuses all of it):
+//!   Y    = hc_post(F, X, post, comb)          (the new streams; Y = X where there is no F)
+//!   h    = rmsnorm(hc_pre(Y, pre), norm_w)    (the next sublayer's input)
+//!   next = hc_coefficients(Y, next mix params) (skipped when `next` is null)
+//! After the attention `pre` is the attention's own a_pre; after the FFN it is f_pre; at the
+//! model's entry (no F) the one-hot pre-mix; at the exit (no next) the last f_pre.
+struct step_result {
+  std::vector<bf16> y, h;
+  coefficients next{};
+};
+
+inline step_result boundary_step_reference(std::span<const bf16> x, std::span<const bf16> f, int dim,
+                                           const coefficients& applied, const float (&pre)[hc],
+                                           std::span<const float> norm_w, float norm_eps, const mix_params* next) {
+  if (x.size() != std::size_t(hc) * dim || (!f.empty() && f.size() != std::size_t(dim)) || norm_w.size() != std::size_t(dim))
+    throw error("boundary_step_reference: x must be [4, dim], f [dim] or empty, norm_w [dim]");
+  step_result r;
+  r.y = f.empty() ? std::vector<bf16>(x.begin(), x.end()) : hc_post(f, x, dim, applied);
+  const auto mixed = hc_pre(r.y, dim, pre);
+  std::vector<float> mf(mixed.size());
+  for (std::size_t i = 0; i < mixed.size(); ++i) mf[i] = mixed[i].to_float();
+  r.h.resize(std::size_t(dim));
+  norm::rmsnorm_reference(mf, norm_w, norm_eps, r.h);
+  if (next) r.next = hc_coefficients(r.y, dim, *next);
+  return r;
 }
 
 }  // namespace dsv4::kernels::mhc

@@ -1,0 +1,70 @@
+//! \brief The fused mHC sublayer boundary (hc_post + hc_pre + RMSNorm + next coefficients),
+//! V4.1 widths (4 streams x 5120), at decode and prefill token counts.
+//! Usage: bench_mhc [--json FILE]
+//!
+//! Bytes = per token (X 4d + F d + Y 4d + h d) x 2 bytes (the article's (2n+2)d single pass)
+//! plus the 24 x 4d fp32 projection weight once per launch. Times per call of back-to-back calls
+//! replayed as a CUDA graph; ratio to the copy ceiling measured in the same run.
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "bench_util.cuh"
+#include "dsv4/kernels/mhc/mhc_step.cuh"
+
+using namespace dsv4;
+using namespace dsv4::kernels::mhc;
+using numerics::bf16;
+
+int main(int argc, char** argv) {
+  std::string json;
+  if (!bench::parse_json_option(argc, argv, "bench_mhc", json)) return 2;
+  try {
+    const double copy_bps = bench::copy_bandwidth(std::size_t(1) << 30);
+    std::printf("ceiling: copy %.0f GB/s\n%8s %10s %9s %9s %10s\n", copy_bps / 1e9, "tokens", "median us", "GB/s",
+                "vs copy", "floor us");
+    FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
+    if (jf) std::fprintf(jf, "{\"copy_gbps\": %.1f, \"results\": [\n", copy_bps / 1e9);
+    constexpr int dim = 5120;
+    runtime::device_buffer<float> fn(std::size_t(24) * 4 * dim), base(24), scale(3);
+    fn.fill_bytes(0);
+    base.fill_bytes(0);
+    scale.fill_bytes(0);
+    runtime::device_buffer<bf16> w(dim);
+    w.fill_bytes(0x3f);
+    bool first = true;
+    for (long long tokens : {1LL, 8LL, 64LL, 512LL, 4096LL}) {
+      runtime::device_buffer<bf16> x(std::size_t(tokens) * 4 * dim), f(std::size_t(tokens) * dim), y(x.size()),
+          h(f.size());
+      x.fill_bytes(0x3e);
+      f.fill_bytes(0x3e);
+      runtime::device_buffer<float> pre(std::size_t(tokens) * 4), post(pre.size()), comb(std::size_t(tokens) * 16),
+          npre(pre.size()), npost(pre.size()), ncomb(comb.size());
+      pre.fill_bytes(0x3e), post.fill_bytes(0x3e), comb.fill_bytes(0x3e);
+      mhc_workspace ws(tokens, 16);
+      mhc_step_args a;
+      a.x = x.data(), a.f = f.data(), a.post = post.data(), a.comb = comb.data(), a.pre = pre.data();
+      a.norm_w = w.data(), a.y = y.data(), a.h = h.data();
+      a.fn = fn.data(), a.base = base.data(), a.scale = scale.data();
+      a.next_pre = npre.data(), a.next_post = npost.data(), a.next_comb = ncomb.data();
+      a.tokens = tokens, a.dim = dim;
+      const double ms = bench::median_ms_per_call([&](cudaStream_t s) { mhc_step(a, ws, s); }, 20);
+      const double bytes = double(tokens) * 10.0 * dim * 2.0 + 24.0 * 4 * dim * 4;
+      const double floor_us = bytes / copy_bps * 1e6;
+      std::printf("%8lld %10.1f %9.0f %8.1f%% %10.2f\n", tokens, ms * 1e3, bytes / (ms * 1e-3) / 1e9,
+                  100.0 * floor_us / (ms * 1e3), floor_us);
+      if (jf)
+        std::fprintf(jf, "%s  {\"tokens\": %lld, \"us\": %.2f, \"ratio\": %.4f}", first ? "" : ",\n", tokens, ms * 1e3,
+                     floor_us / (ms * 1e3));
+      first = false;
+    }
+    if (jf) {
+      std::fprintf(jf, "\n]}\n");
+      std::fclose(jf);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_mhc: %s\n", e.what());
+    return 1;
+  }
+}

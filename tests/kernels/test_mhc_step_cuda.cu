@@ -1,0 +1,149 @@
+// The fused CUDA mHC boundary step against the host composition (hc_post, hc_pre, RMSNorm,
+// hc_coefficients), at the model's entry (no F), inside (F and next coefficients) and at the exit
+// (no next), V4.1 and tiny widths, on fresh random streams; outputs poisoned with NaN.
+
+#include <boost/test/unit_test.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "dsv4/kernels/mhc/mhc_step.cuh"
+#include "dsv4/kernels/mhc/reference.hpp"
+#include "dsv4/runtime/device_buffer.cuh"
+#include "support/errors.hpp"
+#include "support/gpu.hpp"
+#include "support/random.hpp"
+
+namespace utf = boost::unit_test;
+using namespace dsv4;
+using namespace dsv4::kernels::mhc;
+using numerics::bf16;
+using runtime::device_buffer;
+
+namespace {
+
+enum class boundary { entry, inside, exit };
+
+void check_step(long long tokens, int dim, boundary kind, std::uint64_t salt) {
+  auto rng = test::make_rng(salt);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  const std::size_t sd = std::size_t(4) * dim;
+  std::vector<bf16> x(std::size_t(tokens) * sd), f(std::size_t(tokens) * dim), w(static_cast<std::size_t>(dim));
+  for (auto& v : x) v = bf16::from_float(n(rng) * 2.0f);
+  for (auto& v : f) v = bf16::from_float(n(rng));
+  for (auto& v : w) v = bf16::from_float(1.0f + n(rng) / 8.0f);
+  std::vector<float> pre(std::size_t(tokens) * 4), post(std::size_t(tokens) * 4), comb(std::size_t(tokens) * 16);
+  mix_params next;
+  next.fn.resize(std::size_t(24) * sd);
+  next.base.resize(24);
+  next.scale = {0.7f, 1.3f, 2.0f};
+  for (auto& v : next.fn) v = n(rng) / std::sqrt(float(sd));
+  for (auto& v : next.base) v = n(rng) / 4.0f;
+  for (long long t = 0; t < tokens; ++t) {  // realistic applied coefficients: a Sinkhorn split of random mixes
+    float m[24];
+    for (auto& v : m) v = n(rng);
+    split_sinkhorn(m, next.scale.data(), next.base.data(), 20, 1e-6f, &pre[t * 4], &post[t * 4], &comb[t * 16]);
+  }
+  if (kind == boundary::entry)
+    for (long long t = 0; t < tokens; ++t) identity_pre_mix(*reinterpret_cast<float(*)[4]>(&pre[t * 4]));
+
+  device_buffer<bf16> dx{std::span<const bf16>(x)}, df{std::span<const bf16>(f)}, dw{std::span<const bf16>(w)};
+  device_buffer<float> dpre{std::span<const float>(pre)}, dpost{std::span<const float>(post)}, dcomb{std::span<const float>(comb)};
+  device_buffer<float> dfn{std::span<const float>(next.fn)}, dbase{std::span<const float>(next.base)},
+      dscale{std::span<const float>(next.scale)};
+  device_buffer<bf16> dy(x.size()), dh(f.size());
+  device_buffer<float> npre(pre.size()), npost(post.size()), ncomb(comb.size());
+  mhc_workspace ws(tokens, 8);
+  mhc_step_args a;
+  a.x = dx.data();
+  a.f = kind == boundary::entry ? nullptr : df.data();
+  a.post = dpost.data();
+  a.comb = dcomb.data();
+  a.pre = dpre.data();
+  a.norm_w = dw.data();
+  a.y = dy.data();
+  a.h = dh.data();
+  if (kind != boundary::exit) {
+    a.fn = dfn.data(), a.base = dbase.data(), a.scale = dscale.data();
+    a.next_pre = npre.data(), a.next_post = npost.data(), a.next_comb = ncomb.data();
+  }
+  a.tokens = tokens;
+  a.dim = dim;
+  std::vector<bf16> runs_h[2];
+  std::vector<float> runs_c[2];
+  for (int run = 0; run < 2; ++run) {  // the second run must repeat the first (counters reset)
+    dy.fill_bytes(0xFF), dh.fill_bytes(0xFF), npre.fill_bytes(0xFF), npost.fill_bytes(0xFF), ncomb.fill_bytes(0xFF);
+    mhc_step(a, ws);
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    runs_h[run] = dh.download();
+    runs_c[run] = ncomb.download();
+  }
+  const auto y = dy.download(), h = runs_h[1];
+  const auto gp = npre.download(), gq = npost.download(), gc = runs_c[1];
+  std::size_t repeat_diff = 0;
+  for (std::size_t i = 0; i < h.size(); ++i) repeat_diff += runs_h[0][i].bits != runs_h[1][i].bits;
+  for (std::size_t i = 0; i < gc.size(); ++i) repeat_diff += std::memcmp(&runs_c[0][i], &runs_c[1][i], 4) != 0;
+  BOOST_TEST(repeat_diff == 0u);
+
+  std::vector<float> wf(w.size());
+  for (std::size_t i = 0; i < w.size(); ++i) wf[i] = w[i].to_float();
+  std::size_t y_diff = 0, h_diff = 0, nan = 0;
+  double worst = 0;
+  for (long long t = 0; t < tokens; ++t) {
+    coefficients applied;
+    for (int i = 0; i < 4; ++i) applied.pre[i] = pre[t * 4 + i], applied.post[i] = post[t * 4 + i];
+    for (int i = 0; i < 16; ++i) applied.comb[i] = comb[t * 16 + i];
+    float p[4];
+    for (int i = 0; i < 4; ++i) p[i] = pre[t * 4 + i];
+    const auto want = boundary_step_reference(std::span<const bf16>(x).subspan(t * sd, sd),
+                                              kind == boundary::entry ? std::span<const bf16>()
+                                                                      : std::span<const bf16>(f).subspan(t * dim, dim),
+                                              dim, applied, p, wf, 1e-20f, kind == boundary::exit ? nullptr : &next);
+    if (kind != boundary::entry)
+      for (std::size_t i = 0; i < sd; ++i) y_diff += y[t * sd + i].bits != want.y[i].bits;
+    for (int i = 0; i < dim; ++i) h_diff += h[t * dim + i].bits != want.h[std::size_t(i)].bits;
+    if (kind != boundary::exit) {
+      auto cmp = [&](float got, float ref) {
+        nan += std::isnan(got);
+        worst = std::max(worst, std::fabs(double(got) - ref) / std::max(1e-30, std::fabs(double(ref))));
+      };
+      for (int i = 0; i < 4; ++i) cmp(gp[t * 4 + i], want.next.pre[i]), cmp(gq[t * 4 + i], want.next.post[i]);
+      for (int i = 0; i < 16; ++i) cmp(gc[t * 16 + i], want.next.comb[i]);
+    }
+  }
+  BOOST_TEST_MESSAGE("mhc_step tokens " << tokens << " dim " << dim << " kind " << int(kind) << ": Y differs in "
+                                        << y_diff << ", h in " << h_diff << ", coefficients worst rel " << worst);
+  BOOST_TEST(y_diff == 0u);
+  BOOST_TEST(h_diff == 0u);
+  BOOST_TEST(nan == 0u);
+  BOOST_TEST(worst < 4e-6);
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(mhc_step_cuda)
+
+BOOST_AUTO_TEST_CASE(fused_step_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  check_step(1, 5120, boundary::inside, 1);
+  check_step(37, 5120, boundary::inside, 2);
+  check_step(5, 5120, boundary::entry, 3);
+  check_step(4, 5120, boundary::exit, 4);
+  check_step(300, 256, boundary::inside, 5);
+  check_step(2, 256, boundary::entry, 6);
+}
+
+BOOST_AUTO_TEST_CASE(bad_arguments_are_errors, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  mhc_workspace ws(1);  // allocates: needs a device
+  mhc_step_args a;
+  a.tokens = 1;
+  a.dim = 12;
+  BOOST_TEST(test::throws_with([&] { mhc_step(a, ws); }, "multiple of 8"));
+  a.dim = 256;
+  BOOST_TEST(test::throws_with([&] { mhc_step(a, ws); }, "null x"));
+  a.tokens = 2;
+  BOOST_TEST(test::throws_with([&] { mhc_step(a, ws); }, "workspace holds 1 tokens"));
+}
+
+BOOST_AUTO_TEST_SUITE_END()
