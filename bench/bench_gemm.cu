@@ -24,17 +24,6 @@ using numerics::bf16;
 
 namespace {
 
-// Pseudo-random bytes without E4M3 NaN codes (bit 3 clear excludes 0x7F and 0xFF).
-__global__ void fill_codes(std::uint8_t* p, std::size_t n, std::uint32_t seed) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
-    std::uint32_t h = std::uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    p[i] = std::uint8_t(h & 0xF7u);
-  }
-}
-
 struct layer_shape {
   const char* name;
   int n, k;
@@ -74,14 +63,14 @@ int main(int argc, char** argv) {
       const int bf_copies = int(std::max<std::size_t>(1, ((std::size_t(256) << 20) + bf_bytes - 1) / bf_bytes));
       runtime::device_buffer<std::uint8_t> w(w_bytes * copies), w_s(ws_bytes * copies);
       runtime::device_buffer<unsigned short> wbf(bf_bytes / 2 * bf_copies);
-      fill_codes<<<1024, 256>>>(w.data(), w.size(), 1);
+      bench::fill_codes(w.data(), w.size(), 1);
       w_s.fill_bytes(127);
       wbf.fill_bytes(0x3c);
       DSV4_CUDA_CHECK(cudaDeviceSynchronize());
       for (int m : {1, 8, 32, 64, 256, 4096}) {
         const kernels::gemm::gemm_shape s{m, L.n, L.k};
         runtime::device_buffer<std::uint8_t> a(std::size_t(m) * L.k), a_s(std::size_t(m) * (L.k / 32));
-        fill_codes<<<1024, 256>>>(a.data(), a.size(), 2);
+        bench::fill_codes(a.data(), a.size(), 2);
         a_s.fill_bytes(127);
         runtime::device_buffer<bf16> c(std::size_t(m) * L.n);
         runtime::device_buffer<unsigned short> abf(std::size_t(m) * L.k), cbf(std::size_t(m) * L.n);

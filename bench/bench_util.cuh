@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>  // provides cudaEvent_t
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <string>
@@ -114,6 +115,40 @@ inline bool parse_json_option(int argc, char** argv, const char* name, std::stri
     }
   }
   return true;
+}
+
+namespace detail {
+inline __global__ void fill_codes_kernel(std::uint8_t* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
+    std::uint32_t h = std::uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    h ^= h >> 15;
+    p[i] = std::uint8_t(h & 0xF7u);
+  }
+}
+inline __global__ void fill_bf16_kernel(unsigned short* p, std::size_t n, std::uint32_t seed, float scale) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
+    std::uint32_t h = std::uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    h ^= h >> 15;
+    const float v = (float(h % 2001u) - 1000.0f) / 1000.0f * scale;
+    p[i] = static_cast<unsigned short>(__float_as_uint(v) >> 16);
+  }
+}
+}  // namespace detail
+
+//! Pseudo-random bf16 values, uniform in [-scale, scale] (truncated to bf16).
+inline void fill_bf16(void* p, std::size_t n, std::uint32_t seed, float scale) {
+  detail::fill_bf16_kernel<<<1024, 256>>>(static_cast<unsigned short*>(p), n, seed, scale);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+
+//! Pseudo-random code bytes without E4M3 NaN codes (bit 3 clear excludes 0x7F and 0xFF).
+inline void fill_codes(std::uint8_t* p, std::size_t n, std::uint32_t seed) {
+  detail::fill_codes_kernel<<<1024, 256>>>(p, n, seed);
+  DSV4_CUDA_CHECK_LAUNCH();
 }
 
 //! Both ceilings of a compute + memory roofline, measured now and printed.

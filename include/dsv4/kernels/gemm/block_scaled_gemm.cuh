@@ -76,6 +76,18 @@ class gemm_workspace {
   runtime::device_buffer<numerics::bf16> dequant_;
 };
 
+//! A grouped GEMM (the MoE's experts): a device-built list of tiles, each a run of at most
+//! 8 x token_tiles rows of A and C that all use one group's weight. Groups' weights are
+//! `w_group_bytes` (`ws_group_bytes` for scales) apart. Built by moe.cuh.
+struct gemm_groups {
+  const int* tile_group = nullptr;   //!< [max tiles] group (expert) of each tile; null: not grouped
+  const int* tile_row0 = nullptr;    //!< [max tiles] first row of the tile in A / C
+  const int* tile_rows = nullptr;    //!< [max tiles] rows in the tile
+  const int* tile_count = nullptr;   //!< device scalar: tiles in use
+  const int* a_row_index = nullptr;  //!< optional: A (and a_s) row of each C row
+  long long w_group_bytes = 0, ws_group_bytes = 0;
+};
+
 namespace detail {
 
 inline constexpr int gemm_warps = 4;  // per CTA; each warp owns its own weight rows
@@ -109,19 +121,36 @@ DSV4_DEVICE float ue8m0_value(std::uint32_t code) {
 //! find them in L2), y = K slices, z = row groups. With one slice the CTA
 //! writes bf16 to C. With several, each CTA writes its fp32 partial, and the last CTA of a tile
 //! to arrive sums the slices in slice order (so the result does not depend on arrival order).
-template <weight_format WF, int TokenTiles, int RowTiles, int Unroll>
+template <weight_format WF, int TokenTiles, int RowTiles, int Unroll, int KSplit>
 DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
-    block_scaled_gemm_kernel(block_scaled_gemm_args g, int kbps, int slices, float* partials, unsigned* counters) {
+    block_scaled_gemm_kernel(block_scaled_gemm_args g, gemm_groups groups, int kbps, int slices, float* partials,
+                             unsigned* counters) {
   constexpr bool kFp8 = WF == weight_format::fp8_tile32;
-  constexpr int kRowsPerCta = gemm_warps * RowTiles * 16, kToksPerCta = TokenTiles * 8;
+  // KSplit warps share each row tile, each taking a contiguous part of the CTA's K range; their
+  // sums are added in part order at the end (more warps per weight byte in flight at decode).
+  static_assert(gemm_warps % KSplit == 0, "KSplit must divide the warps of a CTA");
+  constexpr int kRowsPerCta = gemm_warps / KSplit * RowTiles * 16, kToksPerCta = TokenTiles * 8;
   constexpr int kTileBytes = tile_code_bytes(WF);
   const int M = g.shape.m, N = g.shape.n, KB = g.shape.k / 32;
   const int row_tiles = (N + 15) / 16;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, quad = lane % 4;
-  const int rt_base = (blockIdx.z * kRowsPerCta) / 16 + warp * RowTiles;
-  const int tok_base = blockIdx.x * kToksPerCta;
-  const int kb_begin = blockIdx.y * kbps;
-  const int kb_end = min(KB, kb_begin + kbps);
+  const int rt_base = (blockIdx.z * kRowsPerCta) / 16 + (warp / KSplit) * RowTiles;
+  // Grouped (MoE): token group x is entry x of the tile list: one group's weights, a run of
+  // rows of A and C (A's rows possibly through an index).
+  int tok_base = blockIdx.x * kToksPerCta, tok_end = M;
+  if (groups.tile_group) {
+    if (int(blockIdx.x) >= *groups.tile_count) return;
+    const int group = groups.tile_group[blockIdx.x];
+    tok_base = groups.tile_row0[blockIdx.x];
+    tok_end = tok_base + groups.tile_rows[blockIdx.x];
+    g.w += group * groups.w_group_bytes;
+    g.w_s += group * groups.ws_group_bytes;
+  }
+  auto a_index = [&](int r) { return groups.a_row_index ? groups.a_row_index[r] : r; };
+  const int slice_begin = blockIdx.y * kbps, slice_end = min(KB, slice_begin + kbps);
+  const int part = warp % KSplit, per_part = (slice_end - slice_begin + KSplit - 1) / KSplit;
+  const int kb_begin = min(slice_end, slice_begin + part * per_part);
+  const int kb_end = min(slice_end, kb_begin + per_part);
 
   // Per thread: rows gid and gid+8 of each of its row tiles (tiles past N are skipped), token gid
   // of each token tile for the B fragment, tokens 2q and 2q+1 for the C fragment's scales.
@@ -146,12 +175,12 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
 #pragma unroll
   for (int t = 0; t < TokenTiles; ++t) {
     const int tok = tok_base + t * 8 + gid;
-    tok_ok[t] = tok < M;
-    a_row[t] = g.a + (long long)(tok < M ? tok : 0) * g.shape.k + quad * 8;
+    tok_ok[t] = tok < tok_end;
+    a_row[t] = g.a + (long long)a_index(tok < tok_end ? tok : tok_base) * g.shape.k + quad * 8;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int ct = tok_base + t * 8 + quad * 2 + h;
-      as_row[t][h] = g.a_s + (long long)(ct < M ? ct : 0) * KB;
+      as_row[t][h] = g.a_s + (long long)a_index(ct < tok_end ? ct : tok_base) * KB;
     }
   }
   const int ws_step = kFp8 ? 1 : 16;  // bytes between consecutive K blocks' scales of one row
@@ -239,6 +268,29 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
     kb0 += Unroll;
   }
 
+  if constexpr (KSplit > 1) {
+    __shared__ float parts[gemm_warps][RowTiles * TokenTiles * 4][32];
+#pragma unroll
+    for (int r = 0; r < RowTiles; ++r)
+#pragma unroll
+      for (int t = 0; t < TokenTiles; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) parts[warp][(r * TokenTiles + t) * 4 + i][lane] = acc[r][t][i];
+    __syncthreads();
+    if (part == 0)
+#pragma unroll
+    for (int r = 0; r < RowTiles; ++r)
+#pragma unroll
+      for (int t = 0; t < TokenTiles; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float sum = parts[warp][(r * TokenTiles + t) * 4 + i][lane];
+#pragma unroll
+          for (int q = 1; q < KSplit; ++q) sum += parts[warp + q][(r * TokenTiles + t) * 4 + i][lane];
+          acc[r][t][i] = sum;
+        }
+  }
+
 #pragma unroll
   for (int r = 0; r < RowTiles; ++r)
 #pragma unroll
@@ -246,7 +298,7 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int row = (rt_base + r) * 16 + gid + 8 * (i / 2), tok = tok_base + t * 8 + quad * 2 + (i % 2);
-        if (row >= N || tok >= M) continue;
+        if (part != 0 || row >= N || tok >= tok_end) continue;  // part 0's warp holds the sum
         if (slices == 1)
           g.c[(long long)tok * N + row] = numerics::bf16::from_float(acc[r][t][i]);
         else
@@ -278,6 +330,7 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
 struct gemm_plan {
   int token_tiles = 1;  // tokens per CTA / 8
   int row_tiles = 1;    // rows per warp / 16
+  int k_split = 1;      // warps that share a row tile, each a part of K
   int slices = 1;
   int kbps = 0;         // K blocks per slice
   unsigned token_groups = 0, row_groups = 0;
@@ -303,7 +356,8 @@ inline gemm_plan make_plan(const gemm_shape& s, int sms, std::size_t partial_flo
   const int kb = s.k / 32;
   p.token_tiles = s.m <= 8 ? 1 : s.m <= 128 ? 2 : 8;
   p.row_tiles = 1;
-  const int rows_per_cta = gemm_warps * p.row_tiles * 16, toks_per_cta = p.token_tiles * 8;
+  p.k_split = 1;  // measured: sharing row tiles across warps (as the grouped GEMM does) was 5-30% slower here
+  const int rows_per_cta = gemm_warps / p.k_split * p.row_tiles * 16, toks_per_cta = p.token_tiles * 8;
   p.row_groups = unsigned((s.n + rows_per_cta - 1) / rows_per_cta);
   p.token_groups = unsigned((s.m + toks_per_cta - 1) / toks_per_cta);
   const long long tiles = (long long)p.row_groups * p.token_groups, target = 8LL * sms;
@@ -343,15 +397,40 @@ void launch(const block_scaled_gemm_args& g, const gemm_plan& p, gemm_workspace*
   const dim3 grid(p.token_groups, unsigned(p.slices), p.row_groups);
   float* partials = ws ? ws->partials() : nullptr;
   unsigned* counters = ws ? ws->counters() : nullptr;
-  auto go = [&](auto kernel) { kernel<<<grid, gemm_warps * 32, 0, stream>>>(g, p.kbps, p.slices, partials, counters); };
-  if (p.token_tiles == 8) return go(block_scaled_gemm_kernel<WF, 8, 1, 2>);
-  switch (p.token_tiles) {
-    case 1: return go(block_scaled_gemm_kernel<WF, 1, 1, 4>);
-    default: return go(block_scaled_gemm_kernel<WF, 2, 1, 4>);
-  }
+  auto go = [&](auto kernel) {
+    kernel<<<grid, gemm_warps * 32, 0, stream>>>(g, gemm_groups{}, p.kbps, p.slices, partials, counters);
+  };
+  if (p.token_tiles == 8) return go(block_scaled_gemm_kernel<WF, 8, 1, 1, 1>);
+  if (p.token_tiles == 1) return go(block_scaled_gemm_kernel<WF, 1, 1, 4, 1>);
+  return go(block_scaled_gemm_kernel<WF, 2, 1, 4, 1>);
 }
 
 }  // namespace detail
+
+//! The grouped GEMM: C[r] = A[a_row_index(r)] W_group^T for every tile of the list; `max_tiles`
+//! bounds the list's length (the grid), `token_tiles` (1 or 2) is the list's tile height / 8.
+//! One 16-row weight tile per CTA, its K range split over the four warps (a tile list has few
+//! entries at decode: one token touches 6 experts), partial sums added in warp order.
+inline void grouped_block_scaled_gemm(const block_scaled_gemm_args& g, const gemm_groups& groups, weight_format wf,
+                                      int max_tiles, int token_tiles, cudaStream_t stream = nullptr) {
+  if (auto why = detail::check_args(g, wf); !why.empty()) throw error("grouped_block_scaled_gemm: " + why);
+  if (!groups.tile_group || !groups.tile_row0 || !groups.tile_rows || !groups.tile_count)
+    throw error("grouped_block_scaled_gemm: the tile list is incomplete");
+  if (token_tiles != 1 && token_tiles != 2) throw error("grouped_block_scaled_gemm: tiles are 8 or 16 rows");
+  if (max_tiles <= 0 || g.shape.n == 0) return;
+  const unsigned row_groups = unsigned((g.shape.n + 15) / 16);  // one 16-row tile per CTA, K over the warps
+  const dim3 grid(unsigned(max_tiles), 1, row_groups);
+  const int kb = g.shape.k / 32;
+  auto go = [&](auto kernel) { kernel<<<grid, detail::gemm_warps * 32, 0, stream>>>(g, groups, kb, 1, nullptr, nullptr); };
+  if (wf == weight_format::fp8_tile32)
+    token_tiles == 1 ? go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 1, 1, 4, detail::gemm_warps>)
+                     : go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 2, 1, 4, detail::gemm_warps>);
+  else
+    token_tiles == 1 ? go(detail::block_scaled_gemm_kernel<weight_format::fp4_row32, 1, 1, 4, detail::gemm_warps>)
+                     : go(detail::block_scaled_gemm_kernel<weight_format::fp4_row32, 2, 1, 4, detail::gemm_warps>);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+
 
 //! Partial floats a workspace needs for this shape's full split (0: it never splits).
 inline std::size_t gemm_partial_floats(const gemm_shape& s) {

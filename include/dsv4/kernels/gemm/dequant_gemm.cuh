@@ -22,6 +22,7 @@
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
+#include "dsv4/kernels/gemm/dense.cuh"
 #include "dsv4/numerics/fast_codec.cuh"
 #include "dsv4/numerics/minifloat.hpp"
 
@@ -103,11 +104,6 @@ DSV4_KERNEL void __launch_bounds__(256)
   }
 }
 
-inline void cublas_check(cublasStatus_t st, const char* what) {
-  if (st != CUBLAS_STATUS_SUCCESS)
-    throw error(std::string("dequant_gemm: ") + what + " failed: " + cublasGetStatusString(st));
-}
-
 }  // namespace detail
 
 //! C = A W^T through bf16 copies of both operands in `workspace` and one cuBLAS GEMM on `stream`.
@@ -134,17 +130,12 @@ inline void dequant_gemm(const block_scaled_gemm_args& g, weight_format wf, gemm
     detail::dequantize_weight_kernel<weight_format::fp4_row32><<<unsigned((w_threads + 255) / 256), 256, 0, stream>>>(
         g.w, g.w_s, s.n, s.k, w16);
   DSV4_CUDA_CHECK_LAUNCH();
-  cublasMath_t mode{};
-  detail::cublas_check(cublasGetMathMode(blas, &mode), "cublasGetMathMode");
-  detail::cublas_check(cublasSetStream(blas, stream), "cublasSetStream");
-  detail::cublas_check(cublasSetMathMode(blas, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
-                       "cublasSetMathMode");
+  const detail::blas_call call(blas, stream, detail::bf16_math);
   const float one = 1.0f, zero = 0.0f;
   // Row-major C[M, N] = A[M, K] W[N, K]^T is column-major C^T = W A^T.
-  const cublasStatus_t st = cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, s.n, s.m, s.k, &one, w16, CUDA_R_16BF, s.k, a16,
-                                         CUDA_R_16BF, s.k, &zero, g.c, CUDA_R_16BF, s.n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  cublasSetMathMode(blas, mode);
-  detail::cublas_check(st, "cublasGemmEx");
+  detail::blas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, s.n, s.m, s.k, &one, w16, CUDA_R_16BF, s.k, a16,
+                                  CUDA_R_16BF, s.k, &zero, g.c, CUDA_R_16BF, s.n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                     "dequant_gemm: cublasGemmEx");
 }
 
 //! The linear layer of an FP8 / FP4 weight (after act_quant): picks the path by token count.

@@ -14,6 +14,8 @@
 //! expert id (not top-k rank order), then the shared expert's bf16 output, then rounds once.
 
 #include <algorithm>
+#include <cstdint>
+#include <utility>
 #include <cmath>
 #include <numeric>
 #include <span>
@@ -21,7 +23,10 @@
 #include <vector>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/kernels/gemm/reference.hpp"
 #include "dsv4/numerics/bf16.hpp"
+#include "dsv4/numerics/formats.hpp"
+#include "dsv4/numerics/quantize.hpp"
 
 namespace dsv4::kernels::moe {
 
@@ -106,6 +111,58 @@ inline std::vector<bf16> combine_reference(const std::vector<int>& experts, cons
   const std::vector<float> acc = combine_fp32(experts, outputs, shared);
   std::vector<bf16> y(acc.size());
   for (std::size_t d = 0; d < acc.size(); ++d) y[d] = bf16::from_float(acc[d]);
+  return y;
+}
+
+//! One expert's weights in the checkpoint layout: w1 and w3 [inter, dim], w2 [dim, inter], with
+//! their scales (FP4 routed experts: spec fp4_gemm; the FP8 shared expert: spec fp8_gemm).
+struct expert_weights {
+  std::vector<std::uint8_t> w1, w1_s, w3, w3_s, w2, w2_s;
+};
+
+//! act_quant (E4M3, UE8M0 per 32) of one bf16 vector: codes and scales.
+inline std::pair<std::vector<std::uint8_t>, std::vector<std::uint8_t>> act_quant_reference(std::span<const bf16> x) {
+  std::vector<std::uint8_t> codes(x.size()), scales(x.size() / 32);
+  numerics::quantize_vector<numerics::fp8_act_format>(x, codes, scales);
+  return {std::move(codes), std::move(scales)};
+}
+
+//! One expert on one token: w2(act_quant(swiglu(w1 x, w3 x) * route_weight)), bf16 out.
+inline std::vector<bf16> expert_reference(std::span<const std::uint8_t> xq, std::span<const std::uint8_t> xs,
+                                          const expert_weights& e, int dim, int inter, bool fp4, float route_weight,
+                                          float limit) {
+  auto gemm = [&](const gemm::gemm_shape& s, std::span<const std::uint8_t> a, std::span<const std::uint8_t> a_s,
+                  const std::vector<std::uint8_t>& w, const std::vector<std::uint8_t>& w_s) {
+    return fp4 ? gemm::fp4_gemm_reference(s, a, a_s, w, w_s) : gemm::fp8_gemm_reference(s, a, a_s, w, w_s);
+  };
+  const auto g = gemm({1, inter, dim}, xq, xs, e.w1, e.w1_s), u = gemm({1, inter, dim}, xq, xs, e.w3, e.w3_s);
+  const auto h = expert_activation(g, u, route_weight, limit);
+  const auto [hq, hs] = act_quant_reference(h);
+  return gemm({1, dim, inter}, hq, hs, e.w2, e.w2_s);
+}
+
+//! The MoE layer for `x` = [tokens, dim] bf16 (the ffn_norm output): routing, the chosen FP4
+//! experts, the FP8 shared expert, the combination. Writes each token's routing if asked.
+inline std::vector<bf16> moe_layer_reference(std::span<const bf16> x, const gate_params& g,
+                                             const std::vector<expert_weights>& experts, const expert_weights& shared,
+                                             int inter, float limit, std::vector<routing>* routes = nullptr) {
+  if (x.size() % std::size_t(g.dim) || experts.size() != std::size_t(g.experts))
+    throw error("moe_layer_reference: x must be [tokens, dim] and one weight set per expert");
+  const std::size_t tokens = x.size() / std::size_t(g.dim);
+  std::vector<bf16> y;
+  y.reserve(x.size());
+  for (std::size_t t = 0; t < tokens; ++t) {
+    const auto xt = x.subspan(t * std::size_t(g.dim), std::size_t(g.dim));
+    const routing r = route_reference(xt, g);
+    const auto [xq, xs] = act_quant_reference(xt);
+    std::vector<std::vector<bf16>> outs;
+    for (std::size_t j = 0; j < r.experts.size(); ++j)
+      outs.push_back(expert_reference(xq, xs, experts[std::size_t(r.experts[j])], g.dim, inter, true, r.weights[j], limit));
+    const auto sh = expert_reference(xq, xs, shared, g.dim, inter, false, 1.0f, limit);
+    const auto yt = combine_reference(r.experts, outs, sh);
+    y.insert(y.end(), yt.begin(), yt.end());
+    if (routes) routes->push_back(r);
+  }
   return y;
 }
 

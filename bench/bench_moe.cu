@@ -1,0 +1,80 @@
+//! \brief The MoE layer of V4.1 (384 FP4 experts, top-6, FP8 shared expert, 5120 -> 2304 -> 5120)
+//! at decode and prefill token counts.
+//! Usage: bench_moe [--json FILE]
+//!
+//! Decode floor: the bytes of the weights the routing actually touches (distinct chosen experts x
+//! 3 FP4 matrices + the shared expert + the gate) over the copy bandwidth; prefill: FLOPs
+//! (tokens x 7 experts x 3 GEMMs x 2 x 5120 x 2304) over the cuBLAS bf16 rate. Both ceilings are
+//! measured in the same run; times per call, graph-replayed.
+
+#include <cstdio>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "bench_util.cuh"
+#include "dsv4/kernels/moe/moe.cuh"
+
+using namespace dsv4;
+using namespace dsv4::kernels;
+using numerics::bf16;
+
+int main(int argc, char** argv) {
+  std::string json;
+  if (!bench::parse_json_option(argc, argv, "bench_moe", json)) return 2;
+  try {
+    const bench::ceilings ceil = bench::ceilings::measure();
+    const moe::moe_shape s{384, 6, 5120, 2304};
+    const gemm::weight_tile_shape up{s.inter, s.dim, gemm::weight_format::fp4_row32},
+        down{s.dim, s.inter, gemm::weight_format::fp4_row32};
+    const gemm::weight_tile_shape sup{s.inter, s.dim, gemm::weight_format::fp8_tile32},
+        sdown{s.dim, s.inter, gemm::weight_format::fp8_tile32};
+    const std::size_t expert_bytes = 2 * (up.code_bytes() + up.scale_bytes()) + down.code_bytes() + down.scale_bytes();
+    const std::size_t shared_bytes = 2 * (sup.code_bytes() + sup.scale_bytes()) + sdown.code_bytes() + sdown.scale_bytes();
+    runtime::device_buffer<std::uint8_t> w1(up.code_bytes() * s.experts), w1s(up.scale_bytes() * s.experts),
+        w3(w1.size()), w3s(w1s.size()), w2(down.code_bytes() * s.experts), w2s(down.scale_bytes() * s.experts);
+    runtime::device_buffer<std::uint8_t> s1(sup.code_bytes()), s1s(sup.scale_bytes()), s3(s1.size()), s3s(s1s.size()),
+        s2(sdown.code_bytes()), s2s(sdown.scale_bytes());
+    for (auto* b : {&w1, &w3, &w2, &s1, &s3, &s2}) bench::fill_codes(b->data(), b->size(), 7);
+    for (auto* b : {&w1s, &w3s, &w2s, &s1s, &s3s, &s2s}) b->fill_bytes(120);
+    runtime::device_buffer<bf16> gate(std::size_t(s.experts) * s.dim);
+    bench::fill_bf16(gate.data(), gate.size(), 9, 0.05f);
+    runtime::device_buffer<float> bias(s.experts);
+    bias.fill_bytes(0);
+    const moe::moe_weights w{gate.data(), bias.data(), nullptr, w1.data(), w1s.data(), w3.data(), w3s.data(), w2.data(),
+                             w2s.data(),  s1.data(),   s1s.data(), s3.data(), s3s.data(), s2.data(), s2s.data()};
+    std::printf("%7s %10s %9s %11s %9s %9s %9s\n", "tokens", "median us", "experts", "weight GB/s", "vs copy",
+                "TFLOP/s", "vs gemm");
+    FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
+    if (jf) std::fprintf(jf, "{\"copy_gbps\": %.1f, \"gemm_tflops\": %.1f, \"results\": [\n", ceil.copy_bps / 1e9, ceil.gemm_fps / 1e12);
+    bool first = true;
+    for (long long tokens : {1LL, 8LL, 64LL, 4096LL}) {
+      runtime::device_buffer<bf16> x(std::size_t(tokens) * s.dim), y(x.size());
+      bench::fill_bf16(x.data(), x.size(), 11 + unsigned(tokens), 2.0f);
+      moe::moe_workspace ws(s, tokens);
+      moe::moe_forward(x.data(), tokens, nullptr, w, y.data(), ws);
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto sel = ws.sel_expert.download();
+      const std::set<int> distinct(sel.begin(), sel.begin() + tokens * s.k);
+      const double ms = bench::median_ms_per_call([&](cudaStream_t st) { moe::moe_forward(x.data(), tokens, nullptr, w, y.data(), ws, st); },
+                                                  tokens >= 4096 ? 2 : 10);
+      const double bytes = double(distinct.size()) * expert_bytes + shared_bytes + gate.bytes();
+      const double flops = double(tokens) * (s.k + 1) * 3 * 2.0 * s.dim * s.inter;
+      std::printf("%7lld %10.1f %9zu %11.0f %8.1f%% %9.1f %8.1f%%\n", tokens, ms * 1e3, distinct.size(),
+                  bytes / (ms * 1e-3) / 1e9, 100 * bytes / ceil.copy_bps / (ms * 1e-3), flops / (ms * 1e-3) / 1e12,
+                  100 * flops / ceil.gemm_fps / (ms * 1e-3));
+      if (jf)
+        std::fprintf(jf, "%s  {\"tokens\": %lld, \"us\": %.2f, \"experts\": %zu, \"copy_ratio\": %.4f, \"gemm_ratio\": %.4f}",
+                     first ? "" : ",\n", tokens, ms * 1e3, distinct.size(), bytes / ceil.copy_bps / (ms * 1e-3),
+                     flops / ceil.gemm_fps / (ms * 1e-3));
+      first = false;
+    }
+    if (jf) {
+      std::fprintf(jf, "\n]}\n");
+      std::fclose(jf);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_moe: %s\n", e.what());
+    return 1;
+  }
+}

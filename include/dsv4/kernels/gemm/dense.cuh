@@ -1,0 +1,95 @@
+#pragma once
+//! \file
+//! The unquantized linear layers (spec §4) through cuBLAS: bf16 x bf16 -> bf16 with fp32
+//! accumulation (compressor wkv at ratio 1, indexer wk and weights_proj, vision), its grouped
+//! (block-diagonal) form for the attention output's wo_a, and true fp32 (no TF32: the gate, the
+//! hc projections, the head, the ratio-2 compressor). Host references: linear/reference.hpp.
+//! Every call sets the handle's stream and a math mode that keeps fp32 reductions (bf16) or
+//! forbids TF32 (fp32), and restores the handle's mode afterwards.
+
+#include <cublas_v2.h>     // provides cublasGemmEx, cublasGemmStridedBatchedEx, cublasSgemm
+#include <cuda_runtime.h>  // provides cudaStream_t
+
+#include <string>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/numerics/bf16.hpp"
+
+namespace dsv4::kernels::gemm {
+
+namespace detail {
+inline void blas_check(cublasStatus_t st, const char* what) {
+  if (st != CUBLAS_STATUS_SUCCESS) throw error(std::string(what) + " failed: " + cublasGetStatusString(st));
+}
+
+//! Sets the stream and math mode for one call; restores the previous mode when it goes.
+class blas_call {
+ public:
+  blas_call(cublasHandle_t h, cudaStream_t stream, cublasMath_t mode) : h_(h) {
+    if (!h) throw error("cuBLAS call without a handle");
+    blas_check(cublasGetMathMode(h, &saved_), "cublasGetMathMode");
+    blas_check(cublasSetStream(h, stream), "cublasSetStream");
+    blas_check(cublasSetMathMode(h, mode), "cublasSetMathMode");
+  }
+  ~blas_call() { cublasSetMathMode(h_, saved_); }
+  blas_call(const blas_call&) = delete;
+  blas_call& operator=(const blas_call&) = delete;
+
+ private:
+  cublasHandle_t h_;
+  cublasMath_t saved_{};
+};
+
+inline constexpr cublasMath_t bf16_math = cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
+
+inline void check_dims(const char* what, long long m, long long n, long long k) {
+  if (m < 0 || n < 0 || k <= 0 || m > 2147483647LL || n > 2147483647LL || k > 2147483647LL)
+    throw error(std::string(what) + ": bad shape (M " + std::to_string(m) + ", N " + std::to_string(n) + ", K " +
+                std::to_string(k) + ")");
+}
+}  // namespace detail
+
+//! y[M, N] = x[M, K] w[N, K]^T, bf16 in and out, fp32 accumulation, one rounding.
+inline void linear_bf16(cublasHandle_t blas, const numerics::bf16* x, const numerics::bf16* w, numerics::bf16* y, int m,
+                        int n, int k, cudaStream_t stream = nullptr) {
+  detail::check_dims("linear_bf16", m, n, k);
+  if (m == 0 || n == 0) return;
+  if (!x || !w || !y) throw error("linear_bf16: null pointer argument");
+  const detail::blas_call call(blas, stream, detail::bf16_math);
+  const float one = 1.0f, zero = 0.0f;
+  detail::blas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, x, CUDA_R_16BF, k, &zero,
+                                  y, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                     "linear_bf16: cublasGemmEx");
+}
+
+//! The block-diagonal form: x [M, groups, k] (row-major, groups side by side), w [groups, n, k],
+//! y [M, groups, n]; group g of y = group g of x times w[g]^T (the einsum "bsgd,grd->bsgr").
+inline void grouped_linear_bf16(cublasHandle_t blas, const numerics::bf16* x, const numerics::bf16* w, numerics::bf16* y,
+                                int m, int groups, int n, int k, cudaStream_t stream = nullptr) {
+  detail::check_dims("grouped_linear_bf16", m, n, k);
+  if (groups <= 0) throw error("grouped_linear_bf16: groups must be positive");
+  if (m == 0 || n == 0) return;
+  if (!x || !w || !y) throw error("grouped_linear_bf16: null pointer argument");
+  const detail::blas_call call(blas, stream, detail::bf16_math);
+  const float one = 1.0f, zero = 0.0f;
+  // Column-major per group: C_g^T [n, m] (ld groups * n, stride n) = W_g [n, k] (op T of a
+  // k x n column-major block, stride n * k) times X_g^T [k, m] (ld groups * k, stride k).
+  detail::blas_check(cublasGemmStridedBatchedEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k,
+                                                (long long)n * k, x, CUDA_R_16BF, groups * k, k, &zero, y, CUDA_R_16BF,
+                                                groups * n, n, groups, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                     "grouped_linear_bf16: cublasGemmStridedBatchedEx");
+}
+
+//! y[M, N] = x[M, K] w[N, K]^T in true fp32 (pedantic math: no TF32, no reduced precision).
+inline void linear_fp32(cublasHandle_t blas, const float* x, const float* w, float* y, int m, int n, int k,
+                        cudaStream_t stream = nullptr) {
+  detail::check_dims("linear_fp32", m, n, k);
+  if (m == 0 || n == 0) return;
+  if (!x || !w || !y) throw error("linear_fp32: null pointer argument");
+  const detail::blas_call call(blas, stream, CUBLAS_PEDANTIC_MATH);
+  const float one = 1.0f, zero = 0.0f;
+  detail::blas_check(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, k, x, k, &zero, y, n),
+                     "linear_fp32: cublasSgemm");
+}
+
+}  // namespace dsv4::kernels::gemm

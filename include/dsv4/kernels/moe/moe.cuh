@@ -1,0 +1,356 @@
+#pragma once
+//! \file
+//! The MoE layer on CUDA (spec §9; host reference: reference.hpp `moe_layer_reference`):
+//!
+//!  1. gate logits, fp32 results of double sums (as the host reference) of bf16 x and bf16 W;
+//!  2. per token, one warp: sqrtsoftplus, top-k on score + bias (bias_vl for image tokens;
+//!     ties to the lower expert id), weights from the unbiased scores, normalized, x route_scale;
+//!  3. dispatch: a stable radix sort of the (token, slot) pairs by expert (CUB), then a tile list
+//!     (runs of at most 8 or 16 rows of one expert) for the grouped GEMMs;
+//!  4. act_quant of x once; w1 and w3 as grouped FP4 GEMMs that read x's rows through the sort
+//!     (no gather copy); the clamped SwiGLU times the routing weight, act_quant; w2 grouped;
+//!  5. the shared expert (FP8) on all tokens;
+//!  6. per token: its experts' bf16 outputs added in ascending expert id into an fp32 sum that
+//!     starts at 0, then the shared expert's, one rounding (deterministic: no atomics anywhere).
+//! Works for the backbone (384 experts, top-6) and the DSpark stages (128, top-3) alike.
+
+#include <cub/block/block_scan.cuh>
+#include <cub/device/device_radix_sort.cuh>
+#include <cuda_runtime.h>  // provides cudaStream_t, uint4
+
+#include <cstdint>
+#include <string>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
+#include "dsv4/kernels/gemm/weight_tiles.hpp"
+#include "dsv4/numerics/bf16.hpp"
+#include "dsv4/numerics/formats.hpp"
+#include "dsv4/numerics/quantize.cuh"
+#include "dsv4/runtime/cuda_check.cuh"
+#include "dsv4/runtime/device_buffer.cuh"
+
+namespace dsv4::kernels::moe {
+
+using numerics::bf16;
+
+inline constexpr int max_experts = 512;
+
+//! Shapes and routing constants of one MoE layer.
+struct moe_shape {
+  int experts = 0, k = 0, dim = 0, inter = 0;
+  float route_scale = 1.5f, gate_temp = 1.0f, swiglu_limit = 10.0f;
+  bool norm_topk_prob = true;
+};
+
+//! Device weights of one MoE layer. Expert weights are in the MMA-tile layout
+//! (gemm/weight_tiles.hpp), expert after expert.
+struct moe_weights {
+  const bf16* gate = nullptr;      //!< [experts, dim]
+  const float* bias = nullptr;     //!< [experts]
+  const float* bias_vl = nullptr;  //!< [experts], used for tokens flagged as image tokens (optional)
+  const std::uint8_t *w1 = nullptr, *w1_s = nullptr;  //!< FP4 [inter, dim] per expert
+  const std::uint8_t *w3 = nullptr, *w3_s = nullptr;  //!< FP4 [inter, dim] per expert
+  const std::uint8_t *w2 = nullptr, *w2_s = nullptr;  //!< FP4 [dim, inter] per expert
+  const std::uint8_t *s1 = nullptr, *s1_s = nullptr;  //!< shared expert, FP8 [inter, dim]
+  const std::uint8_t *s3 = nullptr, *s3_s = nullptr;  //!< FP8 [inter, dim]
+  const std::uint8_t *s2 = nullptr, *s2_s = nullptr;  //!< FP8 [dim, inter]
+};
+
+//! Every intermediate of the layer for up to `max_tokens` tokens (allocated once).
+class moe_workspace {
+ public:
+  moe_workspace(const moe_shape& s, long long max_tokens)
+      : shape_(s), max_tokens_(max_tokens), logits(n(s.experts)), sel_expert(n(s.k)), sel_weight(n(s.k)),
+        pair_index(n(s.k)), sorted_expert(n(s.k)), sorted_pair(n(s.k)), row_token(n(s.k)), pair_row(n(s.k)),
+        tile_group(tiles_bound()), tile_row0(tiles_bound()), tile_rows(tiles_bound()), tile_count(1),
+        xq(n(s.dim)), xs(n(s.dim / 32)), g(n(std::size_t(s.k) * s.inter)), u(g.size()), h(g.size()), hq(g.size()),
+        hs(g.size() / 32), expert_out(n(std::size_t(s.k) * s.dim)), sg(n(s.inter)), su(sg.size()), sh(sg.size()),
+        shq(sg.size()), shs(sg.size() / 32), shared_out(n(s.dim)), gemm(std::size_t(1) << 20) {
+    std::size_t bytes = 0;
+    DSV4_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, sorted_expert.data(), sorted_expert.data(),
+                                                    pair_index.data(), sorted_pair.data(), int(max_tokens * s.k), 0, 10));
+    sort_temp = runtime::device_buffer<unsigned char>(std::max<std::size_t>(1, bytes));
+  }
+  const moe_shape& shape() const { return shape_; }
+  long long max_tokens() const { return max_tokens_; }
+  //! Tile-list length bound for max_tokens: sum over experts of ceil(count / 8).
+  int tiles_bound() const {
+    const long long pairs = max_tokens_ * shape_.k;
+    return int((pairs + 7 * std::min<long long>(shape_.experts, pairs)) / 8 + 1);
+  }
+
+ private:
+  std::size_t n(std::size_t per_token) const { return std::max<std::size_t>(1, std::size_t(max_tokens_) * per_token); }
+  moe_shape shape_;
+  long long max_tokens_;
+
+ public:
+  runtime::device_buffer<float> logits;
+  runtime::device_buffer<int> sel_expert;      //!< [T, k], descending biased score
+  runtime::device_buffer<float> sel_weight;    //!< [T, k]
+  runtime::device_buffer<int> pair_index;      //!< [T, k] = t * k + j
+  runtime::device_buffer<int> sorted_expert;   //!< the pairs' experts, ascending (stable)
+  runtime::device_buffer<int> sorted_pair;     //!< the pairs, in that order
+  runtime::device_buffer<int> row_token;       //!< [T k]: token of each sorted row
+  runtime::device_buffer<int> pair_row;        //!< [T k]: sorted row of each pair
+  runtime::device_buffer<int> tile_group, tile_row0, tile_rows, tile_count;
+  runtime::device_buffer<std::uint8_t> xq, xs;
+  runtime::device_buffer<bf16> g, u, h;
+  runtime::device_buffer<std::uint8_t> hq, hs;
+  runtime::device_buffer<bf16> expert_out;
+  runtime::device_buffer<bf16> sg, su, sh;
+  runtime::device_buffer<std::uint8_t> shq, shs;
+  runtime::device_buffer<bf16> shared_out;
+  runtime::device_buffer<unsigned char> sort_temp;
+  gemm::gemm_workspace gemm;
+};
+
+namespace detail {
+
+//! One warp per (group of 4 tokens, expert): the expert's gate row is read once for 4 tokens.
+DSV4_KERNEL void __launch_bounds__(256) gate_logits_kernel(const bf16* x, long long tokens, int dim, const bf16* w,
+                                                           int experts, float gate_temp, float* logits) {
+  constexpr int kTok = 4;
+  const long long warp = (long long)blockIdx.x * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const long long groups = (tokens + kTok - 1) / kTok;
+  if (warp >= groups * experts) return;
+  const int e = int(warp % experts);
+  const long long t0 = (warp / experts) * kTok;
+  double acc[kTok] = {};
+  for (int c = lane; c < dim / 8; c += 32) {
+    float wv[8];
+    const uint4 wr = __ldg(reinterpret_cast<const uint4*>(w + (long long)e * dim + c * 8));
+    const unsigned ww[4] = {wr.x, wr.y, wr.z, wr.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) wv[i] = __uint_as_float((ww[i / 2] >> (16 * (i % 2))) << 16);
+#pragma unroll
+    for (int t = 0; t < kTok; ++t) {
+      if (t0 + t >= tokens) break;
+      const uint4 xr = __ldg(reinterpret_cast<const uint4*>(x + (t0 + t) * dim + c * 8));
+      const unsigned xw[4] = {xr.x, xr.y, xr.z, xr.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[t] += double(__uint_as_float((xw[i / 2] >> (16 * (i % 2))) << 16)) * double(wv[i]);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kTok; ++t) {
+    double v = acc[t];
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    if (lane == 0 && t0 + t < tokens) logits[(t0 + t) * experts + e] = __fdiv_rn(float(v), gate_temp);
+  }
+}
+
+DSV4_DEVICE float softplus_torch(float s) { return s > 20.0f ? s : log1pf(expf(s)); }
+
+//! One warp per token: scores, top-k, weights; also the pair indices the sort carries.
+DSV4_KERNEL void __launch_bounds__(256) route_kernel(const float* logits, long long tokens, moe_shape s, const float* bias,
+                                                     const float* bias_vl, const std::uint8_t* is_image, int* sel_expert,
+                                                     float* sel_weight, int* pair_index) {
+  constexpr int kPerLane = max_experts / 32;
+  const long long t = (long long)blockIdx.x * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (t >= tokens) return;
+  const float* b = is_image && bias_vl && is_image[t] ? bias_vl : bias;
+  float score[kPerLane], biased[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = lane + 32 * i;
+    score[i] = e < s.experts ? __fsqrt_rn(softplus_torch(logits[t * s.experts + e])) : 0.0f;
+    biased[i] = e < s.experts ? __fadd_rn(score[i], b[e]) : -INFINITY;
+  }
+  float sum = 0.0f, chosen_score = 0.0f;
+  int chosen = -1;
+  for (int j = 0; j < s.k; ++j) {
+    // This lane's best remaining expert, then the warp's: higher biased score, then lower id.
+    float best = -INFINITY;
+    int best_e = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane + 32 * i;
+      if (e < s.experts && (biased[i] > best || (biased[i] == best && e < best_e))) best = biased[i], best_e = e;
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, off);
+      const int oe = __shfl_xor_sync(0xffffffffu, best_e, off);
+      if (ob > best || (ob == best && oe < best_e)) best = ob, best_e = oe;
+    }
+    // The owner lane retires the expert and broadcasts its unbiased score.
+    float sc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+      if (lane + 32 * i == best_e) sc = score[i], biased[i] = -INFINITY;
+    sc = __shfl_sync(0xffffffffu, sc, best_e % 32);
+    sum = __fadd_rn(sum, sc);
+    if (lane == j) chosen = best_e, chosen_score = sc;
+  }
+  if (lane < s.k) {
+    float wv = chosen_score;
+    if (s.norm_topk_prob && s.k > 1) wv = __fdiv_rn(wv, __fadd_rn(sum, 1e-20f));
+    wv = __fmul_rn(wv, s.route_scale);
+    sel_expert[t * s.k + lane] = chosen;
+    sel_weight[t * s.k + lane] = wv;
+    pair_index[t * s.k + lane] = int(t * s.k + lane);
+  }
+}
+
+//! One CTA: each expert's run in the sorted pairs becomes tiles of at most `tile` rows.
+DSV4_KERNEL void __launch_bounds__(max_experts) tile_list_kernel(const int* sorted_expert, int pairs, int experts, int tile,
+                                                               int* tile_group, int* tile_row0, int* tile_rows,
+                                                               int* tile_count) {
+  using scan = cub::BlockScan<int, max_experts>;
+  __shared__ typename scan::TempStorage temp;
+  const int e = threadIdx.x;
+  auto lower_bound = [&](int key) {
+    int lo = 0, hi = pairs;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (sorted_expert[mid] < key) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+  };
+  const int begin = e < experts ? lower_bound(e) : 0, end = e < experts ? lower_bound(e + 1) : 0;
+  const int tiles = (end - begin + tile - 1) / tile;
+  int first = 0, total = 0;
+  scan(temp).ExclusiveSum(tiles, first, total);
+  for (int i = 0; i < tiles; ++i) {
+    tile_group[first + i] = e;
+    tile_row0[first + i] = begin + i * tile;
+    tile_rows[first + i] = min(tile, end - begin - i * tile);
+  }
+  if (threadIdx.x == 0) *tile_count = total;
+}
+
+//! For each sorted row: its token (A's row for w1 / w3) and, per pair, its row (for the combine).
+DSV4_KERNEL void rows_kernel(const int* sorted_pair, int pairs, int k, int* row_token, int* pair_row) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= pairs) return;
+  const int p = sorted_pair[r];
+  row_token[r] = p / k;
+  pair_row[p] = r;
+}
+
+//! h = bf16(weight * (silu(min(g, L)) * clamp(u, -L, L))), weight from the row's pair (1 if null).
+DSV4_KERNEL void swiglu_kernel(const bf16* g, const bf16* u, long long rows, int inter, float limit,
+                               const float* sel_weight, const int* sorted_pair, bf16* h) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= rows * inter) return;
+  const long long r = i / inter;
+  const float w = sel_weight ? sel_weight[sorted_pair[r]] : 1.0f;
+  const float gv = fminf(g[i].to_float(), limit);
+  const float uv = fminf(fmaxf(u[i].to_float(), -limit), limit);
+  const float silu = __fdiv_rn(gv, __fadd_rn(1.0f, expf(-gv)));
+  h[i] = bf16::from_float(__fmul_rn(w, __fmul_rn(silu, uv)));
+}
+
+//! Per token: experts' outputs in ascending expert id into fp32 from 0, then the shared output.
+DSV4_KERNEL void combine_kernel(const bf16* expert_out, const bf16* shared_out, const int* sel_expert,
+                                const int* pair_row, long long tokens, int k, int dim, bf16* y) {
+  const long long t = blockIdx.x;
+  int order[16];
+  for (int j = 0; j < k; ++j) order[j] = j;
+  for (int a = 1; a < k; ++a)  // insertion sort of the k slots by expert id
+    for (int b = a; b > 0 && sel_expert[t * k + order[b]] < sel_expert[t * k + order[b - 1]]; --b) {
+      const int tmp = order[b];
+      order[b] = order[b - 1], order[b - 1] = tmp;
+    }
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+    float acc = 0.0f;
+    for (int j = 0; j < k; ++j) acc = __fadd_rn(acc, expert_out[(long long)pair_row[t * k + order[j]] * dim + d].to_float());
+    acc = __fadd_rn(acc, shared_out[t * dim + d].to_float());
+    y[t * dim + d] = bf16::from_float(acc);
+  }
+}
+
+inline void quantize_rows(const bf16* x, long long rows, int channels, std::uint8_t* codes, std::uint8_t* scales,
+                          cudaStream_t stream) {
+  numerics::quantize<numerics::fp8_act_format>(
+      {x, rows, channels, channels, codes, channels, scales, channels / 32}, stream);
+}
+
+}  // namespace detail
+
+//! y = MoE(x) for `tokens` tokens (x: the bf16 ffn_norm output). `is_image` (optional, one byte
+//! per token) picks bias_vl for image-span tokens. Throws dsv4::error on bad shapes.
+inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_image, const moe_weights& w, bf16* y,
+                        moe_workspace& ws, cudaStream_t stream = nullptr) {
+  const moe_shape& s = ws.shape();
+  const std::string where = "moe_forward (tokens " + std::to_string(tokens) + "): ";
+  if (tokens < 0 || tokens > ws.max_tokens())
+    throw error(where + "the workspace holds " + std::to_string(ws.max_tokens()) + " tokens");
+  if (s.experts < 1 || s.experts > max_experts || s.k < 1 || s.k > 16 || s.k > s.experts)
+    throw error(where + "need 1 <= k <= min(16, experts) and experts <= 512");
+  if (s.dim % 32 || s.inter % 32) throw error(where + "dim and inter must be multiples of 32");
+  if (!x || !y || !w.gate || !w.bias || !w.w1 || !w.w3 || !w.w2 || !w.s1 || !w.s3 || !w.s2)
+    throw error(where + "null input, output or weight");
+  if (tokens == 0) return;
+  const int pairs = int(tokens * s.k);
+
+  // 1-2. Routing.
+  const long long warps = (tokens + 3) / 4 * s.experts;
+  detail::gate_logits_kernel<<<unsigned((warps + 7) / 8), 256, 0, stream>>>(x, tokens, s.dim, w.gate, s.experts,
+                                                                            s.gate_temp, ws.logits.data());
+  DSV4_CUDA_CHECK_LAUNCH();
+  detail::route_kernel<<<unsigned((tokens + 7) / 8), 256, 0, stream>>>(ws.logits.data(), tokens, s, w.bias, w.bias_vl,
+                                                                       is_image, ws.sel_expert.data(),
+                                                                       ws.sel_weight.data(), ws.pair_index.data());
+  DSV4_CUDA_CHECK_LAUNCH();
+  // 3. Dispatch: stable sort by expert, tile list, row maps.
+  std::size_t temp_bytes = ws.sort_temp.size();
+  DSV4_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws.sort_temp.data(), temp_bytes, ws.sel_expert.data(),
+                                                  ws.sorted_expert.data(), ws.pair_index.data(), ws.sorted_pair.data(),
+                                                  pairs, 0, 10, stream));
+  const int tile = pairs / s.experts >= 8 ? 16 : 8;
+  detail::tile_list_kernel<<<1, max_experts, 0, stream>>>(ws.sorted_expert.data(), pairs, s.experts, tile,
+                                                          ws.tile_group.data(), ws.tile_row0.data(), ws.tile_rows.data(),
+                                                          ws.tile_count.data());
+  DSV4_CUDA_CHECK_LAUNCH();
+  detail::rows_kernel<<<unsigned((pairs + 255) / 256), 256, 0, stream>>>(ws.sorted_pair.data(), pairs, s.k,
+                                                                          ws.row_token.data(), ws.pair_row.data());
+  DSV4_CUDA_CHECK_LAUNCH();
+  // 4. Routed experts.
+  detail::quantize_rows(x, tokens, s.dim, ws.xq.data(), ws.xs.data(), stream);
+  const gemm::weight_tile_shape up{s.inter, s.dim, gemm::weight_format::fp4_row32};
+  const gemm::weight_tile_shape down{s.dim, s.inter, gemm::weight_format::fp4_row32};
+  const long long pairs_bound = (long long)tokens * s.k;
+  const int max_tiles = int((pairs_bound + (tile - 1) * std::min<long long>(s.experts, pairs_bound)) / tile + 1);
+  gemm::gemm_groups groups{ws.tile_group.data(), ws.tile_row0.data(), ws.tile_rows.data(), ws.tile_count.data(),
+                           ws.row_token.data(), (long long)up.code_bytes(), (long long)up.scale_bytes()};
+  const int token_tiles = tile / 8;
+  gemm::grouped_block_scaled_gemm({{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w1, w.w1_s, ws.g.data()}, groups,
+                                  gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
+  gemm::grouped_block_scaled_gemm({{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w3, w.w3_s, ws.u.data()}, groups,
+                                  gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
+  const long long act = (long long)pairs * s.inter;
+  detail::swiglu_kernel<<<unsigned((act + 255) / 256), 256, 0, stream>>>(ws.g.data(), ws.u.data(), pairs, s.inter,
+                                                                          s.swiglu_limit, ws.sel_weight.data(),
+                                                                          ws.sorted_pair.data(), ws.h.data());
+  DSV4_CUDA_CHECK_LAUNCH();
+  detail::quantize_rows(ws.h.data(), pairs, s.inter, ws.hq.data(), ws.hs.data(), stream);
+  groups.a_row_index = nullptr;  // w2 reads the activations in sorted order
+  groups.w_group_bytes = (long long)down.code_bytes();
+  groups.ws_group_bytes = (long long)down.scale_bytes();
+  gemm::grouped_block_scaled_gemm({{pairs, s.dim, s.inter}, ws.hq.data(), ws.hs.data(), w.w2, w.w2_s, ws.expert_out.data()},
+                                  groups, gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
+  // 5. Shared expert (FP8), all tokens.
+  const int m = int(tokens);
+  gemm::block_scaled_gemm({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s1, w.s1_s, ws.sg.data()},
+                          gemm::weight_format::fp8_tile32, &ws.gemm, stream);
+  gemm::block_scaled_gemm({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s3, w.s3_s, ws.su.data()},
+                          gemm::weight_format::fp8_tile32, &ws.gemm, stream);
+  const long long sact = tokens * s.inter;
+  detail::swiglu_kernel<<<unsigned((sact + 255) / 256), 256, 0, stream>>>(ws.sg.data(), ws.su.data(), tokens, s.inter,
+                                                                           s.swiglu_limit, nullptr, nullptr, ws.sh.data());
+  DSV4_CUDA_CHECK_LAUNCH();
+  detail::quantize_rows(ws.sh.data(), tokens, s.inter, ws.shq.data(), ws.shs.data(), stream);
+  gemm::block_scaled_gemm({{m, s.dim, s.inter}, ws.shq.data(), ws.shs.data(), w.s2, w.s2_s, ws.shared_out.data()},
+                          gemm::weight_format::fp8_tile32, &ws.gemm, stream);
+  // 6. Combine.
+  detail::combine_kernel<<<unsigned(tokens), 256, 0, stream>>>(ws.expert_out.data(), ws.shared_out.data(),
+                                                                ws.sel_expert.data(), ws.pair_row.data(), tokens, s.k,
+                                                                s.dim, y);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace dsv4::kernels::moe

@@ -1,0 +1,189 @@
+// The CUDA MoE layer (routing, dispatch, grouped FP4 experts, FP8 shared expert, combine) against
+// the host composition of the spec's steps, on fresh random weights in the real formats: the
+// backbone's 384 / top-6 routing, DSpark's 128 / top-3, tiny's 8 / top-2, every token to one
+// expert, clamps hit, bias_vl for image tokens, a single token; outputs poisoned with NaN.
+
+#include <boost/test/unit_test.hpp>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "dsv4/kernels/gemm/weight_tiles.hpp"
+#include "dsv4/kernels/moe/moe.cuh"
+#include "dsv4/kernels/moe/reference.hpp"
+#include "dsv4/runtime/device_buffer.cuh"
+#include "support/gpu.hpp"
+#include "support/random.hpp"
+
+namespace utf = boost::unit_test;
+using namespace dsv4;
+using namespace dsv4::kernels;
+using numerics::bf16;
+using runtime::device_buffer;
+
+namespace {
+
+struct moe_case {
+  int experts, k, dim, inter;
+  long long tokens;
+  int favourite = -1;      // an expert every token picks (huge bias), or -1
+  int scale_code = 122;    // UE8M0 code of the expert weight scales (larger: the clamps engage)
+  bool images = false;     // every other token is an image token (bias_vl)
+};
+
+std::vector<std::uint8_t> random_codes(std::size_t n, bool fp8, std::mt19937_64& rng) {
+  std::vector<std::uint8_t> v(n);
+  for (auto& c : v) {
+    c = std::uint8_t(rng());
+    if (fp8 && (c & 0x7F) == 0x7F) c = 0x38;  // no E4M3 NaN
+  }
+  return v;
+}
+
+moe::expert_weights random_expert(int dim, int inter, bool fp4, int scale_code, std::mt19937_64& rng) {
+  const gemm::weight_format wf = fp4 ? gemm::weight_format::fp4_row32 : gemm::weight_format::fp8_tile32;
+  const gemm::weight_tile_shape up{inter, dim, wf}, down{dim, inter, wf};
+  std::uniform_int_distribution<int> jitter(-2, 2);
+  auto scales = [&](std::size_t n) {
+    std::vector<std::uint8_t> v(n);
+    for (auto& c : v) c = std::uint8_t(scale_code + jitter(rng));
+    return v;
+  };
+  moe::expert_weights e;
+  e.w1 = random_codes(up.checkpoint_code_bytes(), !fp4, rng), e.w1_s = scales(up.checkpoint_scale_bytes());
+  e.w3 = random_codes(up.checkpoint_code_bytes(), !fp4, rng), e.w3_s = scales(up.checkpoint_scale_bytes());
+  e.w2 = random_codes(down.checkpoint_code_bytes(), !fp4, rng), e.w2_s = scales(down.checkpoint_scale_bytes());
+  return e;
+}
+
+//! Tiles each matrix of every expert and concatenates them expert after expert.
+struct tiled_experts {
+  std::vector<std::uint8_t> w1, w1_s, w3, w3_s, w2, w2_s;
+  void add(const moe::expert_weights& e, gemm::weight_format wf, int dim, int inter) {
+    auto put = [&](std::vector<std::uint8_t>& codes, std::vector<std::uint8_t>& scales, const std::vector<std::uint8_t>& c,
+                   const std::vector<std::uint8_t>& s, int n, int k) {
+      const auto t = gemm::tile_weight(wf, n, k, c, s);
+      codes.insert(codes.end(), t.codes.begin(), t.codes.end());
+      scales.insert(scales.end(), t.scales.begin(), t.scales.end());
+    };
+    put(w1, w1_s, e.w1, e.w1_s, inter, dim);
+    put(w3, w3_s, e.w3, e.w3_s, inter, dim);
+    put(w2, w2_s, e.w2, e.w2_s, dim, inter);
+  }
+};
+
+device_buffer<std::uint8_t> up(const std::vector<std::uint8_t>& v) { return device_buffer<std::uint8_t>{std::span<const std::uint8_t>(v)}; }
+
+void check_moe(const moe_case& c, std::uint64_t salt) {
+  auto rng = test::make_rng(salt);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  moe::gate_params g;
+  g.experts = c.experts, g.k = c.k, g.dim = c.dim;
+  g.weight.resize(std::size_t(c.experts) * c.dim);
+  for (auto& v : g.weight) v = bf16::from_float(n(rng) / std::sqrt(float(c.dim)) * 3.0f).to_float();
+  g.bias.resize(std::size_t(c.experts));
+  for (auto& v : g.bias) v = n(rng) * 0.1f;
+  if (c.favourite >= 0) g.bias[std::size_t(c.favourite)] = 100.0f;
+  moe::gate_params g_vl = g;  // image tokens: a different bias
+  for (auto& v : g_vl.bias) v = n(rng) * 0.1f;
+
+  std::vector<moe::expert_weights> experts;
+  tiled_experts tiled, tiled_shared;
+  for (int e = 0; e < c.experts; ++e) {
+    experts.push_back(random_expert(c.dim, c.inter, true, c.scale_code, rng));
+    tiled.add(experts.back(), gemm::weight_format::fp4_row32, c.dim, c.inter);
+  }
+  const auto shared = random_expert(c.dim, c.inter, false, c.scale_code - 2, rng);
+  tiled_shared.add(shared, gemm::weight_format::fp8_tile32, c.dim, c.inter);
+
+  std::vector<bf16> x(std::size_t(c.tokens) * c.dim);
+  for (auto& v : x) v = bf16::from_float(n(rng));
+  std::vector<std::uint8_t> is_image(std::size_t(c.tokens), 0);
+  if (c.images)
+    for (std::size_t t = 1; t < is_image.size(); t += 2) is_image[t] = 1;
+
+  // Host: token by token, with the image tokens' bias.
+  std::vector<bf16> want;
+  std::vector<moe::routing> routes;
+  for (long long t = 0; t < c.tokens; ++t) {
+    const auto xt = std::span<const bf16>(x).subspan(std::size_t(t) * c.dim, std::size_t(c.dim));
+    const auto yt = moe::moe_layer_reference(xt, is_image[std::size_t(t)] ? g_vl : g, experts, shared, c.inter, 10.0f, &routes);
+    want.insert(want.end(), yt.begin(), yt.end());
+  }
+
+  // Device.
+  std::vector<bf16> gate_bf(g.weight.size());
+  for (std::size_t i = 0; i < gate_bf.size(); ++i) gate_bf[i] = bf16::from_float(g.weight[i]);
+  device_buffer<bf16> dgate{std::span<const bf16>(gate_bf)}, dx{std::span<const bf16>(x)}, dy(x.size());
+  device_buffer<float> dbias{std::span<const float>(g.bias)}, dbias_vl{std::span<const float>(g_vl.bias)};
+  device_buffer<std::uint8_t> dimg{std::span<const std::uint8_t>(is_image)};
+  auto w1 = up(tiled.w1), w1s = up(tiled.w1_s), w3 = up(tiled.w3), w3s = up(tiled.w3_s), w2 = up(tiled.w2),
+       w2s = up(tiled.w2_s);
+  auto s1 = up(tiled_shared.w1), s1s = up(tiled_shared.w1_s), s3 = up(tiled_shared.w3), s3s = up(tiled_shared.w3_s),
+       s2 = up(tiled_shared.w2), s2s = up(tiled_shared.w2_s);
+  const moe::moe_weights w{dgate.data(), dbias.data(), dbias_vl.data(), w1.data(), w1s.data(), w3.data(), w3s.data(),
+                           w2.data(),    w2s.data(),   s1.data(),       s1s.data(), s3.data(), s3s.data(), s2.data(),
+                           s2s.data()};
+  moe::moe_shape shape{c.experts, c.k, c.dim, c.inter};
+  moe::moe_workspace ws(shape, c.tokens + 3);
+  dy.fill_bytes(0xFF);
+  moe::moe_forward(dx.data(), c.tokens, c.images ? dimg.data() : nullptr, w, dy.data(), ws);
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto y = dy.download();
+  const auto sel = ws.sel_expert.download();
+
+  std::size_t route_diff = 0;
+  for (long long t = 0; t < c.tokens; ++t)
+    for (int j = 0; j < c.k; ++j) route_diff += sel[std::size_t(t) * c.k + j] != routes[std::size_t(t)].experts[std::size_t(j)];
+  BOOST_TEST(route_diff == 0u, "experts " << c.experts << ": " << route_diff << " routing slots differ");
+
+  std::size_t nan = 0, bad = 0, exact = 0;
+  double worst = 0;
+  for (long long t = 0; t < c.tokens; ++t) {
+    double rms = 0;
+    for (int d = 0; d < c.dim; ++d) rms += std::pow(want[std::size_t(t) * c.dim + d].to_float(), 2);
+    rms = std::sqrt(rms / c.dim);
+    for (int d = 0; d < c.dim; ++d) {
+      const std::size_t i = std::size_t(t) * c.dim + d;
+      const double got = y[i].to_float(), ref = want[i].to_float();
+      if (std::isnan(got)) {
+        ++nan;
+        continue;
+      }
+      // A one-ulp difference in an intermediate bf16 (g, u, h, an expert output) moves the sum by
+      // about 2^-8 of one term: allow 2^-6 of the token's rms on top of one output ulp.
+      const double tol = std::fabs(ref) * 0x1p-7 + rms * 0x1p-6;
+      worst = std::max(worst, std::fabs(got - ref) / tol);
+      bad += std::fabs(got - ref) > tol;
+      exact += got == ref;
+    }
+  }
+  BOOST_TEST_MESSAGE("moe experts " << c.experts << " top-" << c.k << " tokens " << c.tokens << ": " << exact << " of "
+                                    << y.size() << " bit-equal, worst error / tolerance " << worst);
+  BOOST_TEST(nan == 0u);
+  BOOST_TEST(bad == 0u);
+  BOOST_TEST(exact * 10 >= y.size() * 7, "fewer than 70% of the outputs are bit-equal to the host");
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(moe_cuda)
+
+BOOST_AUTO_TEST_CASE(layer_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  check_moe({384, 6, 256, 64, 40}, 1);                  // backbone routing, most experts idle
+  check_moe({128, 3, 512, 128, 1}, 2);                  // DSpark routing, one token
+  check_moe({8, 2, 256, 128, 100}, 3);                  // tiny: 25 rows per expert, 16-row tiles
+  check_moe({16, 3, 256, 64, 50, 5, 128}, 4);           // every token picks expert 5; clamps engage
+  check_moe({64, 4, 256, 64, 30, -1, 122, true}, 5);    // image tokens route with bias_vl
+}
+
+BOOST_AUTO_TEST_CASE(bad_shapes_are_errors, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  moe::moe_workspace ws({8, 2, 256, 64}, 4);
+  moe::moe_weights w;
+  device_buffer<bf16> x(256 * 8), y(256 * 8);
+  BOOST_CHECK_THROW(moe::moe_forward(x.data(), 5, nullptr, w, y.data(), ws), dsv4::error);  // more tokens than the workspace
+  BOOST_CHECK_THROW(moe::moe_forward(x.data(), 2, nullptr, w, y.data(), ws), dsv4::error);  // null weights
+}
+
+BOOST_AUTO_TEST_SUITE_END()

@@ -1,0 +1,150 @@
+// Unquantized linear layers through cuBLAS (bf16, grouped bf16, true fp32) and the CUDA
+// attention output path (inverse RoPE, grouped wo_a, act_quant, FP8 wo_b) against the host
+// references, V4.1 and tiny widths, decode and prefill token counts; outputs poisoned with NaN.
+
+#include <boost/test/unit_test.hpp>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "dsv4/kernels/gemm/weight_tiles.hpp"
+#include "dsv4/kernels/linear/reference.hpp"
+#include "dsv4/kernels/output/output.cuh"
+#include "dsv4/kernels/output/reference.hpp"
+#include "dsv4/kernels/rope/rope.hpp"
+#include "dsv4/runtime/device_buffer.cuh"
+#include "support/errors.hpp"
+#include "support/gpu.hpp"
+#include "support/random.hpp"
+
+namespace utf = boost::unit_test;
+using namespace dsv4;
+using namespace dsv4::kernels;
+using numerics::bf16;
+using runtime::device_buffer;
+
+namespace {
+
+struct blas_handle {
+  cublasHandle_t h = nullptr;
+  blas_handle() {
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) throw error("cublasCreate failed");
+  }
+  ~blas_handle() { cublasDestroy(h); }
+};
+
+std::vector<bf16> random_bf16(std::size_t n, float scale, std::mt19937_64& rng) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<bf16> v(n);
+  for (auto& x : v) x = bf16::from_float(d(rng));
+  return v;
+}
+
+std::vector<float> widen(const std::vector<bf16>& v) { return linear::widen(v); }
+
+//! |got - want| <= one bf16 ulp of want + 2^-16 of the row's sum of magnitudes; NaN never passes.
+std::size_t count_bad(const std::vector<bf16>& got, const std::vector<bf16>& want, double magnitude) {
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double g = got[i].to_float(), w = want[i].to_float();
+    if (std::isnan(g) || std::fabs(g - w) > std::fabs(w) * 0x1p-7 + magnitude * 0x1p-16) ++bad;
+  }
+  return bad;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(output_cuda)
+
+BOOST_AUTO_TEST_CASE(dense_layers_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  auto rng = test::make_rng(61);
+  blas_handle blas;
+  for (const auto& [m, n, k] : {std::tuple{1, 512, 5120}, std::tuple{37, 384, 1024}, std::tuple{300, 64, 256}}) {
+    const auto x = random_bf16(std::size_t(m) * k, 1.0f, rng), w = random_bf16(std::size_t(n) * k, 0.05f, rng);
+    device_buffer<bf16> dx{std::span<const bf16>(x)}, dw{std::span<const bf16>(w)}, dy(std::size_t(m) * n);
+    dy.fill_bytes(0xFF);
+    gemm::linear_bf16(blas.h, dx.data(), dw.data(), dy.data(), m, n, k);
+    const auto xf = widen(x), wf = widen(w);
+    device_buffer<float> fx{std::span<const float>(xf)}, fw{std::span<const float>(wf)}, fy(std::size_t(m) * n);
+    fy.fill_bytes(0xFF);
+    gemm::linear_fp32(blas.h, fx.data(), fw.data(), fy.data(), m, n, k);
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto y = dy.download();
+    const auto yf = fy.download();
+    std::size_t bad16 = 0, bad32 = 0;
+    for (int r = 0; r < m; ++r) {
+      const auto xr = std::span<const float>(xf).subspan(std::size_t(r) * k, std::size_t(k));
+      const auto want32 = linear::linear_fp32_reference(xr, wf, n);
+      std::vector<bf16> got(y.begin() + std::ptrdiff_t(r) * n, y.begin() + std::ptrdiff_t(r + 1) * n);
+      std::vector<bf16> want16(want32.size());
+      for (std::size_t i = 0; i < want32.size(); ++i) want16[i] = bf16::from_float(want32[i]);
+      bad16 += count_bad(got, want16, 0.05 * k);
+      for (int c = 0; c < n; ++c) {
+        const double g = yf[std::size_t(r) * n + c], w = want32[std::size_t(c)];
+        // fp32 sums in a different order: a few ulp of the sum of magnitudes (about 0.05 k here)
+        if (std::isnan(g) || std::fabs(g - w) > 1e-5 * 0.05 * k) ++bad32;
+      }
+    }
+    BOOST_TEST(bad16 == 0u, "linear_bf16 M" << m << " N" << n << " K" << k);
+    BOOST_TEST(bad32 == 0u, "linear_fp32 M" << m << " N" << n << " K" << k);
+  }
+  BOOST_TEST(test::throws_with([&] { gemm::linear_bf16(blas.h, nullptr, nullptr, nullptr, 1, 1, 1); }, "null pointer"));
+  BOOST_TEST(test::throws_with([&] { gemm::linear_fp32(blas.h, nullptr, nullptr, nullptr, 1, 1, 0); }, "bad shape"));
+}
+
+BOOST_AUTO_TEST_CASE(attention_output_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  auto rng = test::make_rng(62);
+  blas_handle blas;
+  struct shape_case {
+    output::output_shape s;
+    int rope_dim;
+    long long tokens;
+  };
+  for (const auto& c : {shape_case{{64, 512, 8, 1024, 5120}, 64, 2}, shape_case{{4, 128, 2, 64, 256}, 32, 70},
+                        shape_case{{4, 128, 2, 64, 256}, 32, 3}}) {
+    const auto& s = c.s;
+    const rope::rope_params rp{c.rope_dim, 10000.0f};
+    const auto freqs = rope::frequencies(rp);
+    const std::size_t o_width = std::size_t(s.heads) * s.head_dim, k = std::size_t(s.groups) * s.o_lora;
+    auto o = random_bf16(std::size_t(c.tokens) * o_width, 1.0f, rng);
+    const auto wo_a = random_bf16(std::size_t(s.groups) * s.o_lora * s.group_width(), 0.03f, rng);
+    std::vector<std::uint8_t> wo_b(std::size_t(s.dim) * k), wo_b_scale(std::size_t((s.dim + 31) / 32) * (k / 32));
+    for (auto& v : wo_b) v = std::uint8_t(rng() % 0x7E) | std::uint8_t(rng() % 2 ? 0x80 : 0);
+    for (auto& v : wo_b_scale) v = std::uint8_t(118 + rng() % 6);
+    std::vector<std::int64_t> positions(std::size_t(c.tokens));
+    for (auto& p : positions) p = std::int64_t(rng() % 100000);
+
+    const auto tiles = gemm::tile_weight(gemm::weight_format::fp8_tile32, s.dim, int(k), wo_b, wo_b_scale);
+    device_buffer<bf16> d_o{std::span<const bf16>(o)}, d_wo_a{std::span<const bf16>(wo_a)}, d_out(std::size_t(c.tokens) * s.dim);
+    device_buffer<std::uint8_t> d_wo_b{std::span<const std::uint8_t>(tiles.codes)}, d_wo_bs{std::span<const std::uint8_t>(tiles.scales)};
+    device_buffer<std::int64_t> d_pos{std::span<const std::int64_t>(positions)};
+    device_buffer<float> d_freqs{std::span<const float>(freqs)};
+    output::output_workspace ws(s, c.tokens);
+    d_out.fill_bytes(0xFF);
+    output::attention_output(d_o.data(), d_pos.data(), c.tokens, d_freqs.data(), c.rope_dim, d_wo_a.data(), d_wo_b.data(),
+                             d_wo_bs.data(), d_out.data(), ws, blas.h);
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got = d_out.download();
+
+    const auto wo_a_f = widen(wo_a);
+    std::size_t bad = 0, exact = 0;
+    for (long long t = 0; t < c.tokens; ++t) {
+      const auto ot = std::span<const bf16>(o).subspan(std::size_t(t) * o_width, o_width);
+      const auto want = output::attention_output_reference(s, ot, positions[std::size_t(t)], freqs, wo_a_f, wo_b, wo_b_scale);
+      std::vector<bf16> g(got.begin() + std::ptrdiff_t(t) * s.dim, got.begin() + std::ptrdiff_t(t + 1) * s.dim);
+      // A one-ulp difference in a bf16 intermediate (cuBLAS's fp32 sum order) can move one FP8
+      // code of wo_b's input by one step, which shifts every output of the token by a fraction of
+      // one term: allow 2^-8 of the token's largest output on top of one ulp.
+      double mag = 0;
+      for (const auto v : want) mag = std::max(mag, double(std::fabs(v.to_float())));
+      bad += count_bad(g, want, mag * 256);
+      for (int i = 0; i < s.dim; ++i) exact += g[std::size_t(i)].bits == want[std::size_t(i)].bits;
+    }
+    BOOST_TEST_MESSAGE("attention output heads " << s.heads << " tokens " << c.tokens << ": " << exact << " of " << got.size()
+                                                 << " bit-equal");
+    BOOST_TEST(bad == 0u);
+  }
+}
+
+BOOST_AUTO_TEST_SUITE_END()
