@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
       runtime::device_buffer<float> pre(std::size_t(tokens) * 4), post(pre.size()), comb(std::size_t(tokens) * 16),
           npre(pre.size()), npost(pre.size()), ncomb(comb.size());
       pre.fill_bytes(0x3e), post.fill_bytes(0x3e), comb.fill_bytes(0x3e);
-      mhc_workspace ws(tokens, 16);
+      mhc_workspace ws(tokens, dim);
       mhc_step_args a;
       a.x = x.data(), a.f = f.data(), a.post = post.data(), a.comb = comb.data(), a.pre = pre.data();
       a.norm_w = w.data(), a.y = y.data(), a.h = h.data();

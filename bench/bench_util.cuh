@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "dsv4/config.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
 
@@ -118,7 +119,7 @@ inline bool parse_json_option(int argc, char** argv, const char* name, std::stri
 }
 
 namespace detail {
-inline __global__ void fill_codes_kernel(std::uint8_t* p, std::size_t n, std::uint32_t seed) {
+DSV4_KERNEL void fill_codes_kernel(std::uint8_t* p, std::size_t n, std::uint32_t seed) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
     std::uint32_t h = std::uint32_t(i) * 2654435761u ^ seed;
     h ^= h >> 13;
@@ -127,7 +128,7 @@ inline __global__ void fill_codes_kernel(std::uint8_t* p, std::size_t n, std::ui
     p[i] = std::uint8_t(h & 0xF7u);
   }
 }
-inline __global__ void fill_bf16_kernel(unsigned short* p, std::size_t n, std::uint32_t seed, float scale) {
+DSV4_KERNEL void fill_bf16_kernel(unsigned short* p, std::size_t n, std::uint32_t seed, float scale) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
     std::uint32_t h = std::uint32_t(i) * 2654435761u ^ seed;
     h ^= h >> 13;

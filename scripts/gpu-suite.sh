@@ -6,6 +6,7 @@
 #
 #   scripts/gpu-suite.sh            # everything
 #   DSV4_SKIP_BENCH=1 scripts/gpu-suite.sh
+#   DSV4_SANITIZERS=memcheck scripts/gpu-suite.sh   # a subset of the sanitizer tools (default: both)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/build/gpu-suite}
@@ -29,7 +30,7 @@ for t in build/gpu/tests/test_*_cuda; do
   "$t" --run_test=@gpu --report_level=detailed >"$out/$name.log" 2>&1 || fail=1
   if grep -q "no CUDA device visible" "$out/$name.log"; then fail=1; log "$name: GPU cases were SKIPPED"; fi
   log "$name: $(grep -E 'Test module .* (passed|failed)' "$out/$name.log" | head -1)"
-  for tool in memcheck initcheck; do
+  for tool in ${DSV4_SANITIZERS:-memcheck initcheck}; do
     if compute-sanitizer --tool "$tool" --error-exitcode 86 "$t" --run_test=@gpu >"$out/$name.$tool.log" 2>&1; then
       log "$name under compute-sanitizer $tool: clean"
     else

@@ -26,9 +26,11 @@
 #define DSV4_VERSION_MINOR 1
 #define DSV4_VERSION_PATCH 0
 
-// Kernels defined in headers are instantiated in every translation unit that uses them. Hidden
-// visibility keeps two shared objects built against different dsv4 versions (or different
-// architecture lists) from resolving each other's kernels, as CCCL documents for CUB.
+// Kernels defined in headers are compiled into every translation unit that uses them. Internal
+// linkage (static) lets several translation units of one program include the same header (a
+// plain __global__ definition would be defined twice at link time, and CUDA ignores `inline` on
+// kernels), and keeps two shared objects built against different dsv4 versions or architecture
+// lists from resolving each other's kernels.
 #if defined(__CUDACC__)
-#define DSV4_KERNEL __global__ __attribute__((visibility("hidden")))
+#define DSV4_KERNEL static __global__
 #endif

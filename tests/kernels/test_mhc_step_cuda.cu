@@ -55,7 +55,7 @@ void check_step(long long tokens, int dim, boundary kind, std::uint64_t salt) {
       dscale{std::span<const float>(next.scale)};
   device_buffer<bf16> dy(x.size()), dh(f.size());
   device_buffer<float> npre(pre.size()), npost(post.size()), ncomb(comb.size());
-  mhc_workspace ws(tokens, 8);
+  mhc_workspace ws(tokens, dim);
   mhc_step_args a;
   a.x = dx.data();
   a.f = kind == boundary::entry ? nullptr : df.data();
@@ -135,7 +135,7 @@ BOOST_AUTO_TEST_CASE(fused_step_matches_host, *utf::label("gpu") * utf::precondi
 }
 
 BOOST_AUTO_TEST_CASE(bad_arguments_are_errors, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
-  mhc_workspace ws(1);  // allocates: needs a device
+  mhc_workspace ws(1, 256);  // allocates: needs a device
   mhc_step_args a;
   a.tokens = 1;
   a.dim = 12;

@@ -319,8 +319,16 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
   for (int idx = threadIdx.x; idx < rows * toks; idx += blockDim.x) {
     const int row = row0 + idx % rows, tok = tok_base + idx / rows;
     const long long at = (long long)tok * N + row;
-    float sum = __ldcg(partials + at);
-    for (int s = 1; s < slices; ++s) sum += __ldcg(partials + (long long)s * M * N + at);
+    // Up to 16 partials in flight at a time, added in slice order (the first one starts the sum).
+    float sum = 0.0f;
+    for (int s0 = 0; s0 < slices; s0 += 16) {
+      float buf[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u) buf[u] = s0 + u < slices ? __ldcg(partials + (long long)(s0 + u) * M * N + at) : 0.0f;
+#pragma unroll
+      for (int u = 0; u < 16; ++u)
+        if (s0 + u < slices) sum = (s0 + u == 0) ? buf[u] : sum + buf[u];
+    }
     g.c[at] = numerics::bf16::from_float(sum);
   }
   if (threadIdx.x == 0) *counter = 0;  // ready for the next GEMM

@@ -8,12 +8,14 @@
 //! known after the pass). The 24 x 4d fp32 projection weight is read once per token slice
 //! (from L2 after the first).
 //!
-//! Work split: a token's d range is cut into `splits` slices, one CTA each, so a decode step of
-//! one token still spreads over several SMs; each slice writes its partial sums (the squares of
-//! Y, the squares of h, the 24 projections; all in double, like the host reference, so the fp32
-//! statistics match it bit for bit in practice) and the last CTA of the token to arrive adds them
-//! in slice order, runs the Sinkhorn split, and normalizes h. Results do not depend on arrival
-//! order.
+//! Work split: a CTA takes a slice of 128 positions of d (all four streams) for a group of up to
+//! 8 tokens. It computes Y and h there (Y kept in shared memory), then the slice's share of the
+//! 24 projections: each weight row is read once per token group, coalesced, and used for all
+//! the group's tokens. Partial sums (the squares of Y and of h in double, like the host reference,
+//! so the RMS statistics match it bit for bit in practice; the 24 projections in fp32 over 16
+//! products per lane, then double) go
+//! to a workspace; the last CTA of a token group to arrive adds the slices in slice order, runs
+//! the Sinkhorn split and normalizes h. Results do not depend on arrival order.
 
 #include <cuda_runtime.h>  // provides cudaStream_t, uint4
 
@@ -22,7 +24,7 @@
 #include <string>
 
 #include "dsv4/core/error.hpp"
-#include "dsv4/kernels/mhc/sinkhorn.hpp"
+#include "dsv4/kernels/mhc/sinkhorn.cuh"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
@@ -53,25 +55,27 @@ struct mhc_step_args {
   int dim = 0;
 };
 
-//! Partial sums per (token, slice) and one arrival counter per token. The constructor zeroes the
-//! counters; every step leaves them at zero.
+//! Partial sums per (token, d slice) and one arrival counter per token group, for up to
+//! `max_tokens` tokens of width up to `max_dim`. The constructor zeroes the counters; every step
+//! leaves them at zero.
 class mhc_workspace {
  public:
   static constexpr int partial_count = 2 + mix_count;  // squares of Y, squares of h, 24 projections
-  explicit mhc_workspace(long long max_tokens, int max_splits = 16)
-      : max_tokens_(max_tokens), max_splits_(max_splits),
-        partials_(std::size_t(std::max(1LL, max_tokens)) * max_splits * partial_count),
+  static constexpr int slice = 128;                     // positions of d per CTA
+  mhc_workspace(long long max_tokens, int max_dim)
+      : max_tokens_(max_tokens), max_dim_(max_dim),
+        partials_(std::size_t(std::max(1LL, max_tokens)) * std::size_t((max_dim + slice - 1) / slice) * partial_count),
         counters_(std::size_t(std::max(1LL, max_tokens))) {
     counters_.fill_bytes(0);
   }
   long long max_tokens() const { return max_tokens_; }
-  int max_splits() const { return max_splits_; }
+  int max_dim() const { return max_dim_; }
   double* partials() { return partials_.data(); }
   unsigned* counters() { return counters_.data(); }
 
  private:
   long long max_tokens_;
-  int max_splits_;
+  int max_dim_;
   runtime::device_buffer<double> partials_;
   runtime::device_buffer<unsigned> counters_;
 };
@@ -93,154 +97,202 @@ DSV4_DEVICE uint4 pack8(const float (&v)[8]) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-DSV4_KERNEL void __launch_bounds__(mhc_threads) mhc_step_kernel(mhc_step_args a, int splits, double* partials,
-                                                               unsigned* counters) {
-  constexpr int P = mhc_workspace::partial_count;
-  const long long tok = blockIdx.y;
-  const int split = blockIdx.x, dim = a.dim, chunks = dim / 8;
-  const int per_split = (chunks + splits - 1) / splits;
-  const int c_begin = split * per_split, c_end = min(chunks, c_begin + per_split);
+template <int TB>
+DSV4_KERNEL void __launch_bounds__(mhc_threads) mhc_step_kernel(mhc_step_args a, double* partials, unsigned* counters) {
+  constexpr int P = mhc_workspace::partial_count, S = mhc_workspace::slice, kChunks = S / 8;
+  const int dim = a.dim, splits = (dim + S - 1) / S, split = blockIdx.x;
+  const long long group = blockIdx.y, tok0 = group * TB;
+  const int toks = a.tokens - tok0 < TB ? int(a.tokens - tok0) : TB;
+  const int d_base = split * S;
   const bool has_f = a.f != nullptr, has_next = a.fn != nullptr;
-  const numerics::bf16* x = a.x + tok * 4 * dim;
-  float pre[hc], post[hc], comb[hc * hc];
-#pragma unroll
-  for (int i = 0; i < hc; ++i) pre[i] = a.pre[tok * hc + i];
-  if (has_f) {
-#pragma unroll
-    for (int i = 0; i < hc; ++i) post[i] = a.post[tok * hc + i];
-#pragma unroll
-    for (int i = 0; i < hc * hc; ++i) comb[i] = a.comb[tok * hc * hc + i];
-  }
 
-  double acc[P] = {};  // [0] sum Y^2, [1] sum h^2, [2 + j] projection j
-  for (int c = c_begin + threadIdx.x; c < c_end; c += mhc_threads) {
-    const int d0 = c * 8;
-    float xs[hc][8], ys[hc][8];
+  __shared__ float ys[TB][hc][S];
+  __shared__ double item_ss[TB][kChunks][2];
+  __shared__ double dots[TB][mix_count];
+
+  // Phase 1: Y and (unnormalized) h for each (token, chunk of 8 positions) of the tile.
+  for (int item = threadIdx.x; item < TB * kChunks; item += mhc_threads) {
+    const int t = item / kChunks, c = item % kChunks, d0 = d_base + c * 8;
+    double ss_y = 0, ss_h = 0;
+    float y8[hc][8] = {};
+    if (t < toks && d0 < dim) {
+      const long long tok = tok0 + t;
+      const numerics::bf16* x = a.x + tok * 4 * dim;
+      float xs[hc][8];
 #pragma unroll
-    for (int i = 0; i < hc; ++i) unpack8(*reinterpret_cast<const uint4*>(x + (long long)i * dim + d0), xs[i]);
-    if (has_f) {
-      float fv[8];
-      unpack8(*reinterpret_cast<const uint4*>(a.f + tok * dim + d0), fv);
+      for (int i = 0; i < hc; ++i) unpack8(*reinterpret_cast<const uint4*>(x + (long long)i * dim + d0), xs[i]);
+      if (has_f) {
+        float post[hc], comb[hc * hc], fv[8];
 #pragma unroll
-      for (int j = 0; j < hc; ++j) {
+        for (int i = 0; i < hc; ++i) post[i] = a.post[tok * hc + i];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          float mix = 0.0f;  // sum over the input streams first, in stream order, then post * F
+        for (int i = 0; i < hc * hc; ++i) comb[i] = a.comb[tok * hc * hc + i];
+        unpack8(*reinterpret_cast<const uint4*>(a.f + tok * dim + d0), fv);
 #pragma unroll
-          for (int i = 0; i < hc; ++i) mix = __fadd_rn(mix, __fmul_rn(comb[i * hc + j], xs[i][e]));
-          ys[j][e] = numerics::round_to_bf16(__fadd_rn(__fmul_rn(post[j], fv[e]), mix));
+        for (int j = 0; j < hc; ++j) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            float mix = 0.0f;  // sum over the input streams first, in stream order, then post * F
+#pragma unroll
+            for (int i = 0; i < hc; ++i) mix = __fadd_rn(mix, __fmul_rn(comb[i * hc + j], xs[i][e]));
+            y8[j][e] = numerics::round_to_bf16(__fadd_rn(__fmul_rn(post[j], fv[e]), mix));
+          }
+          *reinterpret_cast<uint4*>(a.y + (tok * 4 + j) * dim + d0) = pack8(y8[j]);
         }
-        *reinterpret_cast<uint4*>(a.y + (tok * 4 + j) * dim + d0) = pack8(ys[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < hc; ++j)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) y8[j][e] = xs[j][e];
       }
-    } else {
+      float pre[hc], hv[8];
 #pragma unroll
-      for (int j = 0; j < hc; ++j)
+      for (int i = 0; i < hc; ++i) pre[i] = a.pre[tok * hc + i];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) ys[j][e] = xs[j][e];
+      for (int e = 0; e < 8; ++e) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < hc; ++i) sum = __fadd_rn(sum, __fmul_rn(pre[i], y8[i][e]));
+        hv[e] = numerics::round_to_bf16(sum);
+        ss_h += double(hv[e]) * double(hv[e]);
+      }
+      *reinterpret_cast<uint4*>(a.h + tok * dim + d0) = pack8(hv);  // unnormalized for now
+#pragma unroll
+      for (int i = 0; i < hc; ++i)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss_y += double(y8[i][e]) * double(y8[i][e]);
     }
-    float hv[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      float s = 0.0f;
-#pragma unroll
-      for (int i = 0; i < hc; ++i) s = __fadd_rn(s, __fmul_rn(pre[i], ys[i][e]));
-      hv[e] = numerics::round_to_bf16(s);
-      acc[1] += double(hv[e]) * double(hv[e]);
-    }
-    *reinterpret_cast<uint4*>(a.h + tok * dim + d0) = pack8(hv);  // unnormalized for now
 #pragma unroll
     for (int i = 0; i < hc; ++i)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[0] += double(ys[i][e]) * double(ys[i][e]);
-    if (has_next) {
-#pragma unroll
-      for (int j = 0; j < mix_count; ++j) {
-        double dot = 0;
-#pragma unroll
-        for (int i = 0; i < hc; ++i) {
-          const float4* w = reinterpret_cast<const float4*>(a.fn + (long long)j * 4 * dim + (long long)i * dim + d0);
-          const float4 w0 = __ldg(w), w1 = __ldg(w + 1);
-          dot += double(w0.x) * ys[i][0] + double(w0.y) * ys[i][1] + double(w0.z) * ys[i][2] + double(w0.w) * ys[i][3] +
-                 double(w1.x) * ys[i][4] + double(w1.y) * ys[i][5] + double(w1.z) * ys[i][6] + double(w1.w) * ys[i][7];
-        }
-        acc[2 + j] += dot;
-      }
-    }
-  }
-
-  // Block reduction of the P partial sums, then this slice's partial to the workspace.
-  __shared__ double red[mhc_threads / 32][P];
-#pragma unroll
-  for (int k = 0; k < P; ++k) {
-    double v = acc[k];
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32][k] = v;
+      for (int e = 0; e < 8; ++e) ys[t][i][c * 8 + e] = y8[i][e];
+    item_ss[t][c][0] = ss_y;
+    item_ss[t][c][1] = ss_h;
   }
   __syncthreads();
-  if (threadIdx.x < P) {
+
+  // Phase 2: the slice's share of the 24 projections; warp w takes rows w, w + 4, ... . All of
+  // a warp's weights (6 rows x 4 x 128, coalesced) are loaded before any math, so the slice costs
+  // one memory round trip, and each row is used for every token of the group.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  constexpr int kWarps = mhc_threads / 32, kRows = mix_count / kWarps, kPerLane = hc * S / 32;
+  static_assert(mix_count % kWarps == 0 && S % 32 == 0, "mhc_step: 24 rows over the warps, 32 lanes per slice row");
+  if (has_next) {
+    float wv[kRows][kPerLane];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int n = 0; n < kPerLane; ++n) {
+        const int i = n / (S / 32), dd = lane + 32 * (n % (S / 32));
+        wv[r][n] = d_base + dd < dim ? __ldg(a.fn + (long long)(warp + kWarps * r) * 4 * dim + (long long)i * dim + d_base + dd)
+                                     : 0.0f;
+      }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int t = 0; t < TB; ++t) {
+        // A lane's 16 products are summed in fp32 (as precise as the reference's own fp32 GEMM;
+        // double here would cost a conversion per product, the kernel's bottleneck at prefill),
+        // everything after that in double.
+        float lane_sum = 0.0f;
+#pragma unroll
+        for (int n = 0; n < kPerLane; ++n)
+          lane_sum = __fmaf_rn(wv[r][n], ys[t][n / (S / 32)][lane + 32 * (n % (S / 32))], lane_sum);
+        double v = lane_sum;
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+        if (lane == 0) dots[t][warp + kWarps * r] = v;
+      }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < toks * P; idx += mhc_threads) {
+    const int t = idx / P, k = idx % P;
     double v = 0;
-    for (int w = 0; w < mhc_threads / 32; ++w) v += red[w][threadIdx.x];
-    partials[(tok * splits + split) * P + threadIdx.x] = v;
+    if (k < 2)
+      for (int c = 0; c < kChunks; ++c) v += item_ss[t][c][k];
+    else
+      v = has_next ? dots[t][k - 2] : 0.0;
+    partials[((tok0 + t) * splits + split) * P + k] = v;
   }
   __threadfence();
   __syncthreads();
   __shared__ unsigned ticket;
-  if (threadIdx.x == 0) ticket = atomicAdd(counters + tok, 1u);
+  if (threadIdx.x == 0) ticket = atomicAdd(counters + group, 1u);
   __syncthreads();
   if (ticket != unsigned(splits - 1)) return;
   __threadfence();
 
-  // The token's last CTA: totals in slice order, coefficients, then the normalization of h.
-  __shared__ double total[P];
-  __shared__ float inv_rms_h;
-  if (threadIdx.x < P) {
+  // The group's last CTA: totals in slice order, coefficients, then the normalization of h.
+  __shared__ double total[TB][P];
+  __shared__ float inv_rms_h[TB];
+  for (int idx = threadIdx.x; idx < toks * P; idx += mhc_threads) {
+    const int t = idx / P, k = idx % P;
+    const double* src = partials + (tok0 + t) * splits * P + k;
     double v = 0;
-    for (int s = 0; s < splits; ++s) v += __ldcg(partials + (tok * splits + s) * P + threadIdx.x);
-    total[threadIdx.x] = v;
+    for (int sl0 = 0; sl0 < splits; sl0 += 16) {  // 16 loads in flight, then the adds in slice order
+      double buf[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u) buf[u] = sl0 + u < splits ? __ldcg(src + (sl0 + u) * P) : 0.0;
+#pragma unroll
+      for (int u = 0; u < 16; ++u)
+        if (sl0 + u < splits) v += buf[u];
+    }
+    total[t][k] = v;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    const float mean_h = float(total[1] / double(dim));
-    inv_rms_h = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_h, a.norm_eps)));
-    if (has_next) {
-      const float mean_y = float(total[0] / double(4 * dim));
+  if (threadIdx.x < toks) {
+    const int t = threadIdx.x;
+    const float mean_h = float(total[t][1] / double(dim));
+    inv_rms_h[t] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_h, a.norm_eps)));
+  }
+  if (has_next)
+    for (int t = warp; t < toks; t += kWarps) {  // one warp per token: the Sinkhorn split
+      const long long tok = tok0 + t;
+      const float mean_y = float(total[t][0] / double(4 * dim));
       const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_y, a.mix_norm_eps)));
       float m[mix_count];
-      for (int j = 0; j < mix_count; ++j) m[j] = __fmul_rn(float(total[2 + j]), r);
-      split_sinkhorn(m, a.scale, a.base, a.iters, a.hc_eps, a.next_pre + tok * hc, a.next_post + tok * hc,
-                     a.next_comb + tok * hc * hc);
-    }
-    counters[tok] = 0;  // ready for the next step
-  }
-  __syncthreads();
-  const float r = inv_rms_h;
-  for (int c = threadIdx.x; c < chunks; c += mhc_threads) {
-    uint4 raw;
-    const unsigned* src = reinterpret_cast<const unsigned*>(a.h + tok * dim + c * 8);
-    raw.x = __ldcg(src), raw.y = __ldcg(src + 1), raw.z = __ldcg(src + 2), raw.w = __ldcg(src + 3);
-    float hv[8], wv[8];
-    unpack8(raw, hv);
-    unpack8(*reinterpret_cast<const uint4*>(a.norm_w + c * 8), wv);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) hv[e] = __fmul_rn(wv[e], __fmul_rn(hv[e], r));
-    *reinterpret_cast<uint4*>(a.h + tok * dim + c * 8) = pack8(hv);
+      for (int j = 0; j < mix_count; ++j) m[j] = __fmul_rn(float(total[t][2 + j]), r);
+      split_sinkhorn_warp(m, a.scale, a.base, a.iters, a.hc_eps, a.next_pre + tok * hc, a.next_post + tok * hc,
+                          a.next_comb + tok * hc * hc);
+    }
+  if (threadIdx.x == 0) counters[group] = 0;  // ready for the next step
+  __syncthreads();
+  const int chunks = dim / 8;
+  constexpr int kBatch = 8;  // chunks per thread whose loads are issued together
+  for (int idx0 = threadIdx.x; idx0 < toks * chunks; idx0 += kBatch * mhc_threads) {
+    uint4 raw[kBatch], wraw[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int idx = idx0 + u * mhc_threads;
+      if (idx >= toks * chunks) break;
+      const int t = idx / chunks, c = idx % chunks;
+      const unsigned* src = reinterpret_cast<const unsigned*>(a.h + (tok0 + t) * dim + c * 8);
+      raw[u].x = __ldcg(src), raw[u].y = __ldcg(src + 1), raw[u].z = __ldcg(src + 2), raw[u].w = __ldcg(src + 3);
+      wraw[u] = *reinterpret_cast<const uint4*>(a.norm_w + c * 8);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int idx = idx0 + u * mhc_threads;
+      if (idx >= toks * chunks) break;
+      const int t = idx / chunks, c = idx % chunks;
+      float hv[8], wv[8];
+      unpack8(raw[u], hv);
+      unpack8(wraw[u], wv);
+      const float r = inv_rms_h[t];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) hv[e] = __fmul_rn(wv[e], __fmul_rn(hv[e], r));
+      *reinterpret_cast<uint4*>(a.h + (tok0 + t) * dim + c * 8) = pack8(hv);
+    }
   }
 }
 }  // namespace detail
 
-//! Slices per token: enough CTAs for about two per SM, at most one slice per 128 chunks of 8
-//! (so every thread has work) and at most the workspace's limit.
-inline int mhc_step_splits(long long tokens, int dim, int sms, int max_splits) {
-  const long long want = (2LL * sms + tokens - 1) / std::max(1LL, tokens);
-  const int by_dim = std::max(1, dim / 8 / detail::mhc_threads);
-  return int(std::max<long long>(1, std::min<long long>({want, (long long)by_dim, (long long)max_splits})));
-}
-
 inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t stream = nullptr) {
   const std::string where = "mhc_step (tokens " + std::to_string(a.tokens) + ", dim " + std::to_string(a.dim) + "): ";
   if (a.tokens < 0 || a.dim <= 0 || a.dim % 8 != 0) throw error(where + "need tokens >= 0 and dim a positive multiple of 8");
-  if (a.tokens > ws.max_tokens()) throw error(where + "the workspace holds " + std::to_string(ws.max_tokens()) + " tokens");
-  if (a.tokens > 65535) throw error(where + "at most 65535 tokens per launch");
+  if (a.tokens > ws.max_tokens() || a.dim > ws.max_dim())
+    throw error(where + "the workspace holds " + std::to_string(ws.max_tokens()) + " tokens of width " +
+                std::to_string(ws.max_dim()));
   if (a.tokens == 0) return;
   if (!a.x || !a.pre || !a.norm_w || !a.h) throw error(where + "null x, pre, norm_w or h");
   if (a.f && (!a.post || !a.comb || !a.y)) throw error(where + "with F, post, comb and y are required");
@@ -249,12 +301,19 @@ inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t str
   for (const void* p : {(const void*)a.x, (const void*)a.f, (const void*)a.y, (const void*)a.h, (const void*)a.norm_w,
                         (const void*)a.fn})
     if (reinterpret_cast<std::uintptr_t>(p) % 16) throw error(where + "tensors must be 16-byte aligned");
-  int dev = 0, sms = 0;
-  DSV4_CUDA_CHECK(cudaGetDevice(&dev));
-  DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const int splits = mhc_step_splits(a.tokens, a.dim, sms, ws.max_splits());
-  detail::mhc_step_kernel<<<dim3(unsigned(splits), unsigned(a.tokens)), detail::mhc_threads, 0, stream>>>(
-      a, splits, ws.partials(), ws.counters());
+  const unsigned splits = unsigned((a.dim + mhc_workspace::slice - 1) / mhc_workspace::slice);
+  // One token per CTA at decode (more CTAs), groups of 8 when there are many tokens (the weight
+  // is then read once per 8 tokens).
+  if (a.tokens <= 16) {
+    if (a.tokens > 65535) throw error(where + "too many tokens for one launch");
+    detail::mhc_step_kernel<1><<<dim3(splits, unsigned(a.tokens)), detail::mhc_threads, 0, stream>>>(a, ws.partials(),
+                                                                                                   ws.counters());
+  } else {
+    const long long groups = (a.tokens + 7) / 8;
+    if (groups > 65535) throw error(where + "too many tokens for one launch");
+    detail::mhc_step_kernel<8><<<dim3(splits, unsigned(groups)), detail::mhc_threads, 0, stream>>>(a, ws.partials(),
+                                                                                                  ws.counters());
+  }
   DSV4_CUDA_CHECK_LAUNCH();
 }
 

@@ -24,6 +24,45 @@ struct sinkhorn_args {
   float eps = 1e-6f;
 };
 
+//! The same split, computed by one warp for one token: lane 4 r + j owns comb[r][j] and the row
+//! and column sums are gathered by shuffles and added in the sequential function's order, so the
+//! result is that of `split_sinkhorn` bit for bit, at 1/16 of its single-thread latency (the 640
+//! dependent divisions of 20 iterations dominate a decode step otherwise). All 32 lanes call it;
+//! lanes 0..15 write comb, lanes 0..3 write pre and post.
+DSV4_DEVICE void split_sinkhorn_warp(const float* mixes, const float* scale, const float* base, int iters, float eps,
+                                     float* pre, float* post, float* comb) {
+  using numerics::mul_rn;
+  const int lane = threadIdx.x % 32, r = (lane / hc) % hc, j = lane % hc;
+  if (lane < hc) {
+    pre[lane] = sigmoid_f32(mul_rn(mixes[lane], scale[0]) + base[lane]) + eps;
+    post[lane] = 2.0f * sigmoid_f32(mul_rn(mixes[hc + lane], scale[1]) + base[hc + lane]);
+  }
+  const int e = 2 * hc + r * hc + j;  // lanes 16..31 mirror 0..15 and write nothing
+  float c = mul_rn(mixes[e], scale[2]) + base[e];
+  auto row_lane = [&](int q) { return (lane & ~(hc - 1)) + q; };   // lane of (r, q)
+  auto col_lane = [&](int q) { return (lane & 16) + q * hc + j; };  // lane of (q, j)
+  float mx = -INFINITY;
+  for (int q = 0; q < hc; ++q) {
+    const float v = __shfl_sync(0xffffffffu, c, row_lane(q));
+    mx = v > mx ? v : mx;
+  }
+  c = exp_f32(c - mx);
+  float sum = 0.0f;
+  for (int q = 0; q < hc; ++q) sum += __shfl_sync(0xffffffffu, c, row_lane(q));
+  c = c / sum + eps;
+  auto normalize = [&](bool rows) {
+    float s = 0.0f;
+    for (int q = 0; q < hc; ++q) s += __shfl_sync(0xffffffffu, c, rows ? row_lane(q) : col_lane(q));
+    c = c / (s + eps);
+  };
+  normalize(false);
+  for (int it = 0; it < iters - 1; ++it) {
+    normalize(true);
+    normalize(false);
+  }
+  if (lane < hc * hc) comb[lane] = c;
+}
+
 namespace detail {
 DSV4_KERNEL void sinkhorn_kernel(sinkhorn_args a) {
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
