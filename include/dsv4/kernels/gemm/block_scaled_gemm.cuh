@@ -357,7 +357,8 @@ inline int sm_count() {
 
 //! 16 rows per warp; 8 tokens per CTA up to 8 tokens, 16 up to 128 (token groups run side by
 //! side and re-read the weights from L2), 64 beyond (the fallback when the dequantize + cuBLAS
-//! path is not taken). K is split until about eight CTAs per SM stream weights,
+//! path is not taken). K is split until about three CTAs per SM stream weights (a sweep of the split on the
+//! V4.1 shapes: fewer slices lose parallelism, more pay for partials and the reduction),
 //! as far as the workspace holds the partials and the last CTA's reduction stays short.
 inline gemm_plan make_plan(const gemm_shape& s, int sms, std::size_t partial_floats) {
   gemm_plan p;
@@ -368,7 +369,7 @@ inline gemm_plan make_plan(const gemm_shape& s, int sms, std::size_t partial_flo
   const int rows_per_cta = gemm_warps / p.k_split * p.row_tiles * 16, toks_per_cta = p.token_tiles * 8;
   p.row_groups = unsigned((s.n + rows_per_cta - 1) / rows_per_cta);
   p.token_groups = unsigned((s.m + toks_per_cta - 1) / toks_per_cta);
-  const long long tiles = (long long)p.row_groups * p.token_groups, target = 8LL * sms;
+  const long long tiles = (long long)p.row_groups * p.token_groups, target = 3LL * sms;
   long long slices = 1;
   if (tiles < target && tiles <= (long long)gemm_workspace::max_tiles) {
     slices = std::min<long long>((target + tiles - 1) / tiles, std::max(1, kb / 4));
