@@ -48,8 +48,9 @@ if [ -z "${DSV4_SKIP_BENCH:-}" ]; then
 fi
 
 if [ "$fail" -eq 0 ]; then log "GPU SUITE PASSED"; else log "GPU SUITE FAILED"; fi
-# The device tool returns at most 8 files: keep the summary and bench results loose, pack the logs.
+# The device tool returns at most 8 files: keep the summary and the benchmarks' text loose (six),
+# pack the logs and the benchmarks' JSON.
 tmp=$(mktemp -d)
-tar -C "$out" -czf "$tmp/logs.tar.gz" --exclude 'bench_*' --exclude summary.txt . &&
-  find "$out" -maxdepth 1 -type f ! -name 'bench_*' ! -name summary.txt -delete && mv "$tmp/logs.tar.gz" "$out/"
+tar -C "$out" -czf "$tmp/logs.tar.gz" --exclude 'bench_*.txt' --exclude summary.txt . &&
+  find "$out" -maxdepth 1 -type f ! -name 'bench_*.txt' ! -name summary.txt -delete && mv "$tmp/logs.tar.gz" "$out/"
 exit "$fail"

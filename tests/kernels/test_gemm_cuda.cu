@@ -16,6 +16,7 @@
 #include "dsv4/kernels/norm/rmsnorm.cuh"
 #include "dsv4/numerics/minifloat.hpp"
 #include "dsv4/runtime/device_buffer.cuh"
+#include "support/blas.hpp"
 #include "support/errors.hpp"
 #include "support/gpu.hpp"
 #include "support/random.hpp"
@@ -100,11 +101,9 @@ struct gemm_operands {
     device_buffer<bf16> dc(std::size_t(s.m) * s.n);
     dc.fill_bytes(0xFF);
     kernels::gemm::gemm_workspace work(1, kernels::gemm::dequant_elems(s));
-    cublasHandle_t blas = nullptr;
-    BOOST_REQUIRE(cublasCreate(&blas) == CUBLAS_STATUS_SUCCESS);
-    kernels::gemm::dequant_gemm({s, da.data(), das.data(), dw.data(), dws.data(), dc.data()}, wf, work, blas);
+    test::blas_handle blas;
+    kernels::gemm::dequant_gemm({s, da.data(), das.data(), dw.data(), dws.data(), dc.data()}, wf, work, blas.h);
     DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-    cublasDestroy(blas);
     return dc.download();
   }
 };

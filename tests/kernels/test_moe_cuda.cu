@@ -126,7 +126,8 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
                            w2.data(),    w2s.data(),   s1.data(),       s1s.data(), s3.data(), s3s.data(), s2.data(),
                            s2s.data()};
   moe::moe_shape shape{c.experts, c.k, c.dim, c.inter};
-  moe::moe_workspace ws(shape, c.tokens + 3);
+  moe::moe_workspace ws(shape, c.tokens + 3);  // room for more tokens than this call has
+  ws.sel_expert.fill_bytes(0xFF);  // the rows past this call's tokens are downloaded below, unused
   dy.fill_bytes(0xFF);
   moe::moe_forward(dx.data(), c.tokens, c.images ? dimg.data() : nullptr, w, dy.data(), ws);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());

@@ -14,6 +14,7 @@
 #include "dsv4/kernels/output/reference.hpp"
 #include "dsv4/kernels/rope/rope.hpp"
 #include "dsv4/runtime/device_buffer.cuh"
+#include "support/blas.hpp"
 #include "support/errors.hpp"
 #include "support/gpu.hpp"
 #include "support/random.hpp"
@@ -26,13 +27,7 @@ using runtime::device_buffer;
 
 namespace {
 
-struct blas_handle {
-  cublasHandle_t h = nullptr;
-  blas_handle() {
-    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) throw error("cublasCreate failed");
-  }
-  ~blas_handle() { cublasDestroy(h); }
-};
+using test::blas_handle;
 
 std::vector<bf16> random_bf16(std::size_t n, float scale, std::mt19937_64& rng) {
   std::normal_distribution<float> d(0.0f, scale);

@@ -1,0 +1,28 @@
+#pragma once
+// A cuBLAS handle for device tests, with a workspace of our own that is zero-filled: cuBLASLt's
+// split-K reduction reads parts of its workspace it has not written (harmless, but
+// compute-sanitizer initcheck reports it); a memset workspace keeps initcheck meaningful for our
+// kernels.
+
+#include <cublas_v2.h>  // provides cublasCreate, cublasSetWorkspace
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/runtime/device_buffer.cuh"
+
+namespace dsv4::test {
+
+struct blas_handle {
+  cublasHandle_t h = nullptr;
+  runtime::device_buffer<unsigned char> workspace{std::size_t(64) << 20};
+  blas_handle() {
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) throw error("cublasCreate failed");
+    workspace.fill_bytes(0);
+    if (cublasSetWorkspace(h, workspace.data(), workspace.size()) != CUBLAS_STATUS_SUCCESS)
+      throw error("cublasSetWorkspace failed");
+  }
+  ~blas_handle() { cublasDestroy(h); }
+  blas_handle(const blas_handle&) = delete;
+  blas_handle& operator=(const blas_handle&) = delete;
+};
+
+}  // namespace dsv4::test
