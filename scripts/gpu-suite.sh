@@ -31,7 +31,11 @@ for t in build/gpu/tests/test_*_cuda; do
   if grep -q "no CUDA device visible" "$out/$name.log"; then fail=1; log "$name: GPU cases were SKIPPED"; fi
   log "$name: $(grep -E 'Test module .* (passed|failed)' "$out/$name.log" | head -1)"
   for tool in ${DSV4_SANITIZERS:-memcheck initcheck}; do
-    if compute-sanitizer --tool "$tool" --error-exitcode 86 "$t" --run_test=@gpu >"$out/$name.$tool.log" 2>&1; then
+    # initcheck does not see Hopper bulk (TMA) stores, so cuBLAS's split-K reduction appears to read
+    # unwritten scratch that cuBLAS's own GEMM kernel wrote; that kernel is not ours to check.
+    extra=()
+    [ "$tool" = initcheck ] && extra=(--kernel-name-exclude kns=splitKreduce)
+    if compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 86 "$t" --run_test=@gpu >"$out/$name.$tool.log" 2>&1; then
       log "$name under compute-sanitizer $tool: clean"
     else
       fail=1; log "$name under compute-sanitizer $tool: FAILED (see $name.$tool.log)"; tail -30 "$out/$name.$tool.log"

@@ -1,8 +1,6 @@
 #pragma once
-// A cuBLAS handle for device tests, with a workspace of our own that is zero-filled: cuBLASLt's
-// split-K reduction reads parts of its workspace it has not written (harmless, but
-// compute-sanitizer initcheck reports it); a memset workspace keeps initcheck meaningful for our
-// kernels.
+// A cuBLAS handle for device tests, with a zero-filled workspace of our own (so that no test
+// depends on what a previous user left in cuBLAS's default workspace).
 
 #include <cublas_v2.h>  // provides cublasCreate, cublasSetWorkspace
 
