@@ -50,6 +50,36 @@ BOOST_AUTO_TEST_CASE(sinkhorn_matches_the_official_vectors) {
   for (int j = 0; j < 4; ++j) BOOST_TEST(std::fabs(c[j] + c[4 + j] + c[8 + j] + c[12 + j] - 1.0f) < 1e-5f);
 }
 
+BOOST_AUTO_TEST_CASE(sinkhorn_on_extreme_logits_has_no_nan) {
+  // Mixes far outside any trained range (a runaway projection): every coefficient stays finite,
+  // pre in (0, 1 + eps], post in [0, 2], and the columns of comb sum to 1 (the loop ends on them).
+  const float scale[3] = {1.0f, 1.0f, 1.0f};
+  float base[24] = {};
+  for (const float big : {1e4f, 1e30f, 3e38f}) {
+    for (int pattern = 0; pattern < 4; ++pattern) {
+      float m[24], pre[4], post[4], comb[16];
+      for (int i = 0; i < 24; ++i) {
+        const float sign = pattern == 0 ? 1.0f : pattern == 1 ? -1.0f : (i % 2 ? 1.0f : -1.0f);
+        m[i] = pattern == 3 && i % 3 ? 0.0f : sign * big;
+      }
+      kernels::mhc::split_sinkhorn(m, scale, base, 20, 1e-6f, pre, post, comb);
+      for (int i = 0; i < 4; ++i) {
+        BOOST_TEST(std::isfinite(pre[i]));
+        BOOST_TEST((pre[i] > 0.0f && pre[i] <= 1.0f + 1e-6f));
+        BOOST_TEST((std::isfinite(post[i]) && post[i] >= 0.0f && post[i] <= 2.0f));
+      }
+      for (int j = 0; j < 4; ++j) {
+        double col = 0;
+        for (int r = 0; r < 4; ++r) {
+          BOOST_TEST(std::isfinite(comb[r * 4 + j]));
+          col += comb[r * 4 + j];
+        }
+        BOOST_TEST(std::fabs(col - 1.0) < 1e-5, "column " << j << " sums to " << col << " (mixes " << big << ", pattern " << pattern << ")");
+      }
+    }
+  }
+}
+
 BOOST_AUTO_TEST_CASE(block_scaled_gemms_match_the_official_vectors) {
   io::safetensors_file f(test::data_path("reference/gemm.safetensors"));
   const auto a = io::copy_as<bf16>(f.tensor("a", io::st_dtype::BF16, {5, 256}));
