@@ -63,6 +63,8 @@ class gemm_workspace {
   explicit gemm_workspace(std::size_t partial_floats = std::size_t(1) << 22, std::size_t dequant_elems = 0)
       : counters_(max_tiles), partials_(std::max<std::size_t>(1, partial_floats)), dequant_(dequant_elems) {
     counters_.fill_bytes(0);
+    // The memset runs on the legacy stream; a non-blocking stream is not ordered after it.
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   }
   unsigned* counters() { return counters_.data(); }
   float* partials() { return partials_.data(); }
@@ -426,6 +428,11 @@ inline void grouped_block_scaled_gemm(const block_scaled_gemm_args& g, const gem
   if (!groups.tile_group || !groups.tile_row0 || !groups.tile_rows || !groups.tile_count)
     throw error("grouped_block_scaled_gemm: the tile list is incomplete");
   if (token_tiles != 1 && token_tiles != 2) throw error("grouped_block_scaled_gemm: tiles are 8 or 16 rows");
+  if (g.shape.n > 65535LL * 16) throw error("grouped_block_scaled_gemm: N " + std::to_string(g.shape.n) + " exceeds 65535 x 16");
+  const long long align = wf == weight_format::fp8_tile32 ? 16 : 8;
+  if (groups.w_group_bytes % align != 0 || groups.w_group_bytes < 0 || groups.ws_group_bytes < 0)
+    throw error("grouped_block_scaled_gemm: the weight stride between groups (" + std::to_string(groups.w_group_bytes) +
+                " bytes) must be a non-negative multiple of " + std::to_string(align));
   if (max_tiles <= 0 || g.shape.n == 0) return;
   const unsigned row_groups = unsigned((g.shape.n + 15) / 16);  // one 16-row tile per CTA, K over the warps
   const dim3 grid(unsigned(max_tiles), 1, row_groups);

@@ -4,8 +4,9 @@
 //! accumulation (compressor wkv at ratio 1, indexer wk and weights_proj, vision), its grouped
 //! (block-diagonal) form for the attention output's wo_a, and true fp32 (no TF32: the gate, the
 //! hc projections, the head, the ratio-2 compressor). Host references: linear/reference.hpp.
-//! Every call sets the handle's stream and a math mode that keeps fp32 reductions (bf16) or
-//! forbids TF32 (fp32), and restores the handle's mode afterwards.
+//! Every call sets the handle's stream (leaving it set: a handle serves one stream at a time) and
+//! a math mode that keeps fp32 reductions (bf16) or forbids TF32 (fp32), and restores the
+//! handle's mode afterwards.
 
 #include <cublas_v2.h>     // provides cublasGemmEx, cublasGemmStridedBatchedEx, cublasSgemm
 #include <cuda_runtime.h>  // provides cudaStream_t
@@ -28,7 +29,11 @@ class blas_call {
   blas_call(cublasHandle_t h, cudaStream_t stream, cublasMath_t mode) : h_(h) {
     if (!h) throw error("cuBLAS call without a handle");
     blas_check(cublasGetMathMode(h, &saved_), "cublasGetMathMode");
-    blas_check(cublasSetStream(h, stream), "cublasSetStream");
+    // cublasSetStream also resets the handle's workspace to cuBLAS's default pool (documented),
+    // dropping one the caller set with cublasSetWorkspace: only switch when the stream differs.
+    cudaStream_t current = nullptr;
+    blas_check(cublasGetStream(h, &current), "cublasGetStream");
+    if (current != stream) blas_check(cublasSetStream(h, stream), "cublasSetStream");
     blas_check(cublasSetMathMode(h, mode), "cublasSetMathMode");
   }
   ~blas_call() { cublasSetMathMode(h_, saved_); }

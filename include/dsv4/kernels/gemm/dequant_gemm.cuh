@@ -2,8 +2,9 @@
 //! \file
 //! The prefill path of the block-scaled GEMMs: dequantize both operands to bf16, then one cuBLAS
 //! bf16 GEMM with fp32 accumulation. Exact where it matters: an E4M3 or E2M1 value times a
-//! power-of-two scale has at most 4 significant bits and lies in bf16's range, so every
-//! dequantized operand, and every product, is exact; the result differs from the reference only in
+//! power-of-two scale has at most 4 significant bits and, for scales between 2^-110 and 2^110
+//! (act_quant's floor keeps activation scales above 2^-22; trained weight scales are near 2^-10),
+//! lies in bf16's range, so every dequantized operand, and every product, is exact; the result differs from the reference only in
 //! the order of the fp32 sum (the reference adds per-32 block sums; cuBLAS sums in its own order),
 //! which is the same class of difference as split-K. Many tokens make the GEMM compute-bound, and
 //! Hopper's bf16 tensor cores through cuBLAS beat a per-32-block FP8 MMA kernel there, whose

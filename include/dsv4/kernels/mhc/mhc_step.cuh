@@ -67,6 +67,8 @@ class mhc_workspace {
         partials_(std::size_t(std::max(1LL, max_tokens)) * std::size_t((max_dim + slice - 1) / slice) * partial_count),
         counters_(std::size_t(std::max(1LL, max_tokens))) {
     counters_.fill_bytes(0);
+    // The memset runs on the legacy stream; a non-blocking stream is not ordered after it.
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   }
   long long max_tokens() const { return max_tokens_; }
   int max_dim() const { return max_dim_; }

@@ -282,8 +282,15 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   if (s.experts < 1 || s.experts > max_experts || s.k < 1 || s.k > 16 || s.k > s.experts)
     throw error(where + "need 1 <= k <= min(16, experts) and experts <= 512");
   if (s.dim % 32 || s.inter % 32) throw error(where + "dim and inter must be multiples of 32");
-  if (!x || !y || !w.gate || !w.bias || !w.w1 || !w.w3 || !w.w2 || !w.s1 || !w.s3 || !w.s2)
-    throw error(where + "null input, output or weight");
+  if (!x || !y || !w.gate || !w.bias || !w.w1 || !w.w3 || !w.w2 || !w.s1 || !w.s3 || !w.s2 || !w.w1_s || !w.w3_s ||
+      !w.w2_s || !w.s1_s || !w.s3_s || !w.s2_s)
+    throw error(where + "null input, output, weight or weight scale");
+  if (is_image && !w.bias_vl) throw error(where + "image tokens are flagged but the layer has no bias_vl");
+  auto misaligned = [](const void* p, std::size_t a) { return reinterpret_cast<std::uintptr_t>(p) % a != 0; };
+  if (misaligned(x, 16) || misaligned(w.gate, 16)) throw error(where + "x and the gate weight must be 16-byte aligned");
+  if (misaligned(w.w1, 8) || misaligned(w.w3, 8) || misaligned(w.w2, 8) || misaligned(w.s1, 16) || misaligned(w.s3, 16) ||
+      misaligned(w.s2, 16))
+    throw error(where + "expert weights (MMA tiles) must be 8-byte (FP4) / 16-byte (FP8) aligned");
   if (tokens == 0) return;
   const int pairs = int(tokens * s.k);
 

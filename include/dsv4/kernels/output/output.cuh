@@ -47,7 +47,20 @@ inline void attention_output(numerics::bf16* o, const std::int64_t* positions, l
                 std::to_string(ws.max_tokens));
   if (s.groups <= 0 || s.heads % s.groups || (s.groups * s.o_lora) % 32)
     throw error("attention_output: heads must be a multiple of o_groups, groups * o_lora of 32");
+  if (s.o_lora <= 0 || s.dim <= 0 || s.head_dim <= 0 || rope_dim <= 0 || rope_dim % 2 || rope_dim > s.head_dim)
+    throw error("attention_output: bad widths (o_lora, dim, head_dim, rope_dim)");
   if (tokens == 0) return;
+  // Everything is checked before o is un-rotated in place, so a failed call leaves o as it was.
+  if (!o || !positions || !freqs || !wo_a || !wo_b || !wo_b_scale || !out || !blas)
+    throw error("attention_output: null pointer argument or cuBLAS handle");
+  {
+    const int k = s.groups * s.o_lora;
+    if (auto why = gemm::detail::check_args({{int(tokens), s.dim, k}, ws.mid_codes.data(), ws.mid_scales.data(), wo_b,
+                                             wo_b_scale, out},
+                                            gemm::weight_format::fp8_tile32);
+        !why.empty())
+      throw error("attention_output: wo_b: " + why);
+  }
   rope::apply_rope({o, positions, freqs, tokens, s.heads, s.head_dim, rope_dim / 2, true}, stream);
   gemm::grouped_linear_bf16(blas, o, wo_a, ws.mid.data(), int(tokens), s.groups, s.o_lora, s.group_width(), stream);
   const int k = s.groups * s.o_lora;
