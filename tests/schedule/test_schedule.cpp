@@ -2,11 +2,13 @@
 
 #include <boost/test/unit_test.hpp>
 
+#include <cmath>
 #include <vector>
 
 #include "dsv4/engram/table_layout.hpp"
 #include "dsv4/models/tiny.hpp"
 #include "dsv4/models/v41_flash.hpp"
+#include "dsv4/schedule/prefill_work.hpp"
 #include "support/print.hpp"
 
 using namespace dsv4;
@@ -124,6 +126,23 @@ BOOST_AUTO_TEST_CASE(tiny_has_the_v41_structure_and_binding_sparse_sizes) {
   BOOST_TEST(t::dims.indexer.index_topk < 64);  // the top-k binds on prompts of a few hundred tokens
   BOOST_TEST(t::dims.indexer.pool_capacity() < 256);
   BOOST_TEST(models::tiny_traits::global_kv_per_token.value() == 265.0);
+}
+
+BOOST_AUTO_TEST_CASE(ced_prefill_work_follows_the_article) {
+  using sched = dsv4::models::model_traits<dsv4::models::v41_flash>::schedule;
+  using dsv4::schedule::prefill_layer_tokens;
+  using dsv4::schedule::prefill_mode;
+  constexpr long long n = 1000000;
+  constexpr auto exact = prefill_layer_tokens<sched>(n, prefill_mode::exact, 128);
+  constexpr auto ced = prefill_layer_tokens<sched>(n, prefill_mode::ced, 128);
+  static_assert(exact.total() == n * 40, "exact: N L");
+  static_assert(ced.total() == n * 20 + 128 * 20, "ced: N L/2 + W L/2 for the 20 + 20 split");
+  BOOST_TEST(std::abs(double(ced.total()) / double(exact.total()) - 0.500064) < 1e-9);
+  // A prompt shorter than the window gains nothing; an appended chunk replays the last W positions.
+  BOOST_TEST(prefill_layer_tokens<sched>(100, prefill_mode::ced, 128).total() == 100 * 40);
+  BOOST_TEST(prefill_layer_tokens<sched>(50, prefill_mode::ced, 128, 5000).total() == 50 * 20 + 128 * 20);
+  BOOST_TEST(prefill_layer_tokens<sched>(50, prefill_mode::exact, 128, 5000).total() == 50 * 40);
+  BOOST_TEST(prefill_layer_tokens<sched>(0, prefill_mode::ced, 128).total() == 0);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dsv4/cache/paged_cache.hpp"
+#include "dsv4/schedule/prefill_work.hpp"
 #include "dsv4/models/model_traits.hpp"
 
 namespace dsv4::models {
@@ -39,6 +40,7 @@ struct model_description {
   bytes_per_token global_main{}, global_index{}, global_total{};
   long long local_window_bytes_per_layer = 0;
   int window_layers = 0;
+  long long work_exact_1m = 0, work_ced_1m = 0;  //!< prefill layer-tokens for a 1M-token prompt
   int page_tokens = 0;       //!< tokens per page of the paged global cache
   long long page_bytes = 0;  //!< bytes per page (page_tokens x global bytes per token)
 };
@@ -90,6 +92,9 @@ model_description describe() {
   d.global_total = traits::global_kv_per_token;
   d.local_window_bytes_per_layer = traits::local_window_bytes_per_layer;
   d.window_layers = traits::window_layers;
+  constexpr long long million = 1000000;
+  d.work_exact_1m = schedule::prefill_layer_tokens<sched>(million, schedule::prefill_mode::exact, Model::dims.attn.window_size).total();
+  d.work_ced_1m = schedule::prefill_layer_tokens<sched>(million, schedule::prefill_mode::ced, Model::dims.attn.window_size).total();
   using pages = cache::page_geometry<Model>;
   d.page_tokens = pages::page_tokens;
   d.page_bytes = pages::page_bytes;
@@ -170,6 +175,11 @@ inline void print_info(std::ostream& os, const model_description& d) {
      << " DSpark) = " << d.local_window_bytes_per_layer * d.window_layers << " bytes per sequence\n"
      << "  paged global cache: pages of " << d.page_tokens << " tokens = " << d.page_bytes
      << " bytes (all owners' entries, no padding)\n";
+  char ratio[32];
+  std::snprintf(ratio, sizeof ratio, "%.6f", double(d.work_ced_1m) / double(d.work_exact_1m));
+  os << "prefill work for a 1,000,000-token prompt (layer-tokens): exact " << d.work_exact_1m << ", CED "
+     << d.work_ced_1m << " (encoder over every token, decoder replay over the last " << d.dims.attn.window_size
+     << "): " << ratio << " of exact\n";
 }
 
 }  // namespace dsv4::models
