@@ -144,6 +144,18 @@ struct index_key_weights {
   float eps = 1e-20f;
 };
 
+//! The index key of a latent before quantization (spec §7): RMSNorm(W_k latent) from the
+//! pre-RoPE latent, RoPE on its last rope_dim channels at the group's first position.
+inline std::vector<bf16> index_key_of(std::span<const bf16> latent, const index_key_weights& ik,
+                                      std::span<const float> freqs, long long position) {
+  const std::int64_t pos[1] = {position};
+  const std::vector<bf16> key = linear::linear_bf16_reference(linear::widen(latent), ik.wk, ik.index_dim);
+  std::vector<bf16> key_n(key.size());
+  norm::rmsnorm_reference(linear::widen(key), ik.norm, ik.eps, key_n);
+  rope::apply_rope_reference(key_n, ik.index_dim, 1, pos, freqs, false);
+  return key_n;
+}
+
 template <int HeadDim, int IndexDim>
 struct global_entry {
   using main_layout = numerics::packed_vector<numerics::main_kv_format, HeadDim>;
@@ -163,10 +175,7 @@ global_entry<HeadDim, IndexDim> make_entries(std::span<const bf16> latent, const
   entry e{};
   const std::int64_t pos[1] = {position};
   // Index key first: it is built from the pre-RoPE latent.
-  std::vector<bf16> key = linear::linear_bf16_reference(linear::widen(latent), ik.wk, IndexDim);
-  std::vector<bf16> key_n(key.size());
-  norm::rmsnorm_reference(linear::widen(key), ik.norm, ik.eps, key_n);
-  rope::apply_rope_reference(key_n, IndexDim, 1, pos, freqs, false);
+  const std::vector<bf16> key_n = index_key_of(latent, ik, freqs, position);
   numerics::quantize_vector<numerics::index_key_format>(key_n, {e.index, entry::index_layout::code_bytes},
                                                         {e.index + entry::index_layout::scale_offset, entry::index_layout::scale_bytes});
   std::vector<bf16> main(latent.begin(), latent.end());

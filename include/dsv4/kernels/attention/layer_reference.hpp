@@ -1,0 +1,251 @@
+#pragma once
+//! \file
+//! Host reference of a whole CSA2 attention sublayer (spec §5, §6, §7) over one sequence, with
+//! the state the reference keeps between calls: each layer's window ring, each KV owner's
+//! compressed cache, index keys and compressor state, and the forward's shared slots (the last
+//! index source's top-k lists and the candidate source's pool). Calls follow the reference: a
+//! prefill from position 0, then one-token decode steps; layers are called in order.
+//!
+//! Per call, with x the attention input (the attn_norm output) of the call's tokens:
+//!   qr = q_norm(wq_a(x)); q = RoPE(wq_b(qr)); kv = QDQ_fp8(RoPE(kv_norm(wkv(x))))
+//!   window operand: the chunk's kv (prefill) or the ring (decode), with the spec's index lists
+//!   global branch (ratio > 0): a KV owner compresses x; an index source scores its queries
+//!     against its owner's index keys (the new keys written first), the candidate source records
+//!     its pool, a Reindex layer masks its scores with the pool, and the selection is published;
+//!     a Reuse layer reads the published lists. The owner's new latents become main entries
+//!     (RoPE at the group's first position, FP4 QDQ) after the indexer ran.
+//!   o = sparse_attn(q, window ++ compressed, sink, lists, head_dim^-0.5); out = output path.
+//! The reference's stale-index-key quirk at even decode positions (spec §7) is not reproduced:
+//! each index source reads its own owner's keys (dsv4's default policy).
+
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/kernels/attention/reference.hpp"
+#include "dsv4/kernels/compressor/reference.hpp"
+#include "dsv4/kernels/gemm/reference.hpp"
+#include "dsv4/kernels/indexer/reference.hpp"
+#include "dsv4/kernels/linear/reference.hpp"
+#include "dsv4/kernels/norm/reference.hpp"
+#include "dsv4/kernels/output/reference.hpp"
+#include "dsv4/kernels/rope/rope.hpp"
+#include "dsv4/numerics/formats.hpp"
+#include "dsv4/numerics/quantize.hpp"
+#include "dsv4/schedule/layer.hpp"
+
+namespace dsv4::kernels::attention {
+
+using numerics::bf16;
+
+//! An FP8 linear layer in the checkpoint layout: weight [n, k] E4M3, scales [ceil(n/32), k/32].
+struct fp8_linear {
+  int n = 0, k = 0;
+  std::vector<std::uint8_t> codes, scales;
+  //! One row: act_quant (E4M3, UE8M0 per 32), then the block-scaled GEMM; bf16 out.
+  std::vector<bf16> operator()(std::span<const bf16> x) const {
+    if (x.size() != std::size_t(k)) throw error("fp8_linear: input has " + std::to_string(x.size()) + " values, expected " + std::to_string(k));
+    std::vector<std::uint8_t> a(x.size()), a_s(x.size() / 32);
+    numerics::quantize_vector<numerics::fp8_act_format>(x, a, a_s);
+    return gemm::fp8_gemm_reference({1, n, k}, a, a_s, codes, scales);
+  }
+};
+
+struct layer_shape {
+  int dim = 0, heads = 0, head_dim = 0, rope_dim = 0, q_lora = 0, groups = 0, o_lora = 0, window = 0;
+  int index_heads = 0, index_dim = 0, topk = 0, pool_blocks = 0, pool_block = 0;
+  float norm_eps = 1e-20f;
+};
+
+//! The layer's place in the schedule (from model_schedule: role, ratio, kv_owner, topk_source).
+struct layer_wiring {
+  schedule::attn_role role = schedule::attn_role::local;
+  int ratio = 0;
+  int kv_owner = -1;
+  bool candidate_source = false;
+};
+
+struct layer_weights {
+  fp8_linear wq_a, wq_b, wkv, wo_b;
+  std::vector<float> q_norm, kv_norm, wo_a, attn_sink;  //!< wo_a: [groups, o_lora, heads / groups * head_dim]
+  compressor::compressor_weights compressor;            //!< KV owners (Full layers)
+  compressor::index_key_weights index_key;              //!< KV owners
+  fp8_linear idx_wq_b;                                  //!< index sources (Full, Reindex)
+  std::vector<float> weights_proj;                      //!< [index_heads, dim], index sources
+};
+
+struct owner_cache {
+  std::vector<bf16> main;  //!< [entries, head_dim]: RoPE'd, FP4 QDQ'd latents (the reference's bf16 cache)
+  std::vector<bf16> keys;  //!< [entries, index_dim]: RoPE'd, MXFP4 QDQ'd index keys
+  std::optional<compressor::compressor_state> state;
+};
+
+struct sequence_state {
+  std::map<int, owner_cache> owners;
+  std::map<int, std::vector<bf16>> rings;  //!< [window, head_dim] per layer, zero-initialised
+  std::vector<std::int32_t> topk;          //!< published lists [rows, topk_width]
+  int topk_width = 0;
+  std::vector<std::uint8_t> candidates;    //!< the candidate source's pool [rows, candidates_width]
+  int candidates_width = 0;
+};
+
+namespace detail {
+inline std::vector<bf16> rmsnorm_row(std::span<const bf16> x, std::span<const float> w, float eps) {
+  std::vector<bf16> y(x.size());
+  norm::rmsnorm_reference(linear::widen(x), w, eps, y);
+  return y;
+}
+}  // namespace detail
+
+//! One call of layer `layer` over x [s, dim] at positions start_pos .. start_pos + s - 1: a
+//! prefill (start_pos == 0) or a decode step (s == 1). Returns the sublayer output [s, dim].
+inline std::vector<bf16> attention_layer_reference(int layer, const layer_wiring& wr, const layer_weights& w,
+                                                   const layer_shape& sh, std::span<const float> freqs,
+                                                   std::span<const bf16> x, long long start_pos, sequence_state& st) {
+  using schedule::attn_role;
+  const std::string where = "attention_layer_reference (layer " + std::to_string(layer) + "): ";
+  if (x.size() % std::size_t(sh.dim) || x.empty()) throw error(where + "x must be [s, dim] with s >= 1");
+  const int s = int(x.size() / std::size_t(sh.dim));
+  const bool prefill = start_pos == 0;
+  if (!prefill && s != 1) throw error(where + "after the prefill, one token per call");
+  const int hd = sh.head_dim;
+  auto row = [&](int i) { return x.subspan(std::size_t(i) * sh.dim, std::size_t(sh.dim)); };
+
+  // Queries and the window KV, token by token.
+  std::vector<std::vector<bf16>> qr(static_cast<std::size_t>(s));
+  std::vector<bf16> q, kv;
+  for (int i = 0; i < s; ++i) {
+    const std::int64_t pos[1] = {start_pos + i};
+    qr[std::size_t(i)] = detail::rmsnorm_row(w.wq_a(row(i)), w.q_norm, sh.norm_eps);
+    auto qi = w.wq_b(qr[std::size_t(i)]);
+    rope::apply_rope_reference(qi, hd, sh.heads, pos, freqs, false);
+    q.insert(q.end(), qi.begin(), qi.end());
+    auto ki = detail::rmsnorm_row(w.wkv(row(i)), w.kv_norm, sh.norm_eps);
+    rope::apply_rope_reference(ki, hd, 1, pos, freqs, false);
+    numerics::qdq_vector<numerics::fp8_act_format>(ki);  // RoPE first, then the FP8 QDQ
+    kv.insert(kv.end(), ki.begin(), ki.end());
+  }
+
+  // Window operand and lists.
+  auto& ring = st.rings[layer];
+  if (ring.empty()) ring.assign(std::size_t(sh.window) * hd, bf16::from_float(0.0f));
+  std::vector<bf16> operand;
+  std::vector<std::vector<std::int32_t>> lists(static_cast<std::size_t>(s));
+  if (prefill) {
+    operand = kv;
+    const int width = std::min(s, sh.window);
+    for (int i = 0; i < s; ++i)
+      for (int j = 0; j < width; ++j) {
+        const int e = std::max(i - sh.window + 1, 0) + j;
+        lists[std::size_t(i)].push_back(e > i ? -1 : e);
+      }
+    for (int p = std::max(0, s - sh.window); p < s; ++p)  // the last positions seed the ring
+      std::copy(kv.begin() + std::ptrdiff_t(p) * hd, kv.begin() + std::ptrdiff_t(p + 1) * hd,
+                ring.begin() + std::ptrdiff_t(p % sh.window) * hd);
+  } else {
+    const int slot = int(start_pos % sh.window);
+    std::copy(kv.begin(), kv.end(), ring.begin() + std::ptrdiff_t(slot) * hd);
+    operand = ring;
+    for (int j = 1; j <= sh.window; ++j) {  // oldest first: slot + 1 .. window - 1, then 0 .. slot
+      const int e = (slot + j) % sh.window;
+      lists[0].push_back(e > start_pos ? -1 : e);
+    }
+  }
+  const int offset = int(operand.size() / std::size_t(hd));
+
+  // Global branch.
+  if (wr.ratio > 0) {
+    if (wr.kv_owner < 0) throw error(where + "a compressed layer needs a KV owner");
+    const bool owner = wr.role == attn_role::full, source = owner || wr.role == attn_role::reindex;
+    if (owner && prefill) st.owners[layer] = owner_cache{};
+    auto found = st.owners.find(wr.kv_owner);
+    if (found == st.owners.end()) throw error(where + "its KV owner " + std::to_string(wr.kv_owner) + " has not run");
+    owner_cache& oc = found->second;
+    const long long compress_len = (start_pos + s) / wr.ratio;
+    std::vector<std::vector<bf16>> latents;
+    std::vector<long long> latent_pos;
+    if (owner) {
+      if (!oc.state) oc.state.emplace(w.compressor);
+      if (prefill) {
+        const auto all = compressor::compress_prefill(w.compressor, x, s, *oc.state);
+        for (int g = 0; g < s / wr.ratio; ++g) {
+          latents.emplace_back(all.begin() + std::ptrdiff_t(g) * hd, all.begin() + std::ptrdiff_t(g + 1) * hd);
+          latent_pos.push_back(1LL * g * wr.ratio);
+        }
+      } else if (auto l = compressor::compress_decode(w.compressor, row(0), start_pos, *oc.state)) {
+        latents.push_back(std::move(*l));
+        latent_pos.push_back(start_pos + 1 - wr.ratio);
+      }
+      for (std::size_t g = 0; g < latents.size(); ++g) {  // index keys first, from the pre-RoPE latent
+        auto key = compressor::index_key_of(latents[g], w.index_key, freqs, latent_pos[g]);
+        numerics::qdq_vector<numerics::index_key_format>(key);
+        oc.keys.insert(oc.keys.end(), key.begin(), key.end());
+      }
+    }
+    if (source) {
+      const int width = int(compress_len);
+      st.topk.clear();
+      st.topk_width = std::min(sh.topk, width);
+      if (wr.candidate_source) st.candidates.clear(), st.candidates_width = width;
+      for (int i = 0; i < s && width > 0; ++i) {
+        const long long visible = (start_pos + i + 1) / wr.ratio;
+        const std::int64_t pos[1] = {start_pos + i};
+        auto qi = w.idx_wq_b(qr[std::size_t(i)]);
+        rope::apply_rope_reference(qi, sh.index_dim, sh.index_heads, pos, freqs, false);
+        numerics::qdq_vector<numerics::index_key_format>(qi);
+        const auto wp = linear::linear_bf16_reference(linear::widen(row(i)), w.weights_proj, sh.index_heads);
+        std::vector<bf16> wscaled(wp.size());
+        for (std::size_t h = 0; h < wp.size(); ++h) wscaled[h] = bf16::from_float(wp[h].to_float() * 0x1p-6f);
+        auto scores = indexer::index_scores_reference(
+            qi, wscaled, std::span<const bf16>(oc.keys).subspan(0, std::size_t(width) * sh.index_dim), sh.index_heads,
+            sh.index_dim, visible);
+        if (wr.candidate_source) {
+          const auto mask = indexer::candidate_mask_reference(scores, visible, sh.pool_blocks, sh.pool_block);
+          st.candidates.insert(st.candidates.end(), mask.begin(), mask.end());
+        }
+        if (wr.role == attn_role::reindex) {
+          if (st.candidates_width != width || st.candidates.size() != std::size_t(s) * width)
+            throw error(where + "the candidate pool does not match this layer's rows");
+          indexer::apply_candidate_mask(scores, std::span<const std::uint8_t>(st.candidates).subspan(std::size_t(i) * width, width));
+        }
+        const auto sel = indexer::select_reference(scores, sh.topk, visible, offset);
+        st.topk.insert(st.topk.end(), sel.begin(), sel.end());
+      }
+    }
+    if (st.topk.size() != std::size_t(s) * st.topk_width) throw error(where + "no top-k lists for these rows");
+    for (int i = 0; i < s; ++i)
+      lists[std::size_t(i)].insert(lists[std::size_t(i)].end(), st.topk.begin() + std::ptrdiff_t(i) * st.topk_width,
+                                   st.topk.begin() + std::ptrdiff_t(i + 1) * st.topk_width);
+    for (std::size_t g = 0; g < latents.size(); ++g) {  // then the main entries
+      const std::int64_t pos[1] = {latent_pos[g]};
+      auto m = latents[g];
+      rope::apply_rope_reference(m, hd, 1, pos, freqs, false);
+      numerics::qdq_vector<numerics::main_kv_format>(m);
+      oc.main.insert(oc.main.end(), m.begin(), m.end());
+    }
+    operand.insert(operand.end(), oc.main.begin(), oc.main.begin() + std::ptrdiff_t(compress_len) * hd);
+  }
+
+  // One softmax over window + selected entries, with the sink; then the output path.
+  const int list_width = int(lists[0].size());
+  std::vector<std::int32_t> idx;
+  for (const auto& l : lists) idx.insert(idx.end(), l.begin(), l.end());
+  std::vector<bf16> o(q.size());
+  sparse_attention_reference({s, sh.heads, hd, int(operand.size() / std::size_t(hd)), list_width, float(std::pow(double(hd), -0.5))},
+                             q, operand, w.attn_sink, idx, o);
+  const output::output_shape os{sh.heads, hd, sh.groups, sh.o_lora, sh.dim};
+  std::vector<bf16> out;
+  for (int i = 0; i < s; ++i) {
+    const auto oi = output::attention_output_reference(os, std::span<const bf16>(o).subspan(std::size_t(i) * sh.heads * hd, std::size_t(sh.heads) * hd),
+                                                       start_pos + i, freqs, w.wo_a, w.wo_b.codes, w.wo_b.scales);
+    out.insert(out.end(), oi.begin(), oi.end());
+  }
+  return out;
+}
+
+}  // namespace dsv4::kernels::attention
