@@ -1,0 +1,137 @@
+#pragma once
+//! \file
+//! One decoder block of a variant on the host (spec §8 Block.forward), over a chunk of tokens of
+//! one sequence, and the binding of its non-attention tensors from a checkpoint:
+//!   a  = hc_mixes(X)                                  (attention mixes, per token)
+//!   X1 = hc_post(Attn(attn_norm(hc_pre(X, pre_mix))), X, a)
+//!   f  = hc_mixes(X1)                                 (FFN mixes)
+//!   X2 = hc_post(MoE(ffn_norm(hc_pre(X1, a.pre))), X1, f);  pre_mix <- f.pre
+//! The attention sublayer is the host reference of layer_reference.hpp (with the sequence's
+//! state); the MoE is moe_layer_reference (routed FP4 experts, FP8 shared expert).
+
+#include <string>
+#include <vector>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/io/checkpoint.hpp"
+#include "dsv4/kernels/mhc/reference.hpp"
+#include "dsv4/kernels/moe/reference.hpp"
+#include "dsv4/kernels/norm/reference.hpp"
+#include "dsv4/model/attention_weights.hpp"
+
+namespace dsv4::model {
+
+using numerics::bf16;
+
+struct block_weights {
+  kernels::attention::layer_weights attn;
+  std::vector<float> attn_norm, ffn_norm;
+  kernels::mhc::mix_params attn_mix, ffn_mix;
+  kernels::moe::gate_params gate;
+  std::vector<kernels::moe::expert_weights> experts;  //!< FP4, checkpoint layout
+  kernels::moe::expert_weights shared;                 //!< FP8, checkpoint layout
+  int inter = 0;
+  float swiglu_limit = 10.0f;
+};
+
+//! Every tensor of block `layer` of `Model`, read from `ck` (errors name the tensor and file).
+template <class Model>
+block_weights block_weights_of(io::checkpoint& ck, int layer) {
+  constexpr models::model_config c = Model::dims;
+  block_weights b;
+  b.attn = attention_weights<Model>(ck, layer);  // also checks the layer index
+  const std::string p = "layers." + std::to_string(layer) + ".";
+  b.attn_norm = detail::floats(ck, p + "attn_norm.weight", {c.dim});
+  b.ffn_norm = detail::floats(ck, p + "ffn_norm.weight", {c.dim});
+  const long long mix = c.mhc.mix_hc(), width = 1ll * c.mhc.hc_mult * c.dim;
+  for (auto [name, m] : {std::pair{"attn", &b.attn_mix}, std::pair{"ffn", &b.ffn_mix}}) {
+    m->fn = detail::floats(ck, p + "hc_" + name + "_fn", {mix, width});
+    m->base = detail::floats(ck, p + "hc_" + name + "_base", {mix});
+    m->scale = detail::floats(ck, p + "hc_" + name + "_scale", {3});
+    m->iters = c.mhc.hc_sinkhorn_iters;
+    m->hc_eps = c.mhc.hc_eps;
+    m->norm_eps = c.norm_eps;
+  }
+  const int experts = c.moe.n_routed_experts, inter = c.moe.moe_inter_dim;
+  b.inter = inter;
+  b.swiglu_limit = c.moe.swiglu_limit;
+  b.gate.experts = experts;
+  b.gate.k = c.moe.n_activated_experts;
+  b.gate.dim = c.dim;
+  b.gate.weight = detail::floats(ck, p + "ffn.gate.weight", {experts, c.dim});
+  b.gate.bias = detail::floats(ck, p + "ffn.gate.bias", {experts});
+  b.gate.route_scale = c.moe.route_scale;
+  b.gate.gate_temp = c.moe.gate_temp;
+  b.gate.norm_topk_prob = c.moe.norm_topk_prob;
+  auto fp4 = [&](const std::string& name, int n, int k, std::vector<std::uint8_t>& w, std::vector<std::uint8_t>& s) {
+    w = detail::bytes(ck, name + ".weight", {n, k / 2}, io::st_dtype::I8);
+    s = detail::bytes(ck, name + ".scale", {n, k / 32}, io::st_dtype::F8_E8M0);
+  };
+  for (int e = 0; e < experts; ++e) {
+    const std::string ex = p + "ffn.experts." + std::to_string(e) + ".";
+    kernels::moe::expert_weights w;
+    fp4(ex + "w1", inter, c.dim, w.w1, w.w1_s);
+    fp4(ex + "w3", inter, c.dim, w.w3, w.w3_s);
+    fp4(ex + "w2", c.dim, inter, w.w2, w.w2_s);
+    b.experts.push_back(std::move(w));
+  }
+  auto fp8 = [&](const std::string& name, int n, int k, std::vector<std::uint8_t>& w, std::vector<std::uint8_t>& s) {
+    auto l = detail::fp8(ck, name, n, k);
+    w = std::move(l.codes), s = std::move(l.scales);
+  };
+  const std::string sh = p + "ffn.shared_experts.";
+  fp8(sh + "w1", inter, c.dim, b.shared.w1, b.shared.w1_s);
+  fp8(sh + "w3", inter, c.dim, b.shared.w3, b.shared.w3_s);
+  fp8(sh + "w2", c.dim, inter, b.shared.w2, b.shared.w2_s);
+  return b;
+}
+
+//! Block.forward over `s` tokens: streams x [s, hc, dim] -> returned streams; pre_mix [s, hc]
+//! holds the previous sublayer's pre on entry and this block's f.pre on return.
+inline std::vector<bf16> block_forward_chunk(int layer, const kernels::attention::layer_wiring& wiring,
+                                             const block_weights& w, const kernels::attention::layer_shape& shape,
+                                             std::span<const float> freqs, std::span<const bf16> x,
+                                             std::vector<float>& pre_mix, long long start_pos,
+                                             kernels::attention::sequence_state& state) {
+  namespace mhc = kernels::mhc;
+  constexpr int hc = mhc::hc;
+  const std::size_t dim = std::size_t(shape.dim), width = hc * dim;
+  if (x.empty() || x.size() % width) throw error("block_forward_chunk: x must be [s, 4, dim]");
+  const std::size_t s = x.size() / width;
+  if (pre_mix.size() != s * hc) throw error("block_forward_chunk: pre_mix must be [s, 4]");
+  auto normed = [&](const std::vector<bf16>& v, const std::vector<float>& nw) {
+    std::vector<bf16> y(v.size());
+    kernels::norm::rmsnorm_reference(kernels::linear::widen(v), nw, shape.norm_eps, y);
+    return y;
+  };
+  auto pre_of = [](const float* p, float (&a)[hc]) {
+    for (int c = 0; c < hc; ++c) a[c] = p[c];
+  };
+  // Attention sublayer.
+  std::vector<mhc::coefficients> a(s);
+  std::vector<bf16> attn_in;
+  for (std::size_t t = 0; t < s; ++t) {
+    const auto xt = x.subspan(t * width, width);
+    a[t] = mhc::hc_coefficients(xt, int(dim), w.attn_mix);
+    float pm[hc];
+    pre_of(&pre_mix[t * hc], pm);
+    const auto in = normed(mhc::hc_pre(xt, int(dim), pm), w.attn_norm);
+    attn_in.insert(attn_in.end(), in.begin(), in.end());
+  }
+  const auto attn_out = kernels::attention::attention_layer_reference(layer, wiring, w.attn, shape, freqs, attn_in, start_pos, state);
+  // FFN sublayer.
+  std::vector<bf16> out;
+  out.reserve(x.size());
+  for (std::size_t t = 0; t < s; ++t) {
+    const auto x1 = mhc::hc_post(std::span<const bf16>(attn_out).subspan(t * dim, dim), x.subspan(t * width, width), int(dim), a[t]);
+    const mhc::coefficients f = mhc::hc_coefficients(x1, int(dim), w.ffn_mix);
+    const auto ffn_in = normed(mhc::hc_pre(x1, int(dim), a[t].pre), w.ffn_norm);
+    const auto ffn_out = kernels::moe::moe_layer_reference(ffn_in, w.gate, w.experts, w.shared, w.inter, w.swiglu_limit);
+    const auto x2 = mhc::hc_post(ffn_out, x1, int(dim), f);
+    out.insert(out.end(), x2.begin(), x2.end());
+    for (int c = 0; c < hc; ++c) pre_mix[t * hc + c] = f.pre[c];
+  }
+  return out;
+}
+
+}  // namespace dsv4::model
