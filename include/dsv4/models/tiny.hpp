@@ -50,6 +50,25 @@ struct tiny {
   static constexpr std::array<long long, 2> engram_num_embeddings =
       engram::table_rows<2>(dims.engram.engram_vocab_size, dims.engram.engram_max_ngram_size,
                             dims.engram.engram_n_heads);
+
+  //! Engram hash multipliers (index k = look-back shift). tiny has no official values (the
+  //! reference draws them with NumPy's default_rng, which we do not reproduce): these follow the
+  //! reference's recipe, odd values 2v + 1 with v < (int64_max / compressed_vocab) / 2, but draw
+  //! v from SplitMix64 seeded with 10007 x layer id (layers 1 and 14, like V4.1's).
+  static constexpr std::array<std::array<long long, 4>, 2> engram_multipliers = [] {
+    constexpr long long bound = (0x7fffffffffffffffLL / dims.engram.engram_compressed_vocab_size) / 2;
+    std::array<std::array<long long, 4>, 2> m{};
+    const long long layer_ids[2] = {1, 14};
+    for (int l = 0; l < 2; ++l)
+      for (int k = 0; k < 4; ++k) {
+        unsigned long long x = 10007ull * (unsigned long long)layer_ids[l] + (unsigned long long)k + 0x9E3779B97F4A7C15ull;
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+        x ^= x >> 31;
+        m[l][k] = 2 * (long long)(x % (unsigned long long)bound) + 1;
+      }
+    return m;
+  }();
 };
 
 using tiny_traits = model_traits<tiny>;
