@@ -1,0 +1,118 @@
+#pragma once
+//! \file
+//! The whole model on the host (spec §13 Transformer.forward, text tokens only), for variants
+//! small enough to run this way (tiny): embedding, the four streams, Engram before its layers, the
+//! blocks with single-pass mHC, the final collapse, norm and head (fp32 logits of the last
+//! position). Prefill from position 0, then one-token decode steps, like the reference. The
+//! DSpark stages, images and the CUDA backend are not part of this file.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/io/checkpoint.hpp"
+#include "dsv4/kernels/linear/reference.hpp"
+#include "dsv4/kernels/mhc/reference.hpp"
+#include "dsv4/kernels/norm/reference.hpp"
+#include "dsv4/model/block_reference.hpp"
+#include "dsv4/model/engram_weights.hpp"
+
+namespace dsv4::model {
+
+template <class Model>
+struct host_model {
+  using sched = typename models::model_traits<Model>::schedule;
+  std::vector<float> embed, head, norm;  //!< [vocab, dim], [vocab, dim], [dim]
+  std::vector<kernels::attention::layer_wiring> wiring;
+  std::vector<block_weights> blocks;
+  std::vector<std::vector<float>> freqs;
+  std::vector<engram::engram_weights> engrams;  //!< one per Engram slot
+  engram::hash_layout hashes;
+  std::vector<std::int64_t> token_map;          //!< token id -> compressed id
+
+  //! Reads every tensor the forward uses; `token_map` is the variant's compressed token map.
+  static host_model load(io::checkpoint& ck, std::vector<std::int64_t> token_map) {
+    constexpr models::model_config c = Model::dims;
+    if (token_map.size() != std::size_t(c.vocab_size))
+      throw error("host_model: the token map has " + std::to_string(token_map.size()) + " entries, the vocabulary " +
+                  std::to_string(c.vocab_size));
+    host_model m;
+    m.embed = detail::floats(ck, "embed.weight", {c.vocab_size, c.dim});
+    m.head = detail::floats(ck, "head.weight", {c.vocab_size, c.dim});
+    m.norm = detail::floats(ck, "norm.weight", {c.dim});
+    for (int l = 0; l < sched::num_layers; ++l) {
+      m.wiring.push_back(attention_wiring<Model>(l));
+      m.blocks.push_back(block_weights_of<Model>(ck, l));
+      m.freqs.push_back(attention_rope_frequencies<Model>(l));
+    }
+    for (int j = 0; j < int(sched::engram::values.size()); ++j) m.engrams.push_back(engram_weights_of<Model>(ck, j));
+    m.hashes = engram_hash_layout<Model>();
+    m.token_map = std::move(token_map);
+    return m;
+  }
+};
+
+//! Everything one sequence keeps between calls.
+struct host_sequence {
+  kernels::attention::sequence_state attention;
+  std::vector<std::vector<std::int64_t>> engram_history;  //!< per Engram slot
+  long long length = 0;
+};
+
+//! Feeds `ids` (the whole prompt on the first call, then one token per call) and returns the fp32
+//! logits of the last position.
+template <class Model>
+std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::span<const std::int32_t> ids) {
+  using sched = typename models::model_traits<Model>::schedule;
+  constexpr models::model_config c = Model::dims;
+  constexpr int hc = kernels::mhc::hc;
+  static_assert(c.mhc.hc_mult == hc, "host forward: the mHC kernels are written for 4 streams");
+  const std::size_t dim = std::size_t(c.dim), width = hc * dim, s = ids.size();
+  if (s == 0) throw error("forward: no tokens");
+  if (seq.length > 0 && s != 1) throw error("forward: after the prompt, one token per call");
+  for (std::int32_t id : ids)
+    if (id < 0 || id >= c.vocab_size)
+      throw error("forward: token id " + std::to_string(id) + " outside the vocabulary of " + std::to_string(c.vocab_size));
+  const long long start = seq.length;
+
+  // Engram hashes for every slot, once per forward (this also extends each slot's history).
+  seq.engram_history.resize(m.engrams.size());
+  std::vector<std::vector<std::int64_t>> hashes(m.engrams.size());
+  for (std::size_t j = 0; j < m.engrams.size(); ++j) {
+    const auto& mult = Model::engram_multipliers[j];
+    const std::vector<std::int64_t> mv(mult.begin(), mult.end());
+    hashes[j] = engram::hash_tokens(m.hashes, int(j), mv, ids, {}, m.token_map, c.engram.engram_pad_id,
+                                    seq.engram_history[j], start);
+  }
+  // Embedding, repeated into the streams; the first pre-mix is one-hot on stream 0.
+  std::vector<bf16> x(s * width);
+  for (std::size_t t = 0; t < s; ++t)
+    for (int r = 0; r < hc; ++r)
+      for (std::size_t d = 0; d < dim; ++d)
+        x[t * width + std::size_t(r) * dim + d] = bf16::from_float(m.embed[std::size_t(ids[t]) * dim + d]);
+  std::vector<float> pre(s * hc, 0.0f);
+  for (std::size_t t = 0; t < s; ++t) pre[t * hc] = 1.0f;
+  constexpr auto shape = attention_shape<Model>();
+  for (int l = 0; l < sched::num_layers; ++l) {
+    for (std::size_t j = 0; j < m.engrams.size(); ++j)
+      if (sched::engram::values[j] == l)
+        for (std::size_t t = 0; t < s; ++t)
+          engram::engram_forward_reference(m.engrams[j], std::span<bf16>(x).subspan(t * width, width),
+                                           std::span<const std::int64_t>(hashes[j]).subspan(t * m.engrams[j].columns,
+                                                                                            std::size_t(m.engrams[j].columns)),
+                                           false);
+    x = block_forward_chunk(l, m.wiring[std::size_t(l)], m.blocks[std::size_t(l)], shape, m.freqs[std::size_t(l)], x, pre,
+                            start, seq.attention);
+  }
+  seq.length += (long long)s;
+  // Final collapse of the last position, norm, fp32 head.
+  float last_pre[hc];
+  for (int r = 0; r < hc; ++r) last_pre[r] = pre[(s - 1) * hc + std::size_t(r)];
+  const auto h = kernels::mhc::hc_pre(std::span<const bf16>(x).subspan((s - 1) * width, width), int(dim), last_pre);
+  std::vector<bf16> hn(dim);
+  kernels::norm::rmsnorm_reference(kernels::linear::widen(h), m.norm, c.norm_eps, hn);
+  return kernels::linear::linear_fp32_reference(kernels::linear::widen(hn), m.head, c.vocab_size);
+}
+
+}  // namespace dsv4::model
