@@ -8,8 +8,16 @@
 #include <string>
 #include <vector>
 
+#include <chrono>
+#include <filesystem>
+#include <numeric>
+#include <sstream>
+#include <unistd.h>
+
 #include "dsv4/dsv4.hpp"
 #include "dsv4/io/checkpoint.hpp"
+#include "dsv4/kernels/sampling/reference.hpp"
+#include "dsv4/model/model_reference.hpp"
 #include "dsv4/io/random_checkpoint.hpp"
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/config_json.hpp"
@@ -29,6 +37,13 @@ inline void usage(std::ostream& os) {
         "                       model.safetensors.index.json) holds every tensor of the model\n"
         "                       with the right dtype and shape, and that an inference\n"
         "                       config.json, if given, has the model's values; lists every problem\n"
+        "  run [--config tiny] [--checkpoint PATH] [--prompt IDS] [--tokens N]\n"
+        "      [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
+        "                       generate N tokens (default 8) after a prompt of comma-separated\n"
+        "                       token ids (default 1,2,...,8) and print them with the prefill and\n"
+        "                       decode throughput; without --checkpoint the built-in tiny model\n"
+        "                       runs with random weights from a fixed seed. This backend is the\n"
+        "                       host reference: it runs the tiny variant only\n"
         "  random-checkpoint DIR [--config NAME] [--seed N] [--shard-mib M]\n"
         "                       write a checkpoint with random weights (default config tiny)\n"
         "  version              print the dsv4 version\n"
@@ -79,6 +94,15 @@ inline options parse(const std::vector<std::string>& args, const std::string& cm
     }
   }
   return o;
+}
+inline double parse_number(const std::string& cmd, const std::string& key, const std::string& v) {
+  try {
+    std::size_t used = 0;
+    const double x = std::stod(v, &used);
+    if (used == v.size()) return x;
+  } catch (const std::exception&) {
+  }
+  throw error(cmd + ": --" + key + " needs a number, got '" + v + "'");
 }
 inline long long parse_integer(const std::string& cmd, const std::string& key, const std::string& v) {
   try {
@@ -135,6 +159,78 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       ck.validate(schema);
       out << o.positional[0] << ": all " << schema.size() << " tensors of " << config << " present with the right dtype and shape ("
           << ck.size() << " tensors in the checkpoint)\n";
+      return 0;
+    }
+    if (cmd == "run") {
+      const auto o = detail::parse(args, cmd, {"config", "checkpoint", "prompt", "tokens", "temperature", "top-k", "top-p", "seed"});
+      if (!o.positional.empty()) throw error("run: unexpected argument '" + o.positional[0] + "'");
+      const std::string config = o.named.count("config") ? o.named.at("config") : models::tiny::name;
+      if (config != models::tiny::name) {
+        models::describe_builtin(config);  // an unknown name gets the list of valid ones
+        throw error("run: the host backend runs the tiny variant only; " + config +
+                    " needs the CUDA model, which is not built yet (issue 6)");
+      }
+      using tiny = models::tiny;
+      std::vector<std::int32_t> prompt;
+      if (o.named.count("prompt")) {
+        std::stringstream ss(o.named.at("prompt"));
+        for (std::string item; std::getline(ss, item, ',');)
+          prompt.push_back(std::int32_t(detail::parse_integer(cmd, "prompt", item)));
+        if (prompt.empty()) throw error("run: --prompt needs at least one token id");
+      } else {
+        prompt.resize(8);
+        std::iota(prompt.begin(), prompt.end(), 1);
+      }
+      const long long n_new = o.named.count("tokens") ? detail::parse_integer(cmd, "tokens", o.named.at("tokens")) : 8;
+      kernels::sampling::sampling_params sp;
+      if (o.named.count("temperature")) sp.temperature = float(detail::parse_number(cmd, "temperature", o.named.at("temperature")));
+      if (o.named.count("top-k")) sp.top_k = int(detail::parse_integer(cmd, "top-k", o.named.at("top-k")));
+      if (o.named.count("top-p")) sp.top_p = float(detail::parse_number(cmd, "top-p", o.named.at("top-p")));
+      if (o.named.count("seed")) sp.seed = std::uint64_t(detail::parse_integer(cmd, "seed", o.named.at("seed")));
+      // The built-in model: a random checkpoint from a fixed seed, written to a temporary folder.
+      std::string path = o.named.count("checkpoint") ? o.named.at("checkpoint") : "";
+      std::filesystem::path temp;
+      if (path.empty()) {
+        temp = std::filesystem::temp_directory_path() / ("dsv4_tiny_random_" + std::to_string(::getpid()));
+        std::filesystem::remove_all(temp);
+        io::write_random_checkpoint(models::checkpoint_schema<tiny>(), temp.string(), std::size_t(1) << 30, 42);
+        path = temp.string();
+      }
+      std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
+      std::iota(token_map.begin(), token_map.end(), 0);  // tiny: compressed vocabulary = vocabulary
+      auto load = [&] {
+        io::checkpoint ck(path);
+        ck.validate(models::checkpoint_schema<tiny>());
+        return model::host_model<tiny>::load(ck, token_map);
+      };
+      const auto m = load();
+      if (!temp.empty()) std::filesystem::remove_all(temp);
+      using clock = std::chrono::steady_clock;
+      model::host_sequence seq;
+      const auto t0 = clock::now();
+      auto logits = model::forward(m, seq, prompt);
+      const auto t1 = clock::now();
+      std::vector<std::int32_t> generated;
+      for (long long i = 0; i < n_new; ++i) {
+        const std::int32_t next = kernels::sampling::sample_reference(logits, sp, 0, std::uint64_t(seq.length));
+        generated.push_back(next);
+        if (i + 1 < n_new) logits = model::forward(m, seq, std::span<const std::int32_t>(&next, 1));
+      }
+      const auto t2 = clock::now();
+      const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
+      const double decode_s = std::chrono::duration<double>(t2 - t1).count();
+      out << "model: " << config << (temp.empty() ? " from " + path : std::string(" (built-in random weights, seed 42)"))
+          << ", host reference backend\nprompt:";
+      for (auto id : prompt) out << " " << id;
+      out << "\ngenerated:";
+      for (auto id : generated) out << " " << id;
+      char line[160];
+      // The first token comes from the prefill's logits; each later one costs a decode step.
+      const long long steps = n_new > 1 ? n_new - 1 : 0;
+      std::snprintf(line, sizeof line, "\nprefill: %zu tokens in %.3f s (%.1f tokens/s); decode: %lld steps in %.3f s (%.2f tokens/s)\n",
+                    prompt.size(), prefill_s, double(prompt.size()) / prefill_s, steps, decode_s,
+                    steps > 0 ? double(steps) / decode_s : 0.0);
+      out << line;
       return 0;
     }
     if (cmd == "random-checkpoint") {

@@ -60,6 +60,20 @@ BOOST_AUTO_TEST_CASE(bad_input_is_a_clear_error) {
   BOOST_TEST(run({"version"}).out == "dsv4 0.1.0\n");
 }
 
+// dsv4 run: the host backend's limits are errors that say so, before any weight is loaded.
+BOOST_AUTO_TEST_CASE(run_rejects_what_it_cannot_do) {
+  result r = run({"run", "--config", "v41-flash"});
+  BOOST_TEST((r.code == 2 && has(r.err, "runs the tiny variant only")));
+  r = run({"run", "--config", "v5"});
+  BOOST_TEST((r.code == 2 && has(r.err, "unknown model config 'v5'")));
+  r = run({"run", "--prompt", "1,x"});
+  BOOST_TEST((r.code == 2 && has(r.err, "--prompt needs a non-negative integer, got 'x'")));
+  r = run({"run", "--temperature", "warm"});
+  BOOST_TEST((r.code == 2 && has(r.err, "--temperature needs a number")));
+  r = run({"run", "extra"});
+  BOOST_TEST((r.code == 2 && has(r.err, "unexpected argument 'extra'")));
+}
+
 // A user writes a random tiny checkpoint and checks it; a checkpoint of the wrong config is
 // rejected with the problems listed.
 BOOST_AUTO_TEST_CASE(random_checkpoint_then_check) {
