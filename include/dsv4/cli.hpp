@@ -190,6 +190,13 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       // The built-in model: a random checkpoint from a fixed seed, written to a temporary folder.
       std::string path = o.named.count("checkpoint") ? o.named.at("checkpoint") : "";
       std::filesystem::path temp;
+      struct remove_on_exit {  // the temporary built-in checkpoint goes, whatever happens
+        std::filesystem::path& p;
+        ~remove_on_exit() {
+          std::error_code ec;
+          if (!p.empty()) std::filesystem::remove_all(p, ec);
+        }
+      } cleanup{temp};
       if (path.empty()) {
         temp = std::filesystem::temp_directory_path() / ("dsv4_tiny_random_" + std::to_string(::getpid()));
         std::filesystem::remove_all(temp);
@@ -204,7 +211,6 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
         return model::host_model<tiny>::load(ck, token_map);
       };
       const auto m = load();
-      if (!temp.empty()) std::filesystem::remove_all(temp);
       using clock = std::chrono::steady_clock;
       model::host_sequence seq;
       const auto t0 = clock::now();
