@@ -90,6 +90,13 @@ BOOST_AUTO_TEST_CASE(random_checkpoint_then_check) {
   BOOST_TEST(r.code == 2);
   BOOST_TEST(has(r.err, "does not match tiny"));
   BOOST_TEST(has(r.err, "key 'dim' is 5120.000000, the model has 256.000000"));
+  // The same checkpoint runs the model.
+  r = run({"run", "--checkpoint", dir, "--prompt", "3,4", "--tokens", "2", "--temperature", "0"});
+  BOOST_TEST(r.code == 0, r.err);
+  BOOST_TEST(has(r.out, "model: tiny from " + dir));
+  BOOST_TEST(has(r.out, "prompt: 3 4\ngenerated: "));
+  r = run({"run", "--checkpoint", "/nonexistent/ckpt", "--tokens", "1"});
+  BOOST_TEST((r.code == 2 && has(r.err, "/nonexistent/ckpt")));
   r = run({"check-checkpoint", dir, "--config", "v41-flash"});
   BOOST_TEST(r.code == 2);
   BOOST_TEST(has(r.err, "checkpoint does not match the model"));
