@@ -15,6 +15,7 @@
 #include "dsv4/model/attention_weights.hpp"
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/tiny.hpp"
+#include "support/checkpoints.hpp"
 #include "support/errors.hpp"
 #include "support/random.hpp"
 
@@ -23,12 +24,6 @@ using numerics::bf16;
 using tiny = models::tiny;
 
 namespace {
-
-std::string temp_dir(const std::string& name) {
-  const auto dir = std::filesystem::temp_directory_path() / ("dsv4_test_" + name + "_" + std::to_string(test::test_seed()));
-  std::filesystem::remove_all(dir);
-  return dir.string();
-}
 
 struct bound_stack {
   std::vector<kernels::attention::layer_wiring> wiring;
@@ -53,10 +48,8 @@ std::vector<std::vector<bf16>> run(const bound_stack& st, const std::vector<bf16
 BOOST_AUTO_TEST_SUITE(attention_weights)
 
 BOOST_AUTO_TEST_CASE(tiny_checkpoint_runs_every_attention_layer) {
-  const auto schema = models::checkpoint_schema<tiny>();
-  const std::string dir = temp_dir("attn_bind");
-  io::write_random_checkpoint(schema, dir, 64u << 20, 11);
-  io::checkpoint ck(dir);
+  const test::temp_checkpoint tmp("attn_bind", models::checkpoint_schema<tiny>(), 11);
+  io::checkpoint ck(tmp.dir);
   using sched = models::model_traits<tiny>::schedule;
   bound_stack st;
   for (int l = 0; l < sched::num_layers; ++l) {
@@ -87,28 +80,23 @@ BOOST_AUTO_TEST_CASE(tiny_checkpoint_runs_every_attention_layer) {
   BOOST_TEST(differ == 0u);
   BOOST_TEST(nonfinite == 0u);
   BOOST_TEST(nonzero > step.size() * shape.dim / 2);  // the random weights do produce signal
-  std::filesystem::remove_all(dir);
 }
 
 BOOST_AUTO_TEST_CASE(bad_tensors_are_named) {
   auto schema = models::checkpoint_schema<tiny>();
   for (auto& t : schema)
     if (t.name == "layers.3.attn.wq_a.weight") t.shape[1] += 32;  // a wrong width
-  const std::string dir = temp_dir("attn_bad");
-  io::write_random_checkpoint(schema, dir, 64u << 20, 12);
-  io::checkpoint ck(dir);
+  const test::temp_checkpoint tmp("attn_bad", schema, 12);
+  io::checkpoint ck(tmp.dir);
   BOOST_TEST(test::throws_with([&] { model::attention_weights<tiny>(ck, 3); }, "tensor 'layers.3.attn.wq_a.weight'"));
   BOOST_TEST(test::throws_with([&] { model::attention_weights<tiny>(ck, 3); }, "expected [64, 256]"));
   BOOST_TEST(test::throws_with([&] { model::attention_weights<tiny>(ck, 99); }, "layer 99 outside [0, 40)"));
   // A tensor the schema lists but the file lacks:
   auto fewer = models::checkpoint_schema<tiny>();
   std::erase_if(fewer, [](const io::tensor_spec& t) { return t.name == "layers.1.attn.attn_sink"; });
-  const std::string dir2 = temp_dir("attn_missing");
-  io::write_random_checkpoint(fewer, dir2, 64u << 20, 13);
-  io::checkpoint ck2(dir2);
+  const test::temp_checkpoint tmp2("attn_missing", fewer, 13);
+  io::checkpoint ck2(tmp2.dir);
   BOOST_TEST(test::throws_with([&] { model::attention_weights<tiny>(ck2, 1); }, "missing tensor 'layers.1.attn.attn_sink'"));
-  std::filesystem::remove_all(dir2);
-  std::filesystem::remove_all(dir);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -13,6 +13,7 @@
 #include "dsv4/model/block_reference.hpp"
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/tiny.hpp"
+#include "support/checkpoints.hpp"
 #include "support/random.hpp"
 
 using namespace dsv4;
@@ -44,10 +45,8 @@ std::vector<bf16> run(const bound_blocks& b, std::vector<bf16> streams, int n, l
 BOOST_AUTO_TEST_SUITE(block_stack)
 
 BOOST_AUTO_TEST_CASE(decode_reproduces_prefill_through_every_block) {
-  const auto dir = (std::filesystem::temp_directory_path() / ("dsv4_test_blocks_" + std::to_string(test::test_seed()))).string();
-  std::filesystem::remove_all(dir);
-  io::write_random_checkpoint(models::checkpoint_schema<tiny>(), dir, 64u << 20, 21);
-  io::checkpoint ck(dir);
+  const test::temp_checkpoint tmp("blocks", models::checkpoint_schema<tiny>(), 21);
+  io::checkpoint ck(tmp.dir);
   using sched = models::model_traits<tiny>::schedule;
   bound_blocks b;
   for (int l = 0; l < sched::num_layers; ++l) {
@@ -55,7 +54,6 @@ BOOST_AUTO_TEST_CASE(decode_reproduces_prefill_through_every_block) {
     b.weights.push_back(model::block_weights_of<tiny>(ck, l));
     b.freqs.push_back(model::attention_rope_frequencies<tiny>(l));
   }
-  std::filesystem::remove_all(dir);
 
   constexpr auto shape = model::attention_shape<tiny>();
   const int tokens = shape.window + 3;

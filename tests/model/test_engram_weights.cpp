@@ -15,6 +15,7 @@
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/tiny.hpp"
 #include "support/errors.hpp"
+#include "support/checkpoints.hpp"
 #include "support/random.hpp"
 
 using namespace dsv4;
@@ -34,10 +35,8 @@ BOOST_AUTO_TEST_CASE(tiny_multipliers_follow_the_recipe) {
 }
 
 BOOST_AUTO_TEST_CASE(tiny_engram_modules_run_from_a_checkpoint) {
-  const auto dir = (std::filesystem::temp_directory_path() / ("dsv4_test_engram_" + std::to_string(test::test_seed()))).string();
-  std::filesystem::remove_all(dir);
-  io::write_random_checkpoint(models::checkpoint_schema<tiny>(), dir, 64u << 20, 31);
-  io::checkpoint ck(dir);
+  const test::temp_checkpoint tmp("engram", models::checkpoint_schema<tiny>(), 31);
+  io::checkpoint ck(tmp.dir);
   const auto layout = model::engram_hash_layout<tiny>();
   constexpr auto c = tiny::dims;
   static_assert(c.engram.engram_compressed_vocab_size == c.vocab_size, "tiny's token map is the identity");
@@ -70,7 +69,6 @@ BOOST_AUTO_TEST_CASE(tiny_engram_modules_run_from_a_checkpoint) {
     BOOST_TEST(changed > 0u);
   }
   BOOST_TEST(test::throws_with([&] { model::engram_weights_of<tiny>(ck, 2); }, "slot 2 outside [0, 2)"));
-  std::filesystem::remove_all(dir);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -16,6 +16,7 @@
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/tiny.hpp"
 #include "support/errors.hpp"
+#include "support/checkpoints.hpp"
 #include "support/random.hpp"
 
 using namespace dsv4;
@@ -24,14 +25,11 @@ using tiny = models::tiny;
 BOOST_AUTO_TEST_SUITE(model_forward)
 
 BOOST_AUTO_TEST_CASE(decode_logits_equal_prefill_logits) {
-  const auto dir = (std::filesystem::temp_directory_path() / ("dsv4_test_model_" + std::to_string(test::test_seed()))).string();
-  std::filesystem::remove_all(dir);
-  io::write_random_checkpoint(models::checkpoint_schema<tiny>(), dir, 64u << 20, 41);
-  io::checkpoint ck(dir);
+  const test::temp_checkpoint tmp("model", models::checkpoint_schema<tiny>(), 41);
+  io::checkpoint ck(tmp.dir);
   std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
   std::iota(token_map.begin(), token_map.end(), 0);
   const auto m = model::host_model<tiny>::load(ck, token_map);
-  std::filesystem::remove_all(dir);
 
   auto rng = test::make_rng(95);
   const int tokens = tiny::dims.attn.window_size + 2;

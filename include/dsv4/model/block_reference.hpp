@@ -100,9 +100,7 @@ inline std::vector<bf16> block_forward_chunk(int layer, const kernels::attention
   const std::size_t s = x.size() / width;
   if (pre_mix.size() != s * hc) throw error("block_forward_chunk: pre_mix must be [s, 4]");
   auto normed = [&](const std::vector<bf16>& v, const std::vector<float>& nw) {
-    std::vector<bf16> y(v.size());
-    kernels::norm::rmsnorm_reference(kernels::linear::widen(v), nw, shape.norm_eps, y);
-    return y;
+    return kernels::norm::rmsnorm_bf16_reference(v, nw, shape.norm_eps);
   };
   auto pre_of = [](const float* p, float (&a)[hc]) {
     for (int c = 0; c < hc; ++c) a[c] = p[c];

@@ -110,8 +110,7 @@ std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::
   float last_pre[hc];
   for (int r = 0; r < hc; ++r) last_pre[r] = pre[(s - 1) * hc + std::size_t(r)];
   const auto h = kernels::mhc::hc_pre(std::span<const bf16>(x).subspan((s - 1) * width, width), int(dim), last_pre);
-  std::vector<bf16> hn(dim);
-  kernels::norm::rmsnorm_reference(kernels::linear::widen(h), m.norm, c.norm_eps, hn);
+  const auto hn = kernels::norm::rmsnorm_bf16_reference(h, m.norm, c.norm_eps);
   return kernels::linear::linear_fp32_reference(kernels::linear::widen(hn), m.head, c.vocab_size);
 }
 

@@ -50,9 +50,7 @@ struct fp8_linear {
   //! One row: act_quant (E4M3, UE8M0 per 32), then the block-scaled GEMM; bf16 out.
   std::vector<bf16> operator()(std::span<const bf16> x) const {
     if (x.size() != std::size_t(k)) throw error("fp8_linear: input has " + std::to_string(x.size()) + " values, expected " + std::to_string(k));
-    std::vector<std::uint8_t> a(x.size()), a_s(x.size() / 32);
-    numerics::quantize_vector<numerics::fp8_act_format>(x, a, a_s);
-    return gemm::fp8_gemm_reference({1, n, k}, a, a_s, codes, scales);
+    return gemm::block_scaled_linear_reference(x, n, codes, scales, false);
   }
 };
 
@@ -94,14 +92,6 @@ struct sequence_state {
   int candidates_width = 0;
 };
 
-namespace detail {
-inline std::vector<bf16> rmsnorm_row(std::span<const bf16> x, std::span<const float> w, float eps) {
-  std::vector<bf16> y(x.size());
-  norm::rmsnorm_reference(linear::widen(x), w, eps, y);
-  return y;
-}
-}  // namespace detail
-
 //! One call of layer `layer` over x [s, dim] at positions start_pos .. start_pos + s - 1: a
 //! prefill (start_pos == 0) or a decode step (s == 1). Returns the sublayer output [s, dim].
 inline std::vector<bf16> attention_layer_reference(int layer, const layer_wiring& wr, const layer_weights& w,
@@ -121,11 +111,11 @@ inline std::vector<bf16> attention_layer_reference(int layer, const layer_wiring
   std::vector<bf16> q, kv;
   for (int i = 0; i < s; ++i) {
     const std::int64_t pos[1] = {start_pos + i};
-    qr[std::size_t(i)] = detail::rmsnorm_row(w.wq_a(row(i)), w.q_norm, sh.norm_eps);
+    qr[std::size_t(i)] = norm::rmsnorm_bf16_reference(w.wq_a(row(i)), w.q_norm, sh.norm_eps);
     auto qi = w.wq_b(qr[std::size_t(i)]);
     rope::apply_rope_reference(qi, hd, sh.heads, pos, freqs, false);
     q.insert(q.end(), qi.begin(), qi.end());
-    auto ki = detail::rmsnorm_row(w.wkv(row(i)), w.kv_norm, sh.norm_eps);
+    auto ki = norm::rmsnorm_bf16_reference(w.wkv(row(i)), w.kv_norm, sh.norm_eps);
     rope::apply_rope_reference(ki, hd, 1, pos, freqs, false);
     numerics::qdq_vector<numerics::fp8_act_format>(ki);  // RoPE first, then the FP8 QDQ
     kv.insert(kv.end(), ki.begin(), ki.end());

@@ -10,11 +10,13 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/numerics/minifloat.hpp"
+#include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/quantize.hpp"
 
 namespace dsv4::kernels::gemm {
@@ -76,6 +78,22 @@ inline std::vector<bf16> fp4_gemm_reference(const gemm_shape& s, std::span<const
     scale = numerics::decode<numerics::ue8m0>(w_s[std::size_t(j) * (s.k / 32) + k / 32]);
     return numerics::decode<numerics::e2m1>(numerics::load_code<numerics::e2m1>(w.data() + std::size_t(j) * (s.k / 2), k));
   });
+}
+
+//! act_quant (E4M3, one UE8M0 scale per 32) of one bf16 row: codes and scales (spec §3).
+inline std::pair<std::vector<std::uint8_t>, std::vector<std::uint8_t>> act_quant_reference(std::span<const bf16> x) {
+  std::vector<std::uint8_t> codes(x.size()), scales(x.size() / 32);
+  numerics::quantize_vector<numerics::fp8_act_format>(x, codes, scales);
+  return {std::move(codes), std::move(scales)};
+}
+
+//! The linear layer of an FP8 (fp4 = false) or FP4 (fp4 = true) weight [n, k] on one bf16 row
+//! (spec §4): act_quant, then the block-scaled GEMM; bf16 out.
+inline std::vector<bf16> block_scaled_linear_reference(std::span<const bf16> x, int n, std::span<const std::uint8_t> w,
+                                                       std::span<const std::uint8_t> w_s, bool fp4) {
+  const auto [a, a_s] = act_quant_reference(x);
+  const gemm_shape s{1, n, int(x.size())};
+  return fp4 ? fp4_gemm_reference(s, a, a_s, w, w_s) : fp8_gemm_reference(s, a, a_s, w, w_s);
 }
 
 }  // namespace dsv4::kernels::gemm

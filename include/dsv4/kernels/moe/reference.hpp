@@ -120,25 +120,19 @@ struct expert_weights {
   std::vector<std::uint8_t> w1, w1_s, w3, w3_s, w2, w2_s;
 };
 
-//! act_quant (E4M3, UE8M0 per 32) of one bf16 vector: codes and scales.
-inline std::pair<std::vector<std::uint8_t>, std::vector<std::uint8_t>> act_quant_reference(std::span<const bf16> x) {
-  std::vector<std::uint8_t> codes(x.size()), scales(x.size() / 32);
-  numerics::quantize_vector<numerics::fp8_act_format>(x, codes, scales);
-  return {std::move(codes), std::move(scales)};
-}
+using gemm::act_quant_reference;
 
 //! One expert on one token: w2(act_quant(swiglu(w1 x, w3 x) * route_weight)), bf16 out.
 inline std::vector<bf16> expert_reference(std::span<const std::uint8_t> xq, std::span<const std::uint8_t> xs,
                                           const expert_weights& e, int dim, int inter, bool fp4, float route_weight,
                                           float limit) {
+  const gemm::gemm_shape up{1, inter, dim};
   auto gemm = [&](const gemm::gemm_shape& s, std::span<const std::uint8_t> a, std::span<const std::uint8_t> a_s,
                   const std::vector<std::uint8_t>& w, const std::vector<std::uint8_t>& w_s) {
     return fp4 ? gemm::fp4_gemm_reference(s, a, a_s, w, w_s) : gemm::fp8_gemm_reference(s, a, a_s, w, w_s);
   };
-  const auto g = gemm({1, inter, dim}, xq, xs, e.w1, e.w1_s), u = gemm({1, inter, dim}, xq, xs, e.w3, e.w3_s);
-  const auto h = expert_activation(g, u, route_weight, limit);
-  const auto [hq, hs] = act_quant_reference(h);
-  return gemm({1, dim, inter}, hq, hs, e.w2, e.w2_s);
+  const auto g = gemm(up, xq, xs, e.w1, e.w1_s), u = gemm(up, xq, xs, e.w3, e.w3_s);
+  return gemm::block_scaled_linear_reference(expert_activation(g, u, route_weight, limit), dim, e.w2, e.w2_s, fp4);
 }
 
 //! The MoE layer for `x` = [tokens, dim] bf16 (the ffn_norm output): routing, the chosen FP4

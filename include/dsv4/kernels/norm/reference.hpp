@@ -7,6 +7,7 @@
 #include <cmath>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/numerics/bf16.hpp"
@@ -27,6 +28,16 @@ inline void rmsnorm_reference(std::span<const float> x, std::span<const float> w
     const volatile float normed = x[i] * r;  // the product is rounded before the weight multiplies it
     y[i] = numerics::bf16::from_float(w[i] * normed);
   }
+}
+
+//! The same for a bf16 row: returns the normalized bf16 row.
+inline std::vector<numerics::bf16> rmsnorm_bf16_reference(std::span<const numerics::bf16> x, std::span<const float> w,
+                                                          float eps) {
+  std::vector<float> xf(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) xf[i] = x[i].to_float();
+  std::vector<numerics::bf16> y(x.size());
+  rmsnorm_reference(xf, w, eps, y);
+  return y;
 }
 
 }  // namespace dsv4::kernels::norm

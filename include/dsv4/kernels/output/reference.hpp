@@ -58,10 +58,7 @@ inline std::vector<bf16> attention_output_reference(const output_shape& s, std::
   const std::int64_t pos[1] = {position};
   rope::apply_rope_reference(un, s.head_dim, s.heads, pos, freqs, true);
   const auto mid = grouped_projection_reference(s, un, wo_a);
-  const int k = s.groups * s.o_lora;
-  std::vector<std::uint8_t> codes(static_cast<std::size_t>(k)), scales(static_cast<std::size_t>(k / 32));
-  numerics::quantize_vector<numerics::fp8_act_format>(mid, codes, scales);
-  return gemm::fp8_gemm_reference({1, s.dim, k}, codes, scales, wo_b, wo_b_scale);
+  return gemm::block_scaled_linear_reference(mid, s.dim, wo_b, wo_b_scale, false);
 }
 
 }  // namespace dsv4::kernels::output
