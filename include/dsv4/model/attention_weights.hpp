@@ -58,7 +58,9 @@ std::vector<float> attention_rope_frequencies(int layer) {
 }
 
 namespace detail {
-inline const io::tensor_view& need(io::checkpoint& ck, const std::string& name, std::vector<long long> shape) {
+// Returns a copy (a name, a shape and a span: cheap next to reading the tensor): a reference bound
+// to a call with temporary arguments trips GCC 13's -Wdangling-reference.
+inline io::tensor_view need(io::checkpoint& ck, const std::string& name, std::vector<long long> shape) {
   if (!ck.contains(name)) throw error("checkpoint: missing tensor '" + name + "'");
   const io::tensor_view& t = ck.tensor(name);
   if (!shape.empty() && t.shape != shape) {
@@ -72,7 +74,7 @@ inline const io::tensor_view& need(io::checkpoint& ck, const std::string& name, 
 
 //! A bf16 or fp32 tensor as float values.
 inline std::vector<float> floats(io::checkpoint& ck, const std::string& name, std::vector<long long> shape) {
-  const io::tensor_view& t = need(ck, name, std::move(shape));
+  const io::tensor_view t = need(ck, name, std::move(shape));
   if (t.dtype == io::st_dtype::F32) return io::copy_as<float>(t);
   if (t.dtype == io::st_dtype::BF16) {
     const auto raw = io::copy_as<std::uint16_t>(t);
@@ -86,7 +88,7 @@ inline std::vector<float> floats(io::checkpoint& ck, const std::string& name, st
 
 inline std::vector<std::uint8_t> bytes(io::checkpoint& ck, const std::string& name, std::vector<long long> shape,
                                        io::st_dtype dtype) {
-  const io::tensor_view& t = need(ck, name, std::move(shape));
+  const io::tensor_view t = need(ck, name, std::move(shape));
   if (t.dtype != dtype)
     throw error("checkpoint: tensor '" + name + "' in " + ck.file_of(name) + " is " + io::dtype_name(t.dtype) +
                 ", expected " + io::dtype_name(dtype));
@@ -102,7 +104,7 @@ inline fp8_linear fp8(io::checkpoint& ck, const std::string& name, int n, int k)
 //! to bf16 values (exact: an E4M3 value times a power of two).
 inline std::vector<float> dequantized_fp8(io::checkpoint& ck, const std::string& name, int n, int k) {
   const auto codes = bytes(ck, name + ".weight", {n, k}, io::st_dtype::F8_E4M3);
-  const io::tensor_view& s = need(ck, name + ".scale", {});
+  const io::tensor_view s = need(ck, name + ".scale", {});
   int tile = 0;
   for (int t : {32, 128})
     if (s.shape == std::vector<long long>{(n + t - 1) / t, (k + t - 1) / t}) tile = t;
