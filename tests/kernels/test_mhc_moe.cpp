@@ -3,6 +3,7 @@
 #include <boost/test/unit_test.hpp>
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -134,6 +135,51 @@ BOOST_AUTO_TEST_CASE(gate_bias_selects_unbiased_scores_weigh) {
   BOOST_TEST(moe::softplus_torch(20.0f) == std::log1p(std::exp(20.0f)));
   g.k = 5;
   BOOST_CHECK_THROW(moe::route_reference(x, g), dsv4::error);
+}
+
+// NaN biased scores rank as torch.topk ranks them (PyTorch's radix key: NaN above +inf, NaNs
+// tie), ties go to the lower expert id, and the CUDA route kernel uses the same key.
+BOOST_AUTO_TEST_CASE(gate_ranks_nan_first_like_torch_topk) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const auto key = moe::route_order_key;
+  BOOST_TEST(key(nan) == key(-nan));
+  BOOST_TEST(key(nan) > key(inf));
+  BOOST_TEST(key(inf) > key(1.0f));
+  BOOST_TEST(key(1.0f) > key(0x1p-149f));
+  BOOST_TEST(key(0x1p-149f) > key(0.0f));
+  BOOST_TEST(key(0.0f) > key(-0.0f));  // as the radix key; biased scores are never -0
+  BOOST_TEST(key(-0.0f) > key(-1.0f));
+  BOOST_TEST(key(-1.0f) > key(-inf));
+  BOOST_TEST(key(-inf) > 0u);  // 0 is free: the CUDA kernel marks chosen experts with it
+
+  moe::gate_params g;
+  g.experts = 4;
+  g.k = 2;
+  g.dim = 2;
+  g.weight = {1, 0, 0, 1, 2, 0, 0, 0};  // expert logits = x0, x1, 2 x0, 0
+  g.bias = {0.0f, 0.0f, nan, 0.0f};     // a NaN bias picks its expert first; its weight stays finite
+  const std::vector<bf16> x = {bf16::from_float(1.0f), bf16::from_float(-3.0f)};
+  auto r = moe::route_reference(x, g);
+  BOOST_TEST(r.experts == (std::vector<int>{2, 0}), boost::test_tools::per_element());
+  const float s0 = std::sqrt(std::log1p(std::exp(1.0f))), s2 = std::sqrt(std::log1p(std::exp(2.0f)));
+  BOOST_TEST(std::fabs(r.weights[0] - 1.5f * s2 / (s2 + s0)) < 1e-6f);
+  BOOST_TEST(std::fabs(r.weights[1] - 1.5f * s0 / (s2 + s0)) < 1e-6f);
+  g.bias = {0.0f, inf, nan, 0.0f};  // NaN above +inf
+  r = moe::route_reference(x, g);
+  BOOST_TEST(r.experts == (std::vector<int>{2, 1}), boost::test_tools::per_element());
+  g.bias = {0.0f, nan, 0.0f, nan};  // NaNs tie: the lower id first, then the best number
+  g.k = 3;
+  r = moe::route_reference(x, g);
+  BOOST_TEST(r.experts == (std::vector<int>{1, 3, 2}), boost::test_tools::per_element());
+  // A NaN in x makes every logit NaN: a full tie, so experts 0, 1, 2, with NaN weights.
+  g.bias = {0.0f, 0.0f, 0.0f, 0.0f};
+  r = moe::route_reference(std::vector<bf16>{bf16::from_float(nan), bf16::from_float(1.0f)}, g);
+  BOOST_TEST(r.experts == (std::vector<int>{0, 1, 2}), boost::test_tools::per_element());
+  for (float w : r.weights) BOOST_TEST(std::isnan(w));
+  // Equal numbers tie the same way: a zero gate gives every expert sqrt(log 2).
+  g.weight.assign(8, 0.0f);
+  r = moe::route_reference(x, g);
+  BOOST_TEST(r.experts == (std::vector<int>{0, 1, 2}), boost::test_tools::per_element());
 }
 
 BOOST_AUTO_TEST_CASE(expert_activation_clamps) {

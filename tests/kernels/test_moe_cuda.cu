@@ -1,7 +1,8 @@
 // The CUDA MoE layer (routing, dispatch, grouped FP4 experts, FP8 shared expert, combine) against
 // the host composition of the spec's steps, on fresh random weights in the real formats: the
 // backbone's 384 / top-6 routing, DSpark's 128 / top-3, tiny's 8 / top-2, every token to one
-// expert, clamps hit, bias_vl for image tokens, a single token; outputs poisoned with NaN.
+// expert, clamps hit, bias_vl for image tokens, a single token, NaN gate scores (torch.topk's
+// order: NaN first, ties to the lower id); outputs and expert rows poisoned with NaN.
 
 #include <boost/test/unit_test.hpp>
 
@@ -30,6 +31,9 @@ struct moe_case {
   int favourite = -1;      // an expert every token picks (huge bias), or -1
   int scale_code = 122;    // UE8M0 code of the expert weight scales (larger: the clamps engage)
   bool images = false;     // every other token is an image token (bias_vl)
+  int nan_bias = -1;       // an expert whose bias (and bias_vl) is NaN, or -1
+  int nan_gate_row = -1;   // an expert whose gate row holds a NaN (NaN logit for every token), or -1
+  int nan_token_every = 0; // tokens 0, n, 2n, ... get a NaN in x (every logit NaN), if n > 0
 };
 
 std::vector<std::uint8_t> random_codes(std::size_t n, bool fp8, std::mt19937_64& rng) {
@@ -85,8 +89,10 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
   g.bias.resize(std::size_t(c.experts));
   for (auto& v : g.bias) v = n(rng) * 0.1f;
   if (c.favourite >= 0) g.bias[std::size_t(c.favourite)] = 100.0f;
+  if (c.nan_gate_row >= 0) g.weight[std::size_t(c.nan_gate_row) * c.dim + 3] = NAN;
   moe::gate_params g_vl = g;  // image tokens: a different bias
   for (auto& v : g_vl.bias) v = n(rng) * 0.1f;
+  if (c.nan_bias >= 0) g.bias[std::size_t(c.nan_bias)] = g_vl.bias[std::size_t(c.nan_bias)] = NAN;
 
   std::vector<moe::expert_weights> experts;
   tiled_experts tiled, tiled_shared;
@@ -99,6 +105,11 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
 
   std::vector<bf16> x(std::size_t(c.tokens) * c.dim);
   for (auto& v : x) v = bf16::from_float(n(rng));
+  std::vector<bool> nan_token(std::size_t(c.tokens), false);
+  for (long long t = 0; c.nan_token_every > 0 && t < c.tokens; t += c.nan_token_every) {
+    nan_token[std::size_t(t)] = true;
+    x[std::size_t(t) * c.dim + std::size_t(t) % c.dim] = bf16::from_float(NAN);
+  }
   std::vector<std::uint8_t> is_image(std::size_t(c.tokens), 0);
   if (c.images)
     for (std::size_t t = 1; t < is_image.size(); t += 2) is_image[t] = 1;
@@ -111,6 +122,18 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
     const auto yt = moe::moe_layer_reference(xt, is_image[std::size_t(t)] ? g_vl : g, experts, shared, c.inter, 10.0f, &routes);
     want.insert(want.end(), yt.begin(), yt.end());
   }
+  // The routes follow torch.topk's order (moe::route_order_key): a NaN score is chosen first;
+  // a token whose logits are all NaN ties everywhere and takes experts 0, 1, ..., k - 1.
+  std::size_t order_bad = 0;
+  for (long long t = 0; t < c.tokens; ++t) {
+    const auto& r = routes[std::size_t(t)].experts;
+    if (nan_token[std::size_t(t)]) {
+      for (int j = 0; j < c.k; ++j) order_bad += r[std::size_t(j)] != j;
+    } else if (c.nan_gate_row >= 0 || c.nan_bias >= 0) {
+      order_bad += r[0] != (c.nan_gate_row >= 0 ? c.nan_gate_row : c.nan_bias);
+    }
+  }
+  BOOST_TEST(order_bad == 0u, order_bad << " host routing slots do not follow torch.topk's NaN order");
 
   // Device.
   std::vector<bf16> gate_bf(g.weight.size());
@@ -128,6 +151,7 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
   moe::moe_shape shape{c.experts, c.k, c.dim, c.inter};
   moe::moe_workspace ws(shape, c.tokens + 3);  // room for more tokens than this call has
   ws.sel_expert.fill_bytes(0xFF);  // the rows past this call's tokens are downloaded below, unused
+  ws.expert_out.fill_bytes(0xFF);  // NaN: a combine that read a row no expert wrote would show
   dy.fill_bytes(0xFF);
   moe::moe_forward(dx.data(), c.tokens, c.images ? dimg.data() : nullptr, w, dy.data(), ws);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
@@ -139,19 +163,26 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
     for (int j = 0; j < c.k; ++j) route_diff += sel[std::size_t(t) * c.k + j] != routes[std::size_t(t)].experts[std::size_t(j)];
   BOOST_TEST(route_diff == 0u, "experts " << c.experts << ": " << route_diff << " routing slots differ");
 
-  std::size_t nan = 0, bad = 0, exact = 0;
+  std::size_t nan_differs = 0, nan = 0, compared = 0, bad = 0, exact = 0;
   double worst = 0;
   for (long long t = 0; t < c.tokens; ++t) {
     double rms = 0;
-    for (int d = 0; d < c.dim; ++d) rms += std::pow(want[std::size_t(t) * c.dim + d].to_float(), 2);
+    for (int d = 0; d < c.dim; ++d) {
+      const double v = want[std::size_t(t) * c.dim + d].to_float();
+      if (!std::isnan(v)) rms += v * v;
+    }
     rms = std::sqrt(rms / c.dim);
     for (int d = 0; d < c.dim; ++d) {
       const std::size_t i = std::size_t(t) * c.dim + d;
       const double got = y[i].to_float(), ref = want[i].to_float();
-      if (std::isnan(got)) {
-        ++nan;
+      // NaN exactly where the host has NaN (a NaN routing weight or input propagates), and the
+      // same canonical bf16 NaN.
+      if (std::isnan(got) || std::isnan(ref)) {
+        nan_differs += y[i].bits != want[i].bits;
+        nan += std::isnan(ref);
         continue;
       }
+      ++compared;
       // A one-ulp difference in an intermediate bf16 (g, u, h, an expert output) moves the sum by
       // about 2^-8 of one term: allow 2^-6 of the token's rms on top of one output ulp.
       const double tol = std::fabs(ref) * 0x1p-7 + rms * 0x1p-6;
@@ -161,10 +192,13 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
     }
   }
   BOOST_TEST_MESSAGE("moe experts " << c.experts << " top-" << c.k << " tokens " << c.tokens << ": " << exact << " of "
-                                    << y.size() << " bit-equal, worst error / tolerance " << worst);
-  BOOST_TEST(nan == 0u);
+                                    << compared << " finite outputs bit-equal, worst error / tolerance " << worst << ", "
+                                    << nan << " NaN on the host");
+  BOOST_TEST(nan_differs == 0u, nan_differs << " outputs are NaN on one side only (or differ in NaN bits)");
+  const bool nan_expected = c.nan_gate_row >= 0 || c.nan_token_every > 0;
+  BOOST_TEST((nan > 0) == nan_expected, "the host has " << nan << " NaN outputs");
   BOOST_TEST(bad == 0u);
-  BOOST_TEST(exact * 10 >= y.size() * 7, "fewer than 70% of the outputs are bit-equal to the host");
+  BOOST_TEST(exact * 10 >= compared * 7, "fewer than 70% of the finite outputs are bit-equal to the host");
 }
 
 }  // namespace
@@ -177,6 +211,20 @@ BOOST_AUTO_TEST_CASE(layer_matches_host, *utf::label("gpu") * utf::precondition(
   check_moe({8, 2, 256, 128, 100}, 3);                  // tiny: 25 rows per expert, 16-row tiles
   check_moe({16, 3, 256, 64, 50, 5, 128}, 4);           // every token picks expert 5; clamps engage
   check_moe({64, 4, 256, 64, 30, -1, 122, true}, 5);    // image tokens route with bias_vl
+}
+
+// NaN gate scores are ranked as torch.topk ranks them (above +inf; ties to the lower id), on the
+// host and the device alike, and every slot gets a real expert: no pair is dropped, no row unread.
+BOOST_AUTO_TEST_CASE(nan_gate_scores_route_like_torch_topk, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  // A NaN bias forces its expert in with a finite weight (outputs finite and compared); every
+  // 9th token has a NaN in x (all logits NaN: experts 0..3, NaN weights, NaN outputs).
+  check_moe({.experts = 32, .k = 4, .dim = 256, .inter = 64, .tokens = 40, .nan_bias = 7, .nan_token_every = 9}, 6);
+  // The same with image tokens (bias_vl) and DSpark's 128 / top-3.
+  check_moe({.experts = 128, .k = 3, .dim = 256, .inter = 64, .tokens = 12, .images = true, .nan_bias = 100,
+             .nan_token_every = 5}, 7);
+  // A NaN in one gate row: a NaN logit for every token, so every token picks that expert first,
+  // its weights are NaN and so are its outputs (as in the reference).
+  check_moe({.experts = 16, .k = 3, .dim = 256, .inter = 64, .tokens = 20, .nan_gate_row = 5}, 8);
 }
 
 BOOST_AUTO_TEST_CASE(bad_shapes_are_errors, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {

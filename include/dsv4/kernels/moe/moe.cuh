@@ -3,8 +3,9 @@
 //! The MoE layer on CUDA (spec §9; host reference: reference.hpp `moe_layer_reference`):
 //!
 //!  1. gate logits, fp32 results of double sums (as the host reference) of bf16 x and bf16 W;
-//!  2. per token, one warp: sqrtsoftplus, top-k on score + bias (bias_vl for image tokens;
-//!     ties to the lower expert id), weights from the unbiased scores, normalized, x route_scale;
+//!  2. per token, one warp: sqrtsoftplus, top-k on score + bias (bias_vl for image tokens) in
+//!     torch.topk's order (NaN above +inf; ties to the lower expert id: `route_order_key`, shared
+//!     with the host), weights from the unbiased scores, normalized, x route_scale;
 //!  3. dispatch: a stable radix sort of the (token, slot) pairs by expert (CUB), then a tile list
 //!     (runs of at most 8 or 16 rows of one expert) for the grouped GEMMs;
 //!  4. act_quant of x once; w1 and w3 as grouped FP4 GEMMs that read x's rows through the sort
@@ -24,6 +25,7 @@
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
 #include "dsv4/kernels/gemm/weight_tiles.hpp"
+#include "dsv4/kernels/moe/reference.hpp"  // route_order_key
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/quantize.cuh"
@@ -145,6 +147,10 @@ DSV4_KERNEL void __launch_bounds__(256) gate_logits_kernel(const bf16* x, long l
 DSV4_DEVICE float softplus_torch(float s) { return s > 20.0f ? s : log1pf(expf(s)); }
 
 //! One warp per token: scores, top-k, weights; also the pair indices the sort carries.
+//! Each expert's rank is one 64-bit key: route_order_key(biased) above, ~id below, so the largest
+//! key is the highest biased score (NaN above +inf) and, among equal scores, the lowest id; a
+//! chosen expert's key becomes 0, below every score's. Every slot thus gets a valid expert whatever
+//! the scores hold (k <= experts), NaN included: no slot is left at a sentinel.
 DSV4_KERNEL void __launch_bounds__(256) route_kernel(const float* logits, long long tokens, moe_shape s, const float* bias,
                                                      const float* bias_vl, const std::uint8_t* is_image, int* sel_expert,
                                                      float* sel_weight, int* pair_index) {
@@ -153,34 +159,33 @@ DSV4_KERNEL void __launch_bounds__(256) route_kernel(const float* logits, long l
   const int lane = threadIdx.x % 32;
   if (t >= tokens) return;
   const float* b = is_image && bias_vl && is_image[t] ? bias_vl : bias;
-  float score[kPerLane], biased[kPerLane];
+  float score[kPerLane];
+  unsigned long long rank[kPerLane];
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int e = lane + 32 * i;
     score[i] = e < s.experts ? __fsqrt_rn(softplus_torch(logits[t * s.experts + e])) : 0.0f;
-    biased[i] = e < s.experts ? __fadd_rn(score[i], b[e]) : -INFINITY;
+    rank[i] = e < s.experts ? (static_cast<unsigned long long>(route_order_key(__fadd_rn(score[i], b[e]))) << 32) |
+                                  static_cast<unsigned>(~e)
+                            : 0ull;
   }
   float sum = 0.0f, chosen_score = 0.0f;
-  int chosen = -1;
+  int chosen = 0;
   for (int j = 0; j < s.k; ++j) {
-    // This lane's best remaining expert, then the warp's: higher biased score, then lower id.
-    float best = -INFINITY;
-    int best_e = 0x7fffffff;
+    // This lane's best remaining expert, then the warp's.
+    unsigned long long best = 0;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int e = lane + 32 * i;
-      if (e < s.experts && (biased[i] > best || (biased[i] == best && e < best_e))) best = biased[i], best_e = e;
-    }
+    for (int i = 0; i < kPerLane; ++i) best = rank[i] > best ? rank[i] : best;
     for (int off = 16; off > 0; off >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, off);
-      const int oe = __shfl_xor_sync(0xffffffffu, best_e, off);
-      if (ob > best || (ob == best && oe < best_e)) best = ob, best_e = oe;
+      const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, off);
+      best = other > best ? other : best;
     }
+    const int best_e = int(~static_cast<unsigned>(best));  // best != 0: fewer than k <= experts were retired
     // The owner lane retires the expert and broadcasts its unbiased score.
     float sc = 0.0f;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i)
-      if (lane + 32 * i == best_e) sc = score[i], biased[i] = -INFINITY;
+      if (lane + 32 * i == best_e) sc = score[i], rank[i] = 0;
     sc = __shfl_sync(0xffffffffu, sc, best_e % 32);
     sum = __fadd_rn(sum, sc);
     if (lane == j) chosen = best_e, chosen_score = sc;

@@ -4,8 +4,9 @@
 //!
 //! Gate (fp32 throughout): s = fp32(x) . fp32(W)^T / gate_temp; sqrtsoftplus s = sqrt(softplus(s))
 //! with softplus(s) = s for s > 20; the bias (bias_vl inside image spans) only chooses the top-k
-//! experts (descending biased score; ties toward the lower expert id); the weights are the
-//! unbiased scores of the chosen experts, normalized by (sum + 1e-20) when k > 1, times route_scale.
+//! experts (descending biased score in torch.topk's order, NaN above +inf; ties toward the lower
+//! expert id: `route_order_key`); the weights are the unbiased scores of the chosen experts,
+//! normalized by (sum + 1e-20) when k > 1, times route_scale.
 //!
 //! Expert activation: u clamped to [-limit, limit], g clamped above at limit only, h = silu(g) u
 //! times the routing weight, in fp32, rounded to bf16 before w2.
@@ -22,8 +23,10 @@
 #include <string>
 #include <vector>
 
+#include "dsv4/config.hpp"
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/gemm/reference.hpp"
+#include "dsv4/numerics/bits.hpp"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/quantize.hpp"
@@ -47,21 +50,42 @@ struct routing {
 
 inline float softplus_torch(float s) { return s > 20.0f ? s : std::log1p(std::exp(s)); }
 
+//! The rank of a biased score in the top-k, shared by the host reference and the CUDA route
+//! kernel: larger key = chosen first, equal keys go to the lower expert id. It is PyTorch's radix
+//! key for fp32 (`TopKTypeConfig<float>::convert` in ATen's SortingRadixSelect.cuh), i.e.
+//! torch.topk's order: every NaN ranks above +inf (and NaNs tie), -inf lowest. A NaN biased score
+//! (a NaN logit, from NaN in x or a gate row, or a NaN bias) therefore picks its expert first, as
+//! the reference does; the expert's weight is its unbiased score, so a NaN score makes the
+//! token's weights and output NaN, as in the reference, and a NaN bias alone changes only the
+//! choice. -0 ranks just below +0 (as in the radix key), but a biased score is never -0: the
+//! score is +0 or above (or NaN), and x + (-x) is +0. The keys of all floats are at least
+//! 0x007fffff (-inf), so 0 is free to mark an expert already chosen.
+DSV4_HOST_DEVICE std::uint32_t route_order_key(float biased) {
+  const std::uint32_t u = numerics::float_to_bits(biased);
+  if (numerics::is_nan_bits(u)) return 0xffffffffu;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
 inline routing route_reference(std::span<const bf16> x, const gate_params& g) {
   if (x.size() != std::size_t(g.dim) || g.weight.size() != std::size_t(g.experts) * g.dim ||
       g.bias.size() != std::size_t(g.experts) || g.k < 1 || g.k > g.experts)
     throw error("route_reference: x [dim], weight [experts, dim], bias [experts] and 1 <= k <= experts required");
-  std::vector<float> s(static_cast<std::size_t>(g.experts)), biased(s.size());
+  std::vector<float> s(static_cast<std::size_t>(g.experts));
+  std::vector<std::uint32_t> key(s.size());
   for (int e = 0; e < g.experts; ++e) {
     double dot = 0;
     for (int d = 0; d < g.dim; ++d) dot += double(x[std::size_t(d)].to_float()) * g.weight[std::size_t(e) * g.dim + d];
     const float logit = float(dot) / g.gate_temp;
     s[std::size_t(e)] = std::sqrt(softplus_torch(logit));
-    biased[std::size_t(e)] = s[std::size_t(e)] + g.bias[std::size_t(e)];
+    key[std::size_t(e)] = route_order_key(s[std::size_t(e)] + g.bias[std::size_t(e)]);
   }
+  // A total order (integer keys, then ids), so NaN scores cannot break the sort's contract.
   std::vector<int> order(s.size());
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return biased[std::size_t(a)] > biased[std::size_t(b)]; });
+  std::partial_sort(order.begin(), order.begin() + g.k, order.end(), [&](int a, int b) {
+    const std::uint32_t ka = key[std::size_t(a)], kb = key[std::size_t(b)];
+    return ka != kb ? ka > kb : a < b;
+  });
   routing r;
   r.experts.assign(order.begin(), order.begin() + g.k);
   float sum = 0.0f;
