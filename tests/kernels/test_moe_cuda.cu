@@ -1,7 +1,7 @@
 // The CUDA MoE layer (routing, dispatch, grouped FP4 experts, FP8 shared expert, combine) against
 // the host composition of the spec's steps, on fresh random weights in the real formats: the
 // backbone's 384 / top-6 routing, DSpark's 128 / top-3, tiny's 8 / top-2, every token to one
-// expert, clamps hit, bias_vl for image tokens, a single token, NaN gate scores (torch.topk's
+// expert, clamps hit (counted), bias_vl for image tokens, a single token, NaN gate scores (torch.topk's
 // order: NaN first, ties to the lower id); outputs and expert rows poisoned with NaN.
 
 #include <boost/test/unit_test.hpp>
@@ -31,10 +31,22 @@ struct moe_case {
   int favourite = -1;      // an expert every token picks (huge bias), or -1
   int scale_code = 122;    // UE8M0 code of the expert weight scales (larger: the clamps engage)
   bool images = false;     // every other token is an image token (bias_vl)
+  bool clamps = false;     // the SwiGLU clamps must engage (counted in the host composition)
   int nan_bias = -1;       // an expert whose bias (and bias_vl) is NaN, or -1
   int nan_gate_row = -1;   // an expert whose gate row holds a NaN (NaN logit for every token), or -1
   int nan_token_every = 0; // tokens 0, n, 2n, ... get a NaN in x (every logit NaN), if n > 0
 };
+
+//! How many SwiGLU inputs of one expert on one token the clamps change: g > limit, |u| > limit.
+std::size_t count_clamped(std::span<const std::uint8_t> xq, std::span<const std::uint8_t> xs, const moe::expert_weights& e,
+                          int dim, int inter, bool fp4, float limit) {
+  const gemm::gemm_shape s{1, inter, dim};
+  const auto g = fp4 ? gemm::fp4_gemm_reference(s, xq, xs, e.w1, e.w1_s) : gemm::fp8_gemm_reference(s, xq, xs, e.w1, e.w1_s);
+  const auto u = fp4 ? gemm::fp4_gemm_reference(s, xq, xs, e.w3, e.w3_s) : gemm::fp8_gemm_reference(s, xq, xs, e.w3, e.w3_s);
+  std::size_t n = 0;
+  for (int i = 0; i < inter; ++i) n += (g[std::size_t(i)].to_float() > limit) + (std::fabs(u[std::size_t(i)].to_float()) > limit);
+  return n;
+}
 
 std::vector<std::uint8_t> random_codes(std::size_t n, bool fp8, std::mt19937_64& rng) {
   std::vector<std::uint8_t> v(n);
@@ -121,6 +133,24 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
     const auto xt = std::span<const bf16>(x).subspan(std::size_t(t) * c.dim, std::size_t(c.dim));
     const auto yt = moe::moe_layer_reference(xt, is_image[std::size_t(t)] ? g_vl : g, experts, shared, c.inter, 10.0f, &routes);
     want.insert(want.end(), yt.begin(), yt.end());
+  }
+  // The clamps the host composition applied, on the routed experts and on the shared one. With
+  // the default scales under 1% of the routed experts' inputs cross the limits (the shared
+  // expert's random E4M3 codes, up to 448, cross them about half the time); the clamps case
+  // (routed scales 2^1) crosses them on about 70%.
+  std::size_t clamped = 0, clamped_shared = 0, inputs = 0;
+  for (long long t = 0; t < c.tokens; ++t) {
+    if (nan_token[std::size_t(t)]) continue;
+    const auto [xq, xs] = gemm::act_quant_reference(std::span<const bf16>(x).subspan(std::size_t(t) * c.dim, std::size_t(c.dim)));
+    for (int e : routes[std::size_t(t)].experts) clamped += count_clamped(xq, xs, experts[std::size_t(e)], c.dim, c.inter, true, 10.0f);
+    clamped_shared += count_clamped(xq, xs, shared, c.dim, c.inter, false, 10.0f);
+    inputs += std::size_t(2) * c.inter;
+  }
+  BOOST_TEST_MESSAGE("moe experts " << c.experts << ": the SwiGLU clamps changed " << clamped << " of " << inputs * c.k
+                                    << " routed and " << clamped_shared << " of " << inputs << " shared inputs (host)");
+  if (c.clamps) {
+    BOOST_TEST(clamped * 2 >= inputs * c.k, "the clamps changed fewer than half of the routed experts' SwiGLU inputs");
+    BOOST_TEST(clamped_shared * 10 >= inputs, "the clamps changed fewer than 10% of the shared expert's SwiGLU inputs");
   }
   // The routes follow torch.topk's order (moe::route_order_key): a NaN score is chosen first;
   // a token whose logits are all NaN ties everywhere and takes experts 0, 1, ..., k - 1.
@@ -209,7 +239,7 @@ BOOST_AUTO_TEST_CASE(layer_matches_host, *utf::label("gpu") * utf::precondition(
   check_moe({384, 6, 256, 64, 40}, 1);                  // backbone routing, most experts idle
   check_moe({128, 3, 512, 128, 1}, 2);                  // DSpark routing, one token
   check_moe({8, 2, 256, 128, 100}, 3);                  // tiny: 25 rows per expert, 16-row tiles
-  check_moe({16, 3, 256, 64, 50, 5, 128}, 4);           // every token picks expert 5; clamps engage
+  check_moe({16, 3, 256, 64, 50, 5, 128, false, true}, 4);  // every token picks expert 5; clamps engage
   check_moe({64, 4, 256, 64, 30, -1, 122, true}, 5);    // image tokens route with bias_vl
 }
 
