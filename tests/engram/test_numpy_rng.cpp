@@ -10,6 +10,7 @@
 
 #include "dsv4/engram/numpy_rng.hpp"
 #include "dsv4/io/json.hpp"
+#include "dsv4/models/tiny.hpp"
 #include "dsv4/models/v41_flash.hpp"
 #include "support/data.hpp"
 
@@ -25,6 +26,10 @@ static_assert(engram::hash_multipliers<4>(1, 99092) ==
 static_assert(engram::hash_multipliers<4>(14, 99092) ==
               std::array<std::int64_t, 4>{models::v41_flash::engram_multipliers[1][0], models::v41_flash::engram_multipliers[1][1],
                                           models::v41_flash::engram_multipliers[1][2], models::v41_flash::engram_multipliers[1][3]});
+
+// tiny's are the recipe's, evaluated when tiny.hpp is compiled (values from NumPy 1.24.2).
+static_assert(models::tiny::engram_multipliers[0][0] == 7415652013100227 &&
+              models::tiny::engram_multipliers[1][3] == 7995023819248391);
 
 namespace {
 
@@ -161,14 +166,22 @@ BOOST_AUTO_TEST_CASE(hash_multipliers_match_numpy) {
   }
 }
 
-// V4.1's hard-coded multipliers (spec §10) are what the recipe computes (also a static_assert above).
+// The model configurations hold what the recipe computes: V4.1's are hard-coded from the
+// reference (spec §10), tiny's are computed at compile time by the recipe itself; both must
+// equal NumPy's (the JSON vectors above check the recipe against NumPy).
 BOOST_AUTO_TEST_CASE(model_multipliers_are_numpys) {
   const std::int64_t layers[2] = {1, 14};
   for (int l = 0; l < 2; ++l) {
     const auto v = engram::hash_multipliers(layers[l], 4, models::v41_flash::dims.engram.engram_compressed_vocab_size);
-    for (int k = 0; k < 4; ++k)
+    const auto t = engram::hash_multipliers(layers[l], 4, models::tiny::dims.engram.engram_compressed_vocab_size);
+    for (int k = 0; k < 4; ++k) {
       BOOST_TEST(models::v41_flash::engram_multipliers[std::size_t(l)][std::size_t(k)] == v[std::size_t(k)]);
+      BOOST_TEST(models::tiny::engram_multipliers[std::size_t(l)][std::size_t(k)] == t[std::size_t(k)]);
+    }
   }
+  // tiny's, as NumPy 1.24.2 printed them (tests/data/numpy_rng.json).
+  BOOST_TEST(models::tiny::engram_multipliers[0][0] == 7415652013100227);
+  BOOST_TEST(models::tiny::engram_multipliers[1][3] == 7995023819248391);
 }
 
 BOOST_AUTO_TEST_CASE(rejects_an_empty_range) {

@@ -6,7 +6,9 @@
 //! a GPU. Scale-independent values (eps, RoPE/YaRN, mHC, routing) match V4.1 Flash.
 
 #include <array>
+#include <cstddef>
 
+#include "dsv4/engram/numpy_rng.hpp"
 #include "dsv4/engram/table_layout.hpp"
 #include "dsv4/models/v41_flash.hpp"
 
@@ -51,22 +53,16 @@ struct tiny {
       engram::table_rows<2>(dims.engram.engram_vocab_size, dims.engram.engram_max_ngram_size,
                             dims.engram.engram_n_heads);
 
-  //! Engram hash multipliers (index k = look-back shift). tiny has no official values (the
-  //! reference draws them with NumPy's default_rng, which we do not reproduce): these follow the
-  //! reference's recipe, odd values 2v + 1 with v < (int64_max / compressed_vocab) / 2, but draw
-  //! v from SplitMix64 seeded with 10007 x layer id (layers 1 and 14, like V4.1's).
+  //! Engram hash multipliers (index k = look-back shift), computed at compile time exactly as the
+  //! reference's engram.py does for any config: default_rng(10007 x layer id).integers(0, bound,
+  //! size=max_ngram) x 2 + 1, bound = (int64_max / compressed_vocab) / 2, with NumPy's stream
+  //! (engram/numpy_rng.hpp): the reference's compute_hash_multipliers((1, 14), 4, 1024) returns these.
   static constexpr std::array<std::array<long long, 4>, 2> engram_multipliers = [] {
-    constexpr long long bound = (0x7fffffffffffffffLL / dims.engram.engram_compressed_vocab_size) / 2;
     std::array<std::array<long long, 4>, 2> m{};
-    const long long layer_ids[2] = {1, 14};
-    for (int l = 0; l < 2; ++l)
-      for (int k = 0; k < 4; ++k) {
-        unsigned long long x = 10007ull * (unsigned long long)layer_ids[l] + (unsigned long long)k + 0x9E3779B97F4A7C15ull;
-        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-        x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-        x ^= x >> 31;
-        m[l][k] = 2 * (long long)(x % (unsigned long long)bound) + 1;
-      }
+    for (std::size_t l = 0; l < m.size(); ++l) {
+      const auto v = engram::hash_multipliers<4>(schedule::engram::values[l], dims.engram.engram_compressed_vocab_size);
+      for (std::size_t k = 0; k < v.size(); ++k) m[l][k] = v[k];
+    }
     return m;
   }();
 };
