@@ -54,9 +54,13 @@ struct window_ring {
   long long stride = layout::bytes;
   long long seq_stride = 0;  //!< bytes from one sequence's ring to the next
   int rows = 0;
+  //! Optional [batch]: the ring of batch entry b is ring slots[b] (sequences keep their ring
+  //! while the batch around them changes); null: ring b.
+  const std::int32_t* slots = nullptr;
 
   DSV4_DEVICE void load8(int seq, int e, int c0, bf16 (&out)[8]) const {
-    numerics::dequantize8<WindowFormat, Dim>(base + seq * seq_stride + e * stride, c0, out);
+    const long long ring = slots ? slots[seq] : seq;
+    numerics::dequantize8<WindowFormat, Dim>(base + ring * seq_stride + e * stride, c0, out);
   }
   std::string check() const {
     if (rows > 0 && (!base || reinterpret_cast<std::uintptr_t>(base) % 4 || stride % 4 || seq_stride % 4))

@@ -37,6 +37,21 @@ struct index_scan_args {
   const long long* visible = nullptr;  //!< [rows]: keys t >= visible[row] score -inf
   int rows = 0, heads = 0;
   long long n_keys = 0;
+  //! Paged keys (the owner's key region of the page pool, cache/paged_cache.hpp), when
+  //! block_tables is set: key t of row r lives in page block_tables[row_batch[r] * max_pages +
+  //! t / entries_per_page], at keys + page * page_bytes + (t % entries_per_page) * key_stride,
+  //! where `keys` points at the region's start within page 0. row_batch null: every row is 0.
+  const std::int32_t* block_tables = nullptr;
+  const std::int32_t* row_batch = nullptr;
+  int max_pages = 0, entries_per_page = 0;
+  long long page_bytes = 0;
+
+  DSV4_HOST_DEVICE const std::uint8_t* key(int row, long long t) const {
+    if (!block_tables) return keys + t * key_stride;
+    const long long b = row_batch ? row_batch[row] : 0;
+    const long long page = block_tables[b * max_pages + t / entries_per_page];
+    return keys + page * page_bytes + (t % entries_per_page) * key_stride;
+  }
 };
 
 struct topk_args {
@@ -97,7 +112,7 @@ DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_ar
   }
   float dot[max_index_heads];
   for (int h = 0; h < max_index_heads; ++h) dot[h] = 0.0f;
-  const std::uint8_t* key = a.keys + key_pos * a.key_stride;
+  const std::uint8_t* key = a.key(row, key_pos);
 #pragma unroll 1
   for (int c0 = 0; c0 < Dim; c0 += 8) {
     bf16 k8[8];
@@ -278,6 +293,8 @@ void launch_index_scan(const char* op, const index_scan_args& a, const std::int3
     throw error(name + ": null pointer argument");
   if (a.key_stride % 4 || reinterpret_cast<std::uintptr_t>(a.keys) % 4)
     throw error(name + ": keys must be 4-byte aligned with a stride that is a multiple of 4 bytes");
+  if (a.block_tables && (a.max_pages <= 0 || a.entries_per_page <= 0 || a.page_bytes % 4))
+    throw error(name + ": paged keys need max_pages > 0, entries_per_page > 0 and page_bytes a multiple of 4");
   const int smem = (a.heads * Dim + a.heads) * int(sizeof(float));
   auto kernel = index_scan_kernel<Dim>;
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));

@@ -1,0 +1,592 @@
+#pragma once
+//! \file
+//! The CSA2 attention sublayer on CUDA (spec §5, §6, §7): the composition that
+//! layer_reference.hpp describes, over device caches in their packed formats.
+//!
+//! `attention_stack<HeadDim, IndexDim>` owns, for a list of layers (their wiring and weights):
+//! - every layer's window ring per sequence slot (FP8, UE8M0 per 32);
+//! - the global caches of the KV owners in one page pool (FP4 main entries, MXFP4 index keys;
+//!   regions per owner as cache/paged_cache.hpp lays them out) with a block table per sequence;
+//! - the ratio >= 2 compressors' decode states per sequence slot;
+//! - the scratch of one call and the slots that index sources publish to the layers after them
+//!   (top-k lists, the candidate pool).
+//! A call is a prefill of one sequence from position 0 or one decode token for each of a batch
+//! of sequences. `begin_prefill` / `begin_decode` describe it (positions, pages, metadata
+//! uploaded once), `forward(layer, x, out)` runs each layer in order with its attention input x
+//! (the attn_norm output) and writes the sublayer output, `end_call` commits the new lengths.
+//!
+//! Per layer: act_quant(x) feeds wq_a and wkv; q = RoPE(wq_b(act_quant(q_norm(wq_a x)))); the
+//! window entry RoPE(kv_norm(wkv x)) is packed as FP8 into the call's rows (prefill) and the ring;
+//! a KV owner compresses x (ratio 1: RMSNorm(W_kv x) in bf16; ratio 2: fp32 projections, pooled
+//! with the decode state), packs index keys and main entries into its pages; an index source
+//! scores its MXFP4 queries against its owner's keys (a Reindex layer only the candidate pool),
+//! selects top-k and publishes it; sparse attention over window + selected entries with the sink;
+//! the output path. Chunks appended after the prefill (issue 6 item 4) are not supported yet: the
+//! host reference has no such call either.
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dsv4/cache/paged_cache.hpp"
+#include "dsv4/core/error.hpp"
+#include "dsv4/kernels/attention/layer_reference.hpp"
+#include "dsv4/kernels/attention/sparse_attention.cuh"
+#include "dsv4/kernels/compressor/compressor.cuh"
+#include "dsv4/kernels/gemm/dequant_gemm.cuh"
+#include "dsv4/kernels/gemm/dense.cuh"
+#include "dsv4/kernels/gemm/weight_tiles.hpp"
+#include "dsv4/kernels/indexer/indexer.cuh"
+#include "dsv4/kernels/norm/rmsnorm.cuh"
+#include "dsv4/kernels/output/output.cuh"
+#include "dsv4/kernels/rope/rope.cuh"
+#include "dsv4/numerics/formats.hpp"
+#include "dsv4/numerics/quantize.cuh"
+#include "dsv4/runtime/device_buffer.cuh"
+
+namespace dsv4::kernels::attention {
+
+namespace device_detail {
+using runtime::device_buffer;
+
+inline device_buffer<bf16> upload_bf16(const std::vector<float>& v) {
+  std::vector<bf16> b(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) b[i] = bf16::from_float(v[i]);
+  return device_buffer<bf16>{std::span<const bf16>(b)};
+}
+inline device_buffer<float> upload_f32(const std::vector<float>& v) { return device_buffer<float>{std::span<const float>(v)}; }
+
+//! An FP8 linear layer in the GEMM's MMA-tile layout.
+struct fp8_weight {
+  int n = 0, k = 0;
+  device_buffer<std::uint8_t> codes, scales;
+  static fp8_weight upload(const fp8_linear& l) {
+    fp8_weight w;
+    if (l.n == 0) return w;
+    const auto t = gemm::tile_weight(gemm::weight_format::fp8_tile32, l.n, l.k, l.codes, l.scales);
+    w.n = l.n, w.k = l.k;
+    w.codes = device_buffer<std::uint8_t>{std::span<const std::uint8_t>(t.codes)};
+    w.scales = device_buffer<std::uint8_t>{std::span<const std::uint8_t>(t.scales)};
+    return w;
+  }
+};
+
+//! Multiplies bf16 values by a power of two in fp32 and rounds back (weights_proj x 2^-6).
+DSV4_KERNEL void scale_bf16_kernel(bf16* x, long long n, float factor) {
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = bf16::from_float(__fmul_rn(x[i].to_float(), factor));
+}
+DSV4_KERNEL void widen_kernel(const bf16* x, float* y, long long n) {
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = x[i].to_float();
+}
+
+//! Row r's index list: the window part, then the published top-k (already offset).
+struct index_list_args {
+  std::int32_t* idx = nullptr;        //!< [rows, window_width + topk_width]
+  const std::int32_t* topk = nullptr; //!< [rows, topk_width] or null
+  const std::int64_t* positions = nullptr;
+  int rows = 0, window_width = 0, topk_width = 0, window = 0;
+  bool prefill = false;               //!< prefill: operand = the call's rows; decode: the ring
+};
+DSV4_KERNEL void index_list_kernel(index_list_args a) {
+  const int width = a.window_width + a.topk_width;
+  const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= static_cast<long long>(a.rows) * width) return;
+  const int r = int(t / width), j = int(t % width);
+  std::int32_t v;
+  if (j >= a.window_width) {
+    v = a.topk[static_cast<long long>(r) * a.topk_width + (j - a.window_width)];
+  } else if (a.prefill) {  // the row's last `window` positions of the chunk, oldest first, -1 past it
+    const int e = max(r - a.window + 1, 0) + j;
+    v = e > r ? -1 : e;
+  } else {  // ring slots oldest first: slot + 1 .. window - 1, then 0 .. slot; unwritten slots -1
+    const long long pos = a.positions[r];
+    const int slot = int(pos % a.window);
+    const int e = (slot + j + 1) % a.window;
+    v = e > pos ? -1 : e;
+  }
+  a.idx[t] = v;
+}
+
+inline unsigned blocks_for(long long n, int threads = 256) { return unsigned((n + threads - 1) / threads); }
+}  // namespace device_detail
+
+//! One layer's weights on the device.
+struct device_layer_weights {
+  device_detail::fp8_weight wq_a, wq_b, wkv, wo_b, idx_wq_b;
+  runtime::device_buffer<bf16> q_norm, kv_norm, wo_a, comp_wkv16, comp_norm, index_wk, index_norm, weights_proj;
+  runtime::device_buffer<float> comp_wkv32, comp_wgate, attn_sink;
+
+  static device_layer_weights upload(const layer_weights& w, const layer_wiring& wr) {
+    using namespace device_detail;
+    device_layer_weights d;
+    d.wq_a = fp8_weight::upload(w.wq_a), d.wq_b = fp8_weight::upload(w.wq_b), d.wkv = fp8_weight::upload(w.wkv);
+    d.wo_b = fp8_weight::upload(w.wo_b);
+    d.q_norm = upload_bf16(w.q_norm), d.kv_norm = upload_bf16(w.kv_norm), d.wo_a = upload_bf16(w.wo_a);
+    d.attn_sink = upload_f32(w.attn_sink);
+    if (wr.role == schedule::attn_role::full) {
+      if (wr.ratio == 1) d.comp_wkv16 = upload_bf16(w.compressor.wkv);
+      else d.comp_wkv32 = upload_f32(w.compressor.wkv), d.comp_wgate = upload_f32(w.compressor.wgate);
+      d.comp_norm = upload_bf16(w.compressor.norm);
+      d.index_wk = upload_bf16(w.index_key.wk), d.index_norm = upload_bf16(w.index_key.norm);
+    }
+    if (wr.role == schedule::attn_role::full || wr.role == schedule::attn_role::reindex) {
+      d.idx_wq_b = fp8_weight::upload(w.idx_wq_b);
+      d.weights_proj = upload_bf16(w.weights_proj);
+    }
+    return d;
+  }
+};
+
+template <int HeadDim, int IndexDim>
+class attention_stack {
+ public:
+  using window_format = numerics::fp8_act_format;
+  using window_layout = numerics::packed_vector<window_format, HeadDim>;
+  using main_layout = numerics::packed_vector<numerics::main_kv_format, HeadDim>;
+  using key_layout = numerics::packed_vector<numerics::index_key_format, IndexDim>;
+  //! Bytes from one index key to the next: the kernels read keys as 4-byte words, so a key of a
+  //! width that is not a multiple of 4 bytes (34 B for tiny's 64 channels) is padded. V4.1's keys
+  //! (68 B) are not, and its pages hold exactly 890 bytes per token.
+  static constexpr int key_stride = (key_layout::bytes + 3) / 4 * 4;
+
+  struct limits {
+    int max_seqs = 1;        //!< sequence slots (rings, compressor states, block tables)
+    int max_rows = 1;        //!< rows of one call (prefill tokens or decode batch)
+    long long max_tokens = 1;  //!< tokens per sequence
+    int page_tokens = 64;
+    long long pages = 0;     //!< 0: max_seqs x pages for max_tokens
+  };
+
+  attention_stack(const layer_shape& shape, std::vector<layer_wiring> wiring, const std::vector<layer_weights>& weights,
+                  std::span<const float> freqs_local, std::span<const float> freqs_compressed, const limits& lim)
+      : shape_(shape), wiring_(std::move(wiring)), lim_(lim) {
+    const std::string where = "attention_stack: ";
+    if (shape.head_dim != HeadDim || shape.index_dim != IndexDim)
+      throw error(where + "the shape's head_dim / index_dim (" + std::to_string(shape.head_dim) + ", " +
+                  std::to_string(shape.index_dim) + ") differ from the instantiation's (" + std::to_string(HeadDim) +
+                  ", " + std::to_string(IndexDim) + ")");
+    if (weights.size() != wiring_.size()) throw error(where + "one weights entry per layer is needed");
+    if (lim.max_seqs <= 0 || lim.max_rows <= 0 || lim.max_tokens <= 0 || lim.page_tokens <= 0)
+      throw error(where + "limits must be positive");
+    for (std::size_t l = 0; l < wiring_.size(); ++l) {
+      const auto& wr = wiring_[l];
+      if (wr.ratio > 0 && (wr.kv_owner < 0 || wr.kv_owner > int(l) || wiring_[std::size_t(wr.kv_owner)].role != schedule::attn_role::full))
+        throw error(where + "layer " + std::to_string(l) + " names KV owner " + std::to_string(wr.kv_owner) +
+                    ", which is not an earlier Full layer");
+      if (wr.ratio < 0 || wr.ratio > 2)
+        throw error(where + "layer " + std::to_string(l) + " has compression ratio " + std::to_string(wr.ratio) +
+                    "; this stack supports 0 (local), 1 and 2");
+      if (wr.role == schedule::attn_role::full && lim.page_tokens % wr.ratio)
+        throw error(where + "page_tokens must be a multiple of every owner's ratio");
+    }
+    // Page layout: per owner, its main entries then its keys (cache/paged_cache.hpp's order).
+    for (std::size_t l = 0; l < wiring_.size(); ++l)
+      if (wiring_[l].role == schedule::attn_role::full) {
+        cache::owner_region r;
+        r.layer = int(l), r.ratio = wiring_[l].ratio, r.entries_per_page = lim.page_tokens / r.ratio;
+        r.main_offset = page_bytes_;
+        page_bytes_ += 1LL * r.entries_per_page * main_layout::bytes;
+        r.key_offset = page_bytes_;
+        page_bytes_ += 1LL * r.entries_per_page * key_stride;
+        regions_[int(l)] = r;
+      }
+    max_pages_ = int((lim.max_tokens + lim.page_tokens - 1) / lim.page_tokens);
+    const long long pages = lim.pages > 0 ? lim.pages : 1LL * lim.max_seqs * max_pages_;
+    alloc_.emplace(pages, lim.page_tokens, std::max<long long>(page_bytes_, 1));
+    pool_ = runtime::device_buffer<std::uint8_t>(std::size_t(std::max<long long>(pages * page_bytes_, 1)));
+    slot_seq_.assign(std::size_t(lim.max_seqs), -1);
+    lengths_.assign(std::size_t(lim.max_seqs), -1);
+
+    for (std::size_t l = 0; l < wiring_.size(); ++l) {
+      w_.push_back(device_layer_weights::upload(weights[l], wiring_[l]));
+      rings_.emplace_back(std::size_t(lim.max_seqs) * shape.window * window_layout::bytes);
+      if (wiring_[l].role == schedule::attn_role::full && wiring_[l].ratio > 1) {
+        states_k_[int(l)] = runtime::device_buffer<float>(std::size_t(lim.max_seqs) * wiring_[l].ratio * HeadDim);
+        states_z_[int(l)] = runtime::device_buffer<float>(std::size_t(lim.max_seqs) * wiring_[l].ratio * HeadDim);
+      }
+    }
+    freqs_local_ = runtime::device_buffer<float>{freqs_local};
+    freqs_compressed_ = runtime::device_buffer<float>{freqs_compressed};
+    allocate_scratch();
+    gemm::detail::blas_check(cublasCreate(&blas_), "attention_stack: cublasCreate");
+  }
+  ~attention_stack() {
+    if (blas_) cublasDestroy(blas_);
+  }
+  attention_stack(const attention_stack&) = delete;
+  attention_stack& operator=(const attention_stack&) = delete;
+
+  //! A new, empty sequence; returns its slot.
+  int add_sequence() {
+    for (int s = 0; s < lim_.max_seqs; ++s)
+      if (slot_seq_[std::size_t(s)] < 0) {
+        slot_seq_[std::size_t(s)] = alloc_->add_sequence();
+        lengths_[std::size_t(s)] = 0;
+        return s;
+      }
+    throw error("attention_stack: all " + std::to_string(lim_.max_seqs) + " sequence slots are in use");
+  }
+  void release_sequence(int slot) {
+    check_slot(slot);
+    alloc_->release(slot_seq_[std::size_t(slot)]);
+    slot_seq_[std::size_t(slot)] = -1, lengths_[std::size_t(slot)] = -1;
+  }
+  long long length(int slot) const { return lengths_.at(std::size_t(slot)); }
+  long long page_bytes() const { return page_bytes_; }
+  cache::cache_usage usage() const { return alloc_->usage(); }
+
+  //! A prefill of `tokens` tokens of an empty sequence.
+  void begin_prefill(int slot, int tokens) {
+    check_slot(slot);
+    if (lengths_[std::size_t(slot)] != 0)
+      throw error("attention_stack::begin_prefill: sequence slot " + std::to_string(slot) + " already holds " +
+                  std::to_string(lengths_[std::size_t(slot)]) + " tokens (appending chunks is not supported yet)");
+    if (tokens <= 0 || tokens > lim_.max_rows || tokens > lim_.max_tokens)
+      throw error("attention_stack::begin_prefill: " + std::to_string(tokens) + " tokens, the limits allow " +
+                  std::to_string(std::min<long long>(lim_.max_rows, lim_.max_tokens)));
+    begin({slot}, {tokens}, true);
+  }
+  //! One token for each of `slots` (distinct, each after its prefill).
+  void begin_decode(const std::vector<int>& slots) {
+    if (slots.empty() || int(slots.size()) > lim_.max_rows)
+      throw error("attention_stack::begin_decode: " + std::to_string(slots.size()) + " sequences, at most " +
+                  std::to_string(lim_.max_rows) + " per call");
+    for (int s : slots) {
+      check_slot(s);
+      if (lengths_[std::size_t(s)] <= 0) throw error("attention_stack::begin_decode: sequence slot " + std::to_string(s) + " has no prefill");
+      if (lengths_[std::size_t(s)] + 1 > lim_.max_tokens) throw error("attention_stack::begin_decode: sequence slot " + std::to_string(s) + " is full");
+      if (std::count(slots.begin(), slots.end(), s) > 1) throw error("attention_stack::begin_decode: a slot appears twice");
+    }
+    begin(slots, std::vector<int>(slots.size(), 1), false);
+  }
+
+  //! Layer `layer` over the call's rows: x [rows, dim] (device), out [rows, dim] (device).
+  void forward(int layer, const bf16* x, bf16* out, cudaStream_t stream = nullptr);
+
+  //! Commits the call: the sequences' lengths grow by their tokens.
+  void end_call() {
+    if (!call_) throw error("attention_stack::end_call: no call in progress");
+    for (std::size_t b = 0; b < call_->slots.size(); ++b) lengths_[std::size_t(call_->slots[b])] += call_->tokens[b];
+    call_.reset();
+  }
+
+ private:
+  struct call_state {
+    std::vector<int> slots, tokens;
+    std::vector<long long> start;
+    bool prefill = false;
+    int rows = 0;
+    int next_layer = 0;
+    // device metadata
+    runtime::device_buffer<std::int64_t> positions, visible_by_ratio[3];
+    runtime::device_buffer<std::int32_t> row_batch, row_slot, batch_slot, block_tables;
+    // per compressed ratio r in {1, 2}: latents of this call
+    std::map<int, runtime::device_buffer<compressor::pool_sequence>> pool_seqs;
+    std::map<int, runtime::device_buffer<std::int64_t>> latent_pos;
+    std::map<int, runtime::device_buffer<std::int32_t>> latent_batch;
+    std::map<int, int> latents, max_groups;
+    std::map<int, long long> width;  //!< compressed entries visible to the call's last row, max over the batch
+    // published by index sources for the layers after them
+    int topk_width = 0, candidate_cols = 0;
+  };
+
+  layer_shape shape_;
+  std::vector<layer_wiring> wiring_;
+  limits lim_;
+  std::vector<device_layer_weights> w_;
+  std::vector<runtime::device_buffer<std::uint8_t>> rings_;
+  std::map<int, runtime::device_buffer<float>> states_k_, states_z_;
+  std::map<int, cache::owner_region> regions_;
+  long long page_bytes_ = 0;
+  int max_pages_ = 0;
+  std::optional<cache::page_allocator> alloc_;
+  runtime::device_buffer<std::uint8_t> pool_;
+  std::vector<int> slot_seq_;
+  std::vector<long long> lengths_;
+  runtime::device_buffer<float> freqs_local_, freqs_compressed_;
+  cublasHandle_t blas_ = nullptr;
+  std::optional<call_state> call_;
+
+  // scratch (sized for max_rows)
+  runtime::device_buffer<std::uint8_t> x_codes_, x_scales_, qr_codes_, qr_scales_, chunk_kv_, iq_codes_, iq_scales_;
+  runtime::device_buffer<bf16> qr_, q_, kv_, o_, latents_, keys_, iq_, wp_;
+  runtime::device_buffer<float> xf_, ck_, cz_;
+  runtime::device_buffer<std::int32_t> topk_, idx_, cand_pos_, block_ids_;
+  runtime::device_buffer<bf16> scores_, gathered_scores_, block_scores_;
+  std::optional<gemm::gemm_workspace> gemm_ws_;
+  std::optional<output::output_workspace> out_ws_;
+
+  long long max_keys() const { return lim_.max_tokens; }
+  int candidate_width() const { return shape_.pool_blocks * shape_.pool_block; }
+
+  void check_slot(int slot) const {
+    if (slot < 0 || slot >= lim_.max_seqs || slot_seq_[std::size_t(slot)] < 0)
+      throw error("attention_stack: no live sequence in slot " + std::to_string(slot));
+  }
+
+  void allocate_scratch() {
+    const auto& s = shape_;
+    const std::size_t R = std::size_t(lim_.max_rows);
+    x_codes_ = decltype(x_codes_)(R * s.dim), x_scales_ = decltype(x_scales_)(R * s.dim / 32);
+    qr_ = decltype(qr_)(R * s.q_lora), qr_codes_ = decltype(qr_codes_)(R * s.q_lora), qr_scales_ = decltype(qr_scales_)(R * s.q_lora / 32);
+    q_ = decltype(q_)(R * s.heads * HeadDim), o_ = decltype(o_)(R * s.heads * HeadDim);
+    kv_ = decltype(kv_)(R * HeadDim), chunk_kv_ = decltype(chunk_kv_)(R * window_layout::bytes);
+    latents_ = decltype(latents_)(R * HeadDim), keys_ = decltype(keys_)(R * IndexDim);
+    xf_ = decltype(xf_)(R * s.dim), ck_ = decltype(ck_)(R * HeadDim), cz_ = decltype(cz_)(R * HeadDim);
+    iq_ = decltype(iq_)(R * s.index_heads * IndexDim), iq_codes_ = decltype(iq_codes_)(R * s.index_heads * IndexDim / 2);
+    iq_scales_ = decltype(iq_scales_)(R * s.index_heads * IndexDim / 32), wp_ = decltype(wp_)(R * s.index_heads);
+    topk_ = decltype(topk_)(R * std::max(s.topk, 1));
+    idx_ = decltype(idx_)(R * std::size_t(std::max(s.window, lim_.max_rows) + s.topk));
+    scores_ = decltype(scores_)(R * std::size_t(max_keys()));
+    gathered_scores_ = decltype(gathered_scores_)(R * std::size_t(candidate_width()));
+    cand_pos_ = decltype(cand_pos_)(R * std::size_t(candidate_width()));
+    const long long blocks = (max_keys() + s.pool_block - 1) / std::max(s.pool_block, 1);
+    block_scores_ = decltype(block_scores_)(R * std::size_t(blocks));
+    block_ids_ = decltype(block_ids_)(R * std::size_t(std::max(s.pool_blocks, 1)));
+    gemm_ws_.emplace(std::size_t(1) << 22, std::size_t(0));
+    out_ws_.emplace(output::output_shape{s.heads, HeadDim, s.groups, s.o_lora, s.dim}, lim_.max_rows);
+  }
+
+  void begin(const std::vector<int>& slots, const std::vector<int>& tokens, bool prefill) {
+    if (call_) throw error("attention_stack: a call is already in progress (end_call first)");
+    call_state c;
+    c.slots = slots, c.tokens = tokens, c.prefill = prefill;
+    std::vector<std::int64_t> pos;
+    std::vector<std::int32_t> row_batch, row_slot, batch_slot(slots.begin(), slots.end());
+    std::vector<std::int32_t> tables(slots.size() * std::size_t(max_pages_), 0);
+    for (std::size_t b = 0; b < slots.size(); ++b) {
+      const long long start = lengths_[std::size_t(slots[b])];
+      c.start.push_back(start);
+      for (int t = 0; t < tokens[b]; ++t) pos.push_back(start + t), row_batch.push_back(int(b)), row_slot.push_back(slots[b]);
+      const int seq = slot_seq_[std::size_t(slots[b])];
+      alloc_->append(seq, tokens[b]);  // pages for the new tokens (all or none)
+      const auto& bt = alloc_->block_table(seq);
+      std::copy(bt.begin(), bt.end(), tables.begin() + std::ptrdiff_t(b) * max_pages_);
+    }
+    c.rows = int(pos.size());
+    c.positions = decltype(c.positions){std::span<const std::int64_t>(pos)};
+    c.row_batch = decltype(c.row_batch){std::span<const std::int32_t>(row_batch)};
+    c.row_slot = decltype(c.row_slot){std::span<const std::int32_t>(row_slot)};
+    c.batch_slot = decltype(c.batch_slot){std::span<const std::int32_t>(batch_slot)};
+    c.block_tables = decltype(c.block_tables){std::span<const std::int32_t>(tables)};
+    for (int r : {1, 2}) {
+      std::vector<std::int64_t> vis(pos.size());
+      for (std::size_t i = 0; i < pos.size(); ++i) vis[i] = (pos[i] + 1) / r;
+      c.visible_by_ratio[r] = runtime::device_buffer<std::int64_t>{std::span<const std::int64_t>(vis)};
+      std::vector<compressor::pool_sequence> ps;
+      std::vector<std::int64_t> lp;
+      std::vector<std::int32_t> lb;
+      int out_row = 0, row = 0, max_groups = 0;
+      long long width = 0;
+      for (std::size_t b = 0; b < slots.size(); ++b) {
+        const long long start = c.start[b];
+        ps.push_back({start, tokens[b], row, slots[b], out_row});
+        const long long g0 = compressor::first_completed_group(start, r);
+        const int n = int(compressor::completed_groups(start, tokens[b], r));
+        for (int j = 0; j < n; ++j) lp.push_back((g0 + j) * r), lb.push_back(int(b));
+        out_row += n, row += tokens[b], max_groups = std::max(max_groups, n);
+        width = std::max(width, (start + tokens[b]) / r);
+      }
+      c.pool_seqs[r] = runtime::device_buffer<compressor::pool_sequence>{std::span<const compressor::pool_sequence>(ps)};
+      c.latent_pos[r] = runtime::device_buffer<std::int64_t>{std::span<const std::int64_t>(lp)};
+      c.latent_batch[r] = runtime::device_buffer<std::int32_t>{std::span<const std::int32_t>(lb)};
+      c.latents[r] = out_row, c.max_groups[r] = max_groups, c.width[r] = width;
+    }
+    call_.emplace(std::move(c));
+  }
+
+  compressor::entry_destination page_destination(const cache::owner_region& r, bool keys) {
+    compressor::entry_destination d;
+    d.mode = compressor::entry_store::pages;
+    d.base = pool_.data();
+    d.entry_stride = keys ? key_stride : main_layout::bytes;
+    d.block_tables = call_->block_tables.data();
+    d.max_pages = max_pages_;
+    d.page_bytes = page_bytes_;
+    d.region_offset = keys ? r.key_offset : r.main_offset;
+    d.entries_per_page = r.entries_per_page;
+    d.ratio = r.ratio;
+    return d;
+  }
+};
+
+template <int HeadDim, int IndexDim>
+void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16* out, cudaStream_t stream) {
+  using namespace device_detail;
+  using schedule::attn_role;
+  const std::string where = "attention_stack::forward (layer " + std::to_string(layer) + "): ";
+  if (!call_) throw error(where + "no call in progress (begin_prefill / begin_decode first)");
+  if (call_->next_layer == int(wiring_.size())) throw error(where + "every layer of this call has run; end_call first");
+  if (layer != call_->next_layer) throw error(where + "layers run in order; expected layer " + std::to_string(call_->next_layer));
+  if (!x || !out) throw error(where + "null x or out");
+  call_state& c = *call_;
+  const auto& s = shape_;
+  const auto& wr = wiring_[std::size_t(layer)];
+  auto& w = w_[std::size_t(layer)];
+  const int R = c.rows;
+  const float* freqs = wr.ratio > 0 ? freqs_compressed_.data() : freqs_local_.data();
+  const int pairs = s.rope_dim / 2;
+  auto linear = [&](const fp8_weight& wt, const std::uint8_t* a, const std::uint8_t* as, bf16* y) {
+    gemm::block_scaled_linear({{R, wt.n, wt.k}, a, as, wt.codes.data(), wt.scales.data(), y}, gemm::weight_format::fp8_tile32,
+                              &*gemm_ws_, blas_, stream);
+  };
+
+  // Queries and the window entries.
+  numerics::quantize<numerics::fp8_act_format>({x, R, s.dim, s.dim, x_codes_.data(), s.dim, x_scales_.data(), s.dim / 32}, stream);
+  linear(w.wq_a, x_codes_.data(), x_scales_.data(), qr_.data());
+  norm::rmsnorm<bf16>({qr_.data(), s.q_lora, w.q_norm.data(), qr_.data(), s.q_lora, R, s.q_lora, s.norm_eps}, stream);
+  numerics::quantize<numerics::fp8_act_format>({qr_.data(), R, s.q_lora, s.q_lora, qr_codes_.data(), s.q_lora, qr_scales_.data(), s.q_lora / 32},
+                                               stream);
+  linear(w.wq_b, qr_codes_.data(), qr_scales_.data(), q_.data());
+  rope::apply_rope({q_.data(), c.positions.data(), freqs, R, s.heads, HeadDim, pairs, false}, stream);
+  linear(w.wkv, x_codes_.data(), x_scales_.data(), kv_.data());
+  auto& ring = rings_[std::size_t(layer)];
+  compressor::entry_destination ring_dst;
+  ring_dst.mode = compressor::entry_store::ring;
+  ring_dst.base = ring.data();
+  ring_dst.entry_stride = window_layout::bytes;
+  ring_dst.seq_stride = 1LL * s.window * window_layout::bytes;
+  ring_dst.ring_rows = s.window;
+  if (c.prefill) {
+    compressor::entry_destination rows_dst;
+    rows_dst.mode = compressor::entry_store::rows;
+    rows_dst.base = chunk_kv_.data();
+    rows_dst.entry_stride = window_layout::bytes;
+    compressor::pack_entries<window_format, HeadDim, bf16>(
+        {kv_.data(), HeadDim, R, w.kv_norm.data(), s.norm_eps, c.positions.data(), nullptr, freqs, pairs, rows_dst}, stream);
+    const int first = std::max(0, R - s.window);  // the last positions seed the ring
+    compressor::pack_entries<window_format, HeadDim, bf16>(
+        {kv_.data() + std::size_t(first) * HeadDim, HeadDim, R - first, w.kv_norm.data(), s.norm_eps,
+         c.positions.data() + first, c.row_slot.data() + first, freqs, pairs, ring_dst},
+        stream);
+  } else {
+    compressor::pack_entries<window_format, HeadDim, bf16>(
+        {kv_.data(), HeadDim, R, w.kv_norm.data(), s.norm_eps, c.positions.data(), c.row_slot.data(), freqs, pairs, ring_dst},
+        stream);
+  }
+  const int window_width = c.prefill ? std::min(R, s.window) : s.window;
+  const int operand_rows = c.prefill ? R : s.window;
+
+  // Global branch.
+  int topk_width = 0;
+  if (wr.ratio > 0) {
+    const bool owner = wr.role == attn_role::full, source = owner || wr.role == attn_role::reindex;
+    const cache::owner_region& region = regions_.at(wr.kv_owner);
+    const int r = wr.ratio;
+    const long long width = c.width.at(r);
+    if (owner) {
+      const int n = c.latents.at(r);
+      if (r == 1) {
+        gemm::linear_bf16(blas_, x, w.comp_wkv16.data(), latents_.data(), R, HeadDim, s.dim, stream);
+        norm::rmsnorm<bf16>({latents_.data(), HeadDim, w.comp_norm.data(), latents_.data(), HeadDim, R, HeadDim, s.norm_eps}, stream);
+      } else {
+        widen_kernel<<<blocks_for(1LL * R * s.dim), 256, 0, stream>>>(x, xf_.data(), 1LL * R * s.dim);
+        DSV4_CUDA_CHECK_LAUNCH();
+        gemm::linear_fp32(blas_, xf_.data(), w.comp_wkv32.data(), ck_.data(), R, HeadDim, s.dim, stream);
+        gemm::linear_fp32(blas_, xf_.data(), w.comp_wgate.data(), cz_.data(), R, HeadDim, s.dim, stream);
+        compressor::compress_pool<HeadDim, bf16>({ck_.data(), cz_.data(), c.pool_seqs.at(r).data(), int(c.slots.size()),
+                                                  c.max_groups.at(r), states_k_.at(layer).data(), states_z_.at(layer).data(),
+                                                  w.comp_norm.data(), s.norm_eps, latents_.data(), nullptr, r, HeadDim},
+                                                 stream);
+      }
+      if (n > 0) {
+        // Index keys from the pre-RoPE latents, then the main entries.
+        gemm::linear_bf16(blas_, latents_.data(), w.index_wk.data(), keys_.data(), n, IndexDim, HeadDim, stream);
+        compressor::pack_entries<numerics::index_key_format, IndexDim, bf16>(
+            {keys_.data(), IndexDim, n, w.index_norm.data(), s.norm_eps, c.latent_pos.at(r).data(), c.latent_batch.at(r).data(),
+             freqs, pairs, page_destination(region, true)},
+            stream);
+        compressor::pack_entries<numerics::main_kv_format, HeadDim, bf16>(
+            {latents_.data(), HeadDim, n, nullptr, s.norm_eps, c.latent_pos.at(r).data(), c.latent_batch.at(r).data(), freqs,
+             pairs, page_destination(region, false)},
+            stream);
+      }
+    }
+    if (source) {
+      c.topk_width = int(std::min<long long>(s.topk, width));
+      if (width > 0) {
+        const int ih = s.index_heads;
+        linear(w.idx_wq_b, qr_codes_.data(), qr_scales_.data(), iq_.data());
+        rope::apply_rope({iq_.data(), c.positions.data(), freqs, R, ih, IndexDim, pairs, false}, stream);
+        const int qn = ih * IndexDim;
+        numerics::quantize<numerics::index_key_format>({iq_.data(), R, qn, qn, iq_codes_.data(), qn / 2, iq_scales_.data(), qn / 32}, stream);
+        numerics::dequantize<numerics::index_key_format>({iq_codes_.data(), qn / 2, iq_scales_.data(), qn / 32, R, qn, iq_.data(), qn}, stream);
+        gemm::linear_bf16(blas_, x, w.weights_proj.data(), wp_.data(), R, ih, s.dim, stream);
+        scale_bf16_kernel<<<blocks_for(1LL * R * ih), 256, 0, stream>>>(wp_.data(), 1LL * R * ih, 0x1p-6f);
+        DSV4_CUDA_CHECK_LAUNCH();
+        indexer::index_scan_args scan;
+        scan.q = iq_.data(), scan.w = wp_.data();
+        scan.keys = pool_.data() + region.key_offset, scan.key_stride = key_stride;
+        scan.scores = scores_.data(), scan.visible = reinterpret_cast<const long long*>(c.visible_by_ratio[r].data());
+        scan.rows = R, scan.heads = ih, scan.n_keys = width;
+        scan.block_tables = c.block_tables.data(), scan.row_batch = c.row_batch.data();
+        scan.max_pages = max_pages_, scan.entries_per_page = region.entries_per_page, scan.page_bytes = page_bytes_;
+        if (wr.role == attn_role::reindex) {
+          if (c.candidate_cols <= 0) throw error(where + "a Reindex layer needs the candidate pool of an earlier layer of this call");
+          indexer::index_scan_args g = scan;
+          g.scores = gathered_scores_.data(), g.n_keys = c.candidate_cols;
+          indexer::index_scan_gathered<IndexDim>({g, cand_pos_.data()}, stream);
+          indexer::topk_args t;
+          t.scores = gathered_scores_.data(), t.n = c.candidate_cols, t.rows = R, t.k = c.topk_width;
+          t.visible = scan.visible, t.offset = operand_rows, t.out = topk_.data(), t.positions = cand_pos_.data();
+          indexer::select_topk(t, stream);
+        } else {
+          indexer::index_scan<IndexDim>(scan, stream);
+          if (wr.candidate_source) {
+            indexer::candidate_args ca;
+            ca.scores = scores_.data(), ca.n = width, ca.rows = R, ca.block = s.pool_block, ca.topk_blocks = s.pool_blocks;
+            ca.visible = scan.visible, ca.block_scores = block_scores_.data(), ca.block_ids = block_ids_.data();
+            ca.positions = cand_pos_.data();
+            c.candidate_cols = int(indexer::candidate_pool(ca, stream));
+          }
+          indexer::topk_args t;
+          t.scores = scores_.data(), t.n = width, t.rows = R, t.k = c.topk_width;
+          t.visible = scan.visible, t.offset = operand_rows, t.out = topk_.data();
+          indexer::select_topk(t, stream);
+        }
+      }
+    }
+    topk_width = c.topk_width;
+  }
+
+  // Index lists, attention, output.
+  const int width = window_width + topk_width;
+  index_list_args il{idx_.data(), topk_.data(), c.positions.data(), R, window_width, topk_width, s.window, c.prefill};
+  index_list_kernel<<<blocks_for(1LL * R * width), 256, 0, stream>>>(il);
+  DSV4_CUDA_CHECK_LAUNCH();
+  sparse_attention_args sa;
+  sa.q = q_.data(), sa.idx = idx_.data(), sa.sink = w.attn_sink.data(), sa.out = o_.data();
+  sa.batch = c.prefill ? 1 : R, sa.rows = c.prefill ? R : 1, sa.heads = s.heads, sa.topk = width;
+  sa.scale = float(std::pow(double(HeadDim), -0.5));
+  window_ring<window_format, HeadDim> win;
+  if (c.prefill) {
+    win.base = chunk_kv_.data(), win.stride = window_layout::bytes, win.seq_stride = 0, win.rows = R;
+  } else {
+    win.base = ring.data(), win.stride = window_layout::bytes, win.seq_stride = 1LL * s.window * window_layout::bytes;
+    win.rows = s.window, win.slots = c.batch_slot.data();
+  }
+  if (wr.ratio > 0) {
+    const cache::owner_region& region = regions_.at(wr.kv_owner);
+    paged_kv<window_format, numerics::main_kv_format, HeadDim> kv;
+    kv.window = win, kv.pool = pool_.data(), kv.block_tables = c.block_tables.data(), kv.max_pages = max_pages_;
+    kv.page_bytes = page_bytes_, kv.region_offset = region.main_offset, kv.entries_per_page = region.entries_per_page;
+    sparse_attention<HeadDim>(sa, kv, stream);
+  } else {
+    packed_kv<window_format, numerics::main_kv_format, HeadDim> kv;
+    kv.window = win;
+    sparse_attention<HeadDim>(sa, kv, stream);
+  }
+  output::attention_output(o_.data(), c.positions.data(), R, freqs, s.rope_dim, w.wo_a.data(), w.wo_b.codes.data(),
+                           w.wo_b.scales.data(), out, *out_ws_, blas_, stream);
+  ++c.next_layer;
+}
+
+}  // namespace dsv4::kernels::attention
