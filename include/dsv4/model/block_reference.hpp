@@ -9,7 +9,10 @@
 //! The attention sublayer is the host reference of layer_reference.hpp (with the sequence's
 //! state); the MoE is moe_layer_reference (routed FP4 experts, FP8 shared expert).
 
+#include <functional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dsv4/core/error.hpp"
@@ -22,6 +25,11 @@
 namespace dsv4::model {
 
 using numerics::bf16;
+
+//! Sees a block's intermediates as they are computed, for parity work (host and CUDA models call
+//! it at the same points): stage "attn_in" (attn_norm output), "attn_out", "ffn_in" (ffn_norm
+//! output), "ffn_out"; values are the call's rows, [rows, dim] bf16.
+using layer_observer = std::function<void(int layer, std::string_view stage, std::span<const bf16> values)>;
 
 struct block_weights {
   kernels::attention::layer_weights attn;
@@ -92,7 +100,8 @@ inline std::vector<bf16> block_forward_chunk(int layer, const kernels::attention
                                              const block_weights& w, const kernels::attention::layer_shape& shape,
                                              std::span<const float> freqs, std::span<const bf16> x,
                                              std::vector<float>& pre_mix, long long start_pos,
-                                             kernels::attention::sequence_state& state) {
+                                             kernels::attention::sequence_state& state,
+                                             const layer_observer* observe = nullptr) {
   namespace mhc = kernels::mhc;
   constexpr int hc = mhc::hc;
   const std::size_t dim = std::size_t(shape.dim), width = hc * dim;
@@ -116,7 +125,10 @@ inline std::vector<bf16> block_forward_chunk(int layer, const kernels::attention
     const auto in = normed(mhc::hc_pre(xt, int(dim), pm), w.attn_norm);
     attn_in.insert(attn_in.end(), in.begin(), in.end());
   }
+  if (observe) (*observe)(layer, "attn_in", attn_in);
   const auto attn_out = kernels::attention::attention_layer_reference(layer, wiring, w.attn, shape, freqs, attn_in, start_pos, state);
+  if (observe) (*observe)(layer, "attn_out", attn_out);
+  std::vector<bf16> ffn_ins, ffn_outs;
   // FFN sublayer.
   std::vector<bf16> out;
   out.reserve(x.size());
@@ -125,10 +137,12 @@ inline std::vector<bf16> block_forward_chunk(int layer, const kernels::attention
     const mhc::coefficients f = mhc::hc_coefficients(x1, int(dim), w.ffn_mix);
     const auto ffn_in = normed(mhc::hc_pre(x1, int(dim), a[t].pre), w.ffn_norm);
     const auto ffn_out = kernels::moe::moe_layer_reference(ffn_in, w.gate, w.experts, w.shared, w.inter, w.swiglu_limit);
+    if (observe) ffn_ins.insert(ffn_ins.end(), ffn_in.begin(), ffn_in.end()), ffn_outs.insert(ffn_outs.end(), ffn_out.begin(), ffn_out.end());
     const auto x2 = mhc::hc_post(ffn_out, x1, int(dim), f);
     out.insert(out.end(), x2.begin(), x2.end());
     for (int c = 0; c < hc; ++c) pre_mix[t * hc + c] = f.pre[c];
   }
+  if (observe) (*observe)(layer, "ffn_in", ffn_ins), (*observe)(layer, "ffn_out", ffn_outs);
   return out;
 }
 

@@ -63,7 +63,8 @@ struct host_sequence {
 //! Feeds `ids` (the whole prompt on the first call, then one token per call) and returns the fp32
 //! logits of the last position.
 template <class Model>
-std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::span<const std::int32_t> ids) {
+std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::span<const std::int32_t> ids,
+                           const layer_observer* observe = nullptr) {
   using sched = typename models::model_traits<Model>::schedule;
   constexpr models::model_config c = Model::dims;
   constexpr int hc = kernels::mhc::hc;
@@ -103,7 +104,7 @@ std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::
                                                                                             std::size_t(m.engrams[j].columns)),
                                            false);
     x = block_forward_chunk(l, m.wiring[std::size_t(l)], m.blocks[std::size_t(l)], shape, m.freqs[std::size_t(l)], x, pre,
-                            start, seq.attention);
+                            start, seq.attention, observe);
   }
   seq.length += (long long)s;
   // Final collapse of the last position, norm, fp32 head.

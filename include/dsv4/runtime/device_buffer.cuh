@@ -43,6 +43,12 @@ class device_buffer {
                                           " elements, buffer has " + std::to_string(size_));
     if (size_) DSV4_CUDA_CHECK(cudaMemcpy(ptr_, host.data(), bytes(), cudaMemcpyHostToDevice));
   }
+  //! Copies `host` into the first host.size() elements (a call's share of a buffer sized for the most).
+  void upload_prefix(std::span<const T> host) {
+    if (host.size() > size_) throw error("device_buffer::upload_prefix: host span has " + std::to_string(host.size()) +
+                                         " elements, buffer has " + std::to_string(size_));
+    if (!host.empty()) DSV4_CUDA_CHECK(cudaMemcpy(ptr_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
   std::vector<T> download() const {
     std::vector<T> h(size_);
     if (size_) DSV4_CUDA_CHECK(cudaMemcpy(h.data(), ptr_, bytes(), cudaMemcpyDeviceToHost));

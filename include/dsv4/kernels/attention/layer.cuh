@@ -235,7 +235,8 @@ class attention_stack {
     throw error("attention_stack: all " + std::to_string(lim_.max_seqs) + " sequence slots are in use");
   }
   void release_sequence(int slot) {
-    check_slot(slot);
+    if (slot < 0 || slot >= lim_.max_seqs || slot_seq_[std::size_t(slot)] < 0)
+      throw error("attention_stack: no live sequence in slot " + std::to_string(slot));
     alloc_->release(slot_seq_[std::size_t(slot)]);
     slot_seq_[std::size_t(slot)] = -1, lengths_[std::size_t(slot)] = -1;
   }
@@ -270,6 +271,14 @@ class attention_stack {
 
   //! Layer `layer` over the call's rows: x [rows, dim] (device), out [rows, dim] (device).
   void forward(int layer, const bf16* x, bf16* out, cudaStream_t stream = nullptr);
+
+  //! Abandons a call that failed part-way: its sequences' caches may hold part of the call, so
+  //! they are marked unusable (every later call on them is an error) until released.
+  void abort_call() {
+    if (!call_) return;
+    for (int s : call_->slots) lengths_[std::size_t(s)] = broken;
+    call_.reset();
+  }
 
   //! Commits the call: the sequences' lengths grow by their tokens.
   void end_call() {
@@ -327,9 +336,13 @@ class attention_stack {
   long long max_keys() const { return lim_.max_tokens; }
   int candidate_width() const { return shape_.pool_blocks * shape_.pool_block; }
 
+  static constexpr long long broken = -2;
   void check_slot(int slot) const {
     if (slot < 0 || slot >= lim_.max_seqs || slot_seq_[std::size_t(slot)] < 0)
       throw error("attention_stack: no live sequence in slot " + std::to_string(slot));
+    if (lengths_[std::size_t(slot)] == broken)
+      throw error("attention_stack: sequence slot " + std::to_string(slot) +
+                  " was left inconsistent by a failed call; release it and start again");
   }
 
   void allocate_scratch() {

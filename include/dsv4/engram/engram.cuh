@@ -1,0 +1,139 @@
+#pragma once
+//! \file
+//! CUDA Engram forward (spec §10, host reference: reference.hpp), the table in device memory:
+//!   1. gather the `columns` FP8 rows of each token's hash ids and dequantize them to bf16
+//!      (q times its UE8M0 scale, exact), concatenated in column order;
+//!   2. act_quant + the FP8 wkv GEMM (kernels/gemm) -> key [hc, dim] and value [dim];
+//!   3. per stream c: the normalized dot product of the stream with the key (sums in double like
+//!      the host), the signed-sqrt sigmoid gate (0 on image tokens), X_c <- bf16(X_c + gate_c value).
+//! Hash ids come from the host (engram/hash.hpp: integer work on the token history); they are
+//! checked on the device too, and an id outside the table yields NaN in the gathered row rather
+//! than an out-of-bounds read. Tables too large for device memory (V4.1's ~100 GB) need the
+//! host-memory path of issue 5, item 5, which is not built yet.
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/kernels/gemm/dequant_gemm.cuh"
+#include "dsv4/numerics/bf16.hpp"
+#include "dsv4/numerics/fast_codec.cuh"
+#include "dsv4/numerics/formats.hpp"
+#include "dsv4/numerics/minifloat.hpp"
+#include "dsv4/numerics/quantize.cuh"
+#include "dsv4/runtime/cuda_check.cuh"
+#include "dsv4/runtime/device_buffer.cuh"
+
+namespace dsv4::engram {
+
+using numerics::bf16;
+
+//! Device view of one Engram module's weights.
+struct engram_device_weights {
+  int hc = 4, dim = 0, head_dim = 0, columns = 0;
+  long long rows = 0;
+  const std::uint8_t* embed = nullptr;        //!< [rows, head_dim] E4M3
+  const std::uint8_t* embed_scale = nullptr;  //!< [rows, head_dim / 32] UE8M0
+  const std::uint8_t* wkv = nullptr;          //!< FP8 [dim * (hc + 1), columns * head_dim], MMA tiles
+  const std::uint8_t* wkv_scale = nullptr;
+  const float* qk_weight = nullptr;           //!< [hc, dim]: q_weight * k_weight, rounded to fp32 once
+  float eps = 1e-20f;
+  DSV4_HOST_DEVICE int k() const { return columns * head_dim; }
+  DSV4_HOST_DEVICE int n() const { return dim * (hc + 1); }
+};
+
+//! Intermediates for up to `max_tokens` tokens.
+struct engram_workspace {
+  engram_workspace(const engram_device_weights& w, long long max_tokens)
+      : max_tokens(max_tokens), e(std::size_t(max_tokens) * w.k()), codes(e.size()), scales(e.size() / 32),
+        kv(std::size_t(max_tokens) * w.n()), gemm(std::size_t(1) << 22, std::size_t(0)) {}
+  long long max_tokens;
+  runtime::device_buffer<bf16> e;
+  runtime::device_buffer<std::uint8_t> codes, scales;
+  runtime::device_buffer<bf16> kv;
+  kernels::gemm::gemm_workspace gemm;
+};
+
+namespace detail {
+DSV4_KERNEL void engram_gather_kernel(engram_device_weights w, const std::int64_t* hashes, long long tokens, bf16* e) {
+  const long long per_token = 1LL * w.columns * w.head_dim;
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= tokens * per_token) return;
+  const long long t = i / per_token;
+  const int c = int((i % per_token) / w.head_dim), d = int(i % w.head_dim);
+  const std::int64_t row = hashes[t * w.columns + c];
+  if (row < 0 || row >= w.rows) {
+    e[i] = bf16::from_bits(0x7fc0);
+    return;
+  }
+  const float q = numerics::fast_decode<numerics::e4m3>(w.embed[row * w.head_dim + d]);
+  const float s = numerics::decode<numerics::ue8m0>(w.embed_scale[row * (w.head_dim / 32) + d / 32]);
+  e[i] = bf16::from_float(__fmul_rn(q, s));
+}
+
+inline constexpr int gate_threads = 128;
+
+//! One CTA per token, one warp per stream (hc <= 4 warps): reduce, gate, update the stream.
+DSV4_KERNEL void __launch_bounds__(gate_threads) engram_gate_kernel(engram_device_weights w, bf16* x, const bf16* kv,
+                                                                    const std::uint8_t* is_image) {
+  const long long t = blockIdx.x;
+  const int c = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (c >= w.hc) return;
+  bf16* xs = x + (t * w.hc + c) * w.dim;
+  const bf16* key = kv + t * w.n() + static_cast<long long>(c) * w.dim;
+  const bf16* value = kv + t * w.n() + static_cast<long long>(w.hc) * w.dim;
+  const float* wd = w.qk_weight + static_cast<long long>(c) * w.dim;
+  double hh = 0, kk = 0, dot = 0;
+  for (int d = lane; d < w.dim; d += 32) {
+    const float h = xs[d].to_float(), k = key[d].to_float();
+    hh += double(h) * h;
+    kk += double(k) * k;
+    dot += double(__fmul_rn(__fmul_rn(h, wd[d]), k));
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    hh += __shfl_xor_sync(0xffffffffu, hh, off);
+    kk += __shfl_xor_sync(0xffffffffu, kk, off);
+    dot += __shfl_xor_sync(0xffffffffu, dot, off);
+  }
+  const float rh = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(float(hh / w.dim), w.eps)));
+  const float rk = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(float(kk / w.dim), w.eps)));
+  const float rstd = __fmul_rn(rh, rk);
+  const float dc = __fmul_rn(__fmul_rn(float(dot), rstd), __fdiv_rn(1.0f, __fsqrt_rn(float(w.dim))));
+  const float root = copysignf(__fsqrt_rn(fmaxf(fabsf(dc), 1e-6f)), dc);
+  const float gate = (is_image && is_image[t]) ? 0.0f : __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-root)));
+  for (int d = lane; d < w.dim; d += 32)
+    xs[d] = bf16::from_float(__fadd_rn(xs[d].to_float(), __fmul_rn(gate, value[d].to_float())));
+}
+}  // namespace detail
+
+//! x [tokens, hc, dim] (device, updated in place) += per-stream gate x value; `hashes` [tokens,
+//! columns] (device); `is_image` optional, one byte per token.
+inline void engram_forward(bf16* x, const std::int64_t* hashes, const std::uint8_t* is_image, long long tokens,
+                           const engram_device_weights& w, engram_workspace& ws, cublasHandle_t blas,
+                           cudaStream_t stream = nullptr) {
+  const std::string where = "engram_forward (tokens " + std::to_string(tokens) + "): ";
+  if (tokens < 0 || tokens > ws.max_tokens) throw error(where + "the workspace holds " + std::to_string(ws.max_tokens) + " tokens");
+  if (w.hc < 1 || w.hc > detail::gate_threads / 32 || w.dim <= 0 || w.head_dim <= 0 || w.head_dim % 32 || w.columns <= 0 ||
+      w.rows <= 0)
+    throw error(where + "need 1 <= hc <= 4, dim > 0, head_dim a positive multiple of 32, columns > 0, rows > 0");
+  if (ws.e.size() < std::size_t(tokens) * w.k() || ws.kv.size() < std::size_t(tokens) * w.n())
+    throw error(where + "the workspace was made for other weights");
+  if (tokens == 0) return;
+  if (!x || !hashes || !w.embed || !w.embed_scale || !w.wkv || !w.wkv_scale || !w.qk_weight)
+    throw error(where + "null pointer argument");
+  const long long gathered = tokens * w.k();
+  detail::engram_gather_kernel<<<unsigned((gathered + 255) / 256), 256, 0, stream>>>(w, hashes, tokens, ws.e.data());
+  DSV4_CUDA_CHECK_LAUNCH();
+  numerics::quantize<numerics::fp8_act_format>(
+      {ws.e.data(), tokens, w.k(), w.k(), ws.codes.data(), w.k(), ws.scales.data(), w.k() / 32}, stream);
+  kernels::gemm::block_scaled_linear({{int(tokens), w.n(), w.k()}, ws.codes.data(), ws.scales.data(), w.wkv, w.wkv_scale,
+                                      ws.kv.data()},
+                                     kernels::gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
+  detail::engram_gate_kernel<<<unsigned(tokens), detail::gate_threads, 0, stream>>>(w, x, ws.kv.data(), is_image);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace dsv4::engram

@@ -1,0 +1,349 @@
+#pragma once
+//! \file
+//! The whole model on CUDA (spec §13 Transformer.forward, text tokens): the same computation as
+//! model_reference.hpp, on the device kernels, for many sequences at once.
+//!   embedding -> 4 streams; per layer: [Engram] -> boundary (mHC step: hc_post of the previous
+//!   FFN, hc_pre, attn_norm, attention mixes) -> CSA2 attention (attention_stack) -> boundary
+//!   (hc_post, hc_pre, ffn_norm, FFN mixes) -> MoE; final boundary (hc_post, collapse, norm);
+//!   fp32 head.
+//! Each mHC boundary is one fused launch (kernels/mhc/mhc_step.cuh). Before an Engram layer the
+//! boundary is split in two (apply hc_post, run Engram on the new streams, then hc_pre and the
+//! mixes), because Engram changes the streams the mixes read.
+//!
+//! Weights are taken from a loaded host_model (which has checked every tensor of the checkpoint)
+//! and uploaded once: FP8 / FP4 weights in the GEMMs' MMA-tile layout, Engram tables in device
+//! memory. A call is a prefill of one new sequence or one decode token for each of a batch of
+//! sequences (different lengths allowed); it returns fp32 logits, as the host model does.
+//! Not here yet: chunks appended after the prefill, the CED prefill, DSpark stages, images, and
+//! Engram tables in host memory (V4.1's are ~100 GB each).
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/engram/engram.cuh"
+#include "dsv4/engram/hash.hpp"
+#include "dsv4/kernels/attention/layer.cuh"
+#include "dsv4/kernels/gemm/dense.cuh"
+#include "dsv4/kernels/gemm/weight_tiles.hpp"
+#include "dsv4/kernels/mhc/mhc_step.cuh"
+#include "dsv4/kernels/moe/moe.cuh"
+#include "dsv4/model/model_reference.hpp"
+#include "dsv4/runtime/device_buffer.cuh"
+
+namespace dsv4::model {
+
+namespace device_detail {
+using runtime::device_buffer;
+template <class T>
+device_buffer<T> upload(const std::vector<T>& v) {
+  return device_buffer<T>{std::span<const T>(v)};
+}
+inline device_buffer<bf16> upload_bf16(const std::vector<float>& v) {
+  std::vector<bf16> b(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) b[i] = bf16::from_float(v[i]);
+  return upload(b);
+}
+
+//! Matrices of several experts, each tiled, one after the other.
+struct tiled_stack {
+  std::vector<std::uint8_t> codes, scales;
+  void add(kernels::gemm::weight_format wf, int n, int k, const std::vector<std::uint8_t>& c, const std::vector<std::uint8_t>& s) {
+    const auto t = kernels::gemm::tile_weight(wf, n, k, c, s);
+    codes.insert(codes.end(), t.codes.begin(), t.codes.end());
+    scales.insert(scales.end(), t.scales.begin(), t.scales.end());
+  }
+};
+
+DSV4_KERNEL void embed_kernel(const bf16* table, const std::int32_t* ids, long long tokens, int dim, int streams, bf16* x) {
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= tokens * streams * dim) return;
+  const long long t = i / (1LL * streams * dim);
+  const int d = int(i % dim);
+  x[i] = table[static_cast<long long>(ids[t]) * dim + d];
+}
+DSV4_KERNEL void widen_rows_kernel(const bf16* x, float* y, long long n) {
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = x[i].to_float();
+}
+}  // namespace device_detail
+
+template <class Model>
+class device_model {
+ public:
+  using sched = typename models::model_traits<Model>::schedule;
+  static constexpr models::model_config c = Model::dims;
+  static constexpr int hc = kernels::mhc::hc;
+  static constexpr int head_dim = c.attn.head_dim;
+  static constexpr int index_dim = c.indexer.index_head_dim;
+  static_assert(c.mhc.hc_mult == hc, "device_model: the mHC kernels are written for 4 streams");
+  using stack_t = kernels::attention::attention_stack<head_dim, index_dim>;
+
+  struct limits {
+    int max_seqs = 4;          //!< sequences alive at once
+    int max_rows = 256;        //!< tokens of one call (prefill length, decode batch)
+    long long max_tokens = 1024;  //!< tokens per sequence
+    int page_tokens = 64;      //!< global-cache page size
+  };
+
+  device_model(const host_model<Model>& m, const limits& lim) : lim_(lim), token_map_(m.token_map), hashes_(m.hashes) {
+    using namespace device_detail;
+    namespace gm = kernels::gemm;
+    const int L = sched::num_layers;
+    std::vector<float> local, compressed;
+    std::vector<kernels::attention::layer_weights> attn;
+    for (int l = 0; l < L; ++l) {
+      (m.wiring[std::size_t(l)].ratio > 0 ? compressed : local) = m.freqs[std::size_t(l)];
+      attn.push_back(m.blocks[std::size_t(l)].attn);
+    }
+    typename stack_t::limits sl;
+    sl.max_seqs = lim.max_seqs, sl.max_rows = lim.max_rows, sl.max_tokens = lim.max_tokens, sl.page_tokens = lim.page_tokens;
+    stack_.emplace(attention_shape<Model>(), m.wiring, attn, local, compressed, sl);
+    attn.clear();
+
+    // The CUDA MoE gate and the bf16 layers take bf16 weights; a checkpoint may store some of them
+    // in F32 (the schema accepts both), which the host model keeps exact: refuse rather than round.
+    auto require_bf16 = [](const std::vector<float>& v, const std::string& what) {
+      for (float f : v)
+        if (bf16::from_float(f).to_float() != f && f == f)
+          throw error("device_model: " + what + " holds F32 values that bf16 cannot represent; the CUDA path takes bf16 there");
+    };
+    for (int l = 0; l < L; ++l) {
+      const block_weights& b = m.blocks[std::size_t(l)];
+      const std::string p = "layers." + std::to_string(l) + ".";
+      require_bf16(b.gate.weight, p + "ffn.gate.weight");
+      if (m.wiring[std::size_t(l)].role == schedule::attn_role::full && m.wiring[std::size_t(l)].ratio == 1)
+        require_bf16(b.attn.compressor.wkv, p + "attn.compressor.wkv.weight");
+    }
+    embed_ = upload_bf16(m.embed);
+    head_ = upload(m.head);
+    norm_ = upload_bf16(m.norm);
+    for (int l = 0; l < L; ++l) {
+      const block_weights& b = m.blocks[std::size_t(l)];
+      device_block d;
+      d.attn_norm = upload_bf16(b.attn_norm), d.ffn_norm = upload_bf16(b.ffn_norm);
+      d.attn_fn = upload(b.attn_mix.fn), d.attn_base = upload(b.attn_mix.base), d.attn_scale = upload(b.attn_mix.scale);
+      d.ffn_fn = upload(b.ffn_mix.fn), d.ffn_base = upload(b.ffn_mix.base), d.ffn_scale = upload(b.ffn_mix.scale);
+      d.gate = upload_bf16(b.gate.weight), d.bias = upload(b.gate.bias);
+      tiled_stack w1, w3, w2, s1, s3, s2;
+      for (const auto& e : b.experts) {
+        w1.add(gm::weight_format::fp4_row32, b.inter, c.dim, e.w1, e.w1_s);
+        w3.add(gm::weight_format::fp4_row32, b.inter, c.dim, e.w3, e.w3_s);
+        w2.add(gm::weight_format::fp4_row32, c.dim, b.inter, e.w2, e.w2_s);
+      }
+      s1.add(gm::weight_format::fp8_tile32, b.inter, c.dim, b.shared.w1, b.shared.w1_s);
+      s3.add(gm::weight_format::fp8_tile32, b.inter, c.dim, b.shared.w3, b.shared.w3_s);
+      s2.add(gm::weight_format::fp8_tile32, c.dim, b.inter, b.shared.w2, b.shared.w2_s);
+      auto put = [](runtime::device_buffer<std::uint8_t>(&dst)[2], const tiled_stack& src) {
+        dst[0] = upload(src.codes), dst[1] = upload(src.scales);
+      };
+      put(d.w1, w1), put(d.w3, w3), put(d.w2, w2), put(d.s1, s1), put(d.s3, s3), put(d.s2, s2);
+      blocks_.push_back(std::move(d));
+    }
+    for (const auto& e : m.engrams) {
+      device_engram d;
+      d.embed = upload(e.embed), d.embed_scale = upload(e.embed_scale);
+      const auto t = gm::tile_weight(gm::weight_format::fp8_tile32, e.dim * (e.hc + 1), e.columns * e.head_dim, e.wkv, e.wkv_scale);
+      d.wkv = upload(t.codes), d.wkv_scale = upload(t.scales);
+      std::vector<float> qk(e.q_weight.size());
+      for (std::size_t i = 0; i < qk.size(); ++i) qk[i] = numerics::mul_rn(e.q_weight[i], e.k_weight[i]);
+      d.qk = upload(qk);
+      d.view.hc = e.hc, d.view.dim = e.dim, d.view.head_dim = e.head_dim, d.view.columns = e.columns, d.view.rows = e.rows;
+      d.view.embed = d.embed.data(), d.view.embed_scale = d.embed_scale.data(), d.view.wkv = d.wkv.data();
+      d.view.wkv_scale = d.wkv_scale.data(), d.view.qk_weight = d.qk.data(), d.view.eps = e.eps;
+      d.ws.emplace(d.view, lim.max_rows);
+      d.hashes = device_buffer<std::int64_t>(std::size_t(lim.max_rows) * e.columns);
+      engrams_.push_back(std::move(d));
+    }
+
+    const std::size_t R = std::size_t(lim.max_rows), D = std::size_t(c.dim);
+    x_ = device_buffer<bf16>(R * hc * D), y_ = device_buffer<bf16>(R * hc * D);
+    h_ = device_buffer<bf16>(R * D), sub_ = device_buffer<bf16>(R * D);
+    hf_ = device_buffer<float>(R * D), logits_ = device_buffer<float>(R * std::size_t(c.vocab_size));
+    ids_ = device_buffer<std::int32_t>(R);
+    std::vector<float> one_hot(R * hc, 0.0f);
+    for (std::size_t t = 0; t < R; ++t) one_hot[t * hc] = 1.0f;
+    entry_pre_ = upload(one_hot);
+    for (auto* b : {&a_pre_, &a_post_, &f_pre_, &f_post_}) *b = device_buffer<float>(R * hc);
+    a_comb_ = device_buffer<float>(R * hc * hc), f_comb_ = device_buffer<float>(R * hc * hc);
+    mhc_ws_.emplace(lim.max_rows, c.dim);
+    kernels::moe::moe_shape ms{c.moe.n_routed_experts, c.moe.n_activated_experts, c.dim, c.moe.moe_inter_dim,
+                               c.moe.route_scale, c.moe.gate_temp, c.moe.swiglu_limit, c.moe.norm_topk_prob};
+    moe_ws_.emplace(ms, lim.max_rows);
+    kernels::gemm::detail::blas_check(cublasCreate(&blas_), "device_model: cublasCreate");
+    histories_.assign(std::size_t(lim.max_seqs), {});
+  }
+  ~device_model() {
+    if (blas_) cublasDestroy(blas_);
+  }
+  device_model(const device_model&) = delete;
+  device_model& operator=(const device_model&) = delete;
+
+  int add_sequence() {
+    const int s = stack_->add_sequence();
+    histories_[std::size_t(s)].assign(engrams_.size(), {});
+    return s;
+  }
+  void release_sequence(int slot) { stack_->release_sequence(slot); }
+  long long length(int slot) const { return stack_->length(slot); }
+  stack_t& attention() { return *stack_; }
+  //! Calls `observe` with each block's intermediates (block_reference.hpp's stages), copied to the
+  //! host after a device synchronization: for parity work only, it serializes the forward.
+  void set_observer(layer_observer observe) { observe_ = std::move(observe); }
+
+  //! Prefill of a new sequence: fp32 logits [vocab] of its last position.
+  std::vector<float> prefill(int slot, std::span<const std::int32_t> ids) {
+    check_ids(ids);
+    stack_->begin_prefill(slot, int(ids.size()));
+    return run({slot}, ids, true);
+  }
+  //! One token for each of `slots`: logits [slots.size(), vocab], in the order given.
+  std::vector<float> decode(const std::vector<int>& slots, std::span<const std::int32_t> ids) {
+    if (ids.size() != slots.size()) throw error("device_model::decode: one token id per sequence");
+    check_ids(ids);
+    stack_->begin_decode(slots);
+    return run(slots, ids, false);
+  }
+
+ private:
+  struct device_block {
+    runtime::device_buffer<bf16> attn_norm, ffn_norm, gate;
+    runtime::device_buffer<float> attn_fn, attn_base, attn_scale, ffn_fn, ffn_base, ffn_scale, bias;
+    runtime::device_buffer<std::uint8_t> w1[2], w3[2], w2[2], s1[2], s3[2], s2[2];  //!< codes, scales (MMA tiles)
+  };
+  struct device_engram {
+    runtime::device_buffer<std::uint8_t> embed, embed_scale, wkv, wkv_scale;
+    runtime::device_buffer<float> qk;
+    runtime::device_buffer<std::int64_t> hashes;
+    engram::engram_device_weights view;
+    std::optional<engram::engram_workspace> ws;
+  };
+
+  limits lim_;
+  std::vector<std::int64_t> token_map_;
+  engram::hash_layout hashes_;
+  std::optional<stack_t> stack_;
+  std::vector<device_block> blocks_;
+  std::vector<device_engram> engrams_;
+  runtime::device_buffer<bf16> embed_, norm_, x_, y_, h_, sub_;
+  runtime::device_buffer<float> head_, hf_, logits_, entry_pre_, a_pre_, a_post_, a_comb_, f_pre_, f_post_, f_comb_;
+  runtime::device_buffer<std::int32_t> ids_;
+  std::optional<kernels::mhc::mhc_workspace> mhc_ws_;
+  std::optional<kernels::moe::moe_workspace> moe_ws_;
+  cublasHandle_t blas_ = nullptr;
+  layer_observer observe_;
+  std::vector<std::vector<std::vector<std::int64_t>>> histories_;  //!< [slot][engram] compressed-id history
+
+  void check_ids(std::span<const std::int32_t> ids) const {
+    if (ids.empty()) throw error("device_model: no tokens");
+    for (std::int32_t id : ids)
+      if (id < 0 || id >= c.vocab_size)
+        throw error("device_model: token id " + std::to_string(id) + " outside the vocabulary of " + std::to_string(c.vocab_size));
+  }
+
+  //! One mHC boundary: Y = hc_post(F, X) (F null: Y = X), h = norm(hc_pre(Y, pre)), next mixes
+  //! (fn null: none).
+  void boundary(long long rows, const bf16* x, const bf16* f, const float* post, const float* comb, const float* pre,
+                const bf16* norm_w, bf16* y, const float* fn, const float* base, const float* scale, float* next_pre,
+                float* next_post, float* next_comb) {
+    kernels::mhc::mhc_step_args a;
+    a.x = x, a.f = f, a.post = post, a.comb = comb, a.pre = pre, a.norm_w = norm_w, a.norm_eps = c.norm_eps;
+    a.y = y, a.h = h_.data(), a.fn = fn, a.base = base, a.scale = scale, a.iters = c.mhc.hc_sinkhorn_iters;
+    a.hc_eps = c.mhc.hc_eps, a.mix_norm_eps = c.norm_eps, a.next_pre = next_pre, a.next_post = next_post;
+    a.next_comb = next_comb, a.tokens = rows, a.dim = c.dim;
+    kernels::mhc::mhc_step(a, *mhc_ws_);
+  }
+
+  std::vector<float> run(const std::vector<int>& slots, std::span<const std::int32_t> ids, bool prefill) {
+    using namespace device_detail;
+    const long long R = static_cast<long long>(ids.size());
+    const int D = c.dim;
+    try {
+      ids_.upload_prefix(ids);
+      // Engram hash ids of every module, from each sequence's compressed-token history.
+      for (std::size_t j = 0; j < engrams_.size(); ++j) {
+        const auto& mult = Model::engram_multipliers[j];
+        const std::vector<std::int64_t> mv(mult.begin(), mult.end());
+        std::vector<std::int64_t> all;
+        for (std::size_t b = 0; b < slots.size(); ++b) {
+          const auto seq_ids = prefill ? ids : ids.subspan(b, 1);
+          const auto h = engram::hash_tokens(hashes_, int(j), mv, seq_ids, {}, token_map_, c.engram.engram_pad_id,
+                                             histories_[std::size_t(slots[b])][j], stack_->length(slots[b]));
+          all.insert(all.end(), h.begin(), h.end());
+        }
+        engrams_[j].hashes.upload_prefix(std::span<const std::int64_t>(all));
+      }
+      embed_kernel<<<blocks_for(R * hc * D), 256>>>(embed_.data(), ids_.data(), R, D, hc, x_.data());
+      DSV4_CUDA_CHECK_LAUNCH();
+      bf16* X = x_.data();  // streams entering the current boundary
+      bf16* Y = y_.data();
+      for (int l = 0; l < sched::num_layers; ++l) {
+        device_block& b = blocks_[std::size_t(l)];
+        int engram_slot = -1;
+        for (std::size_t j = 0; j < engrams_.size(); ++j)
+          if (sched::engram::values[j] == l) engram_slot = int(j);
+        const float* pre = l == 0 ? entry_pre_.data() : f_pre_.data();
+        if (l > 0 && engram_slot >= 0) {  // apply the previous FFN, then Engram, then read the streams
+          boundary(R, X, sub_.data(), f_post_.data(), f_comb_.data(), pre, b.attn_norm.data(), Y, nullptr, nullptr, nullptr,
+                   nullptr, nullptr, nullptr);
+          std::swap(X, Y);
+        }
+        if (engram_slot >= 0) {
+          auto& e = engrams_[std::size_t(engram_slot)];
+          engram::engram_forward(X, e.hashes.data(), nullptr, R, e.view, *e.ws, blas_);
+        }
+        if (l == 0 || engram_slot >= 0) {
+          boundary(R, X, nullptr, nullptr, nullptr, pre, b.attn_norm.data(), nullptr, b.attn_fn.data(), b.attn_base.data(),
+                   b.attn_scale.data(), a_pre_.data(), a_post_.data(), a_comb_.data());
+        } else {
+          boundary(R, X, sub_.data(), f_post_.data(), f_comb_.data(), pre, b.attn_norm.data(), Y, b.attn_fn.data(),
+                   b.attn_base.data(), b.attn_scale.data(), a_pre_.data(), a_post_.data(), a_comb_.data());
+          std::swap(X, Y);
+        }
+        observe(l, "attn_in", h_.data(), R);
+        stack_->forward(l, h_.data(), sub_.data());
+        observe(l, "attn_out", sub_.data(), R);
+        boundary(R, X, sub_.data(), a_post_.data(), a_comb_.data(), a_pre_.data(), b.ffn_norm.data(), Y, b.ffn_fn.data(),
+                 b.ffn_base.data(), b.ffn_scale.data(), f_pre_.data(), f_post_.data(), f_comb_.data());
+        std::swap(X, Y);
+        kernels::moe::moe_weights mw;
+        mw.gate = b.gate.data(), mw.bias = b.bias.data();
+        mw.w1 = b.w1[0].data(), mw.w1_s = b.w1[1].data(), mw.w3 = b.w3[0].data(), mw.w3_s = b.w3[1].data();
+        mw.w2 = b.w2[0].data(), mw.w2_s = b.w2[1].data(), mw.s1 = b.s1[0].data(), mw.s1_s = b.s1[1].data();
+        mw.s3 = b.s3[0].data(), mw.s3_s = b.s3[1].data(), mw.s2 = b.s2[0].data(), mw.s2_s = b.s2[1].data();
+        observe(l, "ffn_in", h_.data(), R);
+        kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_);
+        observe(l, "ffn_out", sub_.data(), R);
+      }
+      // Exit: the last FFN, the collapse with its pre, the final norm; the head on the rows asked for.
+      boundary(R, X, sub_.data(), f_post_.data(), f_comb_.data(), f_pre_.data(), norm_.data(), Y, nullptr, nullptr, nullptr,
+               nullptr, nullptr, nullptr);
+      const long long first = prefill ? R - 1 : 0, rows = R - first;
+      widen_rows_kernel<<<blocks_for(rows * D), 256>>>(h_.data() + first * D, hf_.data(), rows * D);
+      DSV4_CUDA_CHECK_LAUNCH();
+      kernels::gemm::linear_fp32(blas_, hf_.data(), head_.data(), logits_.data(), int(rows), c.vocab_size, D);
+      std::vector<float> out(std::size_t(rows) * c.vocab_size);
+      DSV4_CUDA_CHECK(cudaMemcpy(out.data(), logits_.data(), out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      stack_->end_call();
+      return out;
+    } catch (...) {
+      stack_->abort_call();
+      throw;
+    }
+  }
+  static unsigned blocks_for(long long n) { return unsigned((n + 255) / 256); }
+  void observe(int layer, std::string_view stage, const bf16* values, long long rows) {
+    if (!observe_) return;
+    std::vector<bf16> host(std::size_t(rows) * c.dim);
+    DSV4_CUDA_CHECK(cudaMemcpy(host.data(), values, host.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+    observe_(layer, stage, host);
+  }
+};
+
+}  // namespace dsv4::model

@@ -1,0 +1,176 @@
+// The whole tiny model on CUDA (model/device_model.cuh) against the host model
+// (model_reference.hpp) on one random checkpoint: two sequences (prompts shorter and longer than
+// the window, the top-k and the candidate pool), each prefilled, then 32 decode steps taken as one
+// batch, teacher-forced with the same token ids on both sides. Logits must agree within bf16
+// tolerance and pick the same argmax nearly always.
+
+#include <boost/test/unit_test.hpp>
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <string>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "dsv4/model/device_model.cuh"
+#include "dsv4/models/checkpoint_schema.hpp"
+#include "dsv4/models/tiny.hpp"
+#include "support/checkpoints.hpp"
+#include "support/errors.hpp"
+#include "support/gpu.hpp"
+#include "support/random.hpp"
+
+namespace utf = boost::unit_test;
+using namespace dsv4;
+using tiny = models::tiny;
+using numerics::bf16;
+
+namespace {
+
+struct logit_stats {
+  std::size_t rows = 0, argmax_same = 0;
+  double worst = 0;         // largest |device - host| relative to the row's largest |host logit|
+  double min_cosine = 1.0;  // smallest cosine similarity of a device row with the host's
+  void add(std::span<const float> got, std::span<const float> want) {
+    double d = 0, peak = 0, gg = 0, ww = 0, gw = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      BOOST_REQUIRE_MESSAGE(std::isfinite(got[i]), "non-finite device logit");
+      d = std::max(d, double(std::fabs(got[i] - want[i])));
+      peak = std::max(peak, double(std::fabs(want[i])));
+      gg += double(got[i]) * got[i], ww += double(want[i]) * want[i], gw += double(got[i]) * want[i];
+    }
+    ++rows;
+    worst = std::max(worst, d / peak);
+    min_cosine = std::min(min_cosine, gw / std::sqrt(gg * ww));
+    argmax_same += std::max_element(got.begin(), got.end()) - got.begin() == std::max_element(want.begin(), want.end()) - want.begin();
+  }
+};
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(device_model_cuda)
+
+BOOST_AUTO_TEST_CASE(tiny_logits_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  const test::temp_checkpoint tmp("device_model", models::checkpoint_schema<tiny>(), 43);
+  io::checkpoint ck(tmp.dir);
+  std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
+  std::iota(token_map.begin(), token_map.end(), 0);
+  const auto hm = model::host_model<tiny>::load(ck, token_map);
+  model::device_model<tiny>::limits lim;
+  lim.max_seqs = 3, lim.max_rows = 64, lim.max_tokens = 128, lim.page_tokens = 16;
+  model::device_model<tiny> dm(hm, lim);
+
+  auto rng = test::make_rng(96);
+  const std::vector<int> prompt = {45, 10};  // pool 8 x 4 = 32 positions, top-k 16, window 16
+  const int steps = 32, V = tiny::dims.vocab_size;
+  std::vector<std::vector<std::int32_t>> ids(prompt.size());
+  for (std::size_t s = 0; s < prompt.size(); ++s) {
+    ids[s].resize(std::size_t(prompt[s] + steps));
+    for (auto& id : ids[s]) id = std::int32_t(rng() % std::uint64_t(V));
+  }
+  std::vector<model::host_sequence> host(prompt.size());
+  std::vector<int> slots;
+  logit_stats prefill_stats, decode_stats;
+  for (std::size_t s = 0; s < prompt.size(); ++s) {
+    const auto p = std::span<const std::int32_t>(ids[s]).first(std::size_t(prompt[s]));
+    slots.push_back(dm.add_sequence());
+    const auto got = dm.prefill(slots.back(), p);
+    const auto want = model::forward(hm, host[s], p);
+    prefill_stats.add(got, want);
+  }
+  for (int step = 0; step < steps; ++step) {
+    std::vector<std::int32_t> tok;
+    for (std::size_t s = 0; s < prompt.size(); ++s) tok.push_back(ids[s][std::size_t(prompt[s] + step)]);
+    const auto got = dm.decode(slots, tok);
+    for (std::size_t s = 0; s < prompt.size(); ++s) {
+      const auto want = model::forward(hm, host[s], std::span<const std::int32_t>(&tok[s], 1));
+      decode_stats.add(std::span<const float>(got).subspan(s * std::size_t(V), std::size_t(V)), want);
+    }
+  }
+  for (std::size_t s = 0; s < prompt.size(); ++s) BOOST_TEST(dm.length(slots[s]) == prompt[s] + steps);
+  BOOST_TEST_MESSAGE("tiny model, device vs host logits: prefill worst " << prefill_stats.worst << ", cosine >= "
+                                                                          << prefill_stats.min_cosine << ", argmax "
+                                                                          << prefill_stats.argmax_same << "/" << prefill_stats.rows
+                                                                          << "; decode worst " << decode_stats.worst << ", cosine >= "
+                                                                          << decode_stats.min_cosine << ", argmax "
+                                                                          << decode_stats.argmax_same << "/" << decode_stats.rows);
+  // Not a bf16-level agreement, and it cannot be on random weights: the components agree bit for
+  // bit or nearly (their own tests), but a value that lands on the other side of an FP4 / FP8
+  // rounding boundary, a near-tie in the indexer's top-k or in MoE routing, changes a discrete
+  // choice, and 40 random layers carry that on (layer_by_layer_prefill shows the growth). First
+  // H200 runs: worst 6-10% of the logit range at prefill, 17% over 64 decode rows, argmax 53/64.
+  // The bounds catch a wrong composition (which is uncorrelated), not rounding.
+  BOOST_TEST(prefill_stats.worst < 0.3);
+  BOOST_TEST(decode_stats.worst < 0.3);
+  BOOST_TEST(prefill_stats.min_cosine > 0.95);
+  BOOST_TEST(decode_stats.min_cosine > 0.95);
+  BOOST_TEST(decode_stats.argmax_same * 10 >= decode_stats.rows * 6);
+
+  // Misuse: bad ids, a wrong count, a slot without a prefill.
+  const std::int32_t bad[1] = {V};
+  BOOST_TEST(test::throws_with([&] { dm.decode({slots[0]}, bad); }, "outside the vocabulary"));
+  const std::int32_t two[2] = {1, 2};
+  BOOST_TEST(test::throws_with([&] { dm.decode({slots[0]}, two); }, "one token id per sequence"));
+  const int fresh = dm.add_sequence();
+  const std::int32_t one[1] = {5};
+  BOOST_TEST(test::throws_with([&] { dm.decode({fresh}, one); }, "no prefill"));
+}
+
+// Where device and host part ways: every block's intermediates on a prefill, each stage compared
+// with the host's (free running: the error a stage shows includes what earlier layers passed on).
+BOOST_AUTO_TEST_CASE(layer_by_layer_prefill, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  const test::temp_checkpoint tmp("device_model_layers", models::checkpoint_schema<tiny>(), 44);
+  io::checkpoint ck(tmp.dir);
+  std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
+  std::iota(token_map.begin(), token_map.end(), 0);
+  const auto hm = model::host_model<tiny>::load(ck, token_map);
+  model::device_model<tiny>::limits lim;
+  lim.max_seqs = 1, lim.max_rows = 64, lim.max_tokens = 64, lim.page_tokens = 16;
+  model::device_model<tiny> dm(hm, lim);
+  auto rng = test::make_rng(97);
+  std::vector<std::int32_t> ids(45);
+  for (auto& id : ids) id = std::int32_t(rng() % std::uint64_t(tiny::dims.vocab_size));
+  std::map<std::pair<int, std::string>, std::vector<bf16>> host_stages, device_stages;
+  const model::layer_observer on_host = [&](int l, std::string_view st, std::span<const bf16> v) {
+    host_stages[{l, std::string(st)}].assign(v.begin(), v.end());
+  };
+  dm.set_observer([&](int l, std::string_view st, std::span<const bf16> v) { device_stages[{l, std::string(st)}].assign(v.begin(), v.end()); });
+  model::host_sequence hs;
+  const auto want = model::forward(hm, hs, ids, &on_host);
+  const auto got = dm.prefill(dm.add_sequence(), ids);
+  BOOST_REQUIRE_EQUAL(host_stages.size(), device_stages.size());
+  std::ostringstream table;
+  double first_bad = -1;
+  for (int l = 0; l < 40; ++l) {
+    table << "layer " << l << ":";
+    for (const char* st : {"attn_in", "attn_out", "ffn_in", "ffn_out"}) {
+      const auto& h = host_stages[{l, st}];
+      const auto& d = device_stages[{l, st}];
+      BOOST_REQUIRE_EQUAL(h.size(), d.size());
+      double diff = 0, peak = 0;
+      std::size_t same = 0;
+      for (std::size_t i = 0; i < h.size(); ++i) {
+        diff = std::max(diff, double(std::fabs(h[i].to_float() - d[i].to_float())));
+        peak = std::max(peak, double(std::fabs(h[i].to_float())));
+        same += h[i].bits == d[i].bits;
+      }
+      table << " " << st << " " << diff / peak << " (" << same * 100 / h.size() << "% equal)";
+      if (l == 0) {  // the first block, before anything is carried on: nearly bit-equal
+        BOOST_TEST(same * 100 >= h.size() * 95, "layer 0 " << st << ": " << same << " of " << h.size() << " equal");
+        BOOST_TEST(diff / peak < 0.05, "layer 0 " << st << ": " << diff / peak);
+      }
+      if (first_bad < 0 && diff / peak > 0.01) first_bad = l;
+    }
+    table << "\n";
+  }
+  BOOST_TEST_MESSAGE(table.str());
+  BOOST_TEST_MESSAGE("first layer with a stage beyond 1% of its peak: " << first_bad);
+  logit_stats ls;
+  ls.add(got, want);
+  BOOST_TEST_MESSAGE("logits: worst " << ls.worst << ", cosine " << ls.min_cosine);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
