@@ -96,10 +96,34 @@ BOOST_AUTO_TEST_CASE(misuse_is_an_error) {
   BOOST_TEST(test::throws_with([&] {
     attention::attention_layer_reference(2, st.wiring[2], st.weights[2], shape, st.freqs_compressed, x, 0, state);
   }, "KV owner 1 has not run"));
-  // Two tokens after the prefill:
-  BOOST_TEST(test::throws_with([&] {
-    attention::attention_layer_reference(0, st.wiring[0], st.weights[0], shape, st.freqs_local, x, 5, state);
-  }, "one token per call"));
+}
+
+// Exact mode: a chunk appended after the prefill gives, row for row, the bits that the decode
+// steps of the same tokens give (chunks shorter and longer than the window, across ratio groups,
+// with the top-k and the candidate pool binding).
+BOOST_AUTO_TEST_CASE(appended_chunks_equal_token_by_token_decode) {
+  auto rng = test::make_rng(72);
+  const stack st = make_stack(rng);
+  constexpr int tokens = 60;
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<bf16> x(std::size_t(tokens) * shape.dim);
+  for (auto& v : x) v = bf16::from_float(n(rng));
+  attention::sequence_state chunked, stepped;
+  run(st, x, 0, 5, chunked);
+  run(st, x, 0, 5, stepped);
+  std::size_t compared = 0;
+  for (const auto& [first, count] : std::vector<std::pair<int, int>>{{5, 3}, {8, 1}, {9, 20}, {29, 2}, {31, 29}}) {
+    const auto chunk = run(st, x, first, count, chunked);
+    for (int i = 0; i < count; ++i) {
+      const auto step = run(st, x, first + i, 1, stepped);
+      for (std::size_t l = 0; l < step.size(); ++l)
+        for (int d = 0; d < shape.dim; ++d, ++compared)
+          BOOST_REQUIRE_MESSAGE(chunk[l][std::size_t(i) * shape.dim + d].bits == step[l][std::size_t(d)].bits,
+                                "layer " << l << " position " << first + i << " channel " << d);
+    }
+  }
+  BOOST_TEST(compared == std::size_t(tokens - 5) * st.wiring.size() * shape.dim);
+  BOOST_TEST(chunked.topk_width == shape.topk);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -60,8 +60,9 @@ struct host_sequence {
   long long length = 0;
 };
 
-//! Feeds `ids` (the whole prompt on the first call, then one token per call) and returns the fp32
-//! logits of the last position.
+//! Feeds `ids` (the prompt on the first call; later calls take one token or a chunk of several,
+//! an appended turn, computed in exact mode: as if fed token by token) and returns the fp32 logits
+//! of the last position.
 template <class Model>
 std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::span<const std::int32_t> ids,
                            const layer_observer* observe = nullptr) {
@@ -71,7 +72,6 @@ std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::
   static_assert(c.mhc.hc_mult == hc, "host forward: the mHC kernels are written for 4 streams");
   const std::size_t dim = std::size_t(c.dim), width = hc * dim, s = ids.size();
   if (s == 0) throw error("forward: no tokens");
-  if (seq.length > 0 && s != 1) throw error("forward: after the prompt, one token per call");
   for (std::int32_t id : ids)
     if (id < 0 || id >= c.vocab_size)
       throw error("forward: token id " + std::to_string(id) + " outside the vocabulary of " + std::to_string(c.vocab_size));

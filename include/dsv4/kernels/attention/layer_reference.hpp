@@ -4,7 +4,9 @@
 //! the state the reference keeps between calls: each layer's window ring, each KV owner's
 //! compressed cache, index keys and compressor state, and the forward's shared slots (the last
 //! index source's top-k lists and the candidate source's pool). Calls follow the reference: a
-//! prefill from position 0, then one-token decode steps; layers are called in order.
+//! prefill from position 0, then one-token decode steps; layers are called in order. A chunk of
+//! several tokens after the prefill (an appended turn) runs in exact mode: row by row, each row
+//! as the decode step of its position would run it.
 //!
 //! Per call, with x the attention input (the attn_norm output) of the call's tokens:
 //!   qr = q_norm(wq_a(x)); q = RoPE(wq_b(qr)); kv = QDQ_fp8(RoPE(kv_norm(wkv(x))))
@@ -90,6 +92,15 @@ struct sequence_state {
   int topk_width = 0;
   std::vector<std::uint8_t> candidates;    //!< the candidate source's pool [rows, candidates_width]
   int candidates_width = 0;
+  //! A chunk after the prefill runs row by row (exact mode); the lists its sources publish are
+  //! kept per row, since their widths grow with the position.
+  struct row_lists {
+    std::vector<std::int32_t> topk;
+    int topk_width = 0;
+    std::vector<std::uint8_t> candidates;
+    int candidates_width = 0;
+  };
+  std::vector<row_lists> chunk_rows;
 };
 
 //! One call of layer `layer` over x [s, dim] at positions start_pos .. start_pos + s - 1: a
@@ -102,7 +113,32 @@ inline std::vector<bf16> attention_layer_reference(int layer, const layer_wiring
   if (x.size() % std::size_t(sh.dim) || x.empty()) throw error(where + "x must be [s, dim] with s >= 1");
   const int s = int(x.size() / std::size_t(sh.dim));
   const bool prefill = start_pos == 0;
-  if (!prefill && s != 1) throw error(where + "after the prefill, one token per call");
+  if (!prefill && s > 1) {
+    // Exact mode for a chunk appended after the prefill (a tool result, a new turn): every row as
+    // the decode step of its position would compute it. Each row sees the lists that this
+    // chunk's sources published for the same row.
+    const bool source = wr.role == schedule::attn_role::full || wr.role == schedule::attn_role::reindex;
+    if (source) st.chunk_rows.resize(std::size_t(s));
+    if (st.chunk_rows.size() != std::size_t(s) && wr.ratio > 0)
+      throw error(where + "the chunk's index source did not run over the same rows");
+    std::vector<bf16> out;
+    out.reserve(x.size());
+    for (int i = 0; i < s; ++i) {
+      sequence_state::row_lists* rl = wr.ratio > 0 ? &st.chunk_rows[std::size_t(i)] : nullptr;
+      if (rl && wr.role != schedule::attn_role::full) {  // a consumer: this row's lists
+        st.topk = rl->topk, st.topk_width = rl->topk_width;
+        st.candidates = rl->candidates, st.candidates_width = rl->candidates_width;
+      }
+      const auto o = attention_layer_reference(layer, wr, w, sh, freqs, x.subspan(std::size_t(i) * sh.dim, std::size_t(sh.dim)),
+                                               start_pos + i, st);
+      out.insert(out.end(), o.begin(), o.end());
+      if (source) {
+        rl->topk = st.topk, rl->topk_width = st.topk_width;
+        if (wr.candidate_source) rl->candidates = st.candidates, rl->candidates_width = st.candidates_width;
+      }
+    }
+    return out;
+  }
   const int hd = sh.head_dim;
   auto row = [&](int i) { return x.subspan(std::size_t(i) * sh.dim, std::size_t(sh.dim)); };
 
