@@ -2,13 +2,29 @@
 //! \file
 //! Writes a checkpoint with random weights for a schema (tests, smoke runs, users trying a
 //! variant before weights exist): every tensor in its first accepted dtype and its shape, in
-//! shards of at most `shard_bytes` plus model.safetensors.index.json. Values are finite and of
-//! moderate size: FP8 codes avoid NaN, UE8M0 scales sit near 2^-6, bf16 / fp32 values are
-//! N(0, 0.02^2), FP4 bytes are any pair of codes. Tensors whose shape the schema leaves open
-//! (wo_a.scale) are written with the 32 x 32 tile shape of their weight.
+//! shards of at most `shard_bytes` plus model.safetensors.index.json. Tensors whose shape the
+//! schema leaves open (wo_a.scale) are written with the 32 x 32 tile shape of their weight.
+//!
+//! Two kinds of values (`random_init`):
+//! - `codes` (the default): any finite code. FP8 codes avoid NaN, UE8M0 scales sit near 2^-6,
+//!   bf16 / fp32 values are N(0, 0.02^2), FP4 bytes are any pair of codes. Exercises every code
+//!   path, but the stack it builds amplifies a last-bit difference in one layer to percents of
+//!   the logits a few layers later (docs/parity.md).
+//! - `scaled`: weights with the statistics of a trained model, so that rounding differences stay
+//!   at rounding level through the 40 layers (the parity tests' checkpoints). A linear's weight
+//!   [N, K] is gain x N(0, 1) / sqrt(K), FP8 ones quantized per 32 x 32 tile with power-of-two
+//!   scales (as the official quantizer does); FP4 expert codes are uniform with a per-32 scale
+//!   near gain / (3.2 sqrt(K)); RMSNorm weights are mean x (1 + 0.1 N(0, 1)); the embeddings
+//!   0.12 N(0, 1); Engram tables N(0, 1) quantized per row block; other vectors 0.5 N(0, 1).
+//!   Gains and norm means are the released checkpoint's, as measured by Tenstorrent's reference
+//!   tests (tt-metal models/demos/deepseek_v3_d_p/reference/deepseek_v41/testing.py).
+//!   Normal draws are Irwin-Hall sums of 12 uniforms from mt19937_64 (exact arithmetic, no libm,
+//!   no std::normal_distribution), so the values are the same with any compiler and library.
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -19,8 +35,19 @@
 #include "dsv4/io/safetensors_writer.hpp"
 #include "dsv4/io/tensor_spec.hpp"
 #include "dsv4/numerics/bf16.hpp"
+#include "dsv4/numerics/formats.hpp"
+#include "dsv4/numerics/minifloat.hpp"
 
 namespace dsv4::io {
+
+//! The values a random checkpoint holds (see the file comment).
+enum class random_init { codes, scaled };
+
+inline random_init parse_random_init(const std::string& name) {
+  if (name == "codes") return random_init::codes;
+  if (name == "scaled") return random_init::scaled;
+  throw error("unknown random initialisation '" + name + "' (codes or scaled)");
+}
 
 namespace detail {
 inline std::vector<std::uint8_t> random_bytes(std::mt19937_64& rng, st_dtype d, long long numel) {
@@ -47,6 +74,130 @@ inline std::vector<std::uint8_t> random_bytes(std::mt19937_64& rng, st_dtype d, 
       break;
     default:
       for (auto& x : b) x = std::uint8_t(rng());
+  }
+  return b;
+}
+//! Approximately N(0, 1): the sum of 12 uniforms on [0, 1) with 24-bit resolution, minus 6.
+//! Every step is exact in double, so the value depends on the generator's output only.
+inline double irwin_hall_normal(std::mt19937_64& rng) {
+  double sum = 0;
+  for (int i = 0; i < 6; ++i) {
+    const std::uint64_t r = rng();
+    sum += double(r >> 40) * 0x1p-24 + double((r >> 8) & 0xffffff) * 0x1p-24;
+  }
+  return sum - 6.0;
+}
+
+//! The last name component of a tensor's owner module ("layers.0.attn.wq_a.weight" -> "wq_a").
+inline std::string owner_leaf(const std::string& name) {
+  std::string owner = name.substr(0, name.rfind('.'));
+  return owner.substr(owner.rfind('.') + 1);
+}
+inline bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+//! Weight std multiplier of a linear by its name (trained V4.1 statistics).
+inline double projection_gain(const std::string& leaf) {
+  static const std::map<std::string, double> gains = {{"wq_a", 1.6}, {"wq_b", 0.95}, {"wkv", 1.8}, {"wo_a", 1.6}, {"wo_b", 1.9},
+                                                      {"gate", 2.9}, {"w1", 1.5},    {"w3", 1.5},   {"w2", 1.05}};
+  const auto it = gains.find(leaf);
+  return it == gains.end() ? 1.0 : it->second;
+}
+//! Mean of an RMSNorm weight by its owner (trained V4.1 statistics); 1 for the others.
+inline double norm_mean(const std::string& name) {
+  const std::string owner = name.substr(0, name.rfind('.'));
+  static const std::pair<const char*, double> means[] = {{"attn_norm", 0.025}, {"ffn_norm", 0.2}, {"q_norm", 0.97},
+                                                         {"kv_norm", 0.4},     {"compressor.norm", 0.6}, {"k_norm", 0.5}};
+  for (const auto& [key, mean] : means)
+    if (owner == key || ends_with(owner, std::string(".") + key)) return mean;
+  return 1.0;
+}
+//! ceil(log2(x)) for x > 0, exactly (frexp), as the quantizers' power-of-two scale rounding.
+inline int ceil_log2(double x) {
+  int e = 0;
+  const double m = std::frexp(x, &e);  // x = m 2^e, m in [0.5, 1)
+  return m == 0.5 ? e - 1 : e;
+}
+//! round(log2(x)) for x > 0, exactly: log2(m) >= -1/2 iff m >= sqrt(1/2).
+inline int round_log2(double x) {
+  int e = 0;
+  const double m = std::frexp(x, &e);
+  return m >= std::sqrt(0.5) ? e : e - 1;
+}
+//! The tile edge a scale tensor of `scale_extent` entries implies for a weight extent.
+inline long long tile_edge(long long extent, long long scale_extent) {
+  for (long long t : {32ll, 1ll, 128ll})
+    if ((extent + t - 1) / t == scale_extent) return t;
+  throw error("write_random_checkpoint: a scale extent of " + std::to_string(scale_extent) + " tiles no weight extent of " +
+              std::to_string(extent));
+}
+
+//! `scaled` values of tensor i (and, for a quantized weight, of its scale at i + 1, returned in
+//! `scale_bytes`).
+inline std::vector<std::uint8_t> scaled_bytes(std::mt19937_64& rng, const std::vector<tensor_spec>& schema,
+                                              const std::vector<std::vector<long long>>& shapes, std::size_t i,
+                                              std::vector<std::uint8_t>& scale_bytes) {
+  const tensor_spec& t = schema[i];
+  const st_dtype d = t.dtypes.front();
+  const std::vector<long long>& shape = shapes[i];
+  long long numel = 1;
+  for (long long x : shape) numel *= x;
+  const bool has_scale = i + 1 < schema.size() && schema[i + 1].dtypes.front() == st_dtype::F8_E8M0 &&
+                         schema[i + 1].name == t.name.substr(0, t.name.rfind('.')) + ".scale" && shape.size() == 2 &&
+                         shapes[i + 1].size() == 2;
+  const std::string leaf = owner_leaf(t.name);
+  if (d == st_dtype::F8_E4M3 && has_scale) {
+    const long long n = shape[0], k = shape[1], tr = tile_edge(n, shapes[i + 1][0]), tc = tile_edge(k, shapes[i + 1][1]);
+    const bool engram_table = t.name.find(".engram.embed.") != std::string::npos;
+    const double stdev = engram_table ? 1.0 : projection_gain(leaf) / std::sqrt(double(k));
+    std::vector<float> w(std::size_t(n * k));
+    for (auto& x : w) x = float(irwin_hall_normal(rng) * stdev);
+    std::vector<std::uint8_t> codes(w.size());
+    const long long sr = shapes[i + 1][0], sc = shapes[i + 1][1];
+    scale_bytes.assign(std::size_t(sr * sc), 0);
+    for (long long br = 0; br < sr; ++br)
+      for (long long bc = 0; bc < sc; ++bc) {
+        float amax = 1e-4f;
+        for (long long r = br * tr; r < std::min(n, (br + 1) * tr); ++r)
+          for (long long c = bc * tc; c < std::min(k, (bc + 1) * tc); ++c) amax = std::max(amax, std::fabs(w[std::size_t(r * k + c)]));
+        const int e = ceil_log2(double(amax) / 448.0);
+        scale_bytes[std::size_t(br * sc + bc)] = std::uint8_t(e + 127);
+        for (long long r = br * tr; r < std::min(n, (br + 1) * tr); ++r)
+          for (long long c = bc * tc; c < std::min(k, (bc + 1) * tc); ++c)
+            codes[std::size_t(r * k + c)] = numerics::encode<numerics::e4m3>(std::ldexp(w[std::size_t(r * k + c)], -e));
+      }
+    return codes;
+  }
+  if (d == st_dtype::I8 && has_scale) {  // FP4 expert weight [N, K/2], two codes a byte; scale [N, K/32]
+    const double k = double(shape[1]) * 2;
+    auto codes = random_bytes(rng, d, numel);
+    const int e = round_log2(projection_gain(leaf) / std::sqrt(k) / 3.2);
+    scale_bytes.assign(std::size_t(shapes[i + 1][0] * shapes[i + 1][1]), 0);
+    for (auto& b : scale_bytes) b = std::uint8_t(127 + e + int(rng() % 3) - 1);
+    return codes;
+  }
+  if (d != st_dtype::BF16 && d != st_dtype::F32) return random_bytes(rng, d, numel);
+  std::vector<float> v(static_cast<std::size_t>(numel));
+  const bool norm = ends_with(t.name, ".weight") && leaf.find("norm") != std::string::npos;
+  if (norm) {
+    const double mean = norm_mean(t.name);
+    for (auto& x : v) x = float(mean * (1.0 + 0.1 * irwin_hall_normal(rng)));
+  } else if (t.name == "embed.weight" || ends_with(t.name, "markov_head.embed.weight")) {
+    for (auto& x : v) x = float(0.12 * irwin_hall_normal(rng));
+  } else if (shape.size() >= 2) {
+    const double stdev = projection_gain(leaf) / std::sqrt(double(shape.back()));
+    for (auto& x : v) x = float(stdev * irwin_hall_normal(rng));
+  } else {
+    for (auto& x : v) x = float(0.5 * irwin_hall_normal(rng));
+  }
+  std::vector<std::uint8_t> b(std::size_t(numel) * std::size_t(dtype_bytes(d)));
+  for (std::size_t j = 0; j < v.size(); ++j) {
+    if (d == st_dtype::BF16) {
+      const std::uint16_t bits = numerics::bf16::from_float(v[j]).bits;
+      std::memcpy(&b[2 * j], &bits, 2);
+    } else {
+      std::memcpy(&b[4 * j], &v[j], 4);
+    }
   }
   return b;
 }
@@ -82,7 +233,7 @@ inline unsigned long long checkpoint_bytes(const std::vector<tensor_spec>& schem
 }
 
 inline void write_random_checkpoint(const std::vector<tensor_spec>& schema, const std::string& folder,
-                                    std::size_t shard_bytes, std::uint64_t seed) {
+                                    std::size_t shard_bytes, std::uint64_t seed, random_init init = random_init::codes) {
   namespace fs = std::filesystem;
   fs::create_directories(folder);
   // Refuse up front rather than fill the disk halfway (a V4.1 Flash checkpoint is ~510 GB).
@@ -97,6 +248,8 @@ inline void write_random_checkpoint(const std::vector<tensor_spec>& schema, cons
   safetensors_writer shard;
   std::vector<std::string> shard_names;
   const auto shapes = written_shapes(schema);
+  std::vector<std::uint8_t> pending;  // `scaled`: the scale bytes of the weight just written
+  std::size_t pending_index = schema.size();
   auto flush = [&] {
     if (shard.empty()) return;
     const std::string name = "model-" + std::to_string(shard_files.size() + 1) + ".safetensors";
@@ -112,7 +265,17 @@ inline void write_random_checkpoint(const std::vector<tensor_spec>& schema, cons
     const std::vector<long long>& shape = shapes[i];
     long long numel = 1;
     for (long long s : shape) numel *= s;
-    auto bytes = detail::random_bytes(rng, t.dtypes.front(), numel);
+    std::vector<std::uint8_t> bytes;
+    if (init == random_init::codes) {
+      bytes = detail::random_bytes(rng, t.dtypes.front(), numel);
+    } else if (pending_index == i) {  // a scale, computed with its weight
+      bytes = std::move(pending);
+      pending_index = schema.size();
+    } else {
+      std::vector<std::uint8_t> scale;
+      bytes = detail::scaled_bytes(rng, schema, shapes, i, scale);
+      if (!scale.empty()) pending = std::move(scale), pending_index = i + 1;
+    }
     if (shard.bytes() + bytes.size() > shard_bytes) flush();
     shard.add(t.name, t.dtypes.front(), shape, std::move(bytes));
     shard_names.push_back(t.name);
