@@ -10,12 +10,14 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <sstream>
 #include <unistd.h>
 
 #include "dsv4/dsv4.hpp"
 #include "dsv4/io/checkpoint.hpp"
+#include "dsv4/io/npy.hpp"
 #include "dsv4/kernels/sampling/reference.hpp"
 #include "dsv4/model/model_reference.hpp"
 #include "dsv4/io/random_checkpoint.hpp"
@@ -44,8 +46,19 @@ inline void usage(std::ostream& os) {
         "                       decode throughput; without --checkpoint the built-in tiny model\n"
         "                       runs with random weights from a fixed seed. This backend is the\n"
         "                       host reference: it runs the tiny variant only\n"
-        "  random-checkpoint DIR [--config NAME] [--seed N] [--shard-mib M]\n"
-        "                       write a checkpoint with random weights (default config tiny)\n"
+        "  logits --checkpoint PATH [--config tiny] --prompt IDS [--decode IDS] --out FILE\n"
+        "                       exact prefill of the prompt, then the decode ids fed one at a\n"
+        "                       time (teacher forcing, no sampling); writes the fp32 logits of\n"
+        "                       the last prompt position and after each decode token as a .npy\n"
+        "                       array of shape (1 + decode tokens, vocabulary), row-major\n"
+        "  random-checkpoint DIR [--config NAME] [--seed N] [--shard-mib M] [--init codes|scaled]\n"
+        "                       write a checkpoint with random weights (default config tiny):\n"
+        "                       any finite codes (codes, the default), or weights with a trained\n"
+        "                       model's scales (scaled: the parity tests' checkpoints)\n"
+        "  config-json [--config NAME] [--out FILE] [--multipliers FILE]\n"
+        "                       write the inference/config.json of a built-in model (default\n"
+        "                       tiny) in the official file's format, to FILE or stdout; with\n"
+        "                       --multipliers, also its Engram hash multipliers as JSON\n"
         "  version              print the dsv4 version\n"
         "  help                 print this text\n";
 }
@@ -113,6 +126,28 @@ inline long long parse_integer(const std::string& cmd, const std::string& key, c
   }
   throw error(cmd + ": --" + key + " needs a non-negative integer, got '" + v + "'");
 }
+//! A comma-separated list of token ids ("" gives an empty list).
+inline std::vector<std::int32_t> parse_ids(const std::string& cmd, const std::string& key, const std::string& v) {
+  std::vector<std::int32_t> ids;
+  std::stringstream ss(v);
+  for (std::string item; std::getline(ss, item, ',');) {
+    const long long id = parse_integer(cmd, key, item);
+    if (id > 0x7fffffffLL) throw error(cmd + ": --" + key + ": token id " + item + " is too large");
+    ids.push_back(std::int32_t(id));
+  }
+  return ids;
+}
+
+//! A built-in model's Engram hash multipliers as JSON: {"engram_layer_ids": [...],
+//! "engram_hash_multipliers": [[k = 0, 1, ...], ...]} (one row per Engram layer).
+template <class Model>
+std::string multipliers_json() {
+  using sched = typename models::model_traits<Model>::schedule;
+  std::string s = "{\"engram_layer_ids\": " + models::detail::json_list(sched::engram::values) + ", \"engram_hash_multipliers\": [";
+  for (std::size_t l = 0; l < Model::engram_multipliers.size(); ++l)
+    s += (l ? ", " : "") + models::detail::json_list(Model::engram_multipliers[l]);
+  return s + "]}\n";
+}
 }  // namespace detail
 
 inline int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
@@ -173,9 +208,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       using tiny = models::tiny;
       std::vector<std::int32_t> prompt;
       if (o.named.count("prompt")) {
-        std::stringstream ss(o.named.at("prompt"));
-        for (std::string item; std::getline(ss, item, ',');)
-          prompt.push_back(std::int32_t(detail::parse_integer(cmd, "prompt", item)));
+        prompt = detail::parse_ids(cmd, "prompt", o.named.at("prompt"));
         if (prompt.empty()) throw error("run: --prompt needs at least one token id");
       } else {
         prompt.resize(8);
@@ -239,16 +272,92 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       out << line;
       return 0;
     }
+    if (cmd == "logits") {
+      const auto o = detail::parse(args, cmd, {"config", "checkpoint", "prompt", "decode", "out"});
+      if (!o.positional.empty()) throw error("logits: unexpected argument '" + o.positional[0] + "'");
+      const std::string config = o.named.count("config") ? o.named.at("config") : models::tiny::name;
+      if (config != models::tiny::name) {
+        models::describe_builtin(config);  // an unknown name gets the list of valid ones
+        throw error("logits: the host backend runs the tiny variant only; " + config +
+                    " needs the CUDA model, which is not built yet (issue 6)");
+      }
+      using tiny = models::tiny;
+      for (const char* key : {"checkpoint", "prompt", "out"})
+        if (!o.named.count(key)) throw error(std::string("logits: --") + key + " is required");
+      const auto prompt = detail::parse_ids(cmd, "prompt", o.named.at("prompt"));
+      if (prompt.empty()) throw error("logits: --prompt needs at least one token id");
+      const auto decode = o.named.count("decode") ? detail::parse_ids(cmd, "decode", o.named.at("decode")) : std::vector<std::int32_t>{};
+      for (const auto* list : {&prompt, &decode})
+        for (std::int32_t id : *list)
+          if (id >= tiny::dims.vocab_size)
+            throw error("logits: token id " + std::to_string(id) + " is outside the vocabulary of " + config + " (" +
+                        std::to_string(tiny::dims.vocab_size) + " ids)");
+      const long long total = (long long)(prompt.size() + decode.size());
+      if (total > tiny::dims.rope.max_position_embeddings)
+        throw error("logits: " + std::to_string(total) + " positions exceed the model's " +
+                    std::to_string(tiny::dims.rope.max_position_embeddings));
+      const std::string out_path = o.named.at("out");
+      if (!std::ofstream(out_path, std::ios::binary))  // fail now, not after the model ran
+        throw error(out_path + ": cannot open for writing");
+      std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
+      std::iota(token_map.begin(), token_map.end(), 0);  // tiny: compressed vocabulary = vocabulary
+      io::checkpoint ck(o.named.at("checkpoint"));
+      ck.validate(models::checkpoint_schema<tiny>());
+      const auto m = model::host_model<tiny>::load(ck, token_map);
+      io::npy_matrix logits{.rows = 1 + decode.size(), .cols = std::size_t(tiny::dims.vocab_size), .data = {}};
+      logits.data.reserve(logits.rows * logits.cols);
+      model::host_sequence seq;
+      auto row = model::forward(m, seq, prompt);
+      logits.data.insert(logits.data.end(), row.begin(), row.end());
+      for (std::int32_t id : decode) {
+        row = model::forward(m, seq, std::span<const std::int32_t>(&id, 1));
+        logits.data.insert(logits.data.end(), row.begin(), row.end());
+      }
+      io::write_npy_f32(out_path, logits);
+      out << "wrote " << logits.rows << " x " << logits.cols << " fp32 logits (prefill of " << prompt.size() << " tokens, "
+          << decode.size() << " decode steps) to " << out_path << "\n";
+      return 0;
+    }
+    if (cmd == "config-json") {
+      const auto o = detail::parse(args, cmd, {"config", "out", "multipliers"});
+      if (!o.positional.empty()) throw error("config-json: unexpected argument '" + o.positional[0] + "'");
+      const std::string config = o.named.count("config") ? o.named.at("config") : models::tiny::name;
+      std::string text, mult;
+      if (config == models::tiny::name) {
+        text = models::config_json_text<models::tiny>();
+        mult = detail::multipliers_json<models::tiny>();
+      } else if (config == models::v41_flash::name) {
+        text = models::config_json_text<models::v41_flash>();
+        mult = detail::multipliers_json<models::v41_flash>();
+      } else {
+        models::describe_builtin(config);  // throws the "unknown model config" error
+      }
+      auto write = [](const std::string& path, const std::string& body) {
+        std::ofstream f(path);
+        f << body;
+        if (!f) throw error("config-json: cannot write " + path);
+      };
+      if (o.named.count("out")) {
+        write(o.named.at("out"), text);
+        out << "wrote the config.json of " << config << " to " << o.named.at("out") << "\n";
+      } else {
+        out << text;
+      }
+      if (o.named.count("multipliers")) write(o.named.at("multipliers"), mult);
+      return 0;
+    }
     if (cmd == "random-checkpoint") {
-      const auto o = detail::parse(args, cmd, {"config", "seed", "shard-mib"});
+      const auto o = detail::parse(args, cmd, {"config", "seed", "shard-mib", "init"});
       if (o.positional.size() != 1) throw error("random-checkpoint: give exactly one output folder");
       const std::string config = o.named.count("config") ? o.named.at("config") : models::tiny::name;
       const long long seed = o.named.count("seed") ? detail::parse_integer(cmd, "seed", o.named.at("seed")) : 0;
       const long long mib = o.named.count("shard-mib") ? detail::parse_integer(cmd, "shard-mib", o.named.at("shard-mib")) : 1024;
       if (mib == 0) throw error("random-checkpoint: --shard-mib must be at least 1");
+      const auto init = io::parse_random_init(o.named.count("init") ? o.named.at("init") : "codes");
       const auto schema = detail::schema_of(config);
-      io::write_random_checkpoint(schema, o.positional[0], std::size_t(mib) << 20, std::uint64_t(seed));
-      out << "wrote " << schema.size() << " random tensors of " << config << " to " << o.positional[0] << "\n";
+      io::write_random_checkpoint(schema, o.positional[0], std::size_t(mib) << 20, std::uint64_t(seed), init);
+      out << "wrote " << schema.size() << " random tensors of " << config << " to " << o.positional[0]
+          << (init == io::random_init::scaled ? " (scaled init)" : "") << "\n";
       return 0;
     }
     throw error("unknown command '" + cmd + "' (try: dsv4 help)");

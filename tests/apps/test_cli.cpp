@@ -2,12 +2,16 @@
 
 #include <boost/test/unit_test.hpp>
 
+#include <cmath>
 #include <filesystem>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "dsv4/cli.hpp"
+#include "dsv4/io/json.hpp"
+#include "dsv4/io/npy.hpp"
+#include "dsv4/models/config_json.hpp"
 
 namespace {
 struct result {
@@ -116,6 +120,87 @@ BOOST_AUTO_TEST_CASE(random_checkpoint_then_check) {
     BOOST_TEST(std::filesystem::is_empty(dir41));
     std::filesystem::remove_all(dir41);
   }
+}
+
+// dsv4 logits: prefill then teacher-forced decode, one row of fp32 logits per step, as .npy; the
+// decode rows equal a prefill of the longer prompt (the host model's decode = prefill property).
+BOOST_AUTO_TEST_CASE(logits_writes_one_row_per_step) {
+  const auto tmp = std::filesystem::temp_directory_path();
+  const auto dir = (tmp / "dsv4_test_cli_logits_ckpt").string();
+  const auto out = (tmp / "dsv4_test_cli_logits.npy").string(), out2 = (tmp / "dsv4_test_cli_logits2.npy").string();
+  std::filesystem::remove_all(dir);
+  result r = run({"random-checkpoint", dir, "--config", "tiny", "--seed", "3", "--init", "scaled"});
+  BOOST_TEST(r.code == 0, r.err);
+  BOOST_TEST(has(r.out, "(scaled init)"));
+  r = run({"logits", "--checkpoint", dir, "--prompt", "5,6,7", "--decode", "8,9", "--out", out});
+  BOOST_TEST(r.code == 0, r.err);
+  BOOST_TEST(has(r.out, "wrote 3 x 1024 fp32 logits (prefill of 3 tokens, 2 decode steps) to " + out));
+  const auto a = dsv4::io::read_npy_f32(out);
+  BOOST_TEST((a.rows == 3 && a.cols == 1024));
+  r = run({"logits", "--checkpoint", dir, "--prompt", "5,6,7,8", "--out", out2});
+  BOOST_TEST(r.code == 0, r.err);
+  const auto b = dsv4::io::read_npy_f32(out2);
+  BOOST_TEST((b.rows == 1 && b.cols == 1024));
+  bool same = true, finite = true;
+  for (std::size_t i = 0; i < 1024; ++i) {
+    same &= a.row(1)[i] == b.row(0)[i];
+    for (std::size_t row = 0; row < 3; ++row) finite &= std::isfinite(a.row(row)[i]);
+  }
+  BOOST_TEST(same);
+  BOOST_TEST(finite);
+  // Bad input: each error names the problem, before any weight is read where it can.
+  r = run({"logits", "--checkpoint", dir, "--prompt", "5,6", "--decode", "1024", "--out", out});
+  BOOST_TEST((r.code == 2 && has(r.err, "token id 1024 is outside the vocabulary of tiny (1024 ids)")));
+  r = run({"logits", "--checkpoint", dir, "--decode", "1", "--out", out});
+  BOOST_TEST((r.code == 2 && has(r.err, "--prompt is required")));
+  r = run({"logits", "--prompt", "1", "--out", out});
+  BOOST_TEST((r.code == 2 && has(r.err, "--checkpoint is required")));
+  r = run({"logits", "--checkpoint", dir, "--prompt", "1"});
+  BOOST_TEST((r.code == 2 && has(r.err, "--out is required")));
+  r = run({"logits", "--checkpoint", dir, "--prompt", "", "--out", out});
+  BOOST_TEST((r.code == 2 && has(r.err, "--prompt needs at least one token id")));
+  r = run({"logits", "--checkpoint", dir, "--prompt", "1,-2", "--out", out});
+  BOOST_TEST((r.code == 2 && has(r.err, "--prompt needs a non-negative integer, got '-2'")));
+  r = run({"logits", "--checkpoint", dir, "--prompt", "1", "--decode", "2,,3", "--out", out});
+  BOOST_TEST((r.code == 2 && has(r.err, "--decode needs a non-negative integer, got ''")));
+  r = run({"logits", "--config", "v41-flash", "--checkpoint", dir, "--prompt", "1", "--out", out});
+  BOOST_TEST((r.code == 2 && has(r.err, "runs the tiny variant only")));
+  r = run({"logits", "--checkpoint", "/nonexistent/ckpt", "--prompt", "1", "--out", out});
+  BOOST_TEST((r.code == 2 && has(r.err, "/nonexistent/ckpt")));
+  r = run({"logits", "--checkpoint", dir, "--prompt", "1", "--out", "/nonexistent/dir/x.npy"});
+  BOOST_TEST((r.code == 2 && has(r.err, "/nonexistent/dir/x.npy: cannot open for writing")));
+  BOOST_TEST(has(run({"random-checkpoint", dir, "--init", "fancy"}).err, "unknown random initialisation 'fancy' (codes or scaled)"));
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove(out);
+  std::filesystem::remove(out2);
+}
+
+// dsv4 config-json writes the official file's format from the types: for V4.1 Flash the official
+// file's keys in its order with its values; for tiny a file its own comparison accepts.
+BOOST_AUTO_TEST_CASE(config_json_round_trips) {
+  result r = run({"config-json", "--config", "v41-flash"});
+  BOOST_TEST(r.code == 0, r.err);
+  const auto written = dsv4::io::parse_json(r.out, "config-json output");
+  const auto official = dsv4::io::parse_json_file(std::string(DSV4_TEST_DATA) + "/v41_inference_config.json");
+  BOOST_TEST(dsv4::models::compare_config_json<dsv4::models::v41_flash>(written).empty());
+  BOOST_TEST(written.object().size() == official.object().size());
+  for (const auto& [key, value] : official.object()) BOOST_TEST(written.object().count(key) == 1, key);
+  BOOST_TEST(has(r.out, "\"norm_eps\": 1e-20,\n"));
+  BOOST_TEST(has(r.out, "\"vision_max_wh_ratio\": null,\n"));
+  const auto tmp = std::filesystem::temp_directory_path();
+  const auto cfg = (tmp / "dsv4_test_cli_tiny_config.json").string(), mult = (tmp / "dsv4_test_cli_tiny_mult.json").string();
+  r = run({"config-json", "--out", cfg, "--multipliers", mult});
+  BOOST_TEST(r.code == 0, r.err);
+  BOOST_TEST(has(r.out, "wrote the config.json of tiny to " + cfg));
+  BOOST_TEST(dsv4::models::compare_config_json<dsv4::models::tiny>(dsv4::io::parse_json_file(cfg)).empty());
+  const auto m = dsv4::io::parse_json_file(mult);
+  const auto& rows = m.object().at("engram_hash_multipliers").array();
+  BOOST_TEST(rows.size() == 2u);
+  BOOST_TEST(rows[1].array()[3].integer == dsv4::models::tiny::engram_multipliers[1][3]);
+  BOOST_TEST(has(run({"config-json", "--config", "v9"}).err, "unknown model config 'v9'"));
+  BOOST_TEST(has(run({"config-json", "extra"}).err, "unexpected argument 'extra'"));
+  std::filesystem::remove(cfg);
+  std::filesystem::remove(mult);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
