@@ -1,7 +1,7 @@
 // The CUDA attention sublayer (kernels/attention/layer.cuh) against the host reference
 // (layer_reference.hpp) on the five-layer stack with every role: three sequences of different
 // lengths, each prefilled alone, then decoded together as one batch (prefill lengths below and
-// above the window, the top-k and the candidate pool).
+// above the window, the top-k and the candidate pool), then chunks appended in exact mode.
 
 #include <boost/test/unit_test.hpp>
 
@@ -74,7 +74,7 @@ BOOST_AUTO_TEST_CASE(prefill_and_batched_decode_match_host, *utf::label("gpu") *
   const int layers = int(st.wiring.size());
   const std::vector<int> prefill = {21, 6, 37};  // around the window (16), top-k (8 entries) and pool (12 positions)
   const int decode_steps = 14, seqs = int(prefill.size());
-  const int max_len = *std::max_element(prefill.begin(), prefill.end()) + decode_steps;
+  const int max_len = *std::max_element(prefill.begin(), prefill.end()) + decode_steps + 22;  // + appended chunks
   const inputs in(seqs, layers, max_len, rng);
 
   attention_stack<128, 64>::limits lim;
@@ -132,7 +132,50 @@ BOOST_AUTO_TEST_CASE(prefill_and_batched_decode_match_host, *utf::label("gpu") *
     }
     dev.end_call();
   }
-  for (int s = 0; s < seqs; ++s) BOOST_TEST(dev.length(slot[std::size_t(s)]) == prefill[std::size_t(s)] + decode_steps);
+  // Appended chunks (exact mode), shorter and longer than the window, then one more batched
+  // decode step, which reads the rings the chunks left.
+  row_stats append_stats;
+  std::vector<long long> len(static_cast<std::size_t>(seqs));
+  for (int s = 0; s < seqs; ++s) len[std::size_t(s)] = prefill[std::size_t(s)] + decode_steps;
+  for (const auto& [s, n] : std::vector<std::pair<int, int>>{{0, 5}, {2, 20}, {1, 1}}) {
+    dev.begin_append(slot[std::size_t(s)], n);
+    for (int l = 0; l < layers; ++l) {
+      const auto x = in.rows(s, l, len[std::size_t(s)], n);
+      DSV4_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), x.size_bytes(), cudaMemcpyHostToDevice));
+      dev.forward(l, dx.data(), dout.data());
+      std::vector<bf16> got(x.size());
+      DSV4_CUDA_CHECK(cudaMemcpy(got.data(), dout.data(), x.size_bytes(), cudaMemcpyDeviceToHost));
+      const auto want = host_layer(s, l, len[std::size_t(s)], n);
+      for (int r = 0; r < n; ++r)
+        append_stats.add(std::span<const bf16>(got).subspan(std::size_t(r) * shape.dim, shape.dim),
+                         std::span<const bf16>(want).subspan(std::size_t(r) * shape.dim, shape.dim));
+    }
+    dev.end_call();
+    len[std::size_t(s)] += n;
+  }
+  dev.begin_decode(batch_slots);
+  for (int l = 0; l < layers; ++l) {
+    std::vector<bf16> x;
+    for (int s : order) {
+      const auto r = in.rows(s, l, len[std::size_t(s)], 1);
+      x.insert(x.end(), r.begin(), r.end());
+    }
+    DSV4_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), x.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+    dev.forward(l, dx.data(), dout.data());
+    std::vector<bf16> got(x.size());
+    DSV4_CUDA_CHECK(cudaMemcpy(got.data(), dout.data(), x.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+    for (std::size_t b = 0; b < order.size(); ++b)
+      append_stats.add(std::span<const bf16>(got).subspan(b * shape.dim, shape.dim), host_layer(order[b], l, len[std::size_t(order[b])], 1));
+  }
+  dev.end_call();
+  for (int s = 0; s < seqs; ++s) len[std::size_t(s)] += 1;
+  for (int s = 0; s < seqs; ++s) BOOST_TEST(dev.length(slot[std::size_t(s)]) == len[std::size_t(s)]);
+  BOOST_TEST_MESSAGE("attention stack, appended chunks and the decode after them: " << append_stats.rows << " rows, "
+                                                                                    << append_stats.exact_rows << " bit-equal, "
+                                                                                    << append_stats.loose_rows << " beyond 2^-5, worst "
+                                                                                    << append_stats.worst);
+  BOOST_TEST(append_stats.exact_rows * 10 >= append_stats.rows * 9);
+  BOOST_TEST(append_stats.loose_rows * 50 <= append_stats.rows);
   BOOST_TEST_MESSAGE("attention stack, prefill: " << prefill_stats.rows << " rows, " << prefill_stats.exact_rows
                                                   << " bit-equal, " << prefill_stats.loose_rows
                                                   << " beyond 2^-5 of the row peak, worst " << prefill_stats.worst);

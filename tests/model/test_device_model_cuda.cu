@@ -91,6 +91,15 @@ BOOST_AUTO_TEST_CASE(tiny_logits_match_host, *utf::label("gpu") * utf::precondit
     }
   }
   for (std::size_t s = 0; s < prompt.size(); ++s) BOOST_TEST(dm.length(slots[s]) == prompt[s] + steps);
+  // An appended chunk (exact mode) on the shorter sequence.
+  std::vector<std::int32_t> chunk(20);
+  for (auto& id : chunk) id = std::int32_t(rng() % std::uint64_t(V));
+  logit_stats append_stats;
+  append_stats.add(dm.append(slots[1], chunk), model::forward(hm, host[1], chunk));
+  BOOST_TEST(dm.length(slots[1]) == prompt[1] + steps + 20);
+  BOOST_TEST_MESSAGE("appended chunk: worst " << append_stats.worst << ", cosine " << append_stats.min_cosine);
+  BOOST_TEST(append_stats.worst < 0.3);
+  BOOST_TEST(append_stats.min_cosine > 0.95);
   BOOST_TEST_MESSAGE("tiny model, device vs host logits: prefill worst " << prefill_stats.worst << ", cosine >= "
                                                                           << prefill_stats.min_cosine << ", argmax "
                                                                           << prefill_stats.argmax_same << "/" << prefill_stats.rows

@@ -12,9 +12,10 @@
 //!
 //! Weights are taken from a loaded host_model (which has checked every tensor of the checkpoint)
 //! and uploaded once: FP8 / FP4 weights in the GEMMs' MMA-tile layout, Engram tables in device
-//! memory. A call is a prefill of one new sequence or one decode token for each of a batch of
-//! sequences (different lengths allowed); it returns fp32 logits, as the host model does.
-//! Not here yet: chunks appended after the prefill, the CED prefill, DSpark stages, images, and
+//! memory. A call is a prefill of one new sequence, one decode token for each of a batch of
+//! sequences (different lengths allowed), or a chunk appended to one sequence (exact mode); it
+//! returns fp32 logits, as the host model does.
+//! Not here yet: the CED prefill, DSpark stages, images, and
 //! Engram tables in host memory (V4.1's are ~100 GB each).
 
 #include <cublas_v2.h>
@@ -203,6 +204,12 @@ class device_model {
     stack_->begin_prefill(slot, int(ids.size()));
     return run({slot}, ids, true);
   }
+  //! A chunk appended to a sequence after its prefill (exact mode): logits [vocab] of its last position.
+  std::vector<float> append(int slot, std::span<const std::int32_t> ids) {
+    check_ids(ids);
+    stack_->begin_append(slot, int(ids.size()));
+    return run({slot}, ids, true);
+  }
   //! One token for each of `slots`: logits [slots.size(), vocab], in the order given.
   std::vector<float> decode(const std::vector<int>& slots, std::span<const std::int32_t> ids) {
     if (ids.size() != slots.size()) throw error("device_model::decode: one token id per sequence");
@@ -260,7 +267,10 @@ class device_model {
     kernels::mhc::mhc_step(a, *mhc_ws_);
   }
 
-  std::vector<float> run(const std::vector<int>& slots, std::span<const std::int32_t> ids, bool prefill) {
+  //! `one_sequence`: the ids are a prefill or appended chunk of slots[0] (logits of the last row);
+  //! otherwise one id per slot (logits of every row).
+  std::vector<float> run(const std::vector<int>& slots, std::span<const std::int32_t> ids, bool one_sequence) {
+    const bool prefill = one_sequence;
     using namespace device_detail;
     const long long R = static_cast<long long>(ids.size());
     const int D = c.dim;

@@ -10,10 +10,13 @@
 //! - the ratio >= 2 compressors' decode states per sequence slot;
 //! - the scratch of one call and the slots that index sources publish to the layers after them
 //!   (top-k lists, the candidate pool).
-//! A call is a prefill of one sequence from position 0 or one decode token for each of a batch
-//! of sequences. `begin_prefill` / `begin_decode` describe it (positions, pages, metadata
-//! uploaded once), `forward(layer, x, out)` runs each layer in order with its attention input x
-//! (the attn_norm output) and writes the sublayer output, `end_call` commits the new lengths.
+//! A call is a prefill of one sequence from position 0, one decode token for each of a batch of
+//! sequences, or a chunk appended to one sequence after its prefill (exact mode: every row as the
+//! decode step of its position; the operand is the ring, then the chunk's rows, and the chunk
+//! enters the ring only after the attention). `begin_prefill` / `begin_decode` / `begin_append`
+//! describe it (positions, pages, metadata uploaded once), `forward(layer, x, out)` runs each
+//! layer in order with its attention input x (the attn_norm output) and writes the sublayer
+//! output, `end_call` commits the new lengths.
 //!
 //! Per layer: act_quant(x) feeds wq_a and wkv; q = RoPE(wq_b(act_quant(q_norm(wq_a x)))); the
 //! window entry RoPE(kv_norm(wkv x)) is packed as FP8 into the call's rows (prefill) and the ring;
@@ -21,8 +24,7 @@
 //! with the decode state), packs index keys and main entries into its pages; an index source
 //! scores its MXFP4 queries against its owner's keys (a Reindex layer only the candidate pool),
 //! selects top-k and publishes it; sparse attention over window + selected entries with the sink;
-//! the output path. Chunks appended after the prefill (issue 6 item 4) are not supported yet: the
-//! host reference has no such call either.
+//! the output path.
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -94,6 +96,8 @@ struct index_list_args {
   const std::int64_t* positions = nullptr;
   int rows = 0, window_width = 0, topk_width = 0, window = 0;
   bool prefill = false;               //!< prefill: operand = the call's rows; decode: the ring
+  bool append = false;                //!< an appended chunk: the ring, then the call's rows
+  long long chunk_start = 0;          //!< append: position of the chunk's first row
 };
 DSV4_KERNEL void index_list_kernel(index_list_args a) {
   const int width = a.window_width + a.topk_width;
@@ -106,6 +110,9 @@ DSV4_KERNEL void index_list_kernel(index_list_args a) {
   } else if (a.prefill) {  // the row's last `window` positions of the chunk, oldest first, -1 past it
     const int e = max(r - a.window + 1, 0) + j;
     v = e > r ? -1 : e;
+  } else if (a.append) {  // positions p - window + 1 .. p, oldest first: the ring before the chunk, then its rows
+    const long long q = a.positions[r] - a.window + 1 + j;
+    v = q < 0 ? -1 : q < a.chunk_start ? int(q % a.window) : a.window + int(q - a.chunk_start);
   } else {  // ring slots oldest first: slot + 1 .. window - 1, then 0 .. slot; unwritten slots -1
     const long long pos = a.positions[r];
     const int slot = int(pos % a.window);
@@ -255,6 +262,20 @@ class attention_stack {
                   std::to_string(std::min<long long>(lim_.max_rows, lim_.max_tokens)));
     begin({slot}, {tokens}, true);
   }
+  //! A chunk of `tokens` tokens appended to a sequence after its prefill (a tool result, a new
+  //! turn), in exact mode: each row as the decode step of its position would compute it.
+  void begin_append(int slot, int tokens) {
+    check_slot(slot);
+    const long long len = lengths_[std::size_t(slot)];
+    if (len <= 0) throw error("attention_stack::begin_append: sequence slot " + std::to_string(slot) + " has no prefill");
+    if (tokens <= 0 || tokens > lim_.max_rows || len + tokens > lim_.max_tokens)
+      throw error("attention_stack::begin_append: " + std::to_string(tokens) + " tokens after " + std::to_string(len) +
+                  "; the limits allow " + std::to_string(lim_.max_rows) + " per call and " + std::to_string(lim_.max_tokens) +
+                  " per sequence");
+    begin({slot}, {tokens}, false);
+    call_->append = true;
+  }
+
   //! One token for each of `slots` (distinct, each after its prefill).
   void begin_decode(const std::vector<int>& slots) {
     if (slots.empty() || int(slots.size()) > lim_.max_rows)
@@ -291,7 +312,7 @@ class attention_stack {
   struct call_state {
     std::vector<int> slots, tokens;
     std::vector<long long> start;
-    bool prefill = false;
+    bool prefill = false, append = false;
     int rows = 0;
     int next_layer = 0;
     // device metadata
@@ -480,13 +501,20 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
         {kv_.data() + std::size_t(first) * HeadDim, HeadDim, R - first, w.kv_norm.data(), s.norm_eps,
          c.positions.data() + first, c.row_slot.data() + first, freqs, pairs, ring_dst},
         stream);
+  } else if (c.append) {  // the chunk's rows now; its ring slots after the attention, which still reads the old ones
+    compressor::entry_destination rows_dst;
+    rows_dst.mode = compressor::entry_store::rows;
+    rows_dst.base = chunk_kv_.data();
+    rows_dst.entry_stride = window_layout::bytes;
+    compressor::pack_entries<window_format, HeadDim, bf16>(
+        {kv_.data(), HeadDim, R, w.kv_norm.data(), s.norm_eps, c.positions.data(), nullptr, freqs, pairs, rows_dst}, stream);
   } else {
     compressor::pack_entries<window_format, HeadDim, bf16>(
         {kv_.data(), HeadDim, R, w.kv_norm.data(), s.norm_eps, c.positions.data(), c.row_slot.data(), freqs, pairs, ring_dst},
         stream);
   }
   const int window_width = c.prefill ? std::min(R, s.window) : s.window;
-  const int operand_rows = c.prefill ? R : s.window;
+  const int operand_rows = c.prefill ? R : c.append ? s.window + R : s.window;
 
   // Global branch.
   int topk_width = 0;
@@ -572,25 +600,43 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
 
   // Index lists, attention, output.
   const int width = window_width + topk_width;
-  index_list_args il{idx_.data(), topk_.data(), c.positions.data(), R, window_width, topk_width, s.window, c.prefill};
+  index_list_args il{idx_.data(), topk_.data(), c.positions.data(), R, window_width, topk_width, s.window, c.prefill,
+                     c.append, c.append ? c.start[0] : 0};
   index_list_kernel<<<blocks_for(1LL * R * width), 256, 0, stream>>>(il);
   DSV4_CUDA_CHECK_LAUNCH();
   sparse_attention_args sa;
   sa.q = q_.data(), sa.idx = idx_.data(), sa.sink = w.attn_sink.data(), sa.out = o_.data();
-  sa.batch = c.prefill ? 1 : R, sa.rows = c.prefill ? R : 1, sa.heads = s.heads, sa.topk = width;
+  sa.batch = c.prefill ? 1 : R, sa.rows = c.prefill ? R : 1, sa.heads = s.heads, sa.topk = width;  // append: below
   sa.scale = float(std::pow(double(HeadDim), -0.5));
+  // The operand: the call's rows (prefill), the ring (decode), or the ring then the call's rows
+  // (append), followed by the owner's global entries on compressed layers.
   window_ring<window_format, HeadDim> win;
+  win.stride = window_layout::bytes;
   if (c.prefill) {
-    win.base = chunk_kv_.data(), win.stride = window_layout::bytes, win.seq_stride = 0, win.rows = R;
+    win.base = chunk_kv_.data(), win.seq_stride = 0, win.rows = R;
   } else {
-    win.base = ring.data(), win.stride = window_layout::bytes, win.seq_stride = 1LL * s.window * window_layout::bytes;
-    win.rows = s.window, win.slots = c.batch_slot.data();
+    win.base = ring.data(), win.seq_stride = 1LL * s.window * window_layout::bytes, win.rows = s.window;
+    win.slots = c.batch_slot.data();
   }
-  if (wr.ratio > 0) {
-    const cache::owner_region& region = regions_.at(wr.kv_owner);
+  const cache::owner_region* region = wr.ratio > 0 ? &regions_.at(wr.kv_owner) : nullptr;
+  if (c.append) {
+    sa.batch = 1, sa.rows = R;
+    appended_kv<window_format, numerics::main_kv_format, HeadDim> kv;
+    kv.window = win, kv.chunk = chunk_kv_.data(), kv.chunk_rows = R;
+    if (region) {
+      kv.pool = pool_.data(), kv.block_tables = c.block_tables.data(), kv.max_pages = max_pages_;
+      kv.page_bytes = page_bytes_, kv.region_offset = region->main_offset, kv.entries_per_page = region->entries_per_page;
+    }
+    sparse_attention<HeadDim>(sa, kv, stream);
+    const int first = std::max(0, R - s.window);  // only now may the chunk's last positions enter the ring
+    compressor::pack_entries<window_format, HeadDim, bf16>(
+        {kv_.data() + std::size_t(first) * HeadDim, HeadDim, R - first, w.kv_norm.data(), s.norm_eps,
+         c.positions.data() + first, c.row_slot.data() + first, freqs, pairs, ring_dst},
+        stream);
+  } else if (region) {
     paged_kv<window_format, numerics::main_kv_format, HeadDim> kv;
     kv.window = win, kv.pool = pool_.data(), kv.block_tables = c.block_tables.data(), kv.max_pages = max_pages_;
-    kv.page_bytes = page_bytes_, kv.region_offset = region.main_offset, kv.entries_per_page = region.entries_per_page;
+    kv.page_bytes = page_bytes_, kv.region_offset = region->main_offset, kv.entries_per_page = region->entries_per_page;
     sparse_attention<HeadDim>(sa, kv, stream);
   } else {
     packed_kv<window_format, numerics::main_kv_format, HeadDim> kv;

@@ -129,6 +129,49 @@ struct paged_kv {
   }
 };
 
+//! A chunk appended after the prefill (exact mode): index j < window.rows reads the sequence's
+//! ring (positions before the chunk), j < window.rows + chunk_rows reads the chunk's own window
+//! entries (one sequence per call), and the rest reads global entries through the block table,
+//! when there is a global cache (pool not null).
+template <class WindowFormat, class GlobalFormat, int Dim>
+struct appended_kv {
+  using window_layout = numerics::packed_vector<WindowFormat, Dim>;
+  using global_layout = numerics::packed_vector<GlobalFormat, Dim>;
+  window_ring<WindowFormat, Dim> window;
+  const std::uint8_t* chunk = nullptr;          //!< [chunk_rows] window entries of the chunk
+  long long chunk_stride = window_layout::bytes;
+  int chunk_rows = 0;
+  const std::uint8_t* pool = nullptr;           //!< page pool base, or null (a local layer)
+  const std::int32_t* block_tables = nullptr;   //!< [batch, max_pages]
+  int max_pages = 0;
+  long long page_bytes = 0;
+  long long region_offset = 0;
+  int entries_per_page = 0;
+
+  DSV4_DEVICE void load8(int seq, int e, int c0, bf16 (&out)[8]) const {
+    if (e < window.rows) {
+      window.load8(seq, e, c0, out);
+      return;
+    }
+    if (e < window.rows + chunk_rows) {
+      numerics::dequantize8<WindowFormat, Dim>(chunk + static_cast<long long>(e - window.rows) * chunk_stride, c0, out);
+      return;
+    }
+    const int g = e - window.rows - chunk_rows;
+    const long long page = block_tables[static_cast<long long>(seq) * max_pages + g / entries_per_page];
+    numerics::dequantize8<GlobalFormat, Dim>(
+        pool + page * page_bytes + region_offset + static_cast<long long>(g % entries_per_page) * global_layout::bytes, c0, out);
+  }
+  std::string check() const {
+    if (chunk_rows > 0 && (!chunk || reinterpret_cast<std::uintptr_t>(chunk) % 4 || chunk_stride % 4))
+      return "the chunk's window entries must be 4-byte aligned with a stride that is a multiple of 4 bytes";
+    if (pool && (!block_tables || entries_per_page <= 0 || reinterpret_cast<std::uintptr_t>(pool) % 4 || page_bytes % 4 ||
+                 region_offset % 4))
+      return "paged cache needs a 4-byte aligned pool, block tables, and positive entries per page";
+    return window.check();
+  }
+};
+
 //! `batch` sequences of `rows` query rows each (decode: 1 to 6 rows per sequence; prefill: the
 //! chunk's tokens), all with `heads` heads and `topk` indices per row.
 struct sparse_attention_args {
