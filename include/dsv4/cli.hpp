@@ -47,10 +47,13 @@ inline void usage(std::ostream& os) {
         "                       runs with random weights from a fixed seed. This backend is the\n"
         "                       host reference: it runs the tiny variant only\n"
         "  logits --checkpoint PATH [--config tiny] --prompt IDS [--decode IDS] --out FILE\n"
+        "         [--index-keys ownership|upstream]\n"
         "                       exact prefill of the prompt, then the decode ids fed one at a\n"
         "                       time (teacher forcing, no sampling); writes the fp32 logits of\n"
         "                       the last prompt position and after each decode token as a .npy\n"
-        "                       array of shape (1 + decode tokens, vocabulary), row-major\n"
+        "                       array of shape (1 + decode tokens, vocabulary), row-major.\n"
+        "                       --index-keys upstream reproduces the official reference's stale\n"
+        "                       index keys at even decode positions (spec 7), for parity runs\n"
         "  random-checkpoint DIR [--config NAME] [--seed N] [--shard-mib M] [--init codes|scaled]\n"
         "                       write a checkpoint with random weights (default config tiny):\n"
         "                       any finite codes (codes, the default), or weights with a trained\n"
@@ -273,7 +276,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       return 0;
     }
     if (cmd == "logits") {
-      const auto o = detail::parse(args, cmd, {"config", "checkpoint", "prompt", "decode", "out"});
+      const auto o = detail::parse(args, cmd, {"config", "checkpoint", "prompt", "decode", "out", "index-keys"});
       if (!o.positional.empty()) throw error("logits: unexpected argument '" + o.positional[0] + "'");
       const std::string config = o.named.count("config") ? o.named.at("config") : models::tiny::name;
       if (config != models::tiny::name) {
@@ -296,6 +299,12 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       if (total > tiny::dims.rope.max_position_embeddings)
         throw error("logits: " + std::to_string(total) + " positions exceed the model's " +
                     std::to_string(tiny::dims.rope.max_position_embeddings));
+      auto policy = schedule::index_key_policy::follow_ownership;
+      if (o.named.count("index-keys")) {
+        const std::string& v = o.named.at("index-keys");
+        if (v == "upstream") policy = schedule::index_key_policy::upstream_quirk;
+        else if (v != "ownership") throw error("logits: --index-keys is 'ownership' or 'upstream', got '" + v + "'");
+      }
       const std::string out_path = o.named.at("out");
       if (!std::ofstream(out_path, std::ios::binary))  // fail now, not after the model ran
         throw error(out_path + ": cannot open for writing");
@@ -307,6 +316,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       io::npy_matrix logits{.rows = 1 + decode.size(), .cols = std::size_t(tiny::dims.vocab_size), .data = {}};
       logits.data.reserve(logits.rows * logits.cols);
       model::host_sequence seq;
+      seq.index_keys = policy;
       auto row = model::forward(m, seq, prompt);
       logits.data.insert(logits.data.end(), row.begin(), row.end());
       for (std::int32_t id : decode) {

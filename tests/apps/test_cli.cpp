@@ -165,6 +165,8 @@ BOOST_AUTO_TEST_CASE(logits_writes_one_row_per_step) {
   BOOST_TEST((r.code == 2 && has(r.err, "--decode needs a non-negative integer, got ''")));
   r = run({"logits", "--config", "v41-flash", "--checkpoint", dir, "--prompt", "1", "--out", out});
   BOOST_TEST((r.code == 2 && has(r.err, "runs the tiny variant only")));
+  r = run({"logits", "--checkpoint", dir, "--prompt", "1", "--out", out, "--index-keys", "sideways"});
+  BOOST_TEST((r.code == 2 && has(r.err, "--index-keys is 'ownership' or 'upstream', got 'sideways'")));
   r = run({"logits", "--checkpoint", "/nonexistent/ckpt", "--prompt", "1", "--out", out});
   BOOST_TEST((r.code == 2 && has(r.err, "/nonexistent/ckpt")));
   r = run({"logits", "--checkpoint", dir, "--prompt", "1", "--out", "/nonexistent/dir/x.npy"});

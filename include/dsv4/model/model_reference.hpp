@@ -17,6 +17,7 @@
 #include "dsv4/kernels/norm/reference.hpp"
 #include "dsv4/model/block_reference.hpp"
 #include "dsv4/model/engram_weights.hpp"
+#include "dsv4/schedule/index_keys.hpp"
 
 namespace dsv4::model {
 
@@ -58,6 +59,13 @@ struct host_sequence {
   kernels::attention::sequence_state attention;
   std::vector<std::vector<std::int64_t>> engram_history;  //!< per Engram slot
   long long length = 0;
+  //! Whose index keys an index source scores against at a decode step (spec §7). dsv4 follows
+  //! ownership; `upstream_quirk` reproduces the official reference's stale shared slot (at even
+  //! decode positions the ratio-2 sources read the last refreshed source's keys, layer 20's for
+  //! V4.1 and tiny), for parity runs against the reference only. It changes the selection once a
+  //! ratio-2 source sees more groups than its top-k: positions above 1024 for V4.1, above 32 for
+  //! tiny (top-k 16).
+  schedule::index_key_policy index_keys = schedule::index_key_policy::follow_ownership;
 };
 
 //! Feeds `ids` (the prompt on the first call; later calls take one token or a chunk of several,
@@ -76,6 +84,8 @@ std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::
     if (id < 0 || id >= c.vocab_size)
       throw error("forward: token id " + std::to_string(id) + " outside the vocabulary of " + std::to_string(c.vocab_size));
   const long long start = seq.length;
+  const bool quirk = seq.index_keys == schedule::index_key_policy::upstream_quirk && start > 0;
+  if (quirk && s != 1) throw error("forward: the upstream index-key policy runs one token per decode call");
 
   // Engram hashes for every slot, once per forward (this also extends each slot's history).
   seq.engram_history.resize(m.engrams.size());
@@ -103,6 +113,29 @@ std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::
                                            std::span<const std::int64_t>(hashes[j]).subspan(t * m.engrams[j].columns,
                                                                                             std::size_t(m.engrams[j].columns)),
                                            false);
+    // upstream_quirk: for this call the source's own key cache holds the keys the reference's
+    // shared slot holds (the first `rows` of the last refreshed source's), then its own again.
+    struct restore_keys {
+      std::vector<bf16>* keys = nullptr;
+      std::vector<bf16> own;
+      ~restore_keys() {
+        if (keys) *keys = std::move(own);
+      }
+    } restore;
+    if (quirk && (sched::role(l) == schedule::attn_role::full || sched::role(l) == schedule::attn_role::reindex)) {
+      const int own = sched::kv_owner[std::size_t(l)];
+      const auto src = schedule::decode_index_keys<sched>(l, start, seq.index_keys);
+      if (src.owner != own) {
+        const auto& from = seq.attention.owners.at(src.owner).keys;
+        const std::size_t n = std::size_t(src.rows) * std::size_t(c.indexer.index_head_dim);
+        if (from.size() < n)
+          throw error("forward: layer " + std::to_string(src.owner) + " holds fewer index keys than layer " +
+                      std::to_string(l) + " reads at position " + std::to_string(start));
+        restore.keys = &seq.attention.owners.at(own).keys;
+        restore.own = std::move(*restore.keys);
+        restore.keys->assign(from.begin(), from.begin() + std::ptrdiff_t(n));
+      }
+    }
     x = block_forward_chunk(l, m.wiring[std::size_t(l)], m.blocks[std::size_t(l)], shape, m.freqs[std::size_t(l)], x, pre,
                             start, seq.attention, observe);
   }
