@@ -126,4 +126,67 @@ BOOST_AUTO_TEST_CASE(appended_chunks_equal_token_by_token_decode) {
   BOOST_TEST(chunked.topk_width == shape.topk);
 }
 
+// CED at the layer level: the decoder's owner (layer 3 here, the ratio-1 candidate source) fills
+// its cache over the whole prompt on its own, then layers 3.. replay the last rows. Replaying
+// from position 0 is the plain prefill, bit for bit; replaying a suffix sees a window that starts
+// at the replay start, and the decode steps after it run on the rings the replay left.
+BOOST_AUTO_TEST_CASE(ced_owner_cache_and_replay) {
+  auto rng = test::make_rng(73);
+  const stack st = make_stack(rng);
+  constexpr int tokens = 40, decoder = 3;
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<bf16> x(std::size_t(tokens + 2) * shape.dim);
+  for (auto& v : x) v = bf16::from_float(n(rng));
+  auto same_bits = [](const std::vector<bf16>& p, const std::vector<bf16>& q) {
+    if (p.size() != q.size()) return false;
+    for (std::size_t i = 0; i < p.size(); ++i)
+      if (p[i].bits != q[i].bits) return false;
+    return true;
+  };
+  auto rows = [&](int first, int count) {
+    return std::span<const bf16>(x).subspan(std::size_t(first) * shape.dim, std::size_t(count) * shape.dim);
+  };
+  auto freqs = [&](int l) { return st.wiring[std::size_t(l)].ratio > 0 ? st.freqs_compressed : st.freqs_local; };
+  auto ced = [&](attention::sequence_state& state, int prompt, int replay_from) {
+    std::vector<std::vector<bf16>> outs;
+    for (int l = 0; l < decoder; ++l)
+      outs.push_back(attention::attention_layer_reference(l, st.wiring[std::size_t(l)], st.weights[std::size_t(l)], shape, freqs(l),
+                                                          rows(0, prompt), 0, state));
+    attention::attention_layer_reference(decoder, st.wiring[decoder], st.weights[decoder], shape, freqs(decoder), rows(0, prompt), 0,
+                                         state, attention::layer_call::owner_cache_only);
+    for (int l = decoder; l < int(st.wiring.size()); ++l)
+      outs.push_back(attention::attention_layer_reference(l, st.wiring[std::size_t(l)], st.weights[std::size_t(l)], shape, freqs(l),
+                                                          rows(replay_from, prompt - replay_from), replay_from, state,
+                                                          attention::layer_call::replay));
+    return outs;
+  };
+  // Replay from 0 = prefill.
+  attention::sequence_state a, b;
+  const auto full = run(st, x, 0, 30, a);
+  const auto same = ced(b, 30, 0);
+  for (std::size_t l = 0; l < full.size(); ++l) BOOST_TEST(same_bits(full[l], same[l]), "layer " << l);
+  // Replay of the last `window` rows: the encoder half is the prefill's; the decoder rows see a
+  // window truncated at the replay start, so they differ, except the first row, whose window is
+  // itself in both.
+  attention::sequence_state c, d;
+  const int replay_from = tokens - shape.window;
+  const auto exact = run(st, x, 0, tokens, c);
+  const auto replay = ced(d, tokens, replay_from);
+  for (int l = 0; l < decoder; ++l) BOOST_TEST(same_bits(exact[std::size_t(l)], replay[std::size_t(l)]), "encoder layer " << l);
+  for (int l = decoder; l < int(st.wiring.size()); ++l) {
+    BOOST_REQUIRE_EQUAL(replay[std::size_t(l)].size(), std::size_t(shape.window) * shape.dim);
+    std::size_t differ = 0;
+    for (std::size_t i = 0; i < replay[std::size_t(l)].size(); ++i)
+      differ += replay[std::size_t(l)][i].bits != exact[std::size_t(l)][std::size_t(replay_from) * shape.dim + i].bits;
+    BOOST_TEST(differ > 0u, "decoder layer " << l << " replays a truncated window");
+  }
+  BOOST_TEST(d.owners.at(decoder).main.size() == c.owners.at(decoder).main.size());  // the whole prompt's entries
+  BOOST_TEST(same_bits(d.owners.at(decoder).main, c.owners.at(decoder).main));
+  // Decode after the replay runs on the rings it left; the owner's cache keeps growing.
+  for (int p = tokens; p < tokens + 2; ++p)
+    for (const auto& o : run(st, x, p, 1, d))
+      for (bf16 v : o) BOOST_REQUIRE(std::isfinite(v.to_float()));
+  BOOST_TEST(d.owners.at(decoder).main.size() == std::size_t(tokens + 2) * shape.head_dim);
+}
+
 BOOST_AUTO_TEST_SUITE_END()

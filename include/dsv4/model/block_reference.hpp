@@ -101,7 +101,8 @@ inline std::vector<bf16> block_forward_chunk(int layer, const kernels::attention
                                              std::span<const float> freqs, std::span<const bf16> x,
                                              std::vector<float>& pre_mix, long long start_pos,
                                              kernels::attention::sequence_state& state,
-                                             const layer_observer* observe = nullptr) {
+                                             const layer_observer* observe = nullptr,
+                                             kernels::attention::layer_call call = kernels::attention::layer_call::normal) {
   namespace mhc = kernels::mhc;
   constexpr int hc = mhc::hc;
   const std::size_t dim = std::size_t(shape.dim), width = hc * dim;
@@ -126,7 +127,7 @@ inline std::vector<bf16> block_forward_chunk(int layer, const kernels::attention
     attn_in.insert(attn_in.end(), in.begin(), in.end());
   }
   if (observe) (*observe)(layer, "attn_in", attn_in);
-  const auto attn_out = kernels::attention::attention_layer_reference(layer, wiring, w.attn, shape, freqs, attn_in, start_pos, state);
+  const auto attn_out = kernels::attention::attention_layer_reference(layer, wiring, w.attn, shape, freqs, attn_in, start_pos, state, call);
   if (observe) (*observe)(layer, "attn_out", attn_out);
   std::vector<bf16> ffn_ins, ffn_outs;
   // FFN sublayer.

@@ -11,11 +11,15 @@
 //! Per call, with x the attention input (the attn_norm output) of the call's tokens:
 //!   qr = q_norm(wq_a(x)); q = RoPE(wq_b(qr)); kv = QDQ_fp8(RoPE(kv_norm(wkv(x))))
 //!   window operand: the chunk's kv (prefill) or the ring (decode), with the spec's index lists
-//!   global branch (ratio > 0): a KV owner compresses x; an index source scores its queries
-//!     against its owner's index keys (the new keys written first), the candidate source records
-//!     its pool, a Reindex layer masks its scores with the pool, and the selection is published;
-//!     a Reuse layer reads the published lists. The owner's new latents become main entries
-//!     (RoPE at the group's first position, FP4 QDQ) after the indexer ran.
+//!   global branch (ratio > 0): a KV owner compresses x into index keys and main entries (RoPE
+//!     at the group's first position, MXFP4 / FP4 QDQ); an index source scores its queries
+//!     against its owner's index keys (the new keys included), the candidate source records its
+//!     pool, a Reindex layer masks its scores with the pool, and the selection is published; a
+//!     Reuse layer reads the published lists.
+//! CED prefill (model_reference.hpp): the decoder's KV owner fills its cache from the encoder
+//! output over the whole prompt (layer_call::owner_cache_only), then the decoder layers replay
+//! only the last `window` prompt positions (layer_call::replay): their window starts at the replay
+//! start, so a query at i sees local positions [max(s, i - window + 1), i] (spec §15).
 //!   o = sparse_attn(q, window ++ compressed, sink, lists, head_dim^-0.5); out = output path.
 //! The reference's stale-index-key quirk at even decode positions (spec §7) is not reproduced:
 //! each index source reads its own owner's keys (dsv4's default policy).
@@ -103,16 +107,72 @@ struct sequence_state {
   std::vector<row_lists> chunk_rows;
 };
 
+//! What a call computes.
+enum class layer_call {
+  normal,            //!< a prefill from 0, one decode token, or an appended chunk (exact mode)
+  owner_cache_only,  //!< CED: a KV owner compresses x into its cache (main entries, index keys); no attention
+  replay,            //!< CED: rows from start_pos as a prefill whose window starts there; owners do not compress
+};
+
+namespace detail {
+//! A KV owner compresses the call's rows into its cache: latents, then the index key (from the
+//! pre-RoPE latent) and the main entry of each, at its group's first position.
+inline void compress_into(const layer_wiring& wr, const layer_weights& w, const layer_shape& sh, std::span<const float> freqs,
+                          std::span<const bf16> x, long long start_pos, owner_cache& oc) {
+  const int s = int(x.size() / std::size_t(sh.dim)), hd = sh.head_dim;
+  if (!oc.state) oc.state.emplace(w.compressor);
+  std::vector<std::vector<bf16>> latents;
+  std::vector<long long> latent_pos;
+  if (start_pos == 0) {
+    const auto all = compressor::compress_prefill(w.compressor, x, s, *oc.state);
+    for (int g = 0; g < s / wr.ratio; ++g) {
+      latents.emplace_back(all.begin() + std::ptrdiff_t(g) * hd, all.begin() + std::ptrdiff_t(g + 1) * hd);
+      latent_pos.push_back(1LL * g * wr.ratio);
+    }
+  } else {
+    for (int i = 0; i < s; ++i)
+      if (auto l = compressor::compress_decode(w.compressor, x.subspan(std::size_t(i) * sh.dim, std::size_t(sh.dim)),
+                                               start_pos + i, *oc.state)) {
+        latents.push_back(std::move(*l));
+        latent_pos.push_back(start_pos + i + 1 - wr.ratio);
+      }
+  }
+  for (std::size_t g = 0; g < latents.size(); ++g) {
+    auto key = compressor::index_key_of(latents[g], w.index_key, freqs, latent_pos[g]);
+    numerics::qdq_vector<numerics::index_key_format>(key);
+    oc.keys.insert(oc.keys.end(), key.begin(), key.end());
+    const std::int64_t pos[1] = {latent_pos[g]};
+    auto m = latents[g];
+    rope::apply_rope_reference(m, hd, 1, pos, freqs, false);
+    numerics::qdq_vector<numerics::main_kv_format>(m);
+    oc.main.insert(oc.main.end(), m.begin(), m.end());
+  }
+}
+}  // namespace detail
+
 //! One call of layer `layer` over x [s, dim] at positions start_pos .. start_pos + s - 1: a
-//! prefill (start_pos == 0) or a decode step (s == 1). Returns the sublayer output [s, dim].
+//! prefill (start_pos == 0), a decode step (s == 1) or an appended chunk; or, for the CED
+//! prefill, an owner filling its cache or a replay (see layer_call). Returns the sublayer output
+//! [s, dim] (nothing for owner_cache_only).
 inline std::vector<bf16> attention_layer_reference(int layer, const layer_wiring& wr, const layer_weights& w,
                                                    const layer_shape& sh, std::span<const float> freqs,
-                                                   std::span<const bf16> x, long long start_pos, sequence_state& st) {
+                                                   std::span<const bf16> x, long long start_pos, sequence_state& st,
+                                                   layer_call call = layer_call::normal) {
   using schedule::attn_role;
   const std::string where = "attention_layer_reference (layer " + std::to_string(layer) + "): ";
   if (x.size() % std::size_t(sh.dim) || x.empty()) throw error(where + "x must be [s, dim] with s >= 1");
+  if (start_pos < 0) throw error(where + "negative start position");
   const int s = int(x.size() / std::size_t(sh.dim));
-  const bool prefill = start_pos == 0;
+  if (call == layer_call::owner_cache_only) {
+    if (wr.role != attn_role::full) throw error(where + "only a KV owner (a Full layer) fills a cache on its own");
+    if (start_pos == 0) st.owners[layer] = owner_cache{};
+    auto found = st.owners.find(layer);
+    if (found == st.owners.end()) throw error(where + "no cache to extend: the owner has not run from position 0");
+    detail::compress_into(wr, w, sh, freqs, x, start_pos, found->second);
+    return {};
+  }
+  // The window operand is the call's own rows for a prefill and a replay, the ring otherwise.
+  const bool prefill = start_pos == 0 || call == layer_call::replay;
   if (!prefill && s > 1) {
     // Exact mode for a chunk appended after the prefill (a tool result, a new turn): every row as
     // the decode step of its position would compute it. Each row sees the lists that this
@@ -172,7 +232,7 @@ inline std::vector<bf16> attention_layer_reference(int layer, const layer_wiring
       }
     for (int p = std::max(0, s - sh.window); p < s; ++p)  // the last positions seed the ring
       std::copy(kv.begin() + std::ptrdiff_t(p) * hd, kv.begin() + std::ptrdiff_t(p + 1) * hd,
-                ring.begin() + std::ptrdiff_t(p % sh.window) * hd);
+                ring.begin() + std::ptrdiff_t((start_pos + p) % sh.window) * hd);
   } else {
     const int slot = int(start_pos % sh.window);
     std::copy(kv.begin(), kv.end(), ring.begin() + std::ptrdiff_t(slot) * hd);
@@ -188,31 +248,16 @@ inline std::vector<bf16> attention_layer_reference(int layer, const layer_wiring
   if (wr.ratio > 0) {
     if (wr.kv_owner < 0) throw error(where + "a compressed layer needs a KV owner");
     const bool owner = wr.role == attn_role::full, source = owner || wr.role == attn_role::reindex;
-    if (owner && prefill) st.owners[layer] = owner_cache{};
+    if (owner && start_pos == 0 && call == layer_call::normal) st.owners[layer] = owner_cache{};
     auto found = st.owners.find(wr.kv_owner);
     if (found == st.owners.end()) throw error(where + "its KV owner " + std::to_string(wr.kv_owner) + " has not run");
     owner_cache& oc = found->second;
     const long long compress_len = (start_pos + s) / wr.ratio;
-    std::vector<std::vector<bf16>> latents;
-    std::vector<long long> latent_pos;
-    if (owner) {
-      if (!oc.state) oc.state.emplace(w.compressor);
-      if (prefill) {
-        const auto all = compressor::compress_prefill(w.compressor, x, s, *oc.state);
-        for (int g = 0; g < s / wr.ratio; ++g) {
-          latents.emplace_back(all.begin() + std::ptrdiff_t(g) * hd, all.begin() + std::ptrdiff_t(g + 1) * hd);
-          latent_pos.push_back(1LL * g * wr.ratio);
-        }
-      } else if (auto l = compressor::compress_decode(w.compressor, row(0), start_pos, *oc.state)) {
-        latents.push_back(std::move(*l));
-        latent_pos.push_back(start_pos + 1 - wr.ratio);
-      }
-      for (std::size_t g = 0; g < latents.size(); ++g) {  // index keys first, from the pre-RoPE latent
-        auto key = compressor::index_key_of(latents[g], w.index_key, freqs, latent_pos[g]);
-        numerics::qdq_vector<numerics::index_key_format>(key);
-        oc.keys.insert(oc.keys.end(), key.begin(), key.end());
-      }
-    }
+    // A replay's owner filled its cache beforehand (owner_cache_only); the indexer reads only keys
+    // and the attention only main entries, so writing both now changes nothing for either.
+    if (owner && call == layer_call::normal) detail::compress_into(wr, w, sh, freqs, x, start_pos, oc);
+    if (oc.main.size() < std::size_t(compress_len) * hd || oc.keys.size() < std::size_t(compress_len) * sh.index_dim)
+      throw error(where + "its KV owner's cache holds fewer than the " + std::to_string(compress_len) + " entries this call needs");
     if (source) {
       const int width = int(compress_len);
       st.topk.clear();
@@ -247,13 +292,6 @@ inline std::vector<bf16> attention_layer_reference(int layer, const layer_wiring
     for (int i = 0; i < s; ++i)
       lists[std::size_t(i)].insert(lists[std::size_t(i)].end(), st.topk.begin() + std::ptrdiff_t(i) * st.topk_width,
                                    st.topk.begin() + std::ptrdiff_t(i + 1) * st.topk_width);
-    for (std::size_t g = 0; g < latents.size(); ++g) {  // then the main entries
-      const std::int64_t pos[1] = {latent_pos[g]};
-      auto m = latents[g];
-      rope::apply_rope_reference(m, hd, 1, pos, freqs, false);
-      numerics::qdq_vector<numerics::main_kv_format>(m);
-      oc.main.insert(oc.main.end(), m.begin(), m.end());
-    }
     operand.insert(operand.end(), oc.main.begin(), oc.main.begin() + std::ptrdiff_t(compress_len) * hd);
   }
 
