@@ -71,10 +71,17 @@ struct host_sequence {
 //! Feeds `ids` (the prompt on the first call; later calls take one token or a chunk of several,
 //! an appended turn, computed in exact mode: as if fed token by token) and returns the fp32 logits
 //! of the last position.
+namespace detail {
+//! What every forward starts from: the ids checked, each Engram slot's hash ids (extending the
+//! slot's history), the embedding repeated into the streams, and the first pre-mix (one-hot on
+//! stream 0).
+struct forward_start {
+  std::vector<std::vector<std::int64_t>> hashes;  //!< per Engram slot, [s, columns]
+  std::vector<bf16> x;                            //!< [s, hc, dim]
+  std::vector<float> pre;                         //!< [s, hc]
+};
 template <class Model>
-std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::span<const std::int32_t> ids,
-                           const layer_observer* observe = nullptr) {
-  using sched = typename models::model_traits<Model>::schedule;
+forward_start start_forward(const host_model<Model>& m, host_sequence& seq, std::span<const std::int32_t> ids) {
   constexpr models::model_config c = Model::dims;
   constexpr int hc = kernels::mhc::hc;
   static_assert(c.mhc.hc_mult == hc, "host forward: the mHC kernels are written for 4 streams");
@@ -83,36 +90,69 @@ std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::
   for (std::int32_t id : ids)
     if (id < 0 || id >= c.vocab_size)
       throw error("forward: token id " + std::to_string(id) + " outside the vocabulary of " + std::to_string(c.vocab_size));
-  const long long start = seq.length;
-  const bool quirk = seq.index_keys == schedule::index_key_policy::upstream_quirk && start > 0;
-  if (quirk && s != 1) throw error("forward: the upstream index-key policy runs one token per decode call");
-
-  // Engram hashes for every slot, once per forward (this also extends each slot's history).
+  forward_start f;
   seq.engram_history.resize(m.engrams.size());
-  std::vector<std::vector<std::int64_t>> hashes(m.engrams.size());
+  f.hashes.resize(m.engrams.size());
   for (std::size_t j = 0; j < m.engrams.size(); ++j) {
     const auto& mult = Model::engram_multipliers[j];
     const std::vector<std::int64_t> mv(mult.begin(), mult.end());
-    hashes[j] = engram::hash_tokens(m.hashes, int(j), mv, ids, {}, m.token_map, c.engram.engram_pad_id,
-                                    seq.engram_history[j], start);
+    f.hashes[j] = engram::hash_tokens(m.hashes, int(j), mv, ids, {}, m.token_map, c.engram.engram_pad_id,
+                                      seq.engram_history[j], seq.length);
   }
-  // Embedding, repeated into the streams; the first pre-mix is one-hot on stream 0.
-  std::vector<bf16> x(s * width);
+  f.x.resize(s * width);
   for (std::size_t t = 0; t < s; ++t)
     for (int r = 0; r < hc; ++r)
       for (std::size_t d = 0; d < dim; ++d)
-        x[t * width + std::size_t(r) * dim + d] = bf16::from_float(m.embed[std::size_t(ids[t]) * dim + d]);
-  std::vector<float> pre(s * hc, 0.0f);
-  for (std::size_t t = 0; t < s; ++t) pre[t * hc] = 1.0f;
+        f.x[t * width + std::size_t(r) * dim + d] = bf16::from_float(m.embed[std::size_t(ids[t]) * dim + d]);
+  f.pre.assign(s * hc, 0.0f);
+  for (std::size_t t = 0; t < s; ++t) f.pre[t * hc] = 1.0f;
+  return f;
+}
+
+//! The Engram modules placed before layer `layer`, on streams x [rows, hc, dim] whose first row is
+//! row `first` of the call (its hash ids).
+template <class Model>
+void engram_before(const host_model<Model>& m, int layer, std::vector<bf16>& x, const forward_start& f, std::size_t first) {
+  using sched = typename models::model_traits<Model>::schedule;
+  const std::size_t width = std::size_t(kernels::mhc::hc) * std::size_t(Model::dims.dim), rows = x.size() / width;
+  for (std::size_t j = 0; j < m.engrams.size(); ++j)
+    if (sched::engram::values[j] == layer)
+      for (std::size_t t = 0; t < rows; ++t)
+        engram::engram_forward_reference(m.engrams[j], std::span<bf16>(x).subspan(t * width, width),
+                                         std::span<const std::int64_t>(f.hashes[j]).subspan((first + t) * m.engrams[j].columns,
+                                                                                          std::size_t(m.engrams[j].columns)),
+                                         false);
+}
+
+//! Final collapse of the last row with its pre-mix, norm, fp32 head.
+template <class Model>
+std::vector<float> last_logits(const host_model<Model>& m, const std::vector<bf16>& x, const std::vector<float>& pre) {
+  constexpr models::model_config c = Model::dims;
+  constexpr int hc = kernels::mhc::hc;
+  const std::size_t dim = std::size_t(c.dim), width = hc * dim, s = x.size() / width;
+  float last_pre[hc];
+  for (int r = 0; r < hc; ++r) last_pre[r] = pre[(s - 1) * hc + std::size_t(r)];
+  const auto h = kernels::mhc::hc_pre(std::span<const bf16>(x).subspan((s - 1) * width, width), int(dim), last_pre);
+  const auto hn = kernels::norm::rmsnorm_bf16_reference(h, m.norm, c.norm_eps);
+  return kernels::linear::linear_fp32_reference(kernels::linear::widen(hn), m.head, c.vocab_size);
+}
+}  // namespace detail
+
+template <class Model>
+std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::span<const std::int32_t> ids,
+                           const layer_observer* observe = nullptr) {
+  using sched = typename models::model_traits<Model>::schedule;
+  constexpr models::model_config c = Model::dims;
+  const std::size_t s = ids.size();
+  const long long start = seq.length;
+  const bool quirk = seq.index_keys == schedule::index_key_policy::upstream_quirk && start > 0;
+  if (quirk && s != 1) throw error("forward: the upstream index-key policy runs one token per decode call");
+  detail::forward_start f = detail::start_forward(m, seq, ids);
+  std::vector<bf16>& x = f.x;
+  std::vector<float>& pre = f.pre;
   constexpr auto shape = attention_shape<Model>();
   for (int l = 0; l < sched::num_layers; ++l) {
-    for (std::size_t j = 0; j < m.engrams.size(); ++j)
-      if (sched::engram::values[j] == l)
-        for (std::size_t t = 0; t < s; ++t)
-          engram::engram_forward_reference(m.engrams[j], std::span<bf16>(x).subspan(t * width, width),
-                                           std::span<const std::int64_t>(hashes[j]).subspan(t * m.engrams[j].columns,
-                                                                                            std::size_t(m.engrams[j].columns)),
-                                           false);
+    detail::engram_before(m, l, x, f, 0);
     // upstream_quirk: for this call the source's own key cache holds the keys the reference's
     // shared slot holds (the first `rows` of the last refreshed source's), then its own again.
     struct restore_keys {
@@ -140,12 +180,74 @@ std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::
                             start, seq.attention, observe);
   }
   seq.length += (long long)s;
-  // Final collapse of the last position, norm, fp32 head.
-  float last_pre[hc];
-  for (int r = 0; r < hc; ++r) last_pre[r] = pre[(s - 1) * hc + std::size_t(r)];
-  const auto h = kernels::mhc::hc_pre(std::span<const bf16>(x).subspan((s - 1) * width, width), int(dim), last_pre);
-  const auto hn = kernels::norm::rmsnorm_bf16_reference(h, m.norm, c.norm_eps);
-  return kernels::linear::linear_fp32_reference(kernels::linear::widen(hn), m.head, c.vocab_size);
+  return detail::last_logits(m, x, pre);
+}
+
+//! True when a schedule allows the CED prefill: every decoder KV owner is the first decoder layer,
+//! whose compressor reads the encoder output (so its cache can be built for the whole prompt
+//! without running the decoder over it).
+template <class Sched>
+constexpr bool ced_prefill_possible() {
+  for (int o : Sched::owners)
+    if (o > Sched::encoder_layers) return false;
+  return Sched::encoder_layers < Sched::num_layers;
+}
+
+//! The CED prefill of an empty sequence (issue 6; the article's production path, spec §15): the
+//! encoder layers over every prompt token; the decoder's KV owner (the first decoder layer) fills
+//! its global cache from the encoder output over every token; the decoder layers over the last
+//! `window` tokens only, as a replay whose local windows start at the replay start (a query at i
+//! sees [max(s, i - window + 1), i]). An approximation by design: with prompts up to `window`
+//! tokens it equals the exact prefill bit for bit; longer prompts change the decoder's local
+//! state. Decoding continues with `forward` as after any prefill. Returns the last position's
+//! logits.
+template <class Model>
+std::vector<float> forward_ced(const host_model<Model>& m, host_sequence& seq, std::span<const std::int32_t> ids,
+                               const layer_observer* observe = nullptr) {
+  using sched = typename models::model_traits<Model>::schedule;
+  static_assert(ced_prefill_possible<sched>(),
+                "forward_ced: the CED prefill needs every decoder KV owner to be the first decoder layer (its "
+                "compressor reads the encoder output) and at least one decoder layer");
+  constexpr int E = sched::encoder_layers, hc = kernels::mhc::hc;
+  constexpr models::model_config c = Model::dims;
+  constexpr auto shape = attention_shape<Model>();
+  if (seq.length != 0)
+    throw error("forward_ced: a CED prefill starts an empty sequence (chunks appended in CED mode are not supported yet; "
+                "append with forward, in exact mode)");
+  detail::forward_start f = detail::start_forward(m, seq, ids);
+  const std::size_t s = ids.size(), dim = std::size_t(c.dim), width = hc * dim;
+  for (int l = 0; l < E; ++l) {
+    detail::engram_before(m, l, f.x, f, 0);
+    f.x = block_forward_chunk(l, m.wiring[std::size_t(l)], m.blocks[std::size_t(l)], shape, m.freqs[std::size_t(l)], f.x, f.pre,
+                              0, seq.attention, observe);
+  }
+  detail::engram_before(m, E, f.x, f, 0);  // (an Engram module before the first decoder layer sees every token)
+  if (sched::role(E) == schedule::attn_role::full) {
+    // The owner's input over every token: attn_norm(hc_pre(encoder output, pre-mix)).
+    std::vector<bf16> h;
+    for (std::size_t t = 0; t < s; ++t) {
+      float pm[hc];
+      for (int r = 0; r < hc; ++r) pm[r] = f.pre[t * hc + std::size_t(r)];
+      const auto in = kernels::norm::rmsnorm_bf16_reference(
+          kernels::mhc::hc_pre(std::span<const bf16>(f.x).subspan(t * width, width), int(dim), pm), m.blocks[std::size_t(E)].attn_norm,
+          shape.norm_eps);
+      h.insert(h.end(), in.begin(), in.end());
+    }
+    kernels::attention::attention_layer_reference(E, m.wiring[std::size_t(E)], m.blocks[std::size_t(E)].attn, shape,
+                                                  m.freqs[std::size_t(E)], h, 0, seq.attention,
+                                                  kernels::attention::layer_call::owner_cache_only);
+  }
+  // Decoder replay over the last `window` tokens.
+  const std::size_t first = s > std::size_t(shape.window) ? s - std::size_t(shape.window) : 0;
+  std::vector<bf16> x(f.x.begin() + std::ptrdiff_t(first * width), f.x.end());
+  std::vector<float> pre(f.pre.begin() + std::ptrdiff_t(first * hc), f.pre.end());
+  for (int l = E; l < sched::num_layers; ++l) {
+    if (l > E) detail::engram_before(m, l, x, f, first);
+    x = block_forward_chunk(l, m.wiring[std::size_t(l)], m.blocks[std::size_t(l)], shape, m.freqs[std::size_t(l)], x, pre,
+                            (long long)first, seq.attention, observe, kernels::attention::layer_call::replay);
+  }
+  seq.length = (long long)s;
+  return detail::last_logits(m, x, pre);
 }
 
 }  // namespace dsv4::model
