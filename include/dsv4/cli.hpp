@@ -23,6 +23,7 @@
 #include "dsv4/io/random_checkpoint.hpp"
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/config_json.hpp"
+#include "dsv4/schedule/prefill_work.hpp"
 
 namespace dsv4::cli {
 
@@ -40,12 +41,14 @@ inline void usage(std::ostream& os) {
         "                       with the right dtype and shape, and that an inference\n"
         "                       config.json, if given, has the model's values; lists every problem\n"
         "  run [--config tiny] [--checkpoint PATH] [--prompt IDS] [--tokens N]\n"
-        "      [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
+        "      [--temperature T] [--top-k K] [--top-p P] [--seed S] [--prefill exact|ced]\n"
         "                       generate N tokens (default 8) after a prompt of comma-separated\n"
         "                       token ids (default 1,2,...,8) and print them with the prefill and\n"
         "                       decode throughput; without --checkpoint the built-in tiny model\n"
         "                       runs with random weights from a fixed seed. This backend is the\n"
-        "                       host reference: it runs the tiny variant only\n"
+        "                       host reference: it runs the tiny variant only. --prefill ced runs\n"
+        "                       the encoder over the prompt and the decoder over its last window\n"
+        "                       (an approximation; exact is the reference's semantics)\n"
         "  logits --checkpoint PATH [--config tiny] --prompt IDS [--decode IDS] --out FILE\n"
         "         [--index-keys ownership|upstream]\n"
         "                       exact prefill of the prompt, then the decode ids fed one at a\n"
@@ -200,7 +203,11 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       return 0;
     }
     if (cmd == "run") {
-      const auto o = detail::parse(args, cmd, {"config", "checkpoint", "prompt", "tokens", "temperature", "top-k", "top-p", "seed"});
+      const auto o =
+          detail::parse(args, cmd, {"config", "checkpoint", "prompt", "tokens", "temperature", "top-k", "top-p", "seed", "prefill"});
+      const std::string prefill_mode = o.named.count("prefill") ? o.named.at("prefill") : "exact";
+      if (prefill_mode != "exact" && prefill_mode != "ced")
+        throw error("run: --prefill must be 'exact' or 'ced', got '" + prefill_mode + "'");
       if (!o.positional.empty()) throw error("run: unexpected argument '" + o.positional[0] + "'");
       const std::string config = o.named.count("config") ? o.named.at("config") : models::tiny::name;
       if (config != models::tiny::name) {
@@ -250,7 +257,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       using clock = std::chrono::steady_clock;
       model::host_sequence seq;
       const auto t0 = clock::now();
-      auto logits = model::forward(m, seq, prompt);
+      auto logits = prefill_mode == "ced" ? model::forward_ced(m, seq, prompt) : model::forward(m, seq, prompt);
       const auto t1 = clock::now();
       std::vector<std::int32_t> generated;
       for (long long i = 0; i < n_new; ++i) {
@@ -273,6 +280,13 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
                     prompt.size(), prefill_s, double(prompt.size()) / prefill_s, steps, decode_s,
                     steps > 0 ? double(steps) / decode_s : 0.0);
       out << line;
+      using sched = models::model_traits<tiny>::schedule;
+      const long long n = (long long)prompt.size();
+      const auto work = schedule::prefill_layer_tokens<sched>(n, prefill_mode == "ced" ? schedule::prefill_mode::ced
+                                                                                      : schedule::prefill_mode::exact,
+                                                            tiny::dims.attn.window_size);
+      const auto exact = schedule::prefill_layer_tokens<sched>(n, schedule::prefill_mode::exact, tiny::dims.attn.window_size);
+      out << "prefill mode: " << prefill_mode << ", " << work.total() << " layer-tokens (exact: " << exact.total() << ")\n";
       return 0;
     }
     if (cmd == "logits") {
