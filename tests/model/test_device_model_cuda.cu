@@ -11,6 +11,7 @@
 #include <sstream>
 #include <string>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -126,6 +127,41 @@ BOOST_AUTO_TEST_CASE(tiny_logits_match_host, *utf::label("gpu") * utf::precondit
   const int fresh = dm.add_sequence();
   const std::int32_t one[1] = {5};
   BOOST_TEST(test::throws_with([&] { dm.decode({fresh}, one); }, "no prefill"));
+}
+
+// The CED prefill on the device: up to the window it is the device's exact prefill bit for bit
+// (the same kernels on the same rows); beyond it, against the host's forward_ced.
+BOOST_AUTO_TEST_CASE(ced_prefill, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  const test::temp_checkpoint tmp("device_model_ced", models::checkpoint_schema<tiny>(), 45);
+  io::checkpoint ck(tmp.dir);
+  std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
+  std::iota(token_map.begin(), token_map.end(), 0);
+  const auto hm = model::host_model<tiny>::load(ck, token_map);
+  model::device_model<tiny>::limits lim;
+  lim.max_seqs = 3, lim.max_rows = 64, lim.max_tokens = 64, lim.page_tokens = 16;
+  model::device_model<tiny> dm(hm, lim);
+  auto rng = test::make_rng(99);
+  const int V = tiny::dims.vocab_size, W = tiny::dims.attn.window_size;
+  std::vector<std::int32_t> ids(47);
+  for (auto& id : ids) id = std::int32_t(rng() % std::uint64_t(V));
+  const auto short_prompt = std::span<const std::int32_t>(ids).first(std::size_t(W - 2));
+  const int a = dm.add_sequence(), b = dm.add_sequence();
+  const auto exact = dm.prefill(a, short_prompt);
+  const auto ced = dm.prefill_ced(b, short_prompt);
+  BOOST_TEST(std::memcmp(exact.data(), ced.data(), exact.size() * sizeof(float)) == 0);
+  const auto next = dm.decode({a, b}, std::vector<std::int32_t>{ids[20], ids[20]});
+  BOOST_TEST(std::memcmp(next.data(), next.data() + V, std::size_t(V) * sizeof(float)) == 0);
+  // Beyond the window: device CED against host CED.
+  const auto prompt = std::span<const std::int32_t>(ids).first(45);
+  const int c = dm.add_sequence();
+  model::host_sequence hs;
+  logit_stats st;
+  st.add(dm.prefill_ced(c, prompt), model::forward_ced(hm, hs, prompt));
+  st.add(dm.decode({c}, std::vector<std::int32_t>{ids[45]}), model::forward(hm, hs, std::span<const std::int32_t>(ids).subspan(45, 1)));
+  BOOST_TEST_MESSAGE("CED prefill of 45 tokens and one decode step, device vs host: worst " << st.worst << ", cosine >= " << st.min_cosine);
+  BOOST_TEST(st.worst < 0.3);
+  BOOST_TEST(st.min_cosine > 0.95);
+  BOOST_TEST(dm.length(c) == 46);
 }
 
 // Where device and host part ways: every block's intermediates on a prefill, each stage compared

@@ -267,79 +267,104 @@ class device_model {
     kernels::mhc::mhc_step(a, *mhc_ws_);
   }
 
+  // The forward in pieces (shared by run and prefill_ced). X_ / Y_ point at the streams entering
+  // the next boundary and the spare buffer; engram_row0_ is the call row of the streams' first row.
+  bf16* X_ = nullptr;
+  bf16* Y_ = nullptr;
+  long long engram_row0_ = 0;
+
+  //! Engram hash ids of every module from each sequence's compressed-token history, the embedding.
+  void start(const std::vector<int>& slots, std::span<const std::int32_t> ids, bool one_sequence) {
+    using namespace device_detail;
+    const long long R = static_cast<long long>(ids.size());
+    ids_.upload_prefix(ids);
+    for (std::size_t j = 0; j < engrams_.size(); ++j) {
+      const auto& mult = Model::engram_multipliers[j];
+      const std::vector<std::int64_t> mv(mult.begin(), mult.end());
+      std::vector<std::int64_t> all;
+      for (std::size_t b = 0; b < slots.size(); ++b) {
+        const auto seq_ids = one_sequence ? ids : ids.subspan(b, 1);
+        const auto h = engram::hash_tokens(hashes_, int(j), mv, seq_ids, {}, token_map_, c.engram.engram_pad_id,
+                                           histories_[std::size_t(slots[b])][j], stack_->length(slots[b]));
+        all.insert(all.end(), h.begin(), h.end());
+      }
+      engrams_[j].hashes.upload_prefix(std::span<const std::int64_t>(all));
+    }
+    embed_kernel<<<blocks_for(R * hc * c.dim), 256>>>(embed_.data(), ids_.data(), R, c.dim, hc, x_.data());
+    DSV4_CUDA_CHECK_LAUNCH();
+    X_ = x_.data(), Y_ = y_.data(), engram_row0_ = 0;
+  }
+
+  //! The boundary into block l: the previous FFN applied (l > 0), Engram, hc_pre + attn_norm into
+  //! h_, the attention mixes into a_*; X_ becomes block l's input streams.
+  void enter_block(int l, long long R) {
+    device_block& b = blocks_[std::size_t(l)];
+    int engram_slot = -1;
+    for (std::size_t j = 0; j < engrams_.size(); ++j)
+      if (sched::engram::values[j] == l) engram_slot = int(j);
+    const float* pre = l == 0 ? entry_pre_.data() : f_pre_.data();
+    if (l > 0 && engram_slot >= 0) {  // apply the previous FFN, then Engram, then read the streams
+      boundary(R, X_, sub_.data(), f_post_.data(), f_comb_.data(), pre, b.attn_norm.data(), Y_, nullptr, nullptr, nullptr,
+               nullptr, nullptr, nullptr);
+      std::swap(X_, Y_);
+    }
+    if (engram_slot >= 0) {
+      auto& e = engrams_[std::size_t(engram_slot)];
+      engram::engram_forward(X_, e.hashes.data() + engram_row0_ * e.view.columns, nullptr, R, e.view, *e.ws, blas_);
+    }
+    if (l == 0 || engram_slot >= 0) {
+      boundary(R, X_, nullptr, nullptr, nullptr, pre, b.attn_norm.data(), nullptr, b.attn_fn.data(), b.attn_base.data(),
+               b.attn_scale.data(), a_pre_.data(), a_post_.data(), a_comb_.data());
+    } else {
+      boundary(R, X_, sub_.data(), f_post_.data(), f_comb_.data(), pre, b.attn_norm.data(), Y_, b.attn_fn.data(),
+               b.attn_base.data(), b.attn_scale.data(), a_pre_.data(), a_post_.data(), a_comb_.data());
+      std::swap(X_, Y_);
+    }
+  }
+
+  //! Block l's attention, the boundary into its FFN, the MoE (sub_ holds its output).
+  void finish_block(int l, long long R) {
+    device_block& b = blocks_[std::size_t(l)];
+    observe(l, "attn_in", h_.data(), R);
+    stack_->forward(l, h_.data(), sub_.data());
+    observe(l, "attn_out", sub_.data(), R);
+    boundary(R, X_, sub_.data(), a_post_.data(), a_comb_.data(), a_pre_.data(), b.ffn_norm.data(), Y_, b.ffn_fn.data(),
+             b.ffn_base.data(), b.ffn_scale.data(), f_pre_.data(), f_post_.data(), f_comb_.data());
+    std::swap(X_, Y_);
+    kernels::moe::moe_weights mw;
+    mw.gate = b.gate.data(), mw.bias = b.bias.data();
+    mw.w1 = b.w1[0].data(), mw.w1_s = b.w1[1].data(), mw.w3 = b.w3[0].data(), mw.w3_s = b.w3[1].data();
+    mw.w2 = b.w2[0].data(), mw.w2_s = b.w2[1].data(), mw.s1 = b.s1[0].data(), mw.s1_s = b.s1[1].data();
+    mw.s3 = b.s3[0].data(), mw.s3_s = b.s3[1].data(), mw.s2 = b.s2[0].data(), mw.s2_s = b.s2[1].data();
+    observe(l, "ffn_in", h_.data(), R);
+    kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_);
+    observe(l, "ffn_out", sub_.data(), R);
+  }
+
+  //! Exit: the last FFN, the collapse with its pre, the final norm; the head on the last row
+  //! (`last_only`) or on every row.
+  std::vector<float> exit_logits(long long R, bool last_only) {
+    using namespace device_detail;
+    const int D = c.dim;
+    boundary(R, X_, sub_.data(), f_post_.data(), f_comb_.data(), f_pre_.data(), norm_.data(), Y_, nullptr, nullptr, nullptr,
+             nullptr, nullptr, nullptr);
+    const long long first = last_only ? R - 1 : 0, rows = R - first;
+    widen_rows_kernel<<<blocks_for(rows * D), 256>>>(h_.data() + first * D, hf_.data(), rows * D);
+    DSV4_CUDA_CHECK_LAUNCH();
+    kernels::gemm::linear_fp32(blas_, hf_.data(), head_.data(), logits_.data(), int(rows), c.vocab_size, D);
+    std::vector<float> out(std::size_t(rows) * c.vocab_size);
+    DSV4_CUDA_CHECK(cudaMemcpy(out.data(), logits_.data(), out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    return out;
+  }
+
   //! `one_sequence`: the ids are a prefill or appended chunk of slots[0] (logits of the last row);
   //! otherwise one id per slot (logits of every row).
   std::vector<float> run(const std::vector<int>& slots, std::span<const std::int32_t> ids, bool one_sequence) {
-    const bool prefill = one_sequence;
-    using namespace device_detail;
     const long long R = static_cast<long long>(ids.size());
-    const int D = c.dim;
     try {
-      ids_.upload_prefix(ids);
-      // Engram hash ids of every module, from each sequence's compressed-token history.
-      for (std::size_t j = 0; j < engrams_.size(); ++j) {
-        const auto& mult = Model::engram_multipliers[j];
-        const std::vector<std::int64_t> mv(mult.begin(), mult.end());
-        std::vector<std::int64_t> all;
-        for (std::size_t b = 0; b < slots.size(); ++b) {
-          const auto seq_ids = prefill ? ids : ids.subspan(b, 1);
-          const auto h = engram::hash_tokens(hashes_, int(j), mv, seq_ids, {}, token_map_, c.engram.engram_pad_id,
-                                             histories_[std::size_t(slots[b])][j], stack_->length(slots[b]));
-          all.insert(all.end(), h.begin(), h.end());
-        }
-        engrams_[j].hashes.upload_prefix(std::span<const std::int64_t>(all));
-      }
-      embed_kernel<<<blocks_for(R * hc * D), 256>>>(embed_.data(), ids_.data(), R, D, hc, x_.data());
-      DSV4_CUDA_CHECK_LAUNCH();
-      bf16* X = x_.data();  // streams entering the current boundary
-      bf16* Y = y_.data();
-      for (int l = 0; l < sched::num_layers; ++l) {
-        device_block& b = blocks_[std::size_t(l)];
-        int engram_slot = -1;
-        for (std::size_t j = 0; j < engrams_.size(); ++j)
-          if (sched::engram::values[j] == l) engram_slot = int(j);
-        const float* pre = l == 0 ? entry_pre_.data() : f_pre_.data();
-        if (l > 0 && engram_slot >= 0) {  // apply the previous FFN, then Engram, then read the streams
-          boundary(R, X, sub_.data(), f_post_.data(), f_comb_.data(), pre, b.attn_norm.data(), Y, nullptr, nullptr, nullptr,
-                   nullptr, nullptr, nullptr);
-          std::swap(X, Y);
-        }
-        if (engram_slot >= 0) {
-          auto& e = engrams_[std::size_t(engram_slot)];
-          engram::engram_forward(X, e.hashes.data(), nullptr, R, e.view, *e.ws, blas_);
-        }
-        if (l == 0 || engram_slot >= 0) {
-          boundary(R, X, nullptr, nullptr, nullptr, pre, b.attn_norm.data(), nullptr, b.attn_fn.data(), b.attn_base.data(),
-                   b.attn_scale.data(), a_pre_.data(), a_post_.data(), a_comb_.data());
-        } else {
-          boundary(R, X, sub_.data(), f_post_.data(), f_comb_.data(), pre, b.attn_norm.data(), Y, b.attn_fn.data(),
-                   b.attn_base.data(), b.attn_scale.data(), a_pre_.data(), a_post_.data(), a_comb_.data());
-          std::swap(X, Y);
-        }
-        observe(l, "attn_in", h_.data(), R);
-        stack_->forward(l, h_.data(), sub_.data());
-        observe(l, "attn_out", sub_.data(), R);
-        boundary(R, X, sub_.data(), a_post_.data(), a_comb_.data(), a_pre_.data(), b.ffn_norm.data(), Y, b.ffn_fn.data(),
-                 b.ffn_base.data(), b.ffn_scale.data(), f_pre_.data(), f_post_.data(), f_comb_.data());
-        std::swap(X, Y);
-        kernels::moe::moe_weights mw;
-        mw.gate = b.gate.data(), mw.bias = b.bias.data();
-        mw.w1 = b.w1[0].data(), mw.w1_s = b.w1[1].data(), mw.w3 = b.w3[0].data(), mw.w3_s = b.w3[1].data();
-        mw.w2 = b.w2[0].data(), mw.w2_s = b.w2[1].data(), mw.s1 = b.s1[0].data(), mw.s1_s = b.s1[1].data();
-        mw.s3 = b.s3[0].data(), mw.s3_s = b.s3[1].data(), mw.s2 = b.s2[0].data(), mw.s2_s = b.s2[1].data();
-        observe(l, "ffn_in", h_.data(), R);
-        kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_);
-        observe(l, "ffn_out", sub_.data(), R);
-      }
-      // Exit: the last FFN, the collapse with its pre, the final norm; the head on the rows asked for.
-      boundary(R, X, sub_.data(), f_post_.data(), f_comb_.data(), f_pre_.data(), norm_.data(), Y, nullptr, nullptr, nullptr,
-               nullptr, nullptr, nullptr);
-      const long long first = prefill ? R - 1 : 0, rows = R - first;
-      widen_rows_kernel<<<blocks_for(rows * D), 256>>>(h_.data() + first * D, hf_.data(), rows * D);
-      DSV4_CUDA_CHECK_LAUNCH();
-      kernels::gemm::linear_fp32(blas_, hf_.data(), head_.data(), logits_.data(), int(rows), c.vocab_size, D);
-      std::vector<float> out(std::size_t(rows) * c.vocab_size);
-      DSV4_CUDA_CHECK(cudaMemcpy(out.data(), logits_.data(), out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      start(slots, ids, one_sequence);
+      for (int l = 0; l < sched::num_layers; ++l) enter_block(l, R), finish_block(l, R);
+      auto out = exit_logits(R, one_sequence);
       stack_->end_call();
       return out;
     } catch (...) {
@@ -347,6 +372,60 @@ class device_model {
       throw;
     }
   }
+
+  //! Moves rows [first, first + rows) of a [*, width] device array to its front (through Y_'s spare room).
+  template <class T>
+  void keep_rows(T* data, long long first, long long rows, long long width, T* scratch) {
+    const std::size_t bytes = std::size_t(rows * width) * sizeof(T);
+    DSV4_CUDA_CHECK(cudaMemcpy(scratch, data + first * width, bytes, cudaMemcpyDeviceToDevice));
+    DSV4_CUDA_CHECK(cudaMemcpy(data, scratch, bytes, cudaMemcpyDeviceToDevice));
+  }
+
+ public:
+  //! The CED prefill of a new sequence (model_reference.hpp forward_ced): encoder layers over the
+  //! prompt, the first decoder layer's cache from the encoder output over every token, the decoder
+  //! layers over the last `window` tokens (a replay whose windows start there). Logits [vocab] of
+  //! the last position.
+  std::vector<float> prefill_ced(int slot, std::span<const std::int32_t> ids) {
+    static_assert(ced_prefill_possible<sched>(), "device_model::prefill_ced: every decoder KV owner must be the first decoder layer");
+    constexpr int E = sched::encoder_layers;
+    check_ids(ids);
+    const long long N = static_cast<long long>(ids.size());
+    stack_->begin_prefill(slot, int(N));
+    try {
+      start({slot}, ids, true);
+      for (int l = 0; l < E; ++l) enter_block(l, N), finish_block(l, N);
+      enter_block(E, N);  // h_ = the first decoder layer's input over every token
+      if (sched::role(E) == schedule::attn_role::full) stack_->fill_owner_cache(E, h_.data());
+      stack_->end_call();
+    } catch (...) {
+      stack_->abort_call();
+      throw;
+    }
+    const long long first = std::max<long long>(0, N - c.attn.window_size), R = N - first;
+    stack_->begin_replay(slot, first, int(R), E);
+    try {
+      if (first > 0) {  // the replay rows to the front: streams, attention input, mixes
+        bf16* spare = Y_;
+        keep_rows(X_, first, R, 1LL * hc * c.dim, spare);
+        keep_rows(h_.data(), first, R, c.dim, spare);
+        float* fspare = hf_.data();
+        keep_rows(a_pre_.data(), first, R, hc, fspare), keep_rows(a_post_.data(), first, R, hc, fspare);
+        keep_rows(a_comb_.data(), first, R, hc * hc, fspare);
+        engram_row0_ = first;
+      }
+      finish_block(E, R);
+      for (int l = E + 1; l < sched::num_layers; ++l) enter_block(l, R), finish_block(l, R);
+      auto out = exit_logits(R, true);
+      stack_->end_call();
+      return out;
+    } catch (...) {
+      stack_->abort_call();
+      throw;
+    }
+  }
+
+ private:
   static unsigned blocks_for(long long n) { return unsigned((n + 255) / 256); }
   void observe(int layer, std::string_view stage, const bf16* values, long long rows) {
     if (!observe_) return;

@@ -276,6 +276,33 @@ class attention_stack {
     call_->append = true;
   }
 
+  //! CED prefill, step 1 (after begin_prefill and the encoder layers): the KV owner `layer` (a Full
+  //! layer, the first decoder layer) compresses x [rows, dim] (its attention input over every
+  //! prompt token) into its cache, without attention.
+  void fill_owner_cache(int layer, const bf16* x, cudaStream_t stream = nullptr) {
+    const std::string where = "attention_stack::fill_owner_cache (layer " + std::to_string(layer) + "): ";
+    if (!call_ || !call_->prefill) throw error(where + "needs a prefill call in progress");
+    if (layer < 0 || layer >= int(wiring_.size()) || wiring_[std::size_t(layer)].role != schedule::attn_role::full)
+      throw error(where + "only a KV owner (a Full layer) fills a cache on its own");
+    if (!x) throw error(where + "null x");
+    compress_owner(layer, x, stream);
+  }
+  //! CED prefill, step 2: the last `tokens` positions of a sequence (from `from`) through layers
+  //! first_layer.. as a replay: a prefill whose window starts at `from`; owners do not compress
+  //! again (their caches hold the whole prompt). The sequence's length does not change.
+  void begin_replay(int slot, long long from, int tokens, int first_layer) {
+    check_slot(slot);
+    const long long len = lengths_[std::size_t(slot)];
+    if (from < 0 || tokens <= 0 || from + tokens != len || tokens > lim_.max_rows)
+      throw error("attention_stack::begin_replay: replay the last tokens of the sequence (" + std::to_string(len) +
+                  " long), at most " + std::to_string(lim_.max_rows) + " of them; got " + std::to_string(tokens) + " from " +
+                  std::to_string(from));
+    if (first_layer < 0 || first_layer >= int(wiring_.size())) throw error("attention_stack::begin_replay: no layer " + std::to_string(first_layer));
+    begin({slot}, {tokens}, false, from);
+    call_->replay = true;
+    call_->next_layer = first_layer;
+  }
+
   //! One token for each of `slots` (distinct, each after its prefill).
   void begin_decode(const std::vector<int>& slots) {
     if (slots.empty() || int(slots.size()) > lim_.max_rows)
@@ -304,7 +331,8 @@ class attention_stack {
   //! Commits the call: the sequences' lengths grow by their tokens.
   void end_call() {
     if (!call_) throw error("attention_stack::end_call: no call in progress");
-    for (std::size_t b = 0; b < call_->slots.size(); ++b) lengths_[std::size_t(call_->slots[b])] += call_->tokens[b];
+    if (!call_->replay)
+      for (std::size_t b = 0; b < call_->slots.size(); ++b) lengths_[std::size_t(call_->slots[b])] += call_->tokens[b];
     call_.reset();
   }
 
@@ -312,7 +340,7 @@ class attention_stack {
   struct call_state {
     std::vector<int> slots, tokens;
     std::vector<long long> start;
-    bool prefill = false, append = false;
+    bool prefill = false, append = false, replay = false;
     int rows = 0;
     int next_layer = 0;
     // device metadata
@@ -389,7 +417,8 @@ class attention_stack {
     out_ws_.emplace(output::output_shape{s.heads, HeadDim, s.groups, s.o_lora, s.dim}, lim_.max_rows);
   }
 
-  void begin(const std::vector<int>& slots, const std::vector<int>& tokens, bool prefill) {
+  //! `replay_from` >= 0: one sequence's last tokens again (positions from there; no new pages).
+  void begin(const std::vector<int>& slots, const std::vector<int>& tokens, bool prefill, long long replay_from = -1) {
     if (call_) throw error("attention_stack: a call is already in progress (end_call first)");
     call_state c;
     c.slots = slots, c.tokens = tokens, c.prefill = prefill;
@@ -397,11 +426,11 @@ class attention_stack {
     std::vector<std::int32_t> row_batch, row_slot, batch_slot(slots.begin(), slots.end());
     std::vector<std::int32_t> tables(slots.size() * std::size_t(max_pages_), 0);
     for (std::size_t b = 0; b < slots.size(); ++b) {
-      const long long start = lengths_[std::size_t(slots[b])];
+      const long long start = replay_from >= 0 ? replay_from : lengths_[std::size_t(slots[b])];
       c.start.push_back(start);
       for (int t = 0; t < tokens[b]; ++t) pos.push_back(start + t), row_batch.push_back(int(b)), row_slot.push_back(slots[b]);
       const int seq = slot_seq_[std::size_t(slots[b])];
-      alloc_->append(seq, tokens[b]);  // pages for the new tokens (all or none)
+      if (replay_from < 0) alloc_->append(seq, tokens[b]);  // pages for the new tokens (all or none)
       const auto& bt = alloc_->block_table(seq);
       std::copy(bt.begin(), bt.end(), tables.begin() + std::ptrdiff_t(b) * max_pages_);
     }
@@ -435,6 +464,45 @@ class attention_stack {
       c.latents[r] = out_row, c.max_groups[r] = max_groups, c.width[r] = width;
     }
     call_.emplace(std::move(c));
+  }
+
+  //! A KV owner's compression of the call's rows: latents (ratio 1: RMSNorm of the bf16
+  //! projection; ratio 2: pooled with the decode state), then index keys and main entries into pages.
+  void compress_owner(int layer, const bf16* x, cudaStream_t stream) {
+    using namespace device_detail;
+    call_state& c = *call_;
+    const auto& s = shape_;
+    const auto& wr = wiring_[std::size_t(layer)];
+    auto& w = w_[std::size_t(layer)];
+    const int R = c.rows, r = wr.ratio, pairs = s.rope_dim / 2;
+    const float* freqs = freqs_compressed_.data();
+    const cache::owner_region& region = regions_.at(layer);
+    const int n = c.latents.at(r);
+    if (r == 1) {
+      gemm::linear_bf16(blas_, x, w.comp_wkv16.data(), latents_.data(), R, HeadDim, s.dim, stream);
+      norm::rmsnorm<bf16>({latents_.data(), HeadDim, w.comp_norm.data(), latents_.data(), HeadDim, R, HeadDim, s.norm_eps}, stream);
+    } else {
+      widen_kernel<<<blocks_for(1LL * R * s.dim), 256, 0, stream>>>(x, xf_.data(), 1LL * R * s.dim);
+      DSV4_CUDA_CHECK_LAUNCH();
+      gemm::linear_fp32(blas_, xf_.data(), w.comp_wkv32.data(), ck_.data(), R, HeadDim, s.dim, stream);
+      gemm::linear_fp32(blas_, xf_.data(), w.comp_wgate.data(), cz_.data(), R, HeadDim, s.dim, stream);
+      compressor::compress_pool<HeadDim, bf16>({ck_.data(), cz_.data(), c.pool_seqs.at(r).data(), int(c.slots.size()),
+                                                c.max_groups.at(r), states_k_.at(layer).data(), states_z_.at(layer).data(),
+                                                w.comp_norm.data(), s.norm_eps, latents_.data(), nullptr, r, HeadDim},
+                                               stream);
+    }
+    if (n > 0) {
+      // Index keys from the pre-RoPE latents, then the main entries.
+      gemm::linear_bf16(blas_, latents_.data(), w.index_wk.data(), keys_.data(), n, IndexDim, HeadDim, stream);
+      compressor::pack_entries<numerics::index_key_format, IndexDim, bf16>(
+          {keys_.data(), IndexDim, n, w.index_norm.data(), s.norm_eps, c.latent_pos.at(r).data(), c.latent_batch.at(r).data(),
+           freqs, pairs, page_destination(region, true)},
+          stream);
+      compressor::pack_entries<numerics::main_kv_format, HeadDim, bf16>(
+          {latents_.data(), HeadDim, n, nullptr, s.norm_eps, c.latent_pos.at(r).data(), c.latent_batch.at(r).data(), freqs,
+           pairs, page_destination(region, false)},
+          stream);
+    }
   }
 
   compressor::entry_destination page_destination(const cache::owner_region& r, bool keys) {
@@ -489,7 +557,8 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
   ring_dst.entry_stride = window_layout::bytes;
   ring_dst.seq_stride = 1LL * s.window * window_layout::bytes;
   ring_dst.ring_rows = s.window;
-  if (c.prefill) {
+  const bool own_rows = c.prefill || c.replay;  // the window operand is the call's own rows
+  if (own_rows) {
     compressor::entry_destination rows_dst;
     rows_dst.mode = compressor::entry_store::rows;
     rows_dst.base = chunk_kv_.data();
@@ -513,8 +582,8 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
         {kv_.data(), HeadDim, R, w.kv_norm.data(), s.norm_eps, c.positions.data(), c.row_slot.data(), freqs, pairs, ring_dst},
         stream);
   }
-  const int window_width = c.prefill ? std::min(R, s.window) : s.window;
-  const int operand_rows = c.prefill ? R : c.append ? s.window + R : s.window;
+  const int window_width = own_rows ? std::min(R, s.window) : s.window;
+  const int operand_rows = own_rows ? R : c.append ? s.window + R : s.window;
 
   // Global branch.
   int topk_width = 0;
@@ -523,34 +592,7 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
     const cache::owner_region& region = regions_.at(wr.kv_owner);
     const int r = wr.ratio;
     const long long width = c.width.at(r);
-    if (owner) {
-      const int n = c.latents.at(r);
-      if (r == 1) {
-        gemm::linear_bf16(blas_, x, w.comp_wkv16.data(), latents_.data(), R, HeadDim, s.dim, stream);
-        norm::rmsnorm<bf16>({latents_.data(), HeadDim, w.comp_norm.data(), latents_.data(), HeadDim, R, HeadDim, s.norm_eps}, stream);
-      } else {
-        widen_kernel<<<blocks_for(1LL * R * s.dim), 256, 0, stream>>>(x, xf_.data(), 1LL * R * s.dim);
-        DSV4_CUDA_CHECK_LAUNCH();
-        gemm::linear_fp32(blas_, xf_.data(), w.comp_wkv32.data(), ck_.data(), R, HeadDim, s.dim, stream);
-        gemm::linear_fp32(blas_, xf_.data(), w.comp_wgate.data(), cz_.data(), R, HeadDim, s.dim, stream);
-        compressor::compress_pool<HeadDim, bf16>({ck_.data(), cz_.data(), c.pool_seqs.at(r).data(), int(c.slots.size()),
-                                                  c.max_groups.at(r), states_k_.at(layer).data(), states_z_.at(layer).data(),
-                                                  w.comp_norm.data(), s.norm_eps, latents_.data(), nullptr, r, HeadDim},
-                                                 stream);
-      }
-      if (n > 0) {
-        // Index keys from the pre-RoPE latents, then the main entries.
-        gemm::linear_bf16(blas_, latents_.data(), w.index_wk.data(), keys_.data(), n, IndexDim, HeadDim, stream);
-        compressor::pack_entries<numerics::index_key_format, IndexDim, bf16>(
-            {keys_.data(), IndexDim, n, w.index_norm.data(), s.norm_eps, c.latent_pos.at(r).data(), c.latent_batch.at(r).data(),
-             freqs, pairs, page_destination(region, true)},
-            stream);
-        compressor::pack_entries<numerics::main_kv_format, HeadDim, bf16>(
-            {latents_.data(), HeadDim, n, nullptr, s.norm_eps, c.latent_pos.at(r).data(), c.latent_batch.at(r).data(), freqs,
-             pairs, page_destination(region, false)},
-            stream);
-      }
-    }
+    if (owner && !c.replay) compress_owner(layer, x, stream);
     if (source) {
       c.topk_width = int(std::min<long long>(s.topk, width));
       if (width > 0) {
@@ -600,19 +642,19 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
 
   // Index lists, attention, output.
   const int width = window_width + topk_width;
-  index_list_args il{idx_.data(), topk_.data(), c.positions.data(), R, window_width, topk_width, s.window, c.prefill,
+  index_list_args il{idx_.data(), topk_.data(), c.positions.data(), R, window_width, topk_width, s.window, own_rows,
                      c.append, c.append ? c.start[0] : 0};
   index_list_kernel<<<blocks_for(1LL * R * width), 256, 0, stream>>>(il);
   DSV4_CUDA_CHECK_LAUNCH();
   sparse_attention_args sa;
   sa.q = q_.data(), sa.idx = idx_.data(), sa.sink = w.attn_sink.data(), sa.out = o_.data();
-  sa.batch = c.prefill ? 1 : R, sa.rows = c.prefill ? R : 1, sa.heads = s.heads, sa.topk = width;  // append: below
+  sa.batch = own_rows ? 1 : R, sa.rows = own_rows ? R : 1, sa.heads = s.heads, sa.topk = width;  // append: below
   sa.scale = float(std::pow(double(HeadDim), -0.5));
   // The operand: the call's rows (prefill), the ring (decode), or the ring then the call's rows
   // (append), followed by the owner's global entries on compressed layers.
   window_ring<window_format, HeadDim> win;
   win.stride = window_layout::bytes;
-  if (c.prefill) {
+  if (own_rows) {
     win.base = chunk_kv_.data(), win.seq_stride = 0, win.rows = R;
   } else {
     win.base = ring.data(), win.seq_stride = 1LL * s.window * window_layout::bytes, win.rows = s.window;
