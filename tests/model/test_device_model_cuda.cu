@@ -50,19 +50,28 @@ struct logit_stats {
   }
 };
 
+// The tiny host model from a random checkpoint (written to a temporary folder, then removed).
+model::host_model<tiny> load_tiny(const std::string& name, std::uint64_t seed) {
+  const test::temp_checkpoint tmp(name, models::checkpoint_schema<tiny>(), seed);
+  io::checkpoint ck(tmp.dir);
+  std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
+  std::iota(token_map.begin(), token_map.end(), 0);
+  return model::host_model<tiny>::load(ck, token_map);
+}
+
+model::device_model<tiny>::limits tiny_limits(int seqs, int rows, long long tokens) {
+  model::device_model<tiny>::limits lim;
+  lim.max_seqs = seqs, lim.max_rows = rows, lim.max_tokens = tokens, lim.page_tokens = 16;
+  return lim;
+}
+
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(device_model_cuda)
 
 BOOST_AUTO_TEST_CASE(tiny_logits_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
-  const test::temp_checkpoint tmp("device_model", models::checkpoint_schema<tiny>(), 43);
-  io::checkpoint ck(tmp.dir);
-  std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
-  std::iota(token_map.begin(), token_map.end(), 0);
-  const auto hm = model::host_model<tiny>::load(ck, token_map);
-  model::device_model<tiny>::limits lim;
-  lim.max_seqs = 3, lim.max_rows = 64, lim.max_tokens = 128, lim.page_tokens = 16;
-  model::device_model<tiny> dm(hm, lim);
+  const auto hm = load_tiny("device_model", 43);
+  model::device_model<tiny> dm(hm, tiny_limits(3, 64, 128));
 
   auto rng = test::make_rng(96);
   const std::vector<int> prompt = {45, 10};  // pool 8 x 4 = 32 positions, top-k 16, window 16
@@ -132,14 +141,8 @@ BOOST_AUTO_TEST_CASE(tiny_logits_match_host, *utf::label("gpu") * utf::precondit
 // The CED prefill on the device: up to the window it is the device's exact prefill bit for bit
 // (the same kernels on the same rows); beyond it, against the host's forward_ced.
 BOOST_AUTO_TEST_CASE(ced_prefill, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
-  const test::temp_checkpoint tmp("device_model_ced", models::checkpoint_schema<tiny>(), 45);
-  io::checkpoint ck(tmp.dir);
-  std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
-  std::iota(token_map.begin(), token_map.end(), 0);
-  const auto hm = model::host_model<tiny>::load(ck, token_map);
-  model::device_model<tiny>::limits lim;
-  lim.max_seqs = 3, lim.max_rows = 64, lim.max_tokens = 64, lim.page_tokens = 16;
-  model::device_model<tiny> dm(hm, lim);
+  const auto hm = load_tiny("device_model_ced", 45);
+  model::device_model<tiny> dm(hm, tiny_limits(3, 64, 64));
   auto rng = test::make_rng(99);
   const int V = tiny::dims.vocab_size, W = tiny::dims.attn.window_size;
   std::vector<std::int32_t> ids(47);
@@ -167,14 +170,8 @@ BOOST_AUTO_TEST_CASE(ced_prefill, *utf::label("gpu") * utf::precondition(test::h
 // Where device and host part ways: every block's intermediates on a prefill, each stage compared
 // with the host's (free running: the error a stage shows includes what earlier layers passed on).
 BOOST_AUTO_TEST_CASE(layer_by_layer_prefill, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
-  const test::temp_checkpoint tmp("device_model_layers", models::checkpoint_schema<tiny>(), 44);
-  io::checkpoint ck(tmp.dir);
-  std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
-  std::iota(token_map.begin(), token_map.end(), 0);
-  const auto hm = model::host_model<tiny>::load(ck, token_map);
-  model::device_model<tiny>::limits lim;
-  lim.max_seqs = 1, lim.max_rows = 64, lim.max_tokens = 64, lim.page_tokens = 16;
-  model::device_model<tiny> dm(hm, lim);
+  const auto hm = load_tiny("device_model_layers", 44);
+  model::device_model<tiny> dm(hm, tiny_limits(1, 64, 64));
   auto rng = test::make_rng(97);
   std::vector<std::int32_t> ids(45);
   for (auto& id : ids) id = std::int32_t(rng() % std::uint64_t(tiny::dims.vocab_size));

@@ -557,31 +557,22 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
   ring_dst.entry_stride = window_layout::bytes;
   ring_dst.seq_stride = 1LL * s.window * window_layout::bytes;
   ring_dst.ring_rows = s.window;
+  compressor::entry_destination rows_dst;  // the call's own rows: the operand of a prefill, replay or append
+  rows_dst.mode = compressor::entry_store::rows;
+  rows_dst.base = chunk_kv_.data();
+  rows_dst.entry_stride = window_layout::bytes;
+  auto pack_window = [&](int first, int rows, const compressor::entry_destination& dst, const std::int32_t* slots) {
+    compressor::pack_entries<window_format, HeadDim, bf16>(
+        {kv_.data() + std::size_t(first) * HeadDim, HeadDim, rows, w.kv_norm.data(), s.norm_eps, c.positions.data() + first,
+         slots ? slots + first : nullptr, freqs, pairs, dst},
+        stream);
+  };
   const bool own_rows = c.prefill || c.replay;  // the window operand is the call's own rows
-  if (own_rows) {
-    compressor::entry_destination rows_dst;
-    rows_dst.mode = compressor::entry_store::rows;
-    rows_dst.base = chunk_kv_.data();
-    rows_dst.entry_stride = window_layout::bytes;
-    compressor::pack_entries<window_format, HeadDim, bf16>(
-        {kv_.data(), HeadDim, R, w.kv_norm.data(), s.norm_eps, c.positions.data(), nullptr, freqs, pairs, rows_dst}, stream);
-    const int first = std::max(0, R - s.window);  // the last positions seed the ring
-    compressor::pack_entries<window_format, HeadDim, bf16>(
-        {kv_.data() + std::size_t(first) * HeadDim, HeadDim, R - first, w.kv_norm.data(), s.norm_eps,
-         c.positions.data() + first, c.row_slot.data() + first, freqs, pairs, ring_dst},
-        stream);
-  } else if (c.append) {  // the chunk's rows now; its ring slots after the attention, which still reads the old ones
-    compressor::entry_destination rows_dst;
-    rows_dst.mode = compressor::entry_store::rows;
-    rows_dst.base = chunk_kv_.data();
-    rows_dst.entry_stride = window_layout::bytes;
-    compressor::pack_entries<window_format, HeadDim, bf16>(
-        {kv_.data(), HeadDim, R, w.kv_norm.data(), s.norm_eps, c.positions.data(), nullptr, freqs, pairs, rows_dst}, stream);
-  } else {
-    compressor::pack_entries<window_format, HeadDim, bf16>(
-        {kv_.data(), HeadDim, R, w.kv_norm.data(), s.norm_eps, c.positions.data(), c.row_slot.data(), freqs, pairs, ring_dst},
-        stream);
-  }
+  const int ring_first = std::max(0, R - s.window);  // the call's last positions are what the ring keeps
+  if (own_rows || c.append) pack_window(0, R, rows_dst, nullptr);
+  if (own_rows) pack_window(ring_first, R - ring_first, ring_dst, c.row_slot.data());
+  else if (!c.append) pack_window(0, R, ring_dst, c.row_slot.data());  // decode: straight into the ring
+  // (an appended chunk enters the ring after the attention, which still reads the old slots)
   const int window_width = own_rows ? std::min(R, s.window) : s.window;
   const int operand_rows = own_rows ? R : c.append ? s.window + R : s.window;
 
@@ -670,11 +661,7 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
       kv.page_bytes = page_bytes_, kv.region_offset = region->main_offset, kv.entries_per_page = region->entries_per_page;
     }
     sparse_attention<HeadDim>(sa, kv, stream);
-    const int first = std::max(0, R - s.window);  // only now may the chunk's last positions enter the ring
-    compressor::pack_entries<window_format, HeadDim, bf16>(
-        {kv_.data() + std::size_t(first) * HeadDim, HeadDim, R - first, w.kv_norm.data(), s.norm_eps,
-         c.positions.data() + first, c.row_slot.data() + first, freqs, pairs, ring_dst},
-        stream);
+    pack_window(ring_first, R - ring_first, ring_dst, c.row_slot.data());  // only now may the chunk enter the ring
   } else if (region) {
     paged_kv<window_format, numerics::main_kv_format, HeadDim> kv;
     kv.window = win, kv.pool = pool_.data(), kv.block_tables = c.block_tables.data(), kv.max_pages = max_pages_;
