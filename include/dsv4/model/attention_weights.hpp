@@ -124,6 +124,23 @@ inline std::vector<float> dequantized_fp8(io::checkpoint& ck, const std::string&
 }
 }  // namespace detail
 
+//! The tensors every attention sublayer has (q and kv paths, output path, sink), read from `ck`
+//! under `p` ("layers.N.attn." in the backbone, "mtp.N.attn." for a DSpark stage).
+template <class Model>
+layer_weights local_attention_weights(io::checkpoint& ck, const std::string& p) {
+  constexpr layer_shape s = attention_shape<Model>();
+  layer_weights w;
+  w.wq_a = detail::fp8(ck, p + "wq_a", s.q_lora, s.dim);
+  w.q_norm = detail::floats(ck, p + "q_norm.weight", {s.q_lora});
+  w.wq_b = detail::fp8(ck, p + "wq_b", s.heads * s.head_dim, s.q_lora);
+  w.wkv = detail::fp8(ck, p + "wkv", s.head_dim, s.dim);
+  w.kv_norm = detail::floats(ck, p + "kv_norm.weight", {s.head_dim});
+  w.wo_a = detail::dequantized_fp8(ck, p + "wo_a", s.groups * s.o_lora, s.heads / s.groups * s.head_dim);
+  w.wo_b = detail::fp8(ck, p + "wo_b", s.dim, s.groups * s.o_lora);
+  w.attn_sink = detail::floats(ck, p + "attn_sink", {s.heads});
+  return w;
+}
+
 //! The weights of layer `layer`'s attention sublayer, read from `ck`.
 template <class Model>
 layer_weights attention_weights(io::checkpoint& ck, int layer) {
@@ -135,15 +152,7 @@ layer_weights attention_weights(io::checkpoint& ck, int layer) {
   constexpr layer_shape s = attention_shape<Model>();
   const layer_wiring wr = attention_wiring<Model>(layer);
   const std::string p = "layers." + std::to_string(layer) + ".attn.";
-  layer_weights w;
-  w.wq_a = detail::fp8(ck, p + "wq_a", s.q_lora, s.dim);
-  w.q_norm = detail::floats(ck, p + "q_norm.weight", {s.q_lora});
-  w.wq_b = detail::fp8(ck, p + "wq_b", s.heads * s.head_dim, s.q_lora);
-  w.wkv = detail::fp8(ck, p + "wkv", s.head_dim, s.dim);
-  w.kv_norm = detail::floats(ck, p + "kv_norm.weight", {s.head_dim});
-  w.wo_a = detail::dequantized_fp8(ck, p + "wo_a", s.groups * s.o_lora, s.heads / s.groups * s.head_dim);
-  w.wo_b = detail::fp8(ck, p + "wo_b", s.dim, s.groups * s.o_lora);
-  w.attn_sink = detail::floats(ck, p + "attn_sink", {s.heads});
+  layer_weights w = local_attention_weights<Model>(ck, p);
   if (wr.role == attn_role::full) {
     w.compressor.dim = s.dim;
     w.compressor.head_dim = s.head_dim;

@@ -42,13 +42,14 @@ struct block_weights {
   float swiglu_limit = 10.0f;
 };
 
-//! Every tensor of block `layer` of `Model`, read from `ck` (errors name the tensor and file).
+//! The non-attention tensors of a block stored under `p` ("layers.N." or "mtp.N."), with
+//! `experts` routed experts of which `k` are active, and the given attention weights.
 template <class Model>
-block_weights block_weights_of(io::checkpoint& ck, int layer) {
+block_weights block_weights_at(io::checkpoint& ck, const std::string& p, kernels::attention::layer_weights attn, int experts,
+                               int k) {
   constexpr models::model_config c = Model::dims;
   block_weights b;
-  b.attn = attention_weights<Model>(ck, layer);  // also checks the layer index
-  const std::string p = "layers." + std::to_string(layer) + ".";
+  b.attn = std::move(attn);
   b.attn_norm = detail::floats(ck, p + "attn_norm.weight", {c.dim});
   b.ffn_norm = detail::floats(ck, p + "ffn_norm.weight", {c.dim});
   const long long mix = c.mhc.mix_hc(), width = 1ll * c.mhc.hc_mult * c.dim;
@@ -60,11 +61,11 @@ block_weights block_weights_of(io::checkpoint& ck, int layer) {
     m->hc_eps = c.mhc.hc_eps;
     m->norm_eps = c.norm_eps;
   }
-  const int experts = c.moe.n_routed_experts, inter = c.moe.moe_inter_dim;
+  const int inter = c.moe.moe_inter_dim;
   b.inter = inter;
   b.swiglu_limit = c.moe.swiglu_limit;
   b.gate.experts = experts;
-  b.gate.k = c.moe.n_activated_experts;
+  b.gate.k = k;
   b.gate.dim = c.dim;
   b.gate.weight = detail::floats(ck, p + "ffn.gate.weight", {experts, c.dim});
   b.gate.bias = detail::floats(ck, p + "ffn.gate.bias", {experts});
@@ -94,23 +95,30 @@ block_weights block_weights_of(io::checkpoint& ck, int layer) {
   return b;
 }
 
-//! Block.forward over `s` tokens: streams x [s, hc, dim] -> returned streams; pre_mix [s, hc]
-//! holds the previous sublayer's pre on entry and this block's f.pre on return.
-inline std::vector<bf16> block_forward_chunk(int layer, const kernels::attention::layer_wiring& wiring,
-                                             const block_weights& w, const kernels::attention::layer_shape& shape,
-                                             std::span<const float> freqs, std::span<const bf16> x,
-                                             std::vector<float>& pre_mix, long long start_pos,
-                                             kernels::attention::sequence_state& state,
-                                             const layer_observer* observe = nullptr,
-                                             kernels::attention::layer_call call = kernels::attention::layer_call::normal) {
+//! Every tensor of block `layer` of `Model`, read from `ck` (errors name the tensor and file).
+template <class Model>
+block_weights block_weights_of(io::checkpoint& ck, int layer) {
+  constexpr models::model_config c = Model::dims;
+  auto attn = attention_weights<Model>(ck, layer);  // also checks the layer index
+  return block_weights_at<Model>(ck, "layers." + std::to_string(layer) + ".", std::move(attn), c.moe.n_routed_experts,
+                                 c.moe.n_activated_experts);
+}
+
+//! Block.forward over `s` tokens with the attention sublayer given as `attention(attn_in)`
+//! ([s, dim] attn_norm output -> [s, dim]): the backbone's CSA2 sublayer (block_forward_chunk) or
+//! a DSpark stage's (dspark_reference.hpp). Streams x [s, hc, dim] -> returned streams; pre_mix
+//! [s, hc] holds the previous sublayer's pre on entry and this block's f.pre on return.
+template <class Attention>
+std::vector<bf16> block_forward_with(int layer, const block_weights& w, int model_dim, float norm_eps, std::span<const bf16> x,
+                                     std::vector<float>& pre_mix, Attention&& attention, const layer_observer* observe = nullptr) {
   namespace mhc = kernels::mhc;
   constexpr int hc = mhc::hc;
-  const std::size_t dim = std::size_t(shape.dim), width = hc * dim;
-  if (x.empty() || x.size() % width) throw error("block_forward_chunk: x must be [s, 4, dim]");
+  const std::size_t dim = std::size_t(model_dim), width = hc * dim;
+  if (x.empty() || x.size() % width) throw error("block_forward: x must be [s, 4, dim]");
   const std::size_t s = x.size() / width;
-  if (pre_mix.size() != s * hc) throw error("block_forward_chunk: pre_mix must be [s, 4]");
+  if (pre_mix.size() != s * hc) throw error("block_forward: pre_mix must be [s, 4]");
   auto normed = [&](const std::vector<bf16>& v, const std::vector<float>& nw) {
-    return kernels::norm::rmsnorm_bf16_reference(v, nw, shape.norm_eps);
+    return kernels::norm::rmsnorm_bf16_reference(v, nw, norm_eps);
   };
   auto pre_of = [](const float* p, float (&a)[hc]) {
     for (int c = 0; c < hc; ++c) a[c] = p[c];
@@ -127,7 +135,8 @@ inline std::vector<bf16> block_forward_chunk(int layer, const kernels::attention
     attn_in.insert(attn_in.end(), in.begin(), in.end());
   }
   if (observe) (*observe)(layer, "attn_in", attn_in);
-  const auto attn_out = kernels::attention::attention_layer_reference(layer, wiring, w.attn, shape, freqs, attn_in, start_pos, state, call);
+  const std::vector<bf16> attn_out = attention(std::span<const bf16>(attn_in));
+  if (attn_out.size() != attn_in.size()) throw error("block_forward: the attention sublayer must return [s, dim]");
   if (observe) (*observe)(layer, "attn_out", attn_out);
   std::vector<bf16> ffn_ins, ffn_outs;
   // FFN sublayer.
@@ -145,6 +154,23 @@ inline std::vector<bf16> block_forward_chunk(int layer, const kernels::attention
   }
   if (observe) (*observe)(layer, "ffn_in", ffn_ins), (*observe)(layer, "ffn_out", ffn_outs);
   return out;
+}
+
+//! Block.forward of backbone layer `layer` over `s` tokens (block_forward_with and the CSA2
+//! attention sublayer with the sequence's state).
+inline std::vector<bf16> block_forward_chunk(int layer, const kernels::attention::layer_wiring& wiring,
+                                             const block_weights& w, const kernels::attention::layer_shape& shape,
+                                             std::span<const float> freqs, std::span<const bf16> x,
+                                             std::vector<float>& pre_mix, long long start_pos,
+                                             kernels::attention::sequence_state& state,
+                                             const layer_observer* observe = nullptr,
+                                             kernels::attention::layer_call call = kernels::attention::layer_call::normal) {
+  return block_forward_with(
+      layer, w, shape.dim, shape.norm_eps, x, pre_mix,
+      [&](std::span<const bf16> attn_in) {
+        return kernels::attention::attention_layer_reference(layer, wiring, w.attn, shape, freqs, attn_in, start_pos, state, call);
+      },
+      observe);
 }
 
 }  // namespace dsv4::model

@@ -3,8 +3,10 @@
 //! The whole model on the host (spec §13 Transformer.forward, text tokens only), for variants
 //! small enough to run this way (tiny): embedding, the four streams, Engram before its layers, the
 //! blocks with single-pass mHC, the final collapse, norm and head (fp32 logits of the last
-//! position). Prefill from position 0, then one-token decode steps, like the reference. The
-//! DSpark stages, images and the CUDA backend are not part of this file.
+//! position). Prefill from position 0, then one-token decode steps, like the reference. On
+//! request a forward also returns `main_hidden`, the residual entering each DSpark target layer
+//! (spec §13), which the DSpark stages read (dspark_reference.hpp). Images and the CUDA backend
+//! are not part of this file.
 
 #include <cstdint>
 #include <string>
@@ -124,6 +126,29 @@ void engram_before(const host_model<Model>& m, int layer, std::vector<bf16>& x, 
                                          false);
 }
 
+//! Spec §13: the residual entering DSpark target layer `layer` (after any Engram before it), per
+//! row: bf16(fp32 sum of the 4 streams x 0.25), written to that target's slot of `capture` [rows,
+//! targets * dim]; rows of x from `first` on. The reference's torch.mean leaves the order of its
+//! four fp32 additions to the framework (spec §18.10); this sums in stream order, which differs
+//! from any other order only when a partial sum is inexact in fp32.
+template <class Model>
+void capture_main_hidden(int layer, std::span<const bf16> x, std::size_t first, std::vector<bf16>& capture) {
+  using targets = typename models::model_traits<Model>::schedule::drafter::targets;
+  constexpr int hc = kernels::mhc::hc;
+  const std::size_t dim = std::size_t(Model::dims.dim), width = hc * dim, rows = x.size() / width - first;
+  const std::size_t stride = std::size_t(targets::size) * dim;
+  for (std::size_t j = 0; j < targets::values.size(); ++j) {
+    if (targets::values[j] != layer) continue;
+    capture.resize(rows * stride);
+    for (std::size_t t = 0; t < rows; ++t)
+      for (std::size_t d = 0; d < dim; ++d) {
+        float sum = 0.0f;
+        for (int r = 0; r < hc; ++r) sum += x[(first + t) * width + std::size_t(r) * dim + d].to_float();
+        capture[t * stride + j * dim + d] = bf16::from_float(sum * 0.25f);
+      }
+  }
+}
+
 //! Final collapse of the last row with its pre-mix, norm, fp32 head.
 template <class Model>
 std::vector<float> last_logits(const host_model<Model>& m, const std::vector<bf16>& x, const std::vector<float>& pre) {
@@ -138,9 +163,11 @@ std::vector<float> last_logits(const host_model<Model>& m, const std::vector<bf1
 }
 }  // namespace detail
 
+//! `main_hidden`, if given, receives the DSpark stages' input over the call's rows, [s, targets *
+//! dim] bf16: the residual entering each target layer (spec §13), in the schedule's target order.
 template <class Model>
 std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::span<const std::int32_t> ids,
-                           const layer_observer* observe = nullptr) {
+                           const layer_observer* observe = nullptr, std::vector<bf16>* main_hidden = nullptr) {
   using sched = typename models::model_traits<Model>::schedule;
   constexpr models::model_config c = Model::dims;
   const std::size_t s = ids.size();
@@ -151,8 +178,10 @@ std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::
   std::vector<bf16>& x = f.x;
   std::vector<float>& pre = f.pre;
   constexpr auto shape = attention_shape<Model>();
+  if (main_hidden) main_hidden->clear();
   for (int l = 0; l < sched::num_layers; ++l) {
     detail::engram_before(m, l, x, f, 0);
+    if (main_hidden) detail::capture_main_hidden<Model>(l, x, 0, *main_hidden);
     // upstream_quirk: for this call the source's own key cache holds the keys the reference's
     // shared slot holds (the first `rows` of the last refreshed source's), then its own again.
     struct restore_keys {
@@ -200,10 +229,12 @@ constexpr bool ced_prefill_possible() {
 //! sees [max(s, i - window + 1), i]). An approximation by design: with prompts up to `window`
 //! tokens it equals the exact prefill bit for bit; longer prompts change the decoder's local
 //! state. Decoding continues with `forward` as after any prefill. Returns the last position's
-//! logits.
+//! logits. `main_hidden`, if given, receives the DSpark input of the replayed rows only (the last
+//! min(s, window) positions, [rows, targets * dim]): the DSpark prefill needs no more, since its
+//! rings hold the last `window` positions (pass s - rows as dspark_prefill's first position).
 template <class Model>
 std::vector<float> forward_ced(const host_model<Model>& m, host_sequence& seq, std::span<const std::int32_t> ids,
-                               const layer_observer* observe = nullptr) {
+                               const layer_observer* observe = nullptr, std::vector<bf16>* main_hidden = nullptr) {
   using sched = typename models::model_traits<Model>::schedule;
   static_assert(ced_prefill_possible<sched>(),
                 "forward_ced: the CED prefill needs every decoder KV owner to be the first decoder layer (its "
@@ -216,8 +247,11 @@ std::vector<float> forward_ced(const host_model<Model>& m, host_sequence& seq, s
                 "append with forward, in exact mode)");
   detail::forward_start f = detail::start_forward(m, seq, ids);
   const std::size_t s = ids.size(), dim = std::size_t(c.dim), width = hc * dim;
+  const std::size_t first = s > std::size_t(shape.window) ? s - std::size_t(shape.window) : 0;
+  if (main_hidden) main_hidden->clear();
   for (int l = 0; l < E; ++l) {
     detail::engram_before(m, l, f.x, f, 0);
+    if (main_hidden) detail::capture_main_hidden<Model>(l, f.x, first, *main_hidden);
     f.x = block_forward_chunk(l, m.wiring[std::size_t(l)], m.blocks[std::size_t(l)], shape, m.freqs[std::size_t(l)], f.x, f.pre,
                               0, seq.attention, observe);
   }
@@ -238,11 +272,11 @@ std::vector<float> forward_ced(const host_model<Model>& m, host_sequence& seq, s
                                                   kernels::attention::layer_call::owner_cache_only);
   }
   // Decoder replay over the last `window` tokens.
-  const std::size_t first = s > std::size_t(shape.window) ? s - std::size_t(shape.window) : 0;
   std::vector<bf16> x(f.x.begin() + std::ptrdiff_t(first * width), f.x.end());
   std::vector<float> pre(f.pre.begin() + std::ptrdiff_t(first * hc), f.pre.end());
   for (int l = E; l < sched::num_layers; ++l) {
     if (l > E) detail::engram_before(m, l, x, f, first);
+    if (main_hidden) detail::capture_main_hidden<Model>(l, x, 0, *main_hidden);
     x = block_forward_chunk(l, m.wiring[std::size_t(l)], m.blocks[std::size_t(l)], shape, m.freqs[std::size_t(l)], x, pre,
                             (long long)first, seq.attention, observe, kernels::attention::layer_call::replay);
   }
