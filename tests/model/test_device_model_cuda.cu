@@ -142,7 +142,7 @@ BOOST_AUTO_TEST_CASE(tiny_logits_match_host, *utf::label("gpu") * utf::precondit
 // (the same kernels on the same rows); beyond it, against the host's forward_ced.
 BOOST_AUTO_TEST_CASE(ced_prefill, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   const auto hm = load_tiny("device_model_ced", 45);
-  model::device_model<tiny> dm(hm, tiny_limits(3, 64, 64));
+  model::device_model<tiny> dm(hm, tiny_limits(4, 64, 64));
   auto rng = test::make_rng(99);
   const int V = tiny::dims.vocab_size, W = tiny::dims.attn.window_size;
   std::vector<std::int32_t> ids(47);
@@ -154,12 +154,25 @@ BOOST_AUTO_TEST_CASE(ced_prefill, *utf::label("gpu") * utf::precondition(test::h
   BOOST_TEST(std::memcmp(exact.data(), ced.data(), exact.size() * sizeof(float)) == 0);
   const auto next = dm.decode({a, b}, std::vector<std::int32_t>{ids[20], ids[20]});
   BOOST_TEST(std::memcmp(next.data(), next.data() + V, std::size_t(V) * sizeof(float)) == 0);
-  // Beyond the window: device CED against host CED.
+  // Beyond the window: the decoder layers see `window` rows only (the article's layer-token work),
+  // the result differs from the device's exact prefill, and stays close to the host's CED.
   const auto prompt = std::span<const std::int32_t>(ids).first(45);
+  using sched = models::model_traits<tiny>::schedule;
+  std::map<int, long long> rows_seen;
+  dm.set_observer([&](int l, std::string_view stage, std::span<const bf16> v) {
+    if (stage == "attn_in") rows_seen[l] += (long long)(v.size() / std::size_t(tiny::dims.dim));
+  });
   const int c = dm.add_sequence();
   model::host_sequence hs;
   logit_stats st;
-  st.add(dm.prefill_ced(c, prompt), model::forward_ced(hm, hs, prompt));
+  const auto device_ced = dm.prefill_ced(c, prompt);
+  dm.set_observer({});
+  for (int l = 0; l < sched::num_layers; ++l)
+    BOOST_TEST(rows_seen[l] == (l < sched::encoder_layers ? 45 : W), "layer " << l << " saw " << rows_seen[l] << " rows");
+  const int d = dm.add_sequence();
+  const auto device_exact = dm.prefill(d, prompt);
+  BOOST_TEST(std::memcmp(device_exact.data(), device_ced.data(), device_ced.size() * sizeof(float)) != 0);
+  st.add(device_ced, model::forward_ced(hm, hs, prompt));
   st.add(dm.decode({c}, std::vector<std::int32_t>{ids[45]}), model::forward(hm, hs, std::span<const std::int32_t>(ids).subspan(45, 1)));
   BOOST_TEST_MESSAGE("CED prefill of 45 tokens and one decode step, device vs host: worst " << st.worst << ", cosine >= " << st.min_cosine);
   BOOST_TEST(st.worst < 0.3);

@@ -49,6 +49,14 @@ inline std::vector<float> random_values(std::size_t n, float scale, std::mt19937
   return v;
 }
 
+//! RMSNorm weights near 1 (bf16 values), different per layer and per norm.
+inline std::vector<float> random_norm(std::size_t n, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> d(0.75f, 1.25f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = bf16::from_float(d(rng)).to_float();
+  return v;
+}
+
 inline attention_stack_weights make_attention_stack(std::mt19937_64& rng) {
   attention_stack_weights st;
   st.wiring = {{attn_role::local, 0, -1, false},
@@ -63,8 +71,8 @@ inline attention_stack_weights make_attention_stack(std::mt19937_64& rng) {
     w.wq_b = random_fp8(s.heads * s.head_dim, s.q_lora, rng);
     w.wkv = random_fp8(s.head_dim, s.dim, rng);
     w.wo_b = random_fp8(s.dim, s.groups * s.o_lora, rng);
-    w.q_norm.assign(std::size_t(s.q_lora), 1.0f);
-    w.kv_norm.assign(std::size_t(s.head_dim), 1.0f);
+    w.q_norm = random_norm(std::size_t(s.q_lora), rng);  // not all ones: a swapped or dropped weight must show
+    w.kv_norm = random_norm(std::size_t(s.head_dim), rng);
     w.wo_a = random_values(std::size_t(s.groups) * s.o_lora * (s.heads / s.groups) * s.head_dim, 0.03f, rng);
     w.attn_sink = random_values(std::size_t(s.heads), 1.0f, rng, false);
     if (wr.role == attn_role::full) {
@@ -73,10 +81,10 @@ inline attention_stack_weights make_attention_stack(std::mt19937_64& rng) {
       w.compressor.ratio = wr.ratio;
       w.compressor.wkv = random_values(std::size_t(s.head_dim) * s.dim, 0.06f, rng, wr.ratio == 1);
       if (wr.ratio > 1) w.compressor.wgate = random_values(std::size_t(s.head_dim) * s.dim, 0.06f, rng, false);
-      w.compressor.norm.assign(std::size_t(s.head_dim), 1.0f);
+      w.compressor.norm = random_norm(std::size_t(s.head_dim), rng);
       w.index_key.index_dim = s.index_dim;
       w.index_key.wk = random_values(std::size_t(s.index_dim) * s.head_dim, 0.09f, rng);
-      w.index_key.norm.assign(std::size_t(s.index_dim), 1.0f);
+      w.index_key.norm = random_norm(std::size_t(s.index_dim), rng);
     }
     if (wr.role == attn_role::full || wr.role == attn_role::reindex) {
       w.idx_wq_b = random_fp8(s.index_heads * s.index_dim, s.q_lora, rng);

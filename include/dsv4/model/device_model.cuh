@@ -15,7 +15,8 @@
 //! memory. A call is a prefill of one new sequence, one decode token for each of a batch of
 //! sequences (different lengths allowed), or a chunk appended to one sequence (exact mode); it
 //! returns fp32 logits, as the host model does.
-//! Not here yet: the CED prefill, DSpark stages, images, and
+//! `prefill_ced` is the CED prefill (encoder over the prompt, decoder replay of its last window).
+//! Not here yet: DSpark stages, images, and
 //! Engram tables in host memory (V4.1's are ~100 GB each).
 
 #include <cublas_v2.h>
@@ -403,8 +404,8 @@ class device_model {
       throw;
     }
     const long long first = std::max<long long>(0, N - c.attn.window_size), R = N - first;
-    stack_->begin_replay(slot, first, int(R), E);
     try {
+      stack_->begin_replay(slot, first, int(R), E);
       if (first > 0) {  // the replay rows to the front: streams, attention input, mixes
         bf16* spare = Y_;
         keep_rows(X_, first, R, 1LL * hc * c.dim, spare);

@@ -16,7 +16,11 @@
 //! enters the ring only after the attention). `begin_prefill` / `begin_decode` / `begin_append`
 //! describe it (positions, pages, metadata uploaded once), `forward(layer, x, out)` runs each
 //! layer in order with its attention input x (the attn_norm output) and writes the sublayer
-//! output, `end_call` commits the new lengths.
+//! output, `end_call` commits the new lengths (every layer must have run).
+//! The CED prefill is two calls: begin_prefill, the encoder layers, `fill_owner_cache` for the
+//! first decoder layer (its cache over every token), end_call; then `begin_replay` of the last
+//! `window` tokens from the first decoder layer on (windows start at the replay start, owners do
+//! not compress again), the decoder layers, end_call. The sequence takes no other call between.
 //!
 //! Per layer: act_quant(x) feeds wq_a and wkv; q = RoPE(wq_b(act_quant(q_norm(wq_a x)))); the
 //! window entry RoPE(kv_norm(wkv x)) is packed as FP8 into the call's rows (prefill) and the ring;
@@ -183,6 +187,9 @@ class attention_stack {
     if (weights.size() != wiring_.size()) throw error(where + "one weights entry per layer is needed");
     if (lim.max_seqs <= 0 || lim.max_rows <= 0 || lim.max_tokens <= 0 || lim.page_tokens <= 0)
       throw error(where + "limits must be positive");
+    if (lim.max_rows > 65535)
+      throw error(where + "max_rows is " + std::to_string(lim.max_rows) + "; the indexer launches take at most 65535 rows per call "
+                  "(split longer prefills into chunks)");
     for (std::size_t l = 0; l < wiring_.size(); ++l) {
       const auto& wr = wiring_[l];
       if (wr.ratio > 0 && (wr.kv_owner < 0 || wr.kv_owner > int(l) || wiring_[std::size_t(wr.kv_owner)].role != schedule::attn_role::full))
@@ -211,6 +218,7 @@ class attention_stack {
     pool_ = runtime::device_buffer<std::uint8_t>(std::size_t(std::max<long long>(pages * page_bytes_, 1)));
     slot_seq_.assign(std::size_t(lim.max_seqs), -1);
     lengths_.assign(std::size_t(lim.max_seqs), -1);
+    ced_pending_.assign(std::size_t(lim.max_seqs), -1);
 
     for (std::size_t l = 0; l < wiring_.size(); ++l) {
       w_.push_back(device_layer_weights::upload(weights[l], wiring_[l]));
@@ -244,8 +252,10 @@ class attention_stack {
   void release_sequence(int slot) {
     if (slot < 0 || slot >= lim_.max_seqs || slot_seq_[std::size_t(slot)] < 0)
       throw error("attention_stack: no live sequence in slot " + std::to_string(slot));
+    if (call_ && std::count(call_->slots.begin(), call_->slots.end(), slot))
+      throw error("attention_stack: sequence slot " + std::to_string(slot) + " is part of the call in progress");
     alloc_->release(slot_seq_[std::size_t(slot)]);
-    slot_seq_[std::size_t(slot)] = -1, lengths_[std::size_t(slot)] = -1;
+    slot_seq_[std::size_t(slot)] = -1, lengths_[std::size_t(slot)] = -1, ced_pending_[std::size_t(slot)] = -1;
   }
   long long length(int slot) const { return lengths_.at(std::size_t(slot)); }
   long long page_bytes() const { return page_bytes_; }
@@ -256,7 +266,7 @@ class attention_stack {
     check_slot(slot);
     if (lengths_[std::size_t(slot)] != 0)
       throw error("attention_stack::begin_prefill: sequence slot " + std::to_string(slot) + " already holds " +
-                  std::to_string(lengths_[std::size_t(slot)]) + " tokens (appending chunks is not supported yet)");
+                  std::to_string(lengths_[std::size_t(slot)]) + " tokens (append with begin_append)");
     if (tokens <= 0 || tokens > lim_.max_rows || tokens > lim_.max_tokens)
       throw error("attention_stack::begin_prefill: " + std::to_string(tokens) + " tokens, the limits allow " +
                   std::to_string(std::min<long long>(lim_.max_rows, lim_.max_tokens)));
@@ -268,6 +278,8 @@ class attention_stack {
     check_slot(slot);
     const long long len = lengths_[std::size_t(slot)];
     if (len <= 0) throw error("attention_stack::begin_append: sequence slot " + std::to_string(slot) + " has no prefill");
+    if (ced_pending_[std::size_t(slot)] >= 0)
+      throw error("attention_stack::begin_append: sequence slot " + std::to_string(slot) + " waits for its CED replay");
     if (tokens <= 0 || tokens > lim_.max_rows || len + tokens > lim_.max_tokens)
       throw error("attention_stack::begin_append: " + std::to_string(tokens) + " tokens after " + std::to_string(len) +
                   "; the limits allow " + std::to_string(lim_.max_rows) + " per call and " + std::to_string(lim_.max_tokens) +
@@ -285,7 +297,9 @@ class attention_stack {
     if (layer < 0 || layer >= int(wiring_.size()) || wiring_[std::size_t(layer)].role != schedule::attn_role::full)
       throw error(where + "only a KV owner (a Full layer) fills a cache on its own");
     if (!x) throw error(where + "null x");
+    if (layer < call_->next_layer) throw error(where + "the layer already ran in this call");
     compress_owner(layer, x, stream);
+    call_->filled.push_back(layer);
   }
   //! CED prefill, step 2: the last `tokens` positions of a sequence (from `from`) through layers
   //! first_layer.. as a replay: a prefill whose window starts at `from`; owners do not compress
@@ -298,6 +312,10 @@ class attention_stack {
                   " long), at most " + std::to_string(lim_.max_rows) + " of them; got " + std::to_string(tokens) + " from " +
                   std::to_string(from));
     if (first_layer < 0 || first_layer >= int(wiring_.size())) throw error("attention_stack::begin_replay: no layer " + std::to_string(first_layer));
+    if (ced_pending_[std::size_t(slot)] != first_layer)
+      throw error("attention_stack::begin_replay: sequence slot " + std::to_string(slot) +
+                  " has no CED prefill that stopped before layer " + std::to_string(first_layer) +
+                  " (begin_prefill, the earlier layers, fill_owner_cache for the later owners, end_call)");
     begin({slot}, {tokens}, false, from);
     call_->replay = true;
     call_->next_layer = first_layer;
@@ -311,6 +329,8 @@ class attention_stack {
     for (int s : slots) {
       check_slot(s);
       if (lengths_[std::size_t(s)] <= 0) throw error("attention_stack::begin_decode: sequence slot " + std::to_string(s) + " has no prefill");
+      if (ced_pending_[std::size_t(s)] >= 0)
+        throw error("attention_stack::begin_decode: sequence slot " + std::to_string(s) + " waits for its CED replay");
       if (lengths_[std::size_t(s)] + 1 > lim_.max_tokens) throw error("attention_stack::begin_decode: sequence slot " + std::to_string(s) + " is full");
       if (std::count(slots.begin(), slots.end(), s) > 1) throw error("attention_stack::begin_decode: a slot appears twice");
     }
@@ -331,6 +351,20 @@ class attention_stack {
   //! Commits the call: the sequences' lengths grow by their tokens.
   void end_call() {
     if (!call_) throw error("attention_stack::end_call: no call in progress");
+    const int layers = int(wiring_.size());
+    if (call_->next_layer != layers) {
+      // Only a CED prefill may stop early: the encoder ran, and every owner after it filled its cache.
+      bool owners_filled = call_->prefill && !call_->filled.empty();
+      for (int l = call_->next_layer; l < layers && owners_filled; ++l)
+        if (wiring_[std::size_t(l)].role == schedule::attn_role::full)
+          owners_filled = std::count(call_->filled.begin(), call_->filled.end(), l) > 0;
+      if (!owners_filled)
+        throw error("attention_stack::end_call: layers " + std::to_string(call_->next_layer) + ".." + std::to_string(layers - 1) +
+                    " have not run (only a CED prefill, whose later owners filled their caches, may end early)");
+      ced_pending_[std::size_t(call_->slots[0])] = call_->next_layer;
+    } else if (call_->replay) {
+      ced_pending_[std::size_t(call_->slots[0])] = -1;
+    }
     if (!call_->replay)
       for (std::size_t b = 0; b < call_->slots.size(); ++b) lengths_[std::size_t(call_->slots[b])] += call_->tokens[b];
     call_.reset();
@@ -341,6 +375,7 @@ class attention_stack {
     std::vector<int> slots, tokens;
     std::vector<long long> start;
     bool prefill = false, append = false, replay = false;
+    std::vector<int> filled;  //!< owners that fill_owner_cache ran for (a CED prefill)
     int rows = 0;
     int next_layer = 0;
     // device metadata
@@ -369,6 +404,7 @@ class attention_stack {
   runtime::device_buffer<std::uint8_t> pool_;
   std::vector<int> slot_seq_;
   std::vector<long long> lengths_;
+  std::vector<int> ced_pending_;  //!< per slot: the layer a CED replay must start at, or -1
   runtime::device_buffer<float> freqs_local_, freqs_compressed_;
   cublasHandle_t blas_ = nullptr;
   std::optional<call_state> call_;
@@ -425,13 +461,34 @@ class attention_stack {
     std::vector<std::int64_t> pos;
     std::vector<std::int32_t> row_batch, row_slot, batch_slot(slots.begin(), slots.end());
     std::vector<std::int32_t> tables(slots.size() * std::size_t(max_pages_), 0);
+    if (replay_from < 0) {  // pages for the new tokens of the whole batch, or none (checked before any is taken)
+      long long need = 0;
+      for (std::size_t b = 0; b < slots.size(); ++b) {
+        const int seq = slot_seq_[std::size_t(slots[b])];
+        const long long have = static_cast<long long>(alloc_->block_table(seq).size());
+        need += (alloc_->tokens(seq) + tokens[b] + lim_.page_tokens - 1) / lim_.page_tokens - have;
+      }
+      if (need > alloc_->free_pages())
+        throw error("attention_stack: the page pool is exhausted: this call needs " + std::to_string(need) + " more pages, " +
+                    std::to_string(alloc_->free_pages()) + " are free; release sequences or allocate a larger pool");
+      for (std::size_t b = 0; b < slots.size(); ++b) alloc_->append(slot_seq_[std::size_t(slots[b])], tokens[b]);
+    }
+    // From here a failure leaves the allocator ahead of the lengths: the sequences become unusable.
+    struct mark_on_failure {
+      attention_stack* self;
+      const std::vector<int>& slots;
+      bool armed = true;
+      ~mark_on_failure() {
+        if (armed)
+          for (int s : slots) self->lengths_[std::size_t(s)] = broken;
+      }
+    } guard{this, slots};
     for (std::size_t b = 0; b < slots.size(); ++b) {
       const long long start = replay_from >= 0 ? replay_from : lengths_[std::size_t(slots[b])];
       c.start.push_back(start);
       for (int t = 0; t < tokens[b]; ++t) pos.push_back(start + t), row_batch.push_back(int(b)), row_slot.push_back(slots[b]);
-      const int seq = slot_seq_[std::size_t(slots[b])];
-      if (replay_from < 0) alloc_->append(seq, tokens[b]);  // pages for the new tokens (all or none)
-      const auto& bt = alloc_->block_table(seq);
+      const auto& bt = alloc_->block_table(slot_seq_[std::size_t(slots[b])]);
+      if (bt.size() > std::size_t(max_pages_)) throw error("attention_stack: a block table outgrew max_pages (internal error)");
       std::copy(bt.begin(), bt.end(), tables.begin() + std::ptrdiff_t(b) * max_pages_);
     }
     c.rows = int(pos.size());
@@ -464,6 +521,7 @@ class attention_stack {
       c.latents[r] = out_row, c.max_groups[r] = max_groups, c.width[r] = width;
     }
     call_.emplace(std::move(c));
+    guard.armed = false;
   }
 
   //! A KV owner's compression of the call's rows: latents (ratio 1: RMSNorm of the bf16
