@@ -201,11 +201,21 @@ void check_pack(entry_destination dst, std::vector<std::uint8_t>& storage, const
       }
     }
     const auto entry = host_entry<F, Dim>(si);
-    // Where the host puts this entry: the same address arithmetic, on host block tables.
-    entry_destination h = host_dst;
-    h.base = expected.data();
-    h.block_tables = host_block_tables.data();
-    std::uint8_t* at = h.address(i, seq.empty() ? 0 : seq[std::size_t(i)], positions[std::size_t(i)]);
+    // Where the entry belongs, written out here rather than through entry_destination::address
+    // (the code under test); pages through cache::paged_view, the cache's own addressing.
+    const int sq = seq.empty() ? 0 : seq[std::size_t(i)];
+    const long long pos = positions[std::size_t(i)];
+    std::uint8_t* at = nullptr;
+    if (host_dst.mode == entry_store::rows) {
+      at = expected.data() + i * host_dst.entry_stride;
+    } else if (host_dst.mode == entry_store::ring) {
+      at = expected.data() + sq * host_dst.seq_stride + (pos % host_dst.ring_rows) * host_dst.entry_stride;
+    } else {
+      const cache::paged_view view{expected.data(), host_block_tables.data() + std::size_t(sq) * host_dst.max_pages,
+                                   host_dst.page_bytes, host_dst.region_offset, int(host_dst.entry_stride),
+                                   host_dst.entries_per_page};
+      at = const_cast<std::uint8_t*>(view.entry(pos / host_dst.ratio));
+    }
     std::memcpy(at, entry.data(), entry.size());
   }
   std::size_t wrong = 0;

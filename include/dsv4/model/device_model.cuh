@@ -413,7 +413,7 @@ class device_model {
         float* fspare = hf_.data();
         keep_rows(a_pre_.data(), first, R, hc, fspare), keep_rows(a_post_.data(), first, R, hc, fspare);
         keep_rows(a_comb_.data(), first, R, hc * hc, fspare);
-        engram_row0_ = first;
+        engram_row0_ = first;  // (no built-in model has an Engram module in its decoder; kept general)
       }
       finish_block(E, R);
       for (int l = E + 1; l < sched::num_layers; ++l) enter_block(l, R), finish_block(l, R);
