@@ -274,6 +274,15 @@ BOOST_AUTO_TEST_CASE(appended_chunk_equals_steps_and_errors) {
   BOOST_TEST(same_bits(d.confidence, r.drafts[1].confidence));
   for (std::size_t k = 0; k < st.rings.size(); ++k) BOOST_TEST(same_bits(st.rings[k], r.state.rings[k]));
 
+  // Forced drafts (teacher forcing for parity runs): the drawn ids given back change nothing.
+  model::dspark_state forced_state;
+  model::dspark_prefill<tiny>(f.w, forced_state, std::span<const bf16>(r.hidden).first(n * row));
+  const auto forced = model::dspark_decode<tiny>(f.m, f.w, forced_state, r.drafts[1].ids[0],
+                                                 std::span<const bf16>(r.hidden).subspan(n * row, 2 * row), {0.0f}, 0, d.ids);
+  BOOST_TEST(same_bits(forced.logits, d.logits));
+  BOOST_TEST(test::throws_with([&] { model::dspark_decode<tiny>(f.m, f.w, st, (d.ids[0] + 1) % c.vocab_size, std::span<const bf16>(r.hidden).first(row), {0.0f}, 0, d.ids); },
+                               "forced ids must start"));
+
   model::dspark_state none;
   const auto one = std::span<const bf16>(r.hidden).first(row);
   BOOST_TEST(test::throws_with([&] { model::dspark_decode<tiny>(f.m, f.w, none, 1, one); }, "no DSpark prefill"));

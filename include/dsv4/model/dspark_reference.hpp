@@ -27,9 +27,9 @@
 //! main_kv at accepted positions: rejected drafts leave no state. An engine runs the DSpark
 //! prefill / decode step at every backbone call to keep the rings in step with the backbone.
 //!
-//! Parity: the official forward_spec has not been run against this file (it needs PyTorch;
-//! tools/parity/reference_logits.py is the place to add a forward_spec dump). What the tests check
-//! is the composition above, the rings and the properties the spec states.
+//! Parity: the official forward_spec has not been run against this file yet (it needs PyTorch:
+//! tools/parity/reference_dspark.py and dsv4_dspark_parity are written for that run). What the
+//! tests check is the composition above, the rings and the properties the spec states.
 //!
 //! Sampling: the reference draws each draft with torch's generator (Gumbel-max at `temperature`);
 //! here the draft for row i, i.e. the token at position p+2+i, is drawn by sample_reference with
@@ -244,10 +244,12 @@ void dspark_prefill(const dspark_weights& w, dspark_state& st, std::span<const b
 //! from that call, `input_id` the token sampled for the position after it. Writes every row's
 //! main_kv into the rings and returns the draft block of the last position. `sampling` defaults to
 //! greedy (temperature 0); the reference's default is temperature 1 (its ModelArgs.temperature).
+//! `forced` (block + 1 ids, for parity runs) replaces the drawn drafts d_1 .. d_block by the given
+//! ones, so that each row's Markov bias is that of the other side's draft (teacher forcing).
 template <class Model>
 dspark_draft dspark_decode(const host_model<Model>& m, const dspark_weights& w, dspark_state& st, std::int32_t input_id,
                            std::span<const bf16> main_hidden, const kernels::sampling::sampling_params& sampling = {0.0f},
-                           std::uint64_t sequence = 0) {
+                           std::uint64_t sequence = 0, std::span<const std::int32_t> forced = {}) {
   constexpr models::model_config c = Model::dims;
   constexpr auto sh = attention_shape<Model>();
   constexpr int hc = kernels::mhc::hc;
@@ -255,6 +257,11 @@ dspark_draft dspark_decode(const host_model<Model>& m, const dspark_weights& w, 
   if (st.length <= 0) throw error("dspark_decode: no DSpark prefill yet (run dspark_prefill after the backbone's prefill)");
   if (input_id < 0 || input_id >= c.vocab_size)
     throw error("dspark_decode: token id " + std::to_string(input_id) + " outside the vocabulary of " + std::to_string(c.vocab_size));
+  if (!forced.empty() && forced.size() != std::size_t(w.block) + 1)
+    throw error("dspark_decode: forced ids must be block + 1 = " + std::to_string(w.block + 1) + " ids");
+  if (!forced.empty() && forced[0] != input_id) throw error("dspark_decode: forced ids must start with the input id");
+  for (std::int32_t id : forced)
+    if (id < 0 || id >= c.vocab_size) throw error("dspark_decode: forced id " + std::to_string(id) + " outside the vocabulary");
   detail::check_dspark<Model>(w, st);
   const auto main_x = detail::dspark_main_x<Model>(w, main_hidden);
   const long long rows = (long long)(main_x.size() / dim), p = st.length + rows - 1;  // the last row's position
@@ -307,7 +314,8 @@ dspark_draft dspark_decode(const host_model<Model>& m, const dspark_weights& w, 
     const auto bias = kernels::linear::linear_fp32_reference(e, w.markov_head, c.vocab_size);
     const std::span<float> li(out.logits.data() + i * V, V);
     for (std::size_t v = 0; v < V; ++v) li[v] += bias[v];
-    out.ids[i + 1] = kernels::sampling::sample_reference(li, sampling, sequence, std::uint64_t(p + 2 + (long long)i));
+    out.ids[i + 1] = forced.empty() ? kernels::sampling::sample_reference(li, sampling, sequence, std::uint64_t(p + 2 + (long long)i))
+                                    : forced[i + 1];
     std::vector<float> cat(dim + rank);
     for (std::size_t d = 0; d < dim; ++d) cat[d] = x[i * dim + d].to_float();
     std::copy(e.begin(), e.end(), cat.begin() + std::ptrdiff_t(dim));
