@@ -117,8 +117,28 @@ BOOST_AUTO_TEST_CASE(ced_prefill) {
   BOOST_TEST(ced.length == 45);
   for (int p = 45; p < 47; ++p)
     for (float v : model::forward(m, ced, std::span<const std::int32_t>(ids).subspan(std::size_t(p), 1))) BOOST_REQUIRE(std::isfinite(v));
-  // CED appends are not built yet; the error says what to do instead.
-  BOOST_TEST(test::throws_with([&] { model::forward_ced(m, ced, prompt); }, "starts an empty sequence"));
+  // A CED append (a new turn): the encoder over the chunk, the decoder replaying the last window
+  // positions of the whole sequence. The global caches are those of an exact append of the same
+  // chunk (the encoder runs the chunk exactly, and the decoder's owner reads the encoder output).
+  model::host_sequence appended = ced, exact_appended = ced;
+  const auto chunk = std::span<const std::int32_t>(ids).subspan(40, 6);
+  rows = 0;
+  const auto got_append = model::forward_ced(m, appended, chunk, &count);
+  model::forward(m, exact_appended, chunk);
+  BOOST_TEST(rows == schedule::prefill_layer_tokens<sched>(6, schedule::prefill_mode::ced, W, 47).total());
+  BOOST_TEST(appended.length == 53);
+  for (const auto& [layer, cache] : appended.attention.owners) {
+    const auto& other = exact_appended.attention.owners.at(layer);
+    BOOST_TEST(cache.main.size() == other.main.size(), "owner " << layer);
+    BOOST_TEST(std::memcmp(cache.main.data(), other.main.data(), cache.main.size() * sizeof(numerics::bf16)) == 0, "owner " << layer);
+    BOOST_TEST(std::memcmp(cache.keys.data(), other.keys.data(), cache.keys.size() * sizeof(numerics::bf16)) == 0, "owner " << layer);
+  }
+  for (float v : got_append) BOOST_REQUIRE(std::isfinite(v));
+  for (float v : model::forward(m, appended, std::span<const std::int32_t>(ids).subspan(46, 1))) BOOST_REQUIRE(std::isfinite(v));
+  // A sequence without the encoder tail (state not built by forward) is refused.
+  model::host_sequence broken = ced;
+  broken.encoder_tail.clear();
+  BOOST_TEST(test::throws_with([&] { model::forward_ced(m, broken, chunk); }, "does not hold the encoder output"));
 }
 
 BOOST_AUTO_TEST_SUITE_END()

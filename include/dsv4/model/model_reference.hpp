@@ -68,6 +68,11 @@ struct host_sequence {
   //! ratio-2 source sees more groups than its top-k: positions above 1024 for V4.1, above 32 for
   //! tiny (top-k 16).
   schedule::index_key_policy index_keys = schedule::index_key_policy::follow_ownership;
+  //! The last `window` positions' encoder output (the streams entering the first decoder layer,
+  //! after any Engram there) and their pre-mix: what a CED append replays the decoder from. Every
+  //! forward keeps it, [rows, hc * dim] and [rows, hc].
+  std::vector<bf16> encoder_tail;
+  std::vector<float> encoder_tail_pre;
 };
 
 //! Feeds `ids` (the prompt on the first call; later calls take one token or a chunk of several,
@@ -149,6 +154,21 @@ void capture_main_hidden(int layer, std::span<const bf16> x, std::size_t first, 
   }
 }
 
+//! Appends a call's encoder output rows to the sequence's tail and keeps the last `window` rows.
+template <class Model>
+void push_encoder_tail(host_sequence& seq, const std::vector<bf16>& x, const std::vector<float>& pre) {
+  constexpr int hc = kernels::mhc::hc;
+  const std::size_t width = std::size_t(hc) * std::size_t(Model::dims.dim);
+  const std::size_t keep = std::size_t(attention_shape<Model>().window);
+  seq.encoder_tail.insert(seq.encoder_tail.end(), x.begin(), x.end());
+  seq.encoder_tail_pre.insert(seq.encoder_tail_pre.end(), pre.begin(), pre.end());
+  const std::size_t rows = seq.encoder_tail.size() / width;
+  if (rows > keep) {
+    seq.encoder_tail.erase(seq.encoder_tail.begin(), seq.encoder_tail.begin() + std::ptrdiff_t((rows - keep) * width));
+    seq.encoder_tail_pre.erase(seq.encoder_tail_pre.begin(), seq.encoder_tail_pre.begin() + std::ptrdiff_t((rows - keep) * hc));
+  }
+}
+
 //! Final collapse of the last row with its pre-mix, norm, fp32 head.
 template <class Model>
 std::vector<float> last_logits(const host_model<Model>& m, const std::vector<bf16>& x, const std::vector<float>& pre) {
@@ -181,6 +201,7 @@ std::vector<float> forward(const host_model<Model>& m, host_sequence& seq, std::
   if (main_hidden) main_hidden->clear();
   for (int l = 0; l < sched::num_layers; ++l) {
     detail::engram_before(m, l, x, f, 0);
+    if (l == sched::encoder_layers) detail::push_encoder_tail<Model>(seq, x, pre);
     if (main_hidden) detail::capture_main_hidden<Model>(l, x, 0, *main_hidden);
     // upstream_quirk: for this call the source's own key cache holds the keys the reference's
     // shared slot holds (the first `rows` of the last refreshed source's), then its own again.
@@ -222,16 +243,19 @@ constexpr bool ced_prefill_possible() {
   return Sched::encoder_layers < Sched::num_layers;
 }
 
-//! The CED prefill of an empty sequence (issue 6; the article's production path, spec §15): the
-//! encoder layers over every prompt token; the decoder's KV owner (the first decoder layer) fills
-//! its global cache from the encoder output over every token; the decoder layers over the last
-//! `window` tokens only, as a replay whose local windows start at the replay start (a query at i
-//! sees [max(s, i - window + 1), i]). An approximation by design: with prompts up to `window`
-//! tokens it equals the exact prefill bit for bit; longer prompts change the decoder's local
-//! state. Decoding continues with `forward` as after any prefill. Returns the last position's
-//! logits. `main_hidden`, if given, receives the DSpark input of the replayed rows only (the last
-//! min(s, window) positions, [rows, targets * dim]): the DSpark prefill needs no more, since its
-//! rings hold the last `window` positions (pass s - rows as dspark_prefill's first position).
+//! The CED prefill (issue 6; the article's production path, spec §15): the encoder layers over
+//! every prompt token; the decoder's KV owner (the first decoder layer) fills its global cache from
+//! the encoder output over every token; the decoder layers over the last `window` tokens only, as
+//! a replay whose local windows start at the replay start (a query at i sees
+//! [max(s, i - window + 1), i]). On a sequence that already holds tokens, the call is a CED append
+//! (a tool result, a new turn): the encoder runs over the chunk (exact mode, as forward appends),
+//! the owner's cache grows by the chunk, and the decoder replays the last `window` positions of
+//! the whole sequence from the encoder outputs every forward keeps (host_sequence::encoder_tail).
+//! An approximation by design: while the sequence fits the window it equals the exact prefill bit
+//! for bit; beyond it the decoder's local state differs. Decoding continues with `forward`.
+//! Returns the last position's logits. `main_hidden`, if given, receives the DSpark input of the
+//! replayed rows only (the last min(length, window) positions, [rows, targets * dim]): the DSpark
+//! prefill needs no more, since its rings hold the last `window` positions.
 template <class Model>
 std::vector<float> forward_ced(const host_model<Model>& m, host_sequence& seq, std::span<const std::int32_t> ids,
                                const layer_observer* observe = nullptr, std::vector<bf16>* main_hidden = nullptr) {
@@ -242,22 +266,29 @@ std::vector<float> forward_ced(const host_model<Model>& m, host_sequence& seq, s
   constexpr int E = sched::encoder_layers, hc = kernels::mhc::hc;
   constexpr models::model_config c = Model::dims;
   constexpr auto shape = attention_shape<Model>();
-  if (seq.length != 0)
-    throw error("forward_ced: a CED prefill starts an empty sequence (chunks appended in CED mode are not supported yet; "
-                "append with forward, in exact mode)");
+  const long long start = seq.length;
+  const std::size_t dim = std::size_t(c.dim), width = hc * dim;
+  if (start > 0 && seq.encoder_tail.size() / width != std::size_t(std::min<long long>(start, shape.window)))
+    throw error("forward_ced: the sequence does not hold the encoder output of its last positions (it was not built by forward "
+                "or forward_ced)");
+  if (start > 0 && seq.index_keys == schedule::index_key_policy::upstream_quirk)
+    throw error("forward_ced: the upstream index-key policy runs one token per decode call");
+  if (main_hidden && start > 0)
+    for (int t : sched::drafter::targets::values)
+      if (t < E) throw error("forward_ced: a CED append cannot give the DSpark input of an encoder layer");
   detail::forward_start f = detail::start_forward(m, seq, ids);
-  const std::size_t s = ids.size(), dim = std::size_t(c.dim), width = hc * dim;
-  const std::size_t first = s > std::size_t(shape.window) ? s - std::size_t(shape.window) : 0;
+  const std::size_t s = ids.size();
+  const std::size_t first = s > std::size_t(shape.window) ? s - std::size_t(shape.window) : 0;  // (prefill: replayed rows of the call)
   if (main_hidden) main_hidden->clear();
   for (int l = 0; l < E; ++l) {
     detail::engram_before(m, l, f.x, f, 0);
     if (main_hidden) detail::capture_main_hidden<Model>(l, f.x, first, *main_hidden);
     f.x = block_forward_chunk(l, m.wiring[std::size_t(l)], m.blocks[std::size_t(l)], shape, m.freqs[std::size_t(l)], f.x, f.pre,
-                              0, seq.attention, observe);
+                              start, seq.attention, observe);
   }
   detail::engram_before(m, E, f.x, f, 0);  // (an Engram module before the first decoder layer sees every token)
   if (sched::role(E) == schedule::attn_role::full) {
-    // The owner's input over every token: attn_norm(hc_pre(encoder output, pre-mix)).
+    // The owner's input over the call's tokens: attn_norm(hc_pre(encoder output, pre-mix)).
     std::vector<bf16> h;
     for (std::size_t t = 0; t < s; ++t) {
       float pm[hc];
@@ -268,19 +299,26 @@ std::vector<float> forward_ced(const host_model<Model>& m, host_sequence& seq, s
       h.insert(h.end(), in.begin(), in.end());
     }
     kernels::attention::attention_layer_reference(E, m.wiring[std::size_t(E)], m.blocks[std::size_t(E)].attn, shape,
-                                                  m.freqs[std::size_t(E)], h, 0, seq.attention,
+                                                  m.freqs[std::size_t(E)], h, start, seq.attention,
                                                   kernels::attention::layer_call::owner_cache_only);
   }
-  // Decoder replay over the last `window` tokens.
-  std::vector<bf16> x(f.x.begin() + std::ptrdiff_t(first * width), f.x.end());
-  std::vector<float> pre(f.pre.begin() + std::ptrdiff_t(first * hc), f.pre.end());
+  // Decoder replay over the sequence's last `window` positions, from their encoder outputs.
+  detail::push_encoder_tail<Model>(seq, f.x, f.pre);
+  std::vector<bf16> x = seq.encoder_tail;
+  std::vector<float> pre = seq.encoder_tail_pre;
+  const long long rows = (long long)(x.size() / width), replay_from = start + (long long)s - rows;
   for (int l = E; l < sched::num_layers; ++l) {
-    if (l > E) detail::engram_before(m, l, x, f, first);
+    if (l > E) {
+      if (replay_from < start)
+        for (int t : sched::engram::values)
+          if (t == l) throw error("forward_ced: a CED append cannot replay an Engram module in the decoder over earlier tokens");
+      detail::engram_before(m, l, x, f, std::size_t(replay_from - start));
+    }
     if (main_hidden) detail::capture_main_hidden<Model>(l, x, 0, *main_hidden);
     x = block_forward_chunk(l, m.wiring[std::size_t(l)], m.blocks[std::size_t(l)], shape, m.freqs[std::size_t(l)], x, pre,
-                            (long long)first, seq.attention, observe, kernels::attention::layer_call::replay);
+                            replay_from, seq.attention, observe, kernels::attention::layer_call::replay);
   }
-  seq.length = (long long)s;
+  seq.length = start + (long long)s;
   return detail::last_logits(m, x, pre);
 }
 
