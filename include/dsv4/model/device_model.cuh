@@ -167,7 +167,9 @@ class device_model {
     const std::size_t R = std::size_t(lim.max_rows), D = std::size_t(c.dim);
     x_ = device_buffer<bf16>(R * hc * D), y_ = device_buffer<bf16>(R * hc * D);
     h_ = device_buffer<bf16>(R * D), sub_ = device_buffer<bf16>(R * D);
-    hf_ = device_buffer<float>(R * D), logits_ = device_buffer<float>(R * std::size_t(c.vocab_size));
+    // Logits are computed for one row per sequence of a call (a prefill's last row, one per decode entry).
+    hf_ = device_buffer<float>(R * D);
+    logits_ = device_buffer<float>(std::size_t(std::min(lim.max_rows, lim.max_seqs)) * std::size_t(c.vocab_size));
     ids_ = device_buffer<std::int32_t>(R);
     std::vector<float> one_hot(R * hc, 0.0f);
     for (std::size_t t = 0; t < R; ++t) one_hot[t * hc] = 1.0f;

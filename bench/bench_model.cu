@@ -1,0 +1,157 @@
+//! \brief The whole model on CUDA (model::device_model): prefill tokens/s in exact and CED mode,
+//! decode tokens/s at several batch sizes, global-cache bytes per token actually allocated.
+//! Usage: bench_model [--v41-width] [--json FILE]
+//!
+//! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
+//! routed experts cut to 16 (DSpark stages to 8) and small Engram tables, so that one H200 holds it
+//! (the table says so); its random checkpoint (scaled initialisation, about 15 GB) is written to a
+//! temporary folder first, which takes minutes. Times are wall-clock per call (each call
+//! synchronizes: prefill / decode as a serving loop would see them, launch overheads included).
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "bench_util.cuh"
+#include "dsv4/io/random_checkpoint.hpp"
+#include "dsv4/model/device_model.cuh"
+#include "dsv4/models/checkpoint_schema.hpp"
+#include "dsv4/models/tiny.hpp"
+#include "dsv4/models/v41_flash.hpp"
+
+using namespace dsv4;
+
+namespace {
+
+//! V4.1 Flash with 16 routed experts (8 in the DSpark stages) and small Engram tables: the
+//! per-layer shapes of attention, mHC and the MoE's GEMMs are V4.1's, the weights fit one GPU.
+struct v41_width : models::v41_flash {
+  static constexpr const char* name = "v41-width-16-experts";
+  static constexpr const char* title = "V4.1 Flash widths, 16 routed experts (benchmark variant)";
+  static constexpr models::model_config dims = [] {
+    models::model_config d = models::v41_flash::dims;
+    d.moe.n_routed_experts = 16;
+    d.dspark.dspark_n_routed_experts = 8;
+    d.engram.engram_vocab_size = 100000;
+    return d;
+  }();
+  static constexpr std::array<long long, 2> engram_num_embeddings =
+      engram::table_rows<2>(dims.engram.engram_vocab_size, dims.engram.engram_max_ngram_size, dims.engram.engram_n_heads);
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+template <class Model>
+int run(FILE* jf) {
+  using clock = std::chrono::steady_clock;
+  constexpr auto c = Model::dims;
+  const auto dir = std::filesystem::temp_directory_path() / ("dsv4_bench_model_" + std::to_string(::getpid()));
+  struct cleanup {
+    std::filesystem::path p;
+    ~cleanup() {
+      std::error_code ec;
+      std::filesystem::remove_all(p, ec);
+    }
+  } remove_dir{dir};
+  auto t0 = clock::now();
+  io::write_random_checkpoint(models::checkpoint_schema<Model>(), dir.string(), std::size_t(4) << 30, 1,
+                              io::random_init::scaled);
+  std::printf("model %s: random checkpoint written in %.1f s\n", Model::name, seconds_since(t0));
+  std::vector<std::int64_t> token_map(std::size_t(c.vocab_size));
+  for (std::size_t i = 0; i < token_map.size(); ++i) token_map[i] = std::int64_t(i % std::size_t(c.engram.engram_compressed_vocab_size));
+  t0 = clock::now();
+  io::checkpoint ck(dir.string());
+  const auto hm = model::host_model<Model>::load(ck, token_map);
+  std::printf("host model loaded in %.1f s\n", seconds_since(t0));
+
+  const bool tiny = std::string(Model::name) == models::tiny::name;
+  const std::vector<int> prompt_lengths = tiny ? std::vector<int>{64, 512} : std::vector<int>{8192, 65535};
+  const std::vector<int> batches = {1, 8, 64};
+  const int decode_context = tiny ? 256 : 8192, steps = tiny ? 8 : 16;
+  typename model::device_model<Model>::limits lim;
+  lim.max_seqs = 64 + 2, lim.max_rows = *std::max_element(prompt_lengths.begin(), prompt_lengths.end());
+  lim.max_tokens = std::max<long long>(lim.max_rows, decode_context + steps + 1), lim.page_tokens = 256;
+  t0 = clock::now();
+  model::device_model<Model> dm(hm, lim);
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  std::printf("device model built in %.1f s\n\n%-10s %8s %10s %12s %12s\n", seconds_since(t0), "what", "tokens", "batch",
+              "seconds", "tokens/s");
+  bool first_row = true;
+  auto row = [&](const char* what, long long tokens, int batch, double s, double tps) {
+    std::printf("%-10s %8lld %10d %12.4f %12.1f\n", what, tokens, batch, s, tps);
+    if (jf)
+      std::fprintf(jf, "%s{\"model\": \"%s\", \"what\": \"%s\", \"tokens\": %lld, \"batch\": %d, \"seconds\": %.6f, \"tokens_per_s\": %.3f}",
+                   first_row ? "" : ",\n", Model::name, what, tokens, batch, s, tps);
+    first_row = false;
+  };
+  std::vector<std::int32_t> ids(std::size_t(lim.max_tokens));
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = std::int32_t((i * 7919 + 13) % std::size_t(c.vocab_size));
+  // Prefill, exact and CED, one sequence at a time (the first call of each warms up).
+  for (int n : prompt_lengths)
+    for (bool ced : {false, true}) {
+      for (int rep = 0; rep < 2; ++rep) {
+        const int slot = dm.add_sequence();
+        const auto span = std::span<const std::int32_t>(ids).first(std::size_t(n));
+        const auto t = clock::now();
+        if (ced) dm.prefill_ced(slot, span);
+        else dm.prefill(slot, span);
+        const double s = seconds_since(t);
+        if (rep == 1) row(ced ? "prefill-ced" : "prefill", n, 1, s, n / s);
+        if (rep == 1 && !ced) {
+          const auto u = dm.attention().usage();
+          std::printf("           global cache: %.1f bytes per token allocated (page tails included)\n", u.bytes_per_token());
+        }
+        dm.release_sequence(slot);
+      }
+    }
+  // Decode: `batch` sequences at `decode_context` tokens, `steps` steps each.
+  for (int batch : batches) {
+    std::vector<int> slots;
+    for (int b = 0; b < batch; ++b) {
+      slots.push_back(dm.add_sequence());
+      dm.prefill_ced(slots.back(), std::span<const std::int32_t>(ids).first(std::size_t(decode_context)));
+    }
+    std::vector<std::int32_t> tok(std::size_t(batch), 5);
+    dm.decode(slots, tok);  // warm-up
+    const auto t = clock::now();
+    for (int i = 0; i < steps; ++i) dm.decode(slots, tok);
+    const double s = seconds_since(t) / steps;
+    row("decode", decode_context, batch, s, batch / s);
+    for (int sl : slots) dm.release_sequence(sl);
+  }
+  std::printf("\n");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json;
+  bool v41 = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--json" && i + 1 < argc) json = argv[++i];
+    else if (a == "--v41-width") v41 = true;
+    else {
+      std::fprintf(stderr, "usage: bench_model [--v41-width] [--json FILE]\n");
+      return 2;
+    }
+  }
+  try {
+    FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
+    if (jf) std::fprintf(jf, "{\"results\": [\n");
+    const int rc = v41 ? run<v41_width>(jf) : run<models::tiny>(jf);
+    if (jf) std::fprintf(jf, "\n]}\n"), std::fclose(jf);
+    return rc;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_model: %s\n", e.what());
+    return 1;
+  }
+}
