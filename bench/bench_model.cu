@@ -26,7 +26,7 @@
 
 using namespace dsv4;
 
-namespace {
+namespace bench_variants {
 
 //! V4.1 Flash with 16 routed experts (8 in the DSpark stages) and small Engram tables: the
 //! per-layer shapes of attention, mHC and the MoE's GEMMs are V4.1's, the weights fit one GPU.
@@ -43,6 +43,11 @@ struct v41_width : models::v41_flash {
   static constexpr std::array<long long, 2> engram_num_embeddings =
       engram::table_rows<2>(dims.engram.engram_vocab_size, dims.engram.engram_max_ngram_size, dims.engram.engram_n_heads);
 };
+
+}  // namespace bench_variants
+
+namespace {
+using bench_variants::v41_width;
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
