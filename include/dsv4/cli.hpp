@@ -114,6 +114,16 @@ inline options parse(const std::vector<std::string>& args, const std::string& cm
   }
   return o;
 }
+//! The --config of a command that runs the host reference backend: tiny (the default) only.
+inline std::string host_config(const std::string& cmd, const options& o) {
+  const std::string config = o.named.count("config") ? o.named.at("config") : models::tiny::name;
+  if (config != models::tiny::name) {
+    models::describe_builtin(config);  // an unknown name gets the list of valid ones
+    throw error(cmd + ": the host backend runs the tiny variant only; " + config +
+                " needs the CUDA model (model::device_model), which the CLI does not use yet (issue 6)");
+  }
+  return config;
+}
 inline double parse_number(const std::string& cmd, const std::string& key, const std::string& v) {
   try {
     std::size_t used = 0;
@@ -209,12 +219,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       if (prefill_mode != "exact" && prefill_mode != "ced")
         throw error("run: --prefill must be 'exact' or 'ced', got '" + prefill_mode + "'");
       if (!o.positional.empty()) throw error("run: unexpected argument '" + o.positional[0] + "'");
-      const std::string config = o.named.count("config") ? o.named.at("config") : models::tiny::name;
-      if (config != models::tiny::name) {
-        models::describe_builtin(config);  // an unknown name gets the list of valid ones
-        throw error("run: the host backend runs the tiny variant only; " + config +
-                    " needs the CUDA model, which is not built yet (issue 6)");
-      }
+      const std::string config = detail::host_config(cmd, o);
       using tiny = models::tiny;
       std::vector<std::int32_t> prompt;
       if (o.named.count("prompt")) {
@@ -292,12 +297,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
     if (cmd == "logits") {
       const auto o = detail::parse(args, cmd, {"config", "checkpoint", "prompt", "decode", "out", "index-keys"});
       if (!o.positional.empty()) throw error("logits: unexpected argument '" + o.positional[0] + "'");
-      const std::string config = o.named.count("config") ? o.named.at("config") : models::tiny::name;
-      if (config != models::tiny::name) {
-        models::describe_builtin(config);  // an unknown name gets the list of valid ones
-        throw error("logits: the host backend runs the tiny variant only; " + config +
-                    " needs the CUDA model, which is not built yet (issue 6)");
-      }
+      const std::string config = detail::host_config(cmd, o);
       using tiny = models::tiny;
       for (const char* key : {"checkpoint", "prompt", "out"})
         if (!o.named.count(key)) throw error(std::string("logits: --") + key + " is required");
