@@ -1,12 +1,15 @@
 //! \brief The whole model on CUDA (model::device_model): prefill tokens/s in exact and CED mode,
 //! decode tokens/s at several batch sizes, global-cache bytes per token actually allocated.
-//! Usage: bench_model [--v41-width] [--json FILE]
+//! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N]
+//!                    [--checkpoint DIR] [--json FILE]
 //!
 //! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
 //! routed experts cut to 16 (DSpark stages to 8) and small Engram tables, so that one H200 holds it
 //! (the table says so); its random checkpoint (scaled initialisation, about 15 GB) is written to a
 //! temporary folder first, which takes minutes. Times are wall-clock per call (each call
 //! synchronizes: prefill / decode as a serving loop would see them, launch overheads included).
+//! `--checkpoint DIR` keeps the random checkpoint in DIR and reuses it when DIR already holds one
+//! (a second run on a warm machine skips the minutes of writing).
 
 #include <chrono>
 #include <cstdio>
@@ -53,22 +56,34 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+struct options {
+  std::vector<int> prompts, batches;  // empty: the variant's defaults
+  int decode_context = 0;             // 0: the variant's default
+  std::string checkpoint;             // empty: a temporary folder, removed at the end
+};
+
 template <class Model>
-int run(FILE* jf) {
+int run(FILE* jf, const options& opt) {
   using clock = std::chrono::steady_clock;
   constexpr auto c = Model::dims;
-  const auto dir = std::filesystem::temp_directory_path() / ("dsv4_bench_model_" + std::to_string(::getpid()));
+  const bool keep = !opt.checkpoint.empty();
+  const auto dir = keep ? std::filesystem::path(opt.checkpoint)
+                        : std::filesystem::temp_directory_path() / ("dsv4_bench_model_" + std::to_string(::getpid()));
   struct cleanup {
     std::filesystem::path p;
     ~cleanup() {
       std::error_code ec;
-      std::filesystem::remove_all(p, ec);
+      if (!p.empty()) std::filesystem::remove_all(p, ec);
     }
-  } remove_dir{dir};
+  } remove_dir{keep ? std::filesystem::path{} : dir};
   auto t0 = clock::now();
-  io::write_random_checkpoint(models::checkpoint_schema<Model>(), dir.string(), std::size_t(4) << 30, 1,
-                              io::random_init::scaled);
-  std::printf("model %s: random checkpoint written in %.1f s\n", Model::name, seconds_since(t0));
+  if (keep && std::filesystem::exists(dir / "model.safetensors.index.json")) {
+    std::printf("model %s: reusing the random checkpoint in %s\n", Model::name, dir.c_str());
+  } else {
+    io::write_random_checkpoint(models::checkpoint_schema<Model>(), dir.string(), std::size_t(4) << 30, 1,
+                                io::random_init::scaled);
+    std::printf("model %s: random checkpoint written in %.1f s\n", Model::name, seconds_since(t0));
+  }
   std::vector<std::int64_t> token_map(std::size_t(c.vocab_size));
   for (std::size_t i = 0; i < token_map.size(); ++i) token_map[i] = std::int64_t(i % std::size_t(c.engram.engram_compressed_vocab_size));
   t0 = clock::now();
@@ -77,11 +92,13 @@ int run(FILE* jf) {
   std::printf("host model loaded in %.1f s\n", seconds_since(t0));
 
   const bool tiny = std::string(Model::name) == models::tiny::name;
-  const std::vector<int> prompt_lengths = tiny ? std::vector<int>{64, 512} : std::vector<int>{8192, 65535};
-  const std::vector<int> batches = {1, 8, 64};
-  const int decode_context = tiny ? 256 : 8192, steps = tiny ? 8 : 16;
+  const std::vector<int> prompt_lengths =
+      !opt.prompts.empty() ? opt.prompts : tiny ? std::vector<int>{64, 512} : std::vector<int>{8192, 65535};
+  const std::vector<int> batches = !opt.batches.empty() ? opt.batches : std::vector<int>{1, 8, 64};
+  const int decode_context = opt.decode_context > 0 ? opt.decode_context : tiny ? 256 : 8192, steps = tiny ? 8 : 16;
   typename model::device_model<Model>::limits lim;
-  lim.max_seqs = 64 + 2, lim.max_rows = *std::max_element(prompt_lengths.begin(), prompt_lengths.end());
+  lim.max_seqs = *std::max_element(batches.begin(), batches.end()) + 2;
+  lim.max_rows = std::max(*std::max_element(prompt_lengths.begin(), prompt_lengths.end()), decode_context);
   lim.max_tokens = std::max<long long>(lim.max_rows, decode_context + steps + 1), lim.page_tokens = 256;
   t0 = clock::now();
   model::device_model<Model> dm(hm, lim);
@@ -135,24 +152,60 @@ int run(FILE* jf) {
   return 0;
 }
 
+// "8192,65535" -> {8192, 65535}; every entry a positive integer.
+std::vector<int> int_list(const std::string& flag, const std::string& text) {
+  std::vector<int> v;
+  std::size_t at = 0;
+  while (at <= text.size()) {
+    const std::size_t end = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, end - at);
+    std::size_t used = 0;
+    int n = 0;
+    try {
+      n = std::stoi(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (item.empty() || used != item.size() || n <= 0)
+      throw error(flag + ": '" + item + "' is not a positive integer (expected a list like 8192,65535)");
+    v.push_back(n);
+    at = end + 1;
+  }
+  return v;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // rows appear as they are measured, also through a pipe
   std::string json;
   bool v41 = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--json" && i + 1 < argc) json = argv[++i];
-    else if (a == "--v41-width") v41 = true;
-    else {
-      std::fprintf(stderr, "usage: bench_model [--v41-width] [--json FILE]\n");
-      return 2;
+  options opt;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      const bool has_value = i + 1 < argc;
+      if (a == "--json" && has_value) json = argv[++i];
+      else if (a == "--v41-width") v41 = true;
+      else if (a == "--prompts" && has_value) opt.prompts = int_list(a, argv[++i]);
+      else if (a == "--batches" && has_value) opt.batches = int_list(a, argv[++i]);
+      else if (a == "--decode-context" && has_value) opt.decode_context = int_list(a, argv[++i]).at(0);
+      else if (a == "--checkpoint" && has_value) opt.checkpoint = argv[++i];
+      else {
+        std::fprintf(stderr,
+                     "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N] "
+                     "[--checkpoint DIR] [--json FILE]\n");
+        return 2;
+      }
     }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_model: %s\n", e.what());
+    return 2;
   }
   try {
     FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
     if (jf) std::fprintf(jf, "{\"results\": [\n");
-    const int rc = v41 ? run<v41_width>(jf) : run<models::tiny>(jf);
+    const int rc = v41 ? run<v41_width>(jf, opt) : run<models::tiny>(jf, opt);
     if (jf) std::fprintf(jf, "\n]}\n"), std::fclose(jf);
     return rc;
   } catch (const std::exception& e) {

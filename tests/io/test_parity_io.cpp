@@ -126,4 +126,56 @@ BOOST_AUTO_TEST_CASE(scaled_random_checkpoint) {
   fs::remove_all(dir2);
 }
 
+// Large tensors (V4.1's projections, experts, embeddings) are drawn in chunks on every core: the
+// bytes are still a function of the seed alone, the chunks are not copies of one another, and the
+// statistics are those of the small tensors' single stream.
+BOOST_AUTO_TEST_CASE(scaled_large_tensors_drawn_in_parallel) {
+  using io::st_dtype;
+  const long long n = 2048, k = 2048;  // 4 Mi values: the parallel path
+  static_assert(std::size_t(n * k) >= io::detail::parallel_elements);
+  const std::vector<io::tensor_spec> schema = {
+      {"layers.0.attn.wq_b.weight", {n, k}, {st_dtype::F8_E4M3}},
+      {"layers.0.attn.wq_b.scale", {n / 32, k / 32}, {st_dtype::F8_E8M0}},
+      {"layers.0.ffn.experts.0.w1.weight", {n, k}, {st_dtype::I8}},
+      {"layers.0.ffn.experts.0.w1.scale", {n, 2 * k / 32}, {st_dtype::F8_E8M0}},
+      {"embed.weight", {n, k}, {st_dtype::BF16}},
+  };
+  const std::string dir = scratch("large"), dir2 = scratch("large2");
+  io::write_random_checkpoint(schema, dir, 64u << 20, 9, io::random_init::scaled);
+  io::write_random_checkpoint(schema, dir2, 64u << 20, 9, io::random_init::scaled);
+  io::checkpoint ck(dir), ck2(dir2);
+  for (const auto& t : schema) {
+    const auto& a = ck.tensor(t.name);
+    const auto& b = ck2.tensor(t.name);
+    BOOST_TEST(std::equal(a.bytes.begin(), a.bytes.end(), b.bytes.begin(), b.bytes.end()), t.name);
+    // Chunk 0 and chunk 1 (2^20 values each) come from different generators.
+    const std::size_t chunk_bytes = io::detail::chunk_elements * std::size_t(io::dtype_bytes(t.dtypes.front()));
+    if (a.bytes.size() >= 2 * chunk_bytes)
+      BOOST_TEST(!std::equal(a.bytes.begin(), a.bytes.begin() + std::ptrdiff_t(chunk_bytes), a.bytes.begin() + std::ptrdiff_t(chunk_bytes)),
+                 t.name);
+  }
+  const auto& w = ck.tensor("layers.0.attn.wq_b.weight");
+  const auto& s = ck.tensor("layers.0.attn.wq_b.scale");
+  double sum_sq = 0;
+  for (long long r = 0; r < n; ++r)
+    for (long long c = 0; c < k; ++c) {
+      const float scale = std::ldexp(1.0f, int(std::to_integer<int>(s.bytes[std::size_t((r / 32) * (k / 32) + c / 32)])) - 127);
+      const double v = numerics::decode<numerics::e4m3>(std::to_integer<std::uint8_t>(w.bytes[std::size_t(r * k + c)])) * scale;
+      sum_sq += v * v;
+    }
+  const double want = 0.95 / std::sqrt(double(k));
+  BOOST_TEST(std::fabs(std::sqrt(sum_sq / double(n * k)) / want - 1) < 0.02);
+  const auto& e = ck.tensor("embed.weight");
+  double esum = 0, esq = 0;
+  for (std::size_t i = 0; i < e.bytes.size(); i += 2) {
+    std::uint16_t bits;
+    std::memcpy(&bits, &e.bytes[i], 2);
+    const double v = numerics::bf16::from_bits(bits).to_float();
+    esum += v, esq += v * v;
+  }
+  const double count = double(e.bytes.size() / 2);
+  BOOST_TEST(std::fabs(esum / count) < 1e-3);
+  BOOST_TEST(std::fabs(std::sqrt(esq / count) / 0.12 - 1) < 0.02);
+}
+
 BOOST_AUTO_TEST_SUITE_END()

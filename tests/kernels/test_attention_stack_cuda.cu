@@ -196,73 +196,75 @@ BOOST_AUTO_TEST_CASE(prefill_and_batched_decode_match_host, *utf::label("gpu") *
 
 // CED on the stack: the encoder layers (0-2) over the prompt, the decoder's owner (layer 3) fills
 // its cache over every token, then layers 3-4 replay the last `window` positions; against the
-// host's owner_cache_only + replay calls, and one decode step after.
+// host's owner_cache_only + replay calls, and decode steps after. Four rounds (fresh weights,
+// prompts of different lengths) pooled: a near-tie in the indexer's top-k (host and device sum
+// in different orders) changes a whole row now and then (one in ~40 rows when measured: 40 seeds
+// on the H200, 2026-11-29), so a single round's handful of decode rows cannot carry a ratio; a
+// replay or ring mistake shows in most rows of every round.
 BOOST_AUTO_TEST_CASE(ced_replay_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   auto rng = test::make_rng(82);
-  const auto st = test::make_attention_stack(rng);
-  const int layers = int(st.wiring.size()), decoder = 3, N = 40, first = N - shape.window;
-  const inputs in(1, layers, N + 1, rng);
-  attention_stack<128, 64>::limits lim;
-  lim.max_seqs = 1, lim.max_rows = 64, lim.max_tokens = N + 1, lim.page_tokens = 8;
-  attention_stack<128, 64> dev(shape, st.wiring, st.weights, st.freqs_local, st.freqs_compressed, lim);
-  kernels::attention::sequence_state host;
-  device_buffer<bf16> dx(std::size_t(lim.max_rows) * shape.dim), dout(std::size_t(lim.max_rows) * shape.dim);
-  auto freqs = [&](int l) { return st.wiring[std::size_t(l)].ratio > 0 ? st.freqs_compressed : st.freqs_local; };
-  auto device_layer = [&](int l, std::span<const bf16> x) {
-    DSV4_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), x.size_bytes(), cudaMemcpyHostToDevice));
-    dev.forward(l, dx.data(), dout.data());
-    std::vector<bf16> got(x.size());
-    DSV4_CUDA_CHECK(cudaMemcpy(got.data(), dout.data(), x.size_bytes(), cudaMemcpyDeviceToHost));
-    return got;
-  };
   row_stats encoder_stats, replay_stats, decode_stats;
-  row_stats* stats = &encoder_stats;
-  auto compare = [&](const std::vector<bf16>& got, const std::vector<bf16>& want) {
-    BOOST_REQUIRE_EQUAL(got.size(), want.size());
-    for (std::size_t r = 0; r < got.size() / shape.dim; ++r)
-      stats->add(std::span<const bf16>(got).subspan(r * shape.dim, shape.dim), std::span<const bf16>(want).subspan(r * shape.dim, shape.dim));
-  };
-  const int slot = dev.add_sequence();
-  dev.begin_prefill(slot, N);
-  for (int l = 0; l < decoder; ++l)
-    compare(device_layer(l, in.rows(0, l, 0, N)),
-            kernels::attention::attention_layer_reference(l, st.wiring[std::size_t(l)], st.weights[std::size_t(l)], shape, freqs(l),
-                                                          in.rows(0, l, 0, N), 0, host));
-  {
-    const auto x = in.rows(0, decoder, 0, N);
-    DSV4_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), x.size_bytes(), cudaMemcpyHostToDevice));
-    dev.fill_owner_cache(decoder, dx.data());
-    kernels::attention::attention_layer_reference(decoder, st.wiring[decoder], st.weights[decoder], shape, freqs(decoder), x, 0, host,
-                                                  kernels::attention::layer_call::owner_cache_only);
+  constexpr int decode_steps = 4;
+  for (const int N : {40, 33, 64, 21}) {
+    const auto st = test::make_attention_stack(rng);
+    const int layers = int(st.wiring.size()), decoder = 3, first = N - shape.window;
+    const inputs in(1, layers, N + decode_steps, rng);
+    attention_stack<128, 64>::limits lim;
+    lim.max_seqs = 1, lim.max_rows = 64, lim.max_tokens = N + decode_steps, lim.page_tokens = 8;
+    attention_stack<128, 64> dev(shape, st.wiring, st.weights, st.freqs_local, st.freqs_compressed, lim);
+    kernels::attention::sequence_state host;
+    device_buffer<bf16> dx(std::size_t(lim.max_rows) * shape.dim), dout(std::size_t(lim.max_rows) * shape.dim);
+    auto freqs = [&](int l) { return st.wiring[std::size_t(l)].ratio > 0 ? st.freqs_compressed : st.freqs_local; };
+    auto device_layer = [&](int l, std::span<const bf16> x) {
+      DSV4_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), x.size_bytes(), cudaMemcpyHostToDevice));
+      dev.forward(l, dx.data(), dout.data());
+      std::vector<bf16> got(x.size());
+      DSV4_CUDA_CHECK(cudaMemcpy(got.data(), dout.data(), x.size_bytes(), cudaMemcpyDeviceToHost));
+      return got;
+    };
+    auto host_layer = [&](int l, long long pos, int n, kernels::attention::layer_call call) {
+      return kernels::attention::attention_layer_reference(l, st.wiring[std::size_t(l)], st.weights[std::size_t(l)], shape, freqs(l),
+                                                           in.rows(0, l, pos, n), pos, host, call);
+    };
+    auto compare = [&](row_stats& stats, const std::vector<bf16>& got, const std::vector<bf16>& want) {
+      BOOST_REQUIRE_EQUAL(got.size(), want.size());
+      for (std::size_t r = 0; r < got.size() / shape.dim; ++r)
+        stats.add(std::span<const bf16>(got).subspan(r * shape.dim, shape.dim), std::span<const bf16>(want).subspan(r * shape.dim, shape.dim));
+    };
+    using kernels::attention::layer_call;
+    const int slot = dev.add_sequence();
+    dev.begin_prefill(slot, N);
+    for (int l = 0; l < decoder; ++l) compare(encoder_stats, device_layer(l, in.rows(0, l, 0, N)), host_layer(l, 0, N, layer_call::normal));
+    {
+      const auto x = in.rows(0, decoder, 0, N);
+      DSV4_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), x.size_bytes(), cudaMemcpyHostToDevice));
+      dev.fill_owner_cache(decoder, dx.data());
+      host_layer(decoder, 0, N, layer_call::owner_cache_only);
+    }
+    dev.end_call();
+    BOOST_TEST(dev.length(slot) == N);
+    BOOST_CHECK_THROW(dev.begin_decode({slot}), dsv4::error);  // the replay must come first
+    dev.begin_replay(slot, first, shape.window, decoder);
+    for (int l = decoder; l < layers; ++l)
+      compare(replay_stats, device_layer(l, in.rows(0, l, first, shape.window)), host_layer(l, first, shape.window, layer_call::replay));
+    dev.end_call();
+    BOOST_TEST(dev.length(slot) == N);  // a replay does not grow the sequence
+    for (int step = 0; step < decode_steps; ++step) {
+      dev.begin_decode({slot});
+      for (int l = 0; l < layers; ++l) compare(decode_stats, device_layer(l, in.rows(0, l, N + step, 1)), host_layer(l, N + step, 1, layer_call::normal));
+      dev.end_call();
+    }
+    BOOST_TEST(dev.length(slot) == N + decode_steps);
+    BOOST_CHECK_THROW(dev.begin_replay(slot, 3, 4, decoder), dsv4::error);  // not the sequence's last tokens
   }
-  dev.end_call();
-  BOOST_TEST(dev.length(slot) == N);
-  BOOST_CHECK_THROW(dev.begin_decode({slot}), dsv4::error);  // the replay must come first
-  dev.begin_replay(slot, first, shape.window, decoder);
-  stats = &replay_stats;
-  for (int l = decoder; l < layers; ++l)
-    compare(device_layer(l, in.rows(0, l, first, shape.window)),
-            kernels::attention::attention_layer_reference(l, st.wiring[std::size_t(l)], st.weights[std::size_t(l)], shape, freqs(l),
-                                                          in.rows(0, l, first, shape.window), first, host,
-                                                          kernels::attention::layer_call::replay));
-  dev.end_call();
-  BOOST_TEST(dev.length(slot) == N);  // a replay does not grow the sequence
-  dev.begin_decode({slot});
-  stats = &decode_stats;
-  for (int l = 0; l < layers; ++l)
-    compare(device_layer(l, in.rows(0, l, N, 1)),
-            kernels::attention::attention_layer_reference(l, st.wiring[std::size_t(l)], st.weights[std::size_t(l)], shape, freqs(l),
-                                                          in.rows(0, l, N, 1), N, host));
-  dev.end_call();
   for (const auto& [name, st] : {std::pair{"encoder prefill", &encoder_stats}, {"replay", &replay_stats}, {"decode", &decode_stats}}) {
-    BOOST_TEST_MESSAGE("attention stack, CED " << name << ": " << st->rows << " rows, " << st->exact_rows << " bit-equal, worst "
-                                               << st->worst);
-    BOOST_TEST(st->exact_rows * 10 >= st->rows * 9, name);
-    BOOST_TEST(st->loose_rows == 0u, name);  // a replay or ring mistake shows in whole rows, not in rounding
+    BOOST_TEST_MESSAGE("attention stack, CED " << name << ": " << st->rows << " rows, " << st->exact_rows << " bit-equal, "
+                                               << st->loose_rows << " beyond 2^-5 of the row peak, worst " << st->worst);
+    BOOST_TEST(st->exact_rows * 100 >= st->rows * 85, name);
+    BOOST_TEST(st->loose_rows * 20 <= st->rows, name);
   }
-  BOOST_TEST(replay_stats.rows == std::size_t(2 * shape.window));
-  BOOST_TEST(decode_stats.rows == std::size_t(layers));
-  BOOST_CHECK_THROW(dev.begin_replay(slot, 3, 4, decoder), dsv4::error);  // not the sequence's last tokens
+  BOOST_TEST(replay_stats.rows == std::size_t(4 * 2 * shape.window));
+  BOOST_TEST(decode_stats.rows == std::size_t(4 * decode_steps * 5));
 }
 
 BOOST_AUTO_TEST_CASE(misuse_is_an_error, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
