@@ -1,7 +1,7 @@
 //! \brief The whole model on CUDA (model::device_model): prefill tokens/s in exact and CED mode,
 //! decode tokens/s at several batch sizes, global-cache bytes per token actually allocated.
 //! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N]
-//!                    [--checkpoint DIR] [--json FILE]
+//!                    [--checkpoint DIR] [--profile-decode] [--json FILE]
 //!
 //! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
 //! routed experts cut to 16 (DSpark stages to 8) and small Engram tables, so that one H200 holds it
@@ -9,15 +9,19 @@
 //! temporary folder first, which takes minutes. Times are wall-clock per call (each call
 //! synchronizes: prefill / decode as a serving loop would see them, launch overheads included).
 //! `--checkpoint DIR` keeps the random checkpoint in DIR and reuses it when DIR already holds one
-//! (a second run on a warm machine skips the minutes of writing).
+//! (a second run on a warm machine skips the minutes of writing). `--profile-decode`: prefill the
+//! first batch size's sequences, then run one decode step between cudaProfilerStart and
+//! cudaProfilerStop and stop (for `ncu --profile-from-start off`: the kernels of one step).
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <numeric>
 #include <string>
 #include <vector>
 
+#include <cuda_profiler_api.h>
 #include <unistd.h>
 
 #include "bench_util.cuh"
@@ -26,6 +30,7 @@
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/tiny.hpp"
 #include "dsv4/models/v41_flash.hpp"
+#include "dsv4/schedule/prefill_work.hpp"
 
 using namespace dsv4;
 
@@ -52,6 +57,42 @@ struct v41_width : models::v41_flash {
 namespace {
 using bench_variants::v41_width;
 
+//! What one token costs in weights, from the checkpoint schema: the bytes a decode step must read
+//! at least (every layer's weights and the head; of the routed experts the expected number of
+//! distinct ones a batch selects under uniform routing, n (1 - (1 - k/n)^batch); not the
+//! embeddings, the Engram tables' untouched rows, DSpark or the vision tower) and the matmul
+//! FLOPs of one prefill token (2 per active weight; k of n routed experts; no head).
+struct weight_traffic {
+  double dense_bytes = 0, routed_bytes = 0, dense_weights = 0, routed_weights = 0;
+  int experts = 0, topk = 0;
+
+  static weight_traffic of(const std::vector<io::tensor_spec>& schema, int n_experts, int topk) {
+    weight_traffic w;
+    w.experts = n_experts, w.topk = topk;
+    const auto shapes = io::written_shapes(schema);
+    for (std::size_t i = 0; i < schema.size(); ++i) {
+      const std::string& name = schema[i].name;
+      const bool layer = name.rfind("layers.", 0) == 0, head = name == "head.weight";
+      if ((!layer && !head) || name.find(".engram.embed.") != std::string::npos) continue;
+      const io::st_dtype d = schema[i].dtypes.front();
+      double elements = 1;
+      for (long long x : shapes[i]) elements *= double(x);
+      const double bytes = elements * io::dtype_bytes(d);
+      const bool scale = d == io::st_dtype::F8_E8M0;
+      const double weights = scale ? 0.0 : d == io::st_dtype::I8 ? 2 * elements : elements;  // I8: two FP4 codes
+      const bool routed = name.find(".ffn.experts.") != std::string::npos;
+      (routed ? w.routed_bytes : w.dense_bytes) += bytes;
+      if (!head) (routed ? w.routed_weights : w.dense_weights) += weights;
+    }
+    return w;
+  }
+  double decode_bytes(int batch) const {
+    const double distinct = experts * (1 - std::pow(1 - double(topk) / experts, batch));
+    return dense_bytes + routed_bytes * distinct / experts;
+  }
+  double prefill_flops_per_token() const { return 2 * (dense_weights + routed_weights * topk / experts); }
+};
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -60,12 +101,14 @@ struct options {
   std::vector<int> prompts, batches;  // empty: the variant's defaults
   int decode_context = 0;             // 0: the variant's default
   std::string checkpoint;             // empty: a temporary folder, removed at the end
+  bool profile_decode = false;        // one decode step between cudaProfilerStart / Stop, nothing else
 };
 
 template <class Model>
 int run(FILE* jf, const options& opt) {
   using clock = std::chrono::steady_clock;
   constexpr auto c = Model::dims;
+  using sched = typename models::model_traits<Model>::schedule;
   const bool keep = !opt.checkpoint.empty();
   const auto dir = keep ? std::filesystem::path(opt.checkpoint)
                         : std::filesystem::temp_directory_path() / ("dsv4_bench_model_" + std::to_string(::getpid()));
@@ -103,18 +146,41 @@ int run(FILE* jf, const options& opt) {
   t0 = clock::now();
   model::device_model<Model> dm(hm, lim);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-  std::printf("device model built in %.1f s\n\n%-10s %8s %10s %12s %12s\n", seconds_since(t0), "what", "tokens", "batch",
-              "seconds", "tokens/s");
+  std::printf("device model built in %.1f s\n", seconds_since(t0));
+  const auto traffic = weight_traffic::of(models::checkpoint_schema<Model>(), c.moe.n_routed_experts, c.moe.n_activated_experts);
+  const auto ceiling = bench::ceilings::measure();
+  std::printf("weights: a decode step reads >= %.2f GB at batch 1; a prefill token is %.2f GFLOP of matmuls\n",
+              traffic.decode_bytes(1) / 1e9, traffic.prefill_flops_per_token() / 1e9);
+  std::printf("floor: decode = weight bytes / copy bandwidth; prefill = matmul FLOPs / cuBLAS bf16 rate\n\n");
+  std::printf("%-12s %8s %6s %11s %12s %11s %7s\n", "what", "tokens", "batch", "seconds", "tokens/s", "floor s", "ratio");
   bool first_row = true;
-  auto row = [&](const char* what, long long tokens, int batch, double s, double tps) {
-    std::printf("%-10s %8lld %10d %12.4f %12.1f\n", what, tokens, batch, s, tps);
+  auto row = [&](const char* what, long long tokens, int batch, double s, double tps, double floor_s) {
+    std::printf("%-12s %8lld %6d %11.4f %12.1f %11.4f %6.1f%%\n", what, tokens, batch, s, tps, floor_s, 100 * floor_s / s);
     if (jf)
-      std::fprintf(jf, "%s{\"model\": \"%s\", \"what\": \"%s\", \"tokens\": %lld, \"batch\": %d, \"seconds\": %.6f, \"tokens_per_s\": %.3f}",
-                   first_row ? "" : ",\n", Model::name, what, tokens, batch, s, tps);
+      std::fprintf(jf,
+                   "%s{\"model\": \"%s\", \"what\": \"%s\", \"tokens\": %lld, \"batch\": %d, \"seconds\": %.6f, "
+                   "\"tokens_per_s\": %.3f, \"floor_seconds\": %.6f, \"copy_GBps\": %.1f, \"bf16_TFLOPs\": %.1f}",
+                   first_row ? "" : ",\n", Model::name, what, tokens, batch, s, tps, floor_s, ceiling.copy_bps / 1e9,
+                   ceiling.gemm_fps / 1e12);
     first_row = false;
   };
   std::vector<std::int32_t> ids(std::size_t(lim.max_tokens));
   for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = std::int32_t((i * 7919 + 13) % std::size_t(c.vocab_size));
+  if (opt.profile_decode) {  // for `ncu --profile-from-start off`: the kernels of one decode step
+    const int batch = batches.front();
+    std::vector<int> slots;
+    for (int b = 0; b < batch; ++b) {
+      slots.push_back(dm.add_sequence());
+      dm.prefill_ced(slots.back(), std::span<const std::int32_t>(ids).first(std::size_t(decode_context)));
+    }
+    std::vector<std::int32_t> tok(std::size_t(batch), 5);
+    dm.decode(slots, tok);  // warm-up
+    DSV4_CUDA_CHECK(cudaProfilerStart());
+    dm.decode(slots, tok);
+    DSV4_CUDA_CHECK(cudaProfilerStop());
+    std::printf("profiled one decode step: batch %d at %d tokens of context\n", batch, decode_context);
+    return 0;
+  }
   // Prefill, exact and CED, one sequence at a time (the first call of each warms up).
   for (int n : prompt_lengths)
     for (bool ced : {false, true}) {
@@ -125,7 +191,13 @@ int run(FILE* jf, const options& opt) {
         if (ced) dm.prefill_ced(slot, span);
         else dm.prefill(slot, span);
         const double s = seconds_since(t);
-        if (rep == 1) row(ced ? "prefill-ced" : "prefill", n, 1, s, n / s);
+        // CED's floor: the exact floor times its share of the layer-token work.
+        const double share = double(schedule::prefill_layer_tokens<sched>(n, ced ? schedule::prefill_mode::ced : schedule::prefill_mode::exact,
+                                                                          c.attn.window_size)
+                                        .total()) /
+                             double(schedule::prefill_layer_tokens<sched>(n, schedule::prefill_mode::exact, c.attn.window_size).total());
+        if (rep == 1)
+          row(ced ? "prefill-ced" : "prefill", n, 1, s, n / s, share * n * traffic.prefill_flops_per_token() / ceiling.gemm_fps);
         if (rep == 1 && !ced) {
           const auto u = dm.attention().usage();
           std::printf("           global cache: %.1f bytes per token allocated (page tails included)\n", u.bytes_per_token());
@@ -145,7 +217,7 @@ int run(FILE* jf, const options& opt) {
     const auto t = clock::now();
     for (int i = 0; i < steps; ++i) dm.decode(slots, tok);
     const double s = seconds_since(t) / steps;
-    row("decode", decode_context, batch, s, batch / s);
+    row("decode", decode_context, batch, s, batch / s, traffic.decode_bytes(batch) / ceiling.copy_bps);
     for (int sl : slots) dm.release_sequence(sl);
   }
   std::printf("\n");
@@ -191,10 +263,11 @@ int main(int argc, char** argv) {
       else if (a == "--batches" && has_value) opt.batches = int_list(a, argv[++i]);
       else if (a == "--decode-context" && has_value) opt.decode_context = int_list(a, argv[++i]).at(0);
       else if (a == "--checkpoint" && has_value) opt.checkpoint = argv[++i];
+      else if (a == "--profile-decode") opt.profile_decode = true;
       else {
         std::fprintf(stderr,
                      "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N] "
-                     "[--checkpoint DIR] [--json FILE]\n");
+                     "[--checkpoint DIR] [--profile-decode] [--json FILE]\n");
         return 2;
       }
     }
