@@ -5,11 +5,10 @@
 //!
 //! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
 //! routed experts cut to 16 (DSpark stages to 8) and small Engram tables, so that one H200 holds it
-//! (the table says so); its random checkpoint (scaled initialisation, about 15 GB) is written to a
-//! temporary folder first, which takes minutes. Times are wall-clock per call (each call
-//! synchronizes: prefill / decode as a serving loop would see them, launch overheads included).
-//! `--checkpoint DIR` keeps the random checkpoint in DIR and reuses it when DIR already holds one
-//! (a second run on a warm machine skips the minutes of writing). `--profile-decode`: prefill the
+//! (the table says so); its random weights (scaled initialisation, 25 GB) are made in host memory
+//! first, which takes a minute or two. Times are wall-clock per call (each call synchronizes:
+//! prefill / decode as a serving loop would see them, launch overheads included).
+//! `--checkpoint DIR` writes the random checkpoint to DIR instead, or reuses the one DIR holds. `--profile-decode`: prefill the
 //! first batch size's sequences, then run one decode step between cudaProfilerStart and
 //! cudaProfilerStop and stop (for `ncu --profile-from-start off`: the kernels of one step).
 
@@ -22,7 +21,6 @@
 #include <vector>
 
 #include <cuda_profiler_api.h>
-#include <unistd.h>
 
 #include "bench_util.cuh"
 #include "dsv4/io/random_checkpoint.hpp"
@@ -109,29 +107,29 @@ int run(FILE* jf, const options& opt) {
   using clock = std::chrono::steady_clock;
   constexpr auto c = Model::dims;
   using sched = typename models::model_traits<Model>::schedule;
-  const bool keep = !opt.checkpoint.empty();
-  const auto dir = keep ? std::filesystem::path(opt.checkpoint)
-                        : std::filesystem::temp_directory_path() / ("dsv4_bench_model_" + std::to_string(::getpid()));
-  struct cleanup {
-    std::filesystem::path p;
-    ~cleanup() {
-      std::error_code ec;
-      if (!p.empty()) std::filesystem::remove_all(p, ec);
-    }
-  } remove_dir{keep ? std::filesystem::path{} : dir};
-  auto t0 = clock::now();
-  if (keep && std::filesystem::exists(dir / "model.safetensors.index.json")) {
-    std::printf("model %s: reusing the random checkpoint in %s\n", Model::name, dir.c_str());
-  } else {
-    io::write_random_checkpoint(models::checkpoint_schema<Model>(), dir.string(), std::size_t(4) << 30, 1,
-                                io::random_init::scaled);
-    std::printf("model %s: random checkpoint written in %.1f s\n", Model::name, seconds_since(t0));
-  }
   std::vector<std::int64_t> token_map(std::size_t(c.vocab_size));
   for (std::size_t i = 0; i < token_map.size(); ++i) token_map[i] = std::int64_t(i % std::size_t(c.engram.engram_compressed_vocab_size));
-  t0 = clock::now();
-  io::checkpoint ck(dir.string());
-  const auto hm = model::host_model<Model>::load(ck, token_map);
+  const auto schema = models::checkpoint_schema<Model>();
+  auto t0 = clock::now();
+  // The random weights: in memory (default), or in a folder kept between runs.
+  const auto hm = [&] {
+    if (opt.checkpoint.empty()) {
+      io::checkpoint ck = io::random_checkpoint_in_memory(schema, 1, io::random_init::scaled);
+      std::printf("model %s: random checkpoint made in memory in %.1f s\n", Model::name, seconds_since(t0));
+      t0 = clock::now();
+      return model::host_model<Model>::load(ck, token_map);
+    }
+    const std::filesystem::path dir(opt.checkpoint);
+    if (std::filesystem::exists(dir / "model.safetensors.index.json")) {
+      std::printf("model %s: reusing the random checkpoint in %s\n", Model::name, dir.c_str());
+    } else {
+      io::write_random_checkpoint(schema, dir.string(), std::size_t(4) << 30, 1, io::random_init::scaled);
+      std::printf("model %s: random checkpoint written in %.1f s\n", Model::name, seconds_since(t0));
+    }
+    t0 = clock::now();
+    io::checkpoint ck(dir.string());
+    return model::host_model<Model>::load(ck, token_map);
+  }();
   std::printf("host model loaded in %.1f s\n", seconds_since(t0));
 
   const bool tiny = std::string(Model::name) == models::tiny::name;

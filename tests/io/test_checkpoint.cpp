@@ -49,6 +49,34 @@ BOOST_AUTO_TEST_CASE(random_tiny_checkpoint_round_trips_and_validates) {
   BOOST_TEST(std::equal(a.bytes.begin(), a.bytes.end(), b.bytes.begin(), b.bytes.end()));
 }
 
+// The in-memory random checkpoint holds exactly the tensors the writer writes (both kinds of
+// values), validates like a file, and refuses a tensor whose bytes do not fit its shape.
+BOOST_AUTO_TEST_CASE(in_memory_random_checkpoint_equals_the_written_one) {
+  const auto schema = models::checkpoint_schema<models::tiny>();
+  for (const auto init : {io::random_init::codes, io::random_init::scaled}) {
+    const std::string dir = scratch("in_memory");
+    io::write_random_checkpoint(schema, dir, 8u << 20, 77, init);
+    io::checkpoint file(dir);
+    io::checkpoint mem = io::random_checkpoint_in_memory(schema, 77, init);
+    BOOST_TEST(mem.size() == file.size());
+    BOOST_CHECK_NO_THROW(mem.validate(schema));
+    for (const auto& t : schema) {
+      const auto& a = file.tensor(t.name);
+      const auto& b = mem.tensor(t.name);
+      BOOST_TEST((a.shape == b.shape && a.dtype == b.dtype), t.name);
+      BOOST_TEST(std::equal(a.bytes.begin(), a.bytes.end(), b.bytes.begin(), b.bytes.end()), t.name);
+    }
+    BOOST_TEST(mem.file_of("embed.weight") == "(in memory)");
+  }
+  io::checkpoint ck = io::checkpoint::in_memory();
+  BOOST_TEST(throws_with([&] { ck.add("norm.weight", io::st_dtype::BF16, {4, 3}, std::vector<std::uint8_t>(20)); },
+                         "tensor 'norm.weight' of shape [4, 3] and dtype BF16 needs 24 bytes, got 20"));
+  ck.add("norm.weight", io::st_dtype::BF16, {4, 3}, std::vector<std::uint8_t>(24));
+  BOOST_TEST(throws_with([&] { ck.add("norm.weight", io::st_dtype::BF16, {4, 3}, std::vector<std::uint8_t>(24)); },
+                         "two tensors map to 'norm.weight'"));
+  BOOST_TEST(throws_with([&] { ck.validate(schema); }, "missing tensor 'embed.weight'"));
+}
+
 BOOST_AUTO_TEST_CASE(validation_names_tensor_and_file) {
   auto schema = models::checkpoint_schema<models::tiny>();
   const std::string dir = scratch("bad");

@@ -3,11 +3,14 @@
 //! A checkpoint: one safetensors file, or a folder of shards with model.safetensors.index.json
 //! (its "weight_map" names the shard of every tensor). Shards are opened (memory-mapped) on first
 //! use. `validate` checks every tensor of a schema and reports all problems at once, each naming
-//! the tensor and the file.
+//! the tensor and the file. A checkpoint can also hold its tensors in memory (`in_memory`, `add`):
+//! random models for benchmarks and tests, without writing files first.
 
+#include <cstdint>
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -73,6 +76,24 @@ class checkpoint {
     add_single(path);
   }
 
+  //! An empty checkpoint whose tensors live in memory (`add` them).
+  static checkpoint in_memory() { return checkpoint(); }
+  //! Adds a tensor held in memory under its official name (a checkpoint built by `in_memory`).
+  void add(const std::string& name, st_dtype dtype, std::vector<long long> shape, std::vector<std::uint8_t> bytes) {
+    long long numel = 1;
+    for (long long x : shape) numel *= x;
+    if (static_cast<unsigned long long>(numel) * static_cast<unsigned long long>(dtype_bytes(dtype)) != bytes.size())
+      throw error("checkpoint::add: tensor '" + name + "' of shape " + safetensors_file::shape_string(shape) + " and dtype " +
+                  dtype_name(dtype) + " needs " + std::to_string(numel * dtype_bytes(dtype)) + " bytes, got " +
+                  std::to_string(bytes.size()));
+    add_name(name, memory_file, "checkpoint::add");
+    auto held = std::make_unique<memory_tensor>();
+    held->bytes = std::move(bytes);
+    held->view = tensor_view{name, dtype, std::move(shape),
+                             std::span<const std::byte>(reinterpret_cast<const std::byte*>(held->bytes.data()), held->bytes.size())};
+    memory_.emplace(name, std::move(held));
+  }
+
   bool contains(const std::string& name) const { return where_.count(name) != 0; }
   std::size_t size() const { return where_.size(); }
   //! The file that holds `name` (throws if the checkpoint has no such tensor).
@@ -81,10 +102,7 @@ class checkpoint {
     if (it == where_.end()) throw error("checkpoint: no tensor named '" + name + "'");
     return it->second;
   }
-  const tensor_view& tensor(const std::string& name) {
-    const std::string& file = file_of(name);
-    return open(file).tensor(stored_name(name));
-  }
+  const tensor_view& tensor(const std::string& name) { return view(name, file_of(name)); }
 
   //! Checks every tensor of `schema`: present (unless optional), an accepted dtype, the shape.
   //! Throws one error listing up to 20 problems, each with tensor and file.
@@ -97,7 +115,7 @@ class checkpoint {
         continue;
       }
       try {
-        const tensor_view& v = open(it->second).tensor(stored_name(t.name));
+        const tensor_view& v = view(t.name, it->second);
         bool dtype_ok = false;
         for (st_dtype d : t.dtypes) dtype_ok |= d == v.dtype;
         if (!dtype_ok) {
@@ -120,6 +138,14 @@ class checkpoint {
   }
 
  private:
+  checkpoint() = default;
+  //! The "file" of tensors held in memory.
+  static constexpr const char* memory_file = "(in memory)";
+  struct memory_tensor {
+    std::vector<std::uint8_t> bytes;
+    tensor_view view;
+  };
+  std::map<std::string, std::unique_ptr<memory_tensor>> memory_;
   std::map<std::string, std::string> where_;   // official tensor name -> file
   std::map<std::string, std::string> stored_;  // official name -> name as stored, where they differ
   std::map<std::string, std::unique_ptr<safetensors_file>> open_;
@@ -137,6 +163,10 @@ class checkpoint {
   void add_single(const std::string& file) {
     safetensors_file& f = open(file);
     for (const auto& n : f.names()) add_name(n, file, file);
+  }
+  const tensor_view& view(const std::string& name, const std::string& file) {
+    if (file == memory_file) return memory_.at(name)->view;
+    return open(file).tensor(stored_name(name));
   }
   safetensors_file& open(const std::string& file) {
     auto it = open_.find(file);

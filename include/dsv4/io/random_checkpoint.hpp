@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/io/checkpoint.hpp"
 #include "dsv4/io/safetensors_writer.hpp"
 #include "dsv4/io/tensor_spec.hpp"
 #include "dsv4/numerics/bf16.hpp"
@@ -317,36 +318,17 @@ inline unsigned long long checkpoint_bytes(const std::vector<tensor_spec>& schem
   return total;
 }
 
-inline void write_random_checkpoint(const std::vector<tensor_spec>& schema, const std::string& folder,
-                                    std::size_t shard_bytes, std::uint64_t seed, random_init init = random_init::codes) {
-  namespace fs = std::filesystem;
-  fs::create_directories(folder);
-  // Refuse up front rather than fill the disk halfway (a V4.1 Flash checkpoint is ~510 GB).
-  const unsigned long long need = checkpoint_bytes(schema);
-  const unsigned long long free_bytes = fs::space(folder).available;
-  if (need > free_bytes)
-    throw error(folder + ": a random checkpoint of this model needs " + std::to_string(need >> 20) + " MiB but only " +
-                std::to_string(free_bytes >> 20) + " MiB are free");
+//! Calls emit(spec, shape, bytes) for every tensor of `schema` in order, with the random values
+//! of `seed` and `init` (the one generator both the writer and the in-memory checkpoint use).
+template <class Emit>
+void for_each_random_tensor(const std::vector<tensor_spec>& schema, std::uint64_t seed, random_init init, Emit&& emit) {
   std::mt19937_64 rng(seed);
-  std::vector<std::pair<std::string, std::string>> weight_map;
-  std::vector<std::string> shard_files;
-  safetensors_writer shard;
-  std::vector<std::string> shard_names;
   const auto shapes = written_shapes(schema);
-  std::vector<std::uint8_t> pending;  // `scaled`: the scale bytes of the weight just written
+  std::vector<std::uint8_t> pending;  // `scaled`: the scale bytes of the weight just made
   std::size_t pending_index = schema.size();
-  auto flush = [&] {
-    if (shard.empty()) return;
-    const std::string name = "model-" + std::to_string(shard_files.size() + 1) + ".safetensors";
-    shard.write((fs::path(folder) / name).string());
-    for (const auto& t : shard_names) weight_map.emplace_back(t, name);
-    shard_files.push_back(name);
-    shard = safetensors_writer{};
-    shard_names.clear();
-  };
   for (std::size_t i = 0; i < schema.size(); ++i) {
     const tensor_spec& t = schema[i];
-    if (t.dtypes.empty()) throw error("write_random_checkpoint: tensor '" + t.name + "' accepts no dtype");
+    if (t.dtypes.empty()) throw error("random checkpoint: tensor '" + t.name + "' accepts no dtype");
     const std::vector<long long>& shape = shapes[i];
     long long numel = 1;
     for (long long s : shape) numel *= s;
@@ -361,10 +343,38 @@ inline void write_random_checkpoint(const std::vector<tensor_spec>& schema, cons
       bytes = detail::scaled_bytes(rng, schema, shapes, i, scale);
       if (!scale.empty()) pending = std::move(scale), pending_index = i + 1;
     }
+    emit(t, shape, std::move(bytes));
+  }
+}
+
+inline void write_random_checkpoint(const std::vector<tensor_spec>& schema, const std::string& folder,
+                                    std::size_t shard_bytes, std::uint64_t seed, random_init init = random_init::codes) {
+  namespace fs = std::filesystem;
+  fs::create_directories(folder);
+  // Refuse up front rather than fill the disk halfway (a V4.1 Flash checkpoint is ~510 GB).
+  const unsigned long long need = checkpoint_bytes(schema);
+  const unsigned long long free_bytes = fs::space(folder).available;
+  if (need > free_bytes)
+    throw error(folder + ": a random checkpoint of this model needs " + std::to_string(need >> 20) + " MiB but only " +
+                std::to_string(free_bytes >> 20) + " MiB are free");
+  std::vector<std::pair<std::string, std::string>> weight_map;
+  std::vector<std::string> shard_files;
+  safetensors_writer shard;
+  std::vector<std::string> shard_names;
+  auto flush = [&] {
+    if (shard.empty()) return;
+    const std::string name = "model-" + std::to_string(shard_files.size() + 1) + ".safetensors";
+    shard.write((fs::path(folder) / name).string());
+    for (const auto& t : shard_names) weight_map.emplace_back(t, name);
+    shard_files.push_back(name);
+    shard = safetensors_writer{};
+    shard_names.clear();
+  };
+  for_each_random_tensor(schema, seed, init, [&](const tensor_spec& t, const std::vector<long long>& shape, std::vector<std::uint8_t> bytes) {
     if (shard.bytes() + bytes.size() > shard_bytes) flush();
     shard.add(t.name, t.dtypes.front(), shape, std::move(bytes));
     shard_names.push_back(t.name);
-  }
+  });
   flush();
   std::ofstream idx(fs::path(folder) / "model.safetensors.index.json");
   idx << "{\"metadata\": {\"writer\": \"dsv4 random checkpoint\"}, \"weight_map\": {";
@@ -372,6 +382,18 @@ inline void write_random_checkpoint(const std::vector<tensor_spec>& schema, cons
     idx << (i ? ", " : "") << "\"" << weight_map[i].first << "\": \"" << weight_map[i].second << "\"";
   idx << "}}\n";
   if (!idx) throw error(folder + ": cannot write model.safetensors.index.json");
+}
+
+//! The same tensors as write_random_checkpoint(schema, .., seed, init), held in memory: a random
+//! model without a file (benchmarks at V4.1 widths skip writing tens of GB first). Needs the
+//! checkpoint's bytes in host memory.
+inline checkpoint random_checkpoint_in_memory(const std::vector<tensor_spec>& schema, std::uint64_t seed,
+                                              random_init init = random_init::codes) {
+  checkpoint ck = checkpoint::in_memory();
+  for_each_random_tensor(schema, seed, init, [&](const tensor_spec& t, const std::vector<long long>& shape, std::vector<std::uint8_t> bytes) {
+    ck.add(t.name, t.dtypes.front(), shape, std::move(bytes));
+  });
+  return ck;
 }
 
 }  // namespace dsv4::io
