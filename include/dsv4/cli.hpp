@@ -20,6 +20,7 @@
 #include "dsv4/io/npy.hpp"
 #include "dsv4/kernels/sampling/reference.hpp"
 #include "dsv4/model/model_reference.hpp"
+#include "dsv4/model/speculative_reference.hpp"
 #include "dsv4/io/random_checkpoint.hpp"
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/config_json.hpp"
@@ -42,13 +43,17 @@ inline void usage(std::ostream& os) {
         "                       config.json, if given, has the model's values; lists every problem\n"
         "  run [--config tiny] [--checkpoint PATH] [--prompt IDS] [--tokens N]\n"
         "      [--temperature T] [--top-k K] [--top-p P] [--seed S] [--prefill exact|ced]\n"
+        "      [--speculative off|dspark]\n"
         "                       generate N tokens (default 8) after a prompt of comma-separated\n"
         "                       token ids (default 1,2,...,8) and print them with the prefill and\n"
         "                       decode throughput; without --checkpoint the built-in tiny model\n"
         "                       runs with random weights from a fixed seed. This backend is the\n"
         "                       host reference: it runs the tiny variant only. --prefill ced runs\n"
         "                       the encoder over the prompt and the decoder over its last window\n"
-        "                       (an approximation; exact is the reference's semantics)\n"
+        "                       (an approximation; exact is the reference's semantics).\n"
+        "                       --speculative dspark drafts with the DSpark stages and verifies\n"
+        "                       the drafts against the backbone's tokens: the same tokens, plus\n"
+        "                       the drafts' acceptance counts\n"
         "  logits --checkpoint PATH [--config tiny] --prompt IDS [--decode IDS] --out FILE\n"
         "         [--index-keys ownership|upstream]\n"
         "                       exact prefill of the prompt, then the decode ids fed one at a\n"
@@ -214,10 +219,13 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
     }
     if (cmd == "run") {
       const auto o =
-          detail::parse(args, cmd, {"config", "checkpoint", "prompt", "tokens", "temperature", "top-k", "top-p", "seed", "prefill"});
+          detail::parse(args, cmd, {"config", "checkpoint", "prompt", "tokens", "temperature", "top-k", "top-p", "seed", "prefill", "speculative"});
       const std::string prefill_mode = o.named.count("prefill") ? o.named.at("prefill") : "exact";
       if (prefill_mode != "exact" && prefill_mode != "ced")
         throw error("run: --prefill must be 'exact' or 'ced', got '" + prefill_mode + "'");
+      const std::string speculative = o.named.count("speculative") ? o.named.at("speculative") : "off";
+      if (speculative != "off" && speculative != "dspark")
+        throw error("run: --speculative must be 'off' or 'dspark', got '" + speculative + "'");
       if (!o.positional.empty()) throw error("run: unexpected argument '" + o.positional[0] + "'");
       const std::string config = detail::host_config(cmd, o);
       using tiny = models::tiny;
@@ -261,14 +269,25 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       const auto m = load();
       using clock = std::chrono::steady_clock;
       model::host_sequence seq;
-      const auto t0 = clock::now();
-      auto logits = prefill_mode == "ced" ? model::forward_ced(m, seq, prompt) : model::forward(m, seq, prompt);
-      const auto t1 = clock::now();
       std::vector<std::int32_t> generated;
-      for (long long i = 0; i < n_new; ++i) {
-        const std::int32_t next = kernels::sampling::sample_reference(logits, sp, 0, std::uint64_t(seq.length));
-        generated.push_back(next);
-        if (i + 1 < n_new) logits = model::forward(m, seq, std::span<const std::int32_t>(&next, 1));
+      model::speculative_stats spec;
+      int draft_block = 0;
+      auto t0 = clock::now(), t1 = t0;
+      if (speculative == "dspark") {  // prefill and generation in one loop: timed as decode
+        io::checkpoint ck(path);
+        const auto w = model::dspark_weights_of<tiny>(ck);
+        draft_block = w.block;
+        t0 = t1 = clock::now();
+        generated = model::generate_speculative(m, w, seq, prompt, n_new, sp, spec,
+                                                prefill_mode == "ced" ? model::prompt_prefill::ced : model::prompt_prefill::exact);
+      } else {
+        auto logits = prefill_mode == "ced" ? model::forward_ced(m, seq, prompt) : model::forward(m, seq, prompt);
+        t1 = clock::now();
+        for (long long i = 0; i < n_new; ++i) {
+          const std::int32_t next = kernels::sampling::sample_reference(logits, sp, 0, std::uint64_t(seq.length));
+          generated.push_back(next);
+          if (i + 1 < n_new) logits = model::forward(m, seq, std::span<const std::int32_t>(&next, 1));
+        }
       }
       const auto t2 = clock::now();
       const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
@@ -281,10 +300,17 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       char line[160];
       // The first token comes from the prefill's logits; each later one costs a decode step.
       const long long steps = n_new > 1 ? n_new - 1 : 0;
-      std::snprintf(line, sizeof line, "\nprefill: %zu tokens in %.3f s (%.1f tokens/s); decode: %lld steps in %.3f s (%.2f tokens/s)\n",
-                    prompt.size(), prefill_s, double(prompt.size()) / prefill_s, steps, decode_s,
-                    steps > 0 ? double(steps) / decode_s : 0.0);
+      if (speculative == "dspark")
+        std::snprintf(line, sizeof line, "\nprefill of %zu tokens and %lld generated tokens in %.3f s\n", prompt.size(), n_new, decode_s);
+      else
+        std::snprintf(line, sizeof line,
+                      "\nprefill: %zu tokens in %.3f s (%.1f tokens/s); decode: %lld steps in %.3f s (%.2f tokens/s)\n",
+                      prompt.size(), prefill_s, double(prompt.size()) / prefill_s, steps, decode_s,
+                      steps > 0 ? double(steps) / decode_s : 0.0);
       out << line;
+      if (speculative == "dspark")
+        out << "speculative: DSpark drafts of " << draft_block << " tokens, " << spec.rounds << " rounds, " << spec.accepted << " of "
+            << spec.drafted << " checked drafts accepted (the tokens are plain decoding's; prefill timed with decode)\n";
       using sched = models::model_traits<tiny>::schedule;
       const long long n = (long long)prompt.size();
       const auto work = schedule::prefill_layer_tokens<sched>(n, prefill_mode == "ced" ? schedule::prefill_mode::ced

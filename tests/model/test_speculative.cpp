@@ -1,0 +1,151 @@
+// Generation with DSpark drafts on the host (model/speculative_reference.hpp) on tiny's random
+// model: the tokens equal plain decoding's (greedy and seeded sampling, exact and CED prefill,
+// prompts of one token, below and above the window); the acceptance counts follow the drafts (an
+// oracle drafter that proposes plain decoding's tokens is accepted in full, one that errs at a
+// fixed draft index stops there every round); misuse is an error.
+
+#include <boost/test/unit_test.hpp>
+
+#include <numeric>
+#include <vector>
+
+#include "dsv4/io/random_checkpoint.hpp"
+#include "dsv4/model/speculative_reference.hpp"
+#include "dsv4/models/checkpoint_schema.hpp"
+#include "dsv4/models/tiny.hpp"
+#include "support/errors.hpp"
+
+using namespace dsv4;
+using tiny = models::tiny;
+using dsv4::test::throws_with;
+
+namespace {
+
+constexpr models::model_config c = tiny::dims;
+
+struct fixture {
+  io::checkpoint ck = io::random_checkpoint_in_memory(models::checkpoint_schema<tiny>(), 19, io::random_init::scaled);
+  model::host_model<tiny> m = model::host_model<tiny>::load(ck, [] {
+    std::vector<std::int64_t> map(std::size_t(c.vocab_size));
+    std::iota(map.begin(), map.end(), 0);
+    return map;
+  }());
+  model::dspark_weights w = model::dspark_weights_of<tiny>(ck);
+};
+fixture& shared() {
+  static fixture f;
+  return f;
+}
+
+std::vector<std::int32_t> prompt_of(int n) {
+  std::vector<std::int32_t> p(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) p[std::size_t(i)] = std::int32_t((i * 37 + 11) % c.vocab_size);
+  return p;
+}
+
+// Plain decoding, as `dsv4 run` does it: the token at position q drawn with counter q.
+std::vector<std::int32_t> plain(const std::vector<std::int32_t>& prompt, long long n, const kernels::sampling::sampling_params& sp,
+                                model::prompt_prefill mode) {
+  auto& f = shared();
+  model::host_sequence seq;
+  auto logits = mode == model::prompt_prefill::ced ? model::forward_ced(f.m, seq, prompt) : model::forward(f.m, seq, prompt);
+  std::vector<std::int32_t> out;
+  for (long long i = 0; i < n; ++i) {
+    const std::int32_t next = kernels::sampling::sample_reference(logits, sp, 3, std::uint64_t(seq.length));
+    out.push_back(next);
+    if (i + 1 < n) logits = model::forward(f.m, seq, std::span<const std::int32_t>(&next, 1));
+  }
+  return out;
+}
+
+std::vector<std::int32_t> drafted_run(const std::vector<std::int32_t>& prompt, long long n, const kernels::sampling::sampling_params& sp,
+                                      model::prompt_prefill mode, model::speculative_stats& stats,
+                                      const std::function<void(long long, std::vector<std::int32_t>&)>& edit = {}) {
+  auto& f = shared();
+  model::host_sequence seq;
+  return model::generate_speculative(f.m, f.w, seq, prompt, n, sp, stats, mode, 3, edit);
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(speculative_generation)
+
+BOOST_AUTO_TEST_CASE(tokens_equal_plain_decoding) {
+  const int window = c.attn.window_size;
+  struct run_case {
+    int prompt;
+    long long n;
+    float temperature;
+    model::prompt_prefill mode;
+  };
+  for (const run_case& rc : {run_case{9, 14, 0.0f, model::prompt_prefill::exact}, run_case{9, 14, 0.9f, model::prompt_prefill::exact},
+                             run_case{1, 6, 0.0f, model::prompt_prefill::exact}, run_case{window + 7, 8, 0.7f, model::prompt_prefill::ced},
+                             run_case{5, 1, 0.0f, model::prompt_prefill::exact}}) {
+    kernels::sampling::sampling_params sp{rc.temperature, rc.temperature > 0 ? 40 : 0, 1.0f, 5};
+    model::speculative_stats stats;
+    const auto p = prompt_of(rc.prompt);
+    const auto want = plain(p, rc.n, sp, rc.mode);
+    const auto got = drafted_run(p, rc.n, sp, rc.mode, stats);
+    BOOST_TEST(got == want, "prompt " << rc.prompt << ", " << rc.n << " tokens, T " << rc.temperature);
+    BOOST_TEST(stats.accepted <= stats.drafted);
+    BOOST_TEST(stats.accepted == std::accumulate(stats.accepted_at.begin(), stats.accepted_at.end(), 0LL));
+    if (rc.n > 2) BOOST_TEST(stats.rounds > 0);
+    BOOST_TEST_MESSAGE("random drafter, prompt " << rc.prompt << ": " << stats.rounds << " rounds, " << stats.accepted << " of "
+                                                  << stats.drafted << " drafts accepted");
+  }
+}
+
+BOOST_AUTO_TEST_CASE(oracle_drafts_are_accepted_in_full) {
+  const int block = shared().w.block;
+  const auto p = prompt_of(7);
+  const long long rounds = 3, n = 1 + rounds * (block + 1);  // the prefill's token, then full rounds
+  const kernels::sampling::sampling_params sp{0.0f};
+  const auto want = plain(p, n, sp, model::prompt_prefill::exact);
+  model::speculative_stats stats;
+  // The drafts for positions q+1 .. q+block are plain decoding's tokens there.
+  const auto oracle = [&](long long first, std::vector<std::int32_t>& ids) {
+    for (int i = 1; i <= block; ++i) {
+      const long long k = first + i - 1 - (long long)p.size();
+      if (k < (long long)want.size()) ids[std::size_t(i)] = want[std::size_t(k)];
+    }
+  };
+  BOOST_TEST(drafted_run(p, n, sp, model::prompt_prefill::exact, stats, oracle) == want);
+  BOOST_TEST(stats.rounds == rounds);
+  BOOST_TEST(stats.accepted == rounds * block);
+  BOOST_TEST(stats.drafted == rounds * block);
+  BOOST_TEST(stats.accepted_per_round() == double(block));
+  // An oracle that errs at draft 3: two accepted, the third checked and rejected, every round.
+  const auto third_wrong = [&](long long first, std::vector<std::int32_t>& ids) {
+    oracle(first, ids);
+    ids[3] = (ids[3] + 1) % c.vocab_size;
+  };
+  const long long n2 = 1 + rounds * 3;  // each round adds three: two drafts, then the differing draw
+  model::speculative_stats s2;
+  BOOST_TEST(drafted_run(p, n2, sp, model::prompt_prefill::exact, s2, third_wrong) == plain(p, n2, sp, model::prompt_prefill::exact));
+  BOOST_TEST(s2.rounds == rounds);
+  BOOST_TEST(s2.accepted == 2 * rounds);
+  BOOST_TEST(s2.drafted == 3 * rounds);
+  BOOST_TEST(s2.accepted_at[0] == rounds);
+  BOOST_TEST(s2.accepted_at[1] == rounds);
+  BOOST_TEST(s2.accepted_at[2] == 0);
+}
+
+BOOST_AUTO_TEST_CASE(misuse_is_an_error) {
+  auto& f = shared();
+  model::speculative_stats stats;
+  const auto p = prompt_of(4);
+  model::host_sequence used;
+  model::forward(f.m, used, p);
+  BOOST_TEST(throws_with([&] { model::generate_speculative(f.m, f.w, used, p, 3, {0.0f}, stats); }, "the sequence must be fresh"));
+  model::host_sequence fresh;
+  BOOST_TEST(throws_with([&] { model::generate_speculative(f.m, f.w, fresh, std::span<const std::int32_t>{}, 3, {0.0f}, stats); },
+                         "empty prompt"));
+  BOOST_TEST(throws_with(
+      [&] {
+        model::generate_speculative(f.m, f.w, fresh, p, 5, {0.0f}, stats, model::prompt_prefill::exact, 0,
+                                    [](long long, std::vector<std::int32_t>& ids) { ids.pop_back(); });
+      },
+      "block + 1 ids"));
+}
+
+BOOST_AUTO_TEST_SUITE_END()
