@@ -164,15 +164,20 @@ int run(FILE* jf, const options& opt) {
   };
   std::vector<std::int32_t> ids(std::size_t(lim.max_tokens));
   for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = std::int32_t((i * 7919 + 13) % std::size_t(c.vocab_size));
-  if (opt.profile_decode) {  // for `ncu --profile-from-start off`: the kernels of one decode step
-    const int batch = batches.front();
+  // `batch` sequences prefilled (CED) to `decode_context` tokens, and one warm-up decode step.
+  auto decode_batch = [&](int batch) {
     std::vector<int> slots;
     for (int b = 0; b < batch; ++b) {
       slots.push_back(dm.add_sequence());
       dm.prefill_ced(slots.back(), std::span<const std::int32_t>(ids).first(std::size_t(decode_context)));
     }
-    std::vector<std::int32_t> tok(std::size_t(batch), 5);
-    dm.decode(slots, tok);  // warm-up
+    dm.decode(slots, std::vector<std::int32_t>(std::size_t(batch), 5));
+    return slots;
+  };
+  if (opt.profile_decode) {  // for `ncu --profile-from-start off`: the kernels of one decode step
+    const int batch = batches.front();
+    const auto slots = decode_batch(batch);
+    const std::vector<std::int32_t> tok(std::size_t(batch), 5);
     DSV4_CUDA_CHECK(cudaProfilerStart());
     dm.decode(slots, tok);
     DSV4_CUDA_CHECK(cudaProfilerStop());
@@ -205,13 +210,8 @@ int run(FILE* jf, const options& opt) {
     }
   // Decode: `batch` sequences at `decode_context` tokens, `steps` steps each.
   for (int batch : batches) {
-    std::vector<int> slots;
-    for (int b = 0; b < batch; ++b) {
-      slots.push_back(dm.add_sequence());
-      dm.prefill_ced(slots.back(), std::span<const std::int32_t>(ids).first(std::size_t(decode_context)));
-    }
-    std::vector<std::int32_t> tok(std::size_t(batch), 5);
-    dm.decode(slots, tok);  // warm-up
+    const auto slots = decode_batch(batch);
+    const std::vector<std::int32_t> tok(std::size_t(batch), 5);
     const auto t = clock::now();
     for (int i = 0; i < steps; ++i) dm.decode(slots, tok);
     const double s = seconds_since(t) / steps;
