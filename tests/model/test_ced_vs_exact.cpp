@@ -28,7 +28,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <iomanip>
 #include <numeric>
 #include <random>
@@ -43,7 +42,6 @@
 #include "dsv4/model/model_reference.hpp"
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/tiny.hpp"
-#include "support/random.hpp"
 
 namespace {
 using namespace dsv4;
@@ -53,24 +51,9 @@ using logits = std::vector<float>;
 
 constexpr int window = tiny::dims.attn.window_size;  // 16
 
-// The host model on a scaled random checkpoint of `seed` (the host model copies every tensor, so
-// the checkpoint's folder is removed once it is loaded).
+// The host model on a scaled random checkpoint of `seed`, made in memory.
 host_model model_of(std::uint64_t seed) {
-  const auto dir =
-      (std::filesystem::temp_directory_path() /
-       ("dsv4_test_ced_vs_exact_" + std::to_string(seed) + "_" + std::to_string(test::test_seed())))
-          .string();
-  std::filesystem::remove_all(dir);
-  struct cleanup {
-    std::string d;
-    ~cleanup() {
-      std::error_code ec;
-      std::filesystem::remove_all(d, ec);
-    }
-  } remove_dir{dir};
-  io::write_random_checkpoint(models::checkpoint_schema<tiny>(), dir, 1u << 30, seed,
-                              io::random_init::scaled);
-  io::checkpoint ck(dir);
+  io::checkpoint ck = io::random_checkpoint_in_memory(models::checkpoint_schema<tiny>(), seed, io::random_init::scaled);
   std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
   std::iota(token_map.begin(), token_map.end(), 0);  // tiny: compressed vocabulary = vocabulary
   return host_model::load(ck, token_map);
