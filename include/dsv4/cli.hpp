@@ -9,11 +9,9 @@
 #include <vector>
 
 #include <chrono>
-#include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <sstream>
-#include <unistd.h>
 
 #include "dsv4/dsv4.hpp"
 #include "dsv4/io/checkpoint.hpp"
@@ -243,30 +241,14 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       if (o.named.count("top-k")) sp.top_k = int(detail::parse_integer(cmd, "top-k", o.named.at("top-k")));
       if (o.named.count("top-p")) sp.top_p = float(detail::parse_number(cmd, "top-p", o.named.at("top-p")));
       if (o.named.count("seed")) sp.seed = std::uint64_t(detail::parse_integer(cmd, "seed", o.named.at("seed")));
-      // The built-in model: a random checkpoint from a fixed seed, written to a temporary folder.
-      std::string path = o.named.count("checkpoint") ? o.named.at("checkpoint") : "";
-      std::filesystem::path temp;
-      struct remove_on_exit {  // the temporary built-in checkpoint goes, whatever happens
-        std::filesystem::path& p;
-        ~remove_on_exit() {
-          std::error_code ec;
-          if (!p.empty()) std::filesystem::remove_all(p, ec);
-        }
-      } cleanup{temp};
-      if (path.empty()) {
-        temp = std::filesystem::temp_directory_path() / ("dsv4_tiny_random_" + std::to_string(::getpid()));
-        std::filesystem::remove_all(temp);
-        io::write_random_checkpoint(models::checkpoint_schema<tiny>(), temp.string(), std::size_t(1) << 30, 42);
-        path = temp.string();
-      }
+      // The built-in model: a random checkpoint from a fixed seed, held in memory.
+      const std::string path = o.named.count("checkpoint") ? o.named.at("checkpoint") : "";
+      const auto schema = models::checkpoint_schema<tiny>();
+      io::checkpoint ck = path.empty() ? io::random_checkpoint_in_memory(schema, 42) : io::checkpoint(path);
+      ck.validate(schema);
       std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
       std::iota(token_map.begin(), token_map.end(), 0);  // tiny: compressed vocabulary = vocabulary
-      auto load = [&] {
-        io::checkpoint ck(path);
-        ck.validate(models::checkpoint_schema<tiny>());
-        return model::host_model<tiny>::load(ck, token_map);
-      };
-      const auto m = load();
+      const auto m = model::host_model<tiny>::load(ck, token_map);
       using clock = std::chrono::steady_clock;
       model::host_sequence seq;
       std::vector<std::int32_t> generated;
@@ -274,7 +256,6 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       int draft_block = 0;
       auto t0 = clock::now(), t1 = t0;
       if (speculative == "dspark") {  // prefill and generation in one loop: timed as decode
-        io::checkpoint ck(path);
         const auto w = model::dspark_weights_of<tiny>(ck);
         draft_block = w.block;
         t0 = t1 = clock::now();
@@ -292,7 +273,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       const auto t2 = clock::now();
       const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
       const double decode_s = std::chrono::duration<double>(t2 - t1).count();
-      out << "model: " << config << (temp.empty() ? " from " + path : std::string(" (built-in random weights, seed 42)"))
+      out << "model: " << config << (!path.empty() ? " from " + path : std::string(" (built-in random weights, seed 42)"))
           << ", host reference backend\nprompt:";
       for (auto id : prompt) out << " " << id;
       out << "\ngenerated:";
