@@ -95,8 +95,9 @@ std::vector<bf16> host_reference(const problem& p, const std::vector<bf16>& kv, 
   return out;
 }
 
+// With a workspace, few-row problems split the index list (the decode path); without, one pass.
 template <int Dim, class KV>
-std::vector<bf16> run_device(const problem& p, const KV& kv, float scale) {
+std::vector<bf16> run_device(const problem& p, const KV& kv, float scale, sparse_attention_workspace* ws = nullptr) {
   device_buffer<bf16> dq{std::span<const bf16>(p.q)}, dout(p.q.size());
   device_buffer<float> dsink{std::span<const float>(p.sink)};
   device_buffer<std::int32_t> didx{std::span<const std::int32_t>(p.idx)};
@@ -111,9 +112,21 @@ std::vector<bf16> run_device(const problem& p, const KV& kv, float scale) {
   a.heads = p.heads;
   a.topk = p.topk;
   a.scale = scale;
-  sparse_attention<Dim>(a, kv);
+  sparse_attention<Dim>(a, kv, nullptr, ws);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   return dout.download();
+}
+
+// The device result unsplit and split (when the launcher splits this shape) against the host.
+template <int Dim, class KV>
+void compare_both_ways(const problem& p, const KV& kv, float scale, const std::vector<bf16>& want, const std::string& what) {
+  compare(run_device<Dim>(p, kv, scale), want, Dim, what + " unsplit");
+  auto ws = sparse_attention_workspace::for_device<Dim>();
+  sparse_attention_args a;
+  a.batch = p.batch, a.rows = p.rows, a.heads = p.heads, a.topk = p.topk;
+  const int splits = detail::choose_split<Dim>(a, &ws, runtime::sm_count()).splits;
+  BOOST_TEST_MESSAGE(what << ": " << splits << " splits");
+  if (splits > 1) compare(run_device<Dim>(p, kv, scale, &ws), want, Dim, what + " split " + std::to_string(splits));
 }
 
 template <int Dim>
@@ -123,8 +136,8 @@ void check_bf16_operand(int batch, int rows, int heads, int topk, int entries, s
   const float scale = 1.0f / std::sqrt(float(Dim));
   device_buffer<bf16> dkv{std::span<const bf16>(p.kv)};
   bf16_kv<Dim> kv{dkv.data(), entries, Dim, static_cast<long long>(entries) * Dim};
-  compare(run_device<Dim>(p, kv, scale), host_reference<Dim>(p, p.kv, entries, scale), Dim,
-          "bf16 operand b" + std::to_string(batch) + " rows" + std::to_string(rows) + " topk" + std::to_string(topk));
+  compare_both_ways<Dim>(p, kv, scale, host_reference<Dim>(p, p.kv, entries, scale),
+                         "bf16 operand b" + std::to_string(batch) + " rows" + std::to_string(rows) + " topk" + std::to_string(topk));
 }
 
 // Window ring (FP8, 528 B at Dim 512) + global entries (FP4, 288 B), dequantized in the kernel. The
@@ -163,8 +176,8 @@ void check_packed_operand(int batch, int rows, int heads, int window, int global
   kv.global = dg.data();
   kv.global_rows = global;
   kv.global_seq_stride = static_cast<long long>(global) * gl::bytes;
-  compare(run_device<Dim>(p, kv, scale), host_reference<Dim>(p, qdq, entries, scale), Dim,
-          "packed operand b" + std::to_string(batch) + " rows" + std::to_string(rows));
+  compare_both_ways<Dim>(p, kv, scale, host_reference<Dim>(p, qdq, entries, scale),
+                         "packed operand b" + std::to_string(batch) + " rows" + std::to_string(rows));
 }
 
 }  // namespace
@@ -178,12 +191,15 @@ BOOST_AUTO_TEST_CASE(device_matches_the_official_vectors, *utf::label("gpu") * u
   const float scale = io::copy_as<float>(f.tensor("softmax_scale"))[0];
   device_buffer<bf16> dkv{std::span<const bf16>(p.kv)};
   bf16_kv<512> kv{dkv.data(), 700, 512, 700 * 512};
-  const auto got = run_device<512>(p, kv, scale);
-  compare(got, io::copy_as<bf16>(f.tensor("out")), 512, "official vectors");
-  int worst = 0;
   const auto want = io::copy_as<bf16>(f.tensor("out"));
-  for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, ulp_distance(got[i], want[i]));
-  BOOST_TEST(worst <= 2);
+  auto ws = sparse_attention_workspace::for_device<512>();
+  for (sparse_attention_workspace* w : {static_cast<sparse_attention_workspace*>(nullptr), &ws}) {
+    const auto got = run_device<512>(p, kv, scale, w);
+    compare(got, want, 512, w ? "official vectors, split" : "official vectors");
+    int worst = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, ulp_distance(got[i], want[i]));
+    BOOST_TEST(worst <= 2);
+  }
 }
 
 BOOST_AUTO_TEST_CASE(device_matches_host_on_bf16_operands, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
@@ -198,6 +214,24 @@ BOOST_AUTO_TEST_CASE(device_reads_packed_caches, *utf::label("gpu") * utf::preco
   check_packed_operand<512>(1, 1, 64, 128, 1000, 640, 10);   // one decode step, V4.1 widths
   check_packed_operand<512>(5, 2, 64, 128, 300, 640, 11);    // batched sequences
   check_packed_operand<128>(3, 7, 4, 16, 40, 32, 12);        // tiny widths
+}
+
+// One decode row of 64 heads is 8 CTAs unsplit: the launcher must spread its ten chunks; a
+// prefill-sized grid must not split.
+BOOST_AUTO_TEST_CASE(decode_rows_split_prefill_rows_do_not, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  auto ws = sparse_attention_workspace::for_device<512>();
+  sparse_attention_args a;
+  a.batch = 1, a.rows = 1, a.heads = 64, a.topk = 640;
+  const auto one = detail::choose_split<512>(a, &ws, 132);
+  BOOST_TEST(one.splits == 10);
+  BOOST_TEST(one.chunks_per_split == 1);
+  a.batch = 8;  // 64 CTAs: two splits of five chunks fill 128 SMs in one wave
+  BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 2);
+  a.batch = 16;  // 128 CTAs already
+  BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 1);
+  a.batch = 1, a.rows = 4096;
+  BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 1);
+  BOOST_TEST(detail::choose_split<512>(a, nullptr, 132).splits == 1);
 }
 
 BOOST_AUTO_TEST_CASE(launch_rejects_bad_arguments) {
@@ -277,7 +311,7 @@ BOOST_AUTO_TEST_CASE(device_reads_paged_caches, *utf::label("gpu") * utf::precon
   kv.region_offset = owner.main_offset;
   kv.entries_per_page = owner.entries_per_page;
   const float scale = 1.0f / std::sqrt(float(dim));
-  compare(run_device<dim>(p, kv, scale), host_reference<dim>(p, qdq, window + global, scale), dim, "paged operand");
+  compare_both_ways<dim>(p, kv, scale, host_reference<dim>(p, qdq, window + global, scale), "paged operand");
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -417,6 +417,7 @@ class attention_stack {
   runtime::device_buffer<bf16> scores_, gathered_scores_, block_scores_;
   std::optional<gemm::gemm_workspace> gemm_ws_;
   std::optional<output::output_workspace> out_ws_;
+  std::optional<sparse_attention_workspace> attn_ws_;
 
   long long max_keys() const { return lim_.max_tokens; }
   int candidate_width() const { return shape_.pool_blocks * shape_.pool_block; }
@@ -451,6 +452,7 @@ class attention_stack {
     block_ids_ = decltype(block_ids_)(R * std::size_t(std::max(s.pool_blocks, 1)));
     gemm_ws_.emplace(std::size_t(1) << 22, std::size_t(0));
     out_ws_.emplace(output::output_shape{s.heads, HeadDim, s.groups, s.o_lora, s.dim}, lim_.max_rows);
+    attn_ws_.emplace(sparse_attention_workspace::for_device<HeadDim>());
   }
 
   //! `replay_from` >= 0: one sequence's last tokens again (positions from there; no new pages).
@@ -718,17 +720,17 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
       kv.pool = pool_.data(), kv.block_tables = c.block_tables.data(), kv.max_pages = max_pages_;
       kv.page_bytes = page_bytes_, kv.region_offset = region->main_offset, kv.entries_per_page = region->entries_per_page;
     }
-    sparse_attention<HeadDim>(sa, kv, stream);
+    sparse_attention<HeadDim>(sa, kv, stream, &*attn_ws_);
     pack_window(ring_first, R - ring_first, ring_dst, c.row_slot.data());  // only now may the chunk enter the ring
   } else if (region) {
     paged_kv<window_format, numerics::main_kv_format, HeadDim> kv;
     kv.window = win, kv.pool = pool_.data(), kv.block_tables = c.block_tables.data(), kv.max_pages = max_pages_;
     kv.page_bytes = page_bytes_, kv.region_offset = region->main_offset, kv.entries_per_page = region->entries_per_page;
-    sparse_attention<HeadDim>(sa, kv, stream);
+    sparse_attention<HeadDim>(sa, kv, stream, &*attn_ws_);
   } else {
     packed_kv<window_format, numerics::main_kv_format, HeadDim> kv;
     kv.window = win;
-    sparse_attention<HeadDim>(sa, kv, stream);
+    sparse_attention<HeadDim>(sa, kv, stream, &*attn_ws_);
   }
   output::attention_output(o_.data(), c.positions.data(), R, freqs, s.rope_dim, w.wo_a.data(), w.wo_b.codes.data(),
                            w.wo_b.scales.data(), out, *out_ws_, blas_, stream);

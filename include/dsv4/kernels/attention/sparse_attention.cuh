@@ -5,13 +5,24 @@
 //! in the denominator), reading its KV operand either as bf16 rows or straight from the packed
 //! caches (FP8 window entries and FP4 global entries, dequantized in the kernel).
 //!
-//! Work split (a first, CUDA-core kernel; see docs/perf.md for where it stands): one CTA per
-//! (query row, group of 8 heads), one warp per head. Each chunk of 64 indexed entries is
-//! dequantized once into shared memory and shared by the CTA's heads. A lane owns Dim/32
-//! consecutive channels of its head's query and output accumulator.
+//! Work split (CUDA cores; see docs/perf.md for where it stands): one CTA per (query row, group of
+//! 8 heads, KV split), one warp per head. Each chunk of 64 indexed entries is dequantized once into
+//! shared memory and shared by the CTA's heads. A lane owns channels g * 128 + 4 * lane + (0..3)
+//! for g < Dim / 128, so a warp's shared-memory reads of one entry are contiguous (no bank
+//! conflicts).
+//!
+//! Split KV (decode): with few rows the (row, head group) grid leaves most SMs idle (8 CTAs for
+//! one decode row of 64 heads), so the index list is cut at chunk boundaries into splits that run
+//! side by side, each writing its unnormalized accumulator, maximum and denominator to a
+//! workspace; a second kernel merges them with the sink (flash-decoding). Within a split the
+//! arithmetic is the reference's; the merge adds the splits' rescaled sums instead of carrying
+//! one accumulator through every chunk, which differs from the host reference by fp32 rounding
+//! only (the device tests bound it; the official vectors stay within 2 bf16 ulp). Without a
+//! workspace the kernel runs unsplit.
 
 #include <cuda_runtime.h>  // provides cudaFuncSetAttribute
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -20,6 +31,8 @@
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/numerics/fast_codec.cuh"
 #include "dsv4/runtime/cuda_check.cuh"
+#include "dsv4/runtime/device_buffer.cuh"
+#include "dsv4/runtime/device_info.cuh"
 
 namespace dsv4::kernels::attention {
 
@@ -183,25 +196,57 @@ struct sparse_attention_args {
   float scale = 0;
 };
 
+//! Scratch of split-KV launches: per (row, head, split) the unnormalized fp32 accumulator and the
+//! split's running maximum and denominator. One workspace serves any number of launches on one
+//! stream, one at a time (each launch's merge has read it before the next writes it).
+class sparse_attention_workspace {
+ public:
+  sparse_attention_workspace() = default;
+  explicit sparse_attention_workspace(std::size_t floats) : partials_(floats) {}
+  //! Enough for the splits the launcher chooses on this device at any batch (one wave of CTAs of
+  //! eight heads each).
+  template <int Dim>
+  static sparse_attention_workspace for_device() {
+    return sparse_attention_workspace(std::size_t(runtime::sm_count()) * 8 * (Dim + 4));
+  }
+  float* data() { return partials_.data(); }
+  std::size_t floats() const { return partials_.size(); }
+
+ private:
+  runtime::device_buffer<float> partials_;
+};
+
 namespace detail {
 inline constexpr int heads_per_cta = 8;
+
+//! How a launch cuts each row's index list: `splits` pieces of `chunks_per_split` 64-entry chunks.
+struct kv_split {
+  float* partials = nullptr;  //!< [batch * rows, heads, splits, Dim + 4]: acc[Dim], m, l; null = unsplit
+  int splits = 1;
+  int chunks_per_split = 0;
+};
 
 DSV4_DEVICE float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-//! A lane's N consecutive bf16 channels from shared memory, widened to fp32, with 16-byte loads.
-template <int N>
-DSV4_DEVICE void load_lane_channels(const bf16* p, float (&out)[N]) {
-  static_assert(N % 4 == 0, "load_lane_channels<N>: N must be a multiple of 4");
+//! A lane's Dim/32 channels of one bf16 vector (g * 128 + 4 * lane + i), widened to fp32, one
+//! 8-byte load per group of four: a warp reads 256 contiguous bytes per group.
+template <int Dim>
+DSV4_DEVICE void load_lane_channels(const bf16* v, int lane, float (&out)[Dim / 32]) {
 #pragma unroll
-  for (int i = 0; i < N; i += 4) {
-    const uint2 w = *reinterpret_cast<const uint2*>(p + i);
-    out[i + 0] = __uint_as_float(w.x << 16);
-    out[i + 1] = __uint_as_float(w.x & 0xffff0000u);
-    out[i + 2] = __uint_as_float(w.y << 16);
-    out[i + 3] = __uint_as_float(w.y & 0xffff0000u);
+  for (int g = 0; g < Dim / 128; ++g) {
+    const uint2 w = *reinterpret_cast<const uint2*>(v + g * 128 + 4 * lane);
+    out[4 * g + 0] = __uint_as_float(w.x << 16);
+    out[4 * g + 1] = __uint_as_float(w.x & 0xffff0000u);
+    out[4 * g + 2] = __uint_as_float(w.y << 16);
+    out[4 * g + 3] = __uint_as_float(w.y & 0xffff0000u);
   }
+}
+//! The channel a lane's i-th value stands for.
+template <int Dim>
+DSV4_DEVICE int lane_channel(int lane, int i) {
+  return (i / 4) * 128 + 4 * lane + i % 4;
 }
 
 //! One step of the score butterfly: lanes with `Bit` set keep the upper `Half` partial sums.
@@ -222,7 +267,7 @@ DSV4_DEVICE float warp_max(float v) {
 }
 
 template <int Dim, class KV>
-DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(sparse_attention_args a, KV kv) {
+DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(sparse_attention_args a, KV kv, kv_split sp) {
   constexpr int kLaneCh = Dim / 32;
   extern __shared__ uint4 dyn_smem[];
   bf16* tile = reinterpret_cast<bf16*>(dyn_smem);  // [sparse_chunk][Dim]
@@ -233,18 +278,21 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(s
   const int seq = row / a.rows;
   const int head = blockIdx.y * heads_per_cta + warp;
   const bool head_ok = head < a.heads;
+  const int split = blockIdx.z;
+  const int first = sp.partials ? split * sp.chunks_per_split * sparse_chunk : 0;
+  const int last = sp.partials ? min(a.topk, first + sp.chunks_per_split * sparse_chunk) : a.topk;
 
   float q[kLaneCh], acc[kLaneCh];
-  const bf16* qh = a.q + (static_cast<long long>(row) * a.heads + (head_ok ? head : 0)) * Dim + lane * kLaneCh;
+  load_lane_channels<Dim>(a.q + (static_cast<long long>(row) * a.heads + (head_ok ? head : 0)) * Dim, lane, q);
   for (int k = 0; k < kLaneCh; ++k) {
-    q[k] = head_ok ? qh[k].to_float() : 0.0f;
+    if (!head_ok) q[k] = 0.0f;
     acc[k] = 0.0f;
   }
   float m = -1e30f, l = 0.0f;
   const std::int32_t* row_idx = a.idx + static_cast<long long>(row) * a.topk;
 
-  for (int c0 = 0; c0 < a.topk; c0 += sparse_chunk) {
-    const int n = min(sparse_chunk, a.topk - c0);
+  for (int c0 = first; c0 < last; c0 += sparse_chunk) {
+    const int n = min(sparse_chunk, last - c0);
     __syncthreads();  // the previous chunk's tile is no longer read
     if (threadIdx.x < sparse_chunk) chunk_idx[threadIdx.x] = threadIdx.x < n ? row_idx[c0 + threadIdx.x] : -1;
     __syncthreads();
@@ -273,7 +321,7 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(s
 #pragma unroll
     for (int e = 0; e < sparse_chunk; ++e) {
       float k[kLaneCh];
-      load_lane_channels<kLaneCh>(tile + e * Dim + lane * kLaneCh, k);
+      load_lane_channels<Dim>(tile + e * Dim, lane, k);
       float acc_e = 0.0f;
 #pragma unroll
       for (int c = 0; c < kLaneCh; ++c) acc_e = fmaf(q[c], k[c], acc_e);
@@ -296,52 +344,117 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(s
     pw[e0] = numerics::round_to_bf16(p0);  // bf16 probabilities weight the values
     pw[e0 + 1] = numerics::round_to_bf16(p1);
     __syncwarp();
+    // acc <- acc * alpha + (the chunk's sum of bf16(p_j) kv_j, formed first), rounded as the host
+    // reference rounds it.
+    float sum[kLaneCh];
 #pragma unroll
-    for (int c = 0; c < kLaneCh; ++c) acc[c] *= alpha;
+    for (int c = 0; c < kLaneCh; ++c) sum[c] = 0.0f;
     for (int e = 0; e < sparse_chunk; ++e) {
       const float p = pw[e];
       if (p == 0.0f) continue;  // warp-uniform: every lane reads the same value
       float v[kLaneCh];
-      load_lane_channels<kLaneCh>(tile + e * Dim + lane * kLaneCh, v);
+      load_lane_channels<Dim>(tile + e * Dim, lane, v);
 #pragma unroll
-      for (int c = 0; c < kLaneCh; ++c) acc[c] = fmaf(p, v[c], acc[c]);
+      for (int c = 0; c < kLaneCh; ++c) sum[c] = __fadd_rn(sum[c], __fmul_rn(p, v[c]));
     }
+#pragma unroll
+    for (int c = 0; c < kLaneCh; ++c) acc[c] = __fadd_rn(__fmul_rn(acc[c], alpha), sum[c]);
     __syncwarp();  // pw is rewritten by the next chunk
     m = m_new;
   }
   if (!head_ok) return;
+  if (sp.partials) {  // the split's share; the merge adds the sink
+    float* part_out = sp.partials + ((static_cast<long long>(row) * a.heads + head) * sp.splits + split) * (Dim + 4);
+#pragma unroll
+    for (int g = 0; g < Dim / 128; ++g)
+      *reinterpret_cast<float4*>(part_out + g * 128 + 4 * lane) =
+          make_float4(acc[4 * g], acc[4 * g + 1], acc[4 * g + 2], acc[4 * g + 3]);
+    if (lane == 0) part_out[Dim] = m, part_out[Dim + 1] = l;
+    return;
+  }
   l += expf(a.sink[head] - m);
-  bf16* o = a.out + (static_cast<long long>(row) * a.heads + head) * Dim + lane * kLaneCh;
-  for (int c = 0; c < kLaneCh; ++c) o[c] = bf16::from_float(__fdiv_rn(acc[c], l));
+  bf16* o = a.out + (static_cast<long long>(row) * a.heads + head) * Dim;
+  for (int c = 0; c < kLaneCh; ++c) o[lane_channel<Dim>(lane, c)] = bf16::from_float(__fdiv_rn(acc[c], l));
+}
+
+//! Merges the splits of one (row, head): M = max m_s, out = sum_s acc_s e^(m_s - M) /
+//! (sum_s l_s e^(m_s - M) + e^(sink - M)), splits in order. A split without a valid index has
+//! m = -1e30 and l = 0, so it weighs nothing unless every split is empty (then out = 0, as unsplit).
+template <int Dim>
+DSV4_KERNEL void __launch_bounds__(Dim / 4) sparse_attention_merge_kernel(sparse_attention_args a, kv_split sp) {
+  const int row = blockIdx.x, head = blockIdx.y, c = 4 * threadIdx.x;
+  const float* base = sp.partials + (static_cast<long long>(row) * a.heads + head) * sp.splits * (Dim + 4);
+  float mx = -1e30f;
+  for (int s = 0; s < sp.splits; ++s) mx = fmaxf(mx, base[s * (Dim + 4) + Dim]);
+  float l = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int s = 0; s < sp.splits; ++s) {
+    const float* ps = base + s * (Dim + 4);
+    const float w = expf(ps[Dim] - mx);
+    l = fmaf(ps[Dim + 1], w, l);
+    const float4 v = *reinterpret_cast<const float4*>(ps + c);
+    acc[0] = fmaf(v.x, w, acc[0]), acc[1] = fmaf(v.y, w, acc[1]), acc[2] = fmaf(v.z, w, acc[2]), acc[3] = fmaf(v.w, w, acc[3]);
+  }
+  l += expf(a.sink[head] - mx);
+  bf16* o = a.out + (static_cast<long long>(row) * a.heads + head) * Dim + c;
+  for (int i = 0; i < 4; ++i) o[i] = bf16::from_float(__fdiv_rn(acc[i], l));
+}
+
+//! The split for a launch: none when the (row, head group) grid fills half the SMs or more, the
+//! list has one chunk, or no workspace is given; else as many splits as fit the grid into one
+//! wave (the kernel's ~190 registers a thread leave room for one CTA per SM, so a second wave
+//! would double the time), whole chunks each, as far as the workspace holds the partials.
+template <int Dim>
+kv_split choose_split(const sparse_attention_args& a, sparse_attention_workspace* ws, int sms) {
+  kv_split sp;
+  const int chunks = (a.topk + sparse_chunk - 1) / sparse_chunk;
+  const long long rows = static_cast<long long>(a.batch) * a.rows;
+  const long long ctas = rows * ((a.heads + heads_per_cta - 1) / heads_per_cta);
+  if (!ws || chunks < 2 || ctas == 0 || 2 * ctas > sms) return sp;
+  long long splits = std::min<long long>(chunks, sms / ctas);
+  const long long per_split_floats = rows * a.heads * (Dim + 4);
+  splits = std::min<long long>(splits, static_cast<long long>(ws->floats()) / std::max(per_split_floats, 1LL));
+  if (splits < 2) return sp;
+  sp.chunks_per_split = int((chunks + splits - 1) / splits);
+  sp.splits = (chunks + sp.chunks_per_split - 1) / sp.chunks_per_split;  // no empty split
+  if (sp.splits < 2) return kv_split{};
+  sp.partials = ws->data();
+  return sp;
 }
 }  // namespace detail
 
 //! Empty when the launch can proceed, else why not.
 template <int Dim, class KV>
 std::string can_implement(const sparse_attention_args& a, const KV& kv) {
-  static_assert(Dim % 256 == 0 || Dim == 128,
-                "sparse_attention<Dim>: Dim must be 128 or a multiple of 256 (each lane owns Dim/32 channels, "
-                "read 4 at a time)");
+  static_assert(Dim % 128 == 0,
+                "sparse_attention<Dim>: Dim must be a multiple of 128 (a lane owns four channels in each 128)");
   if (a.batch < 0 || a.rows < 0 || a.heads <= 0 || a.topk < 0) return "batch, rows, topk must be >= 0 and heads > 0";
   if (static_cast<long long>(a.batch) * a.rows > 0x7fffffffll) return "batch * rows exceeds the grid limit";
+  if (a.heads > 65535) return "heads exceed the grid limit (65535)";
   if (a.rows == 0 || a.batch == 0) return {};
   if (!a.q || !a.out || !a.sink || (a.topk > 0 && !a.idx)) return "null pointer argument";
-  if (reinterpret_cast<std::uintptr_t>(a.q) % 4 || reinterpret_cast<std::uintptr_t>(a.out) % 4)
-    return "q and out must be 4-byte aligned";
+  if (reinterpret_cast<std::uintptr_t>(a.q) % 8 || reinterpret_cast<std::uintptr_t>(a.out) % 4)
+    return "q must be 8-byte and out 4-byte aligned";
   return kv.check();
 }
 
 //! out = sparse_attention(q, kv, sink, idx). Indices must lie in [-1, entries) (not checked on
-//! the device: the index producers guarantee it, and the host reference checks it).
+//! the device: the index producers guarantee it, and the host reference checks it). With a
+//! workspace, grids of few rows split the index list (see the file comment).
 template <int Dim, class KV>
-void sparse_attention(const sparse_attention_args& a, const KV& kv, cudaStream_t stream = nullptr) {
+void sparse_attention(const sparse_attention_args& a, const KV& kv, cudaStream_t stream = nullptr,
+                      sparse_attention_workspace* workspace = nullptr) {
   if (const std::string why = can_implement<Dim>(a, kv); !why.empty()) throw error("sparse_attention: " + why);
   if (a.rows == 0 || a.batch == 0) return;
   constexpr int smem = sparse_chunk * Dim * int(sizeof(bf16));
   auto kernel = detail::sparse_attention_kernel<Dim, KV>;
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(unsigned(a.batch * a.rows), unsigned((a.heads + detail::heads_per_cta - 1) / detail::heads_per_cta));
-  kernel<<<grid, detail::heads_per_cta * 32, smem, stream>>>(a, kv);
+  const detail::kv_split sp = detail::choose_split<Dim>(a, workspace, runtime::sm_count());
+  const unsigned rows = unsigned(a.batch * a.rows);
+  const dim3 grid(rows, unsigned((a.heads + detail::heads_per_cta - 1) / detail::heads_per_cta), unsigned(sp.splits));
+  kernel<<<grid, detail::heads_per_cta * 32, smem, stream>>>(a, kv, sp);
+  DSV4_CUDA_CHECK_LAUNCH();
+  if (!sp.partials) return;
+  detail::sparse_attention_merge_kernel<Dim><<<dim3(rows, unsigned(a.heads)), Dim / 4, 0, stream>>>(a, sp);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 

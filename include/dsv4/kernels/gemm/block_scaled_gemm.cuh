@@ -30,7 +30,6 @@
 #include <cuda_runtime.h>  // provides cudaStream_t, uint2
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -41,6 +40,7 @@
 #include "dsv4/numerics/bits.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
+#include "dsv4/runtime/device_info.cuh"
 
 namespace dsv4::kernels::gemm {
 
@@ -346,16 +346,7 @@ struct gemm_plan {
   unsigned token_groups = 0, row_groups = 0;
 };
 
-//! SMs of the current device (asked once per device: the GEMMs are launched per layer).
-inline int sm_count() {
-  static std::atomic<int> cached[64] = {};
-  int dev = 0, sms = 0;
-  DSV4_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= 0 && dev < 64 && (sms = cached[dev].load(std::memory_order_relaxed)) > 0) return sms;
-  DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  if (dev >= 0 && dev < 64) cached[dev].store(sms, std::memory_order_relaxed);
-  return sms;
-}
+using runtime::sm_count;
 
 //! 16 rows per warp; 8 tokens per CTA up to 8 tokens, 16 up to 128 (token groups run side by
 //! side and re-read the weights from L2), 64 beyond (the fallback when the dequantize + cuBLAS
