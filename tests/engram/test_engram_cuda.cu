@@ -1,5 +1,6 @@
 // CUDA Engram forward (engram/engram.cuh) against the host reference (engram/reference.hpp), at
-// tiny widths and at V4.1's (dim 4096, 24 columns of 256), with image tokens.
+// tiny widths and at V4.1's (dim 5120 and 4096, 24 columns of 256), with image tokens, from one
+// token to a decode batch of 64.
 
 #include <boost/test/unit_test.hpp>
 
@@ -42,9 +43,31 @@ engram::engram_weights random_weights(int dim, int head_dim, int columns, long l
   return w;
 }
 
-void check(int dim, int head_dim, int columns, long long rows, long long tokens, std::uint64_t salt) {
-  auto rng = test::make_rng(salt);
-  const auto w = random_weights(dim, head_dim, columns, rows, rng);
+//! The weights on the device: wkv in MMA tiles, q_weight * k_weight rounded once.
+struct device_weights {
+  explicit device_weights(const engram::engram_weights& w) {
+    const auto tiled = kernels::gemm::tile_weight(kernels::gemm::weight_format::fp8_tile32, w.dim * (w.hc + 1),
+                                                  w.columns * w.head_dim, w.wkv, w.wkv_scale);
+    std::vector<float> qk_host(w.q_weight.size());
+    for (std::size_t i = 0; i < qk_host.size(); ++i) qk_host[i] = numerics::mul_rn(w.q_weight[i], w.k_weight[i]);
+    embed = device_buffer<std::uint8_t>{std::span<const std::uint8_t>(w.embed)};
+    embed_s = device_buffer<std::uint8_t>{std::span<const std::uint8_t>(w.embed_scale)};
+    wkv = device_buffer<std::uint8_t>{std::span<const std::uint8_t>(tiled.codes)};
+    wkv_s = device_buffer<std::uint8_t>{std::span<const std::uint8_t>(tiled.scales)};
+    qk = device_buffer<float>{std::span<const float>(qk_host)};
+    view.dim = w.dim, view.head_dim = w.head_dim, view.columns = w.columns, view.rows = w.rows;
+    view.embed = embed.data(), view.embed_scale = embed_s.data(), view.wkv = wkv.data(), view.wkv_scale = wkv_s.data();
+    view.qk_weight = qk.data(), view.eps = w.eps;
+  }
+  device_buffer<std::uint8_t> embed, embed_s, wkv, wkv_s;
+  device_buffer<float> qk;
+  engram::engram_device_weights view;
+};
+
+//! One forward of `tokens` tokens against the host reference, token by token.
+void check_forward(const engram::engram_weights& w, const device_weights& dev, long long tokens, std::mt19937_64& rng) {
+  const int dim = w.dim, columns = w.columns;
+  const long long rows = w.rows;
   std::normal_distribution<float> d(0.0f, 1.0f);
   std::vector<bf16> x(std::size_t(tokens) * w.hc * dim);
   for (auto& v : x) v = bf16::from_float(d(rng));
@@ -53,24 +76,13 @@ void check(int dim, int head_dim, int columns, long long rows, long long tokens,
   std::vector<std::uint8_t> image(static_cast<std::size_t>(tokens));
   for (long long t = 0; t < tokens; ++t) image[std::size_t(t)] = t % 5 == 3;
 
-  const auto tiled = kernels::gemm::tile_weight(kernels::gemm::weight_format::fp8_tile32, dim * (w.hc + 1), columns * head_dim,
-                                                w.wkv, w.wkv_scale);
-  std::vector<float> qk(w.q_weight.size());
-  for (std::size_t i = 0; i < qk.size(); ++i) qk[i] = numerics::mul_rn(w.q_weight[i], w.k_weight[i]);
-  device_buffer<std::uint8_t> embed{std::span<const std::uint8_t>(w.embed)}, embed_s{std::span<const std::uint8_t>(w.embed_scale)};
-  device_buffer<std::uint8_t> wkv{std::span<const std::uint8_t>(tiled.codes)}, wkv_s{std::span<const std::uint8_t>(tiled.scales)};
-  device_buffer<float> dqk{std::span<const float>(qk)};
   device_buffer<bf16> dx{std::span<const bf16>(x)};
   device_buffer<std::int64_t> dh{std::span<const std::int64_t>(hashes)};
   device_buffer<std::uint8_t> dimg{std::span<const std::uint8_t>(image)};
-  engram::engram_device_weights dw;
-  dw.dim = dim, dw.head_dim = head_dim, dw.columns = columns, dw.rows = rows;
-  dw.embed = embed.data(), dw.embed_scale = embed_s.data(), dw.wkv = wkv.data(), dw.wkv_scale = wkv_s.data();
-  dw.qk_weight = dqk.data(), dw.eps = w.eps;
-  engram::engram_workspace ws(dw, tokens);
+  engram::engram_workspace ws(dev.view, tokens);
   cublasHandle_t blas;
   BOOST_REQUIRE(cublasCreate(&blas) == CUBLAS_STATUS_SUCCESS);
-  engram::engram_forward(dx.data(), dh.data(), dimg.data(), tokens, dw, ws, blas);
+  engram::engram_forward(dx.data(), dh.data(), dimg.data(), tokens, dev.view, ws, blas);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   cublasDestroy(blas);
   const auto got = dx.download();
@@ -94,11 +106,20 @@ void check(int dim, int head_dim, int columns, long long rows, long long tokens,
     }
   }
   const std::size_t total = std::size_t(tokens) * w.hc * dim;
-  BOOST_TEST_MESSAGE("engram dim " << dim << " columns " << columns << "x" << head_dim << ", " << tokens << " tokens: "
+  BOOST_TEST_MESSAGE("engram dim " << dim << " columns " << columns << "x" << w.head_dim << ", " << tokens << " tokens: "
                                    << exact << " of " << total << " stream values bit-equal");
   BOOST_TEST(passthrough_bad == 0u);
   BOOST_TEST(far == 0u);
   BOOST_TEST(exact * 100 >= total * 99);
+}
+
+//! One set of weights, a forward per token count (the gate kernel's grid is tokens x streams).
+void check(int dim, int head_dim, int columns, long long rows, std::initializer_list<long long> token_counts,
+           std::uint64_t salt) {
+  auto rng = test::make_rng(salt);
+  const auto w = random_weights(dim, head_dim, columns, rows, rng);
+  const device_weights dev(w);
+  for (const long long tokens : token_counts) check_forward(w, dev, tokens, rng);
 }
 
 }  // namespace
@@ -106,11 +127,14 @@ void check(int dim, int head_dim, int columns, long long rows, long long tokens,
 BOOST_AUTO_TEST_SUITE(engram_cuda)
 
 BOOST_AUTO_TEST_CASE(tiny_widths, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
-  check(256, 32, 12, 4000, 37, 150);
+  check(256, 32, 12, 4000, {1, 37, 64}, 150);
 }
 
+// V4.1's dim 5120 (the gate kernel stages 50 KB: above the default shared-memory limit) at one
+// token and at a decode batch; 4096 as before.
 BOOST_AUTO_TEST_CASE(v41_widths, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
-  check(4096, 256, 24, 20000, 9, 151);
+  check(5120, 256, 24, 20000, {1, 16}, 152);
+  check(4096, 256, 24, 20000, {9}, 151);
 }
 
 BOOST_AUTO_TEST_CASE(bad_arguments_are_errors, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
@@ -123,6 +147,8 @@ BOOST_AUTO_TEST_CASE(bad_arguments_are_errors, *utf::label("gpu") * utf::precond
   BOOST_CHECK_THROW(engram::engram_forward(x.data(), h.data(), nullptr, 5, w, ws, nullptr), dsv4::error);
   BOOST_CHECK_THROW(engram::engram_forward(x.data(), h.data(), nullptr, 2, w, ws, nullptr), dsv4::error);
   w.head_dim = 48;  // not a multiple of 32
+  BOOST_CHECK_THROW(engram::engram_forward(x.data(), h.data(), nullptr, 2, w, ws, nullptr), dsv4::error);
+  w.head_dim = 32, w.dim = 60;  // not a multiple of 8 (the gate kernel copies 16-byte pieces)
   BOOST_CHECK_THROW(engram::engram_forward(x.data(), h.data(), nullptr, 2, w, ws, nullptr), dsv4::error);
 }
 

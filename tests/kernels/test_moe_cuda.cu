@@ -2,10 +2,12 @@
 // the host composition of the spec's steps, on fresh random weights in the real formats: the
 // backbone's 384 / top-6 routing, DSpark's 128 / top-3, tiny's 8 / top-2, every token to one
 // expert, clamps hit (counted), bias_vl for image tokens, a single token, NaN gate scores (torch.topk's
-// order: NaN first, ties to the lower id); outputs and expert rows poisoned with NaN.
+// order: NaN first, ties to the lower id); outputs and expert rows poisoned with NaN. The gate
+// logits also on their own, bit for bit against their summation order, at V4.1 widths.
 
 #include <boost/test/unit_test.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -231,9 +233,85 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
   BOOST_TEST(exact * 10 >= compared * 7, "fewer than 70% of the finite outputs are bit-equal to the host");
 }
 
+//! The gate logits on their own grid (experts x token groups of up to 8, one warp per token):
+//! bit for bit the sums in the kernel's order (lane l: chunks l, l + 32, ... of 8 channels, in
+//! order; the 32 lane sums in an xor butterfly), mirrored here in double; and within an ulp (plus
+//! the double sums' own rounding) of the host reference's sequential sum.
+void check_gate_logits(int experts, int dim, long long tokens, float gate_temp, std::uint64_t salt) {
+  auto rng = test::make_rng(salt);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<bf16> x(std::size_t(tokens) * dim), w(std::size_t(experts) * dim);
+  for (auto& v : x) v = bf16::from_float(n(rng));
+  for (auto& v : w) v = bf16::from_float(n(rng) / std::sqrt(float(dim)) * 3.0f);
+  // NaN propagates: in one gate row (a NaN column of logits) and, beyond one token, in the last
+  // token's x (a NaN row).
+  if (tokens > 1) x[std::size_t(tokens - 1) * dim + std::size_t(dim / 3)] = bf16::from_float(NAN);
+  w[std::size_t(experts / 2) * dim + 5] = bf16::from_float(NAN);
+
+  device_buffer<bf16> dx{std::span<const bf16>(x)}, dw{std::span<const bf16>(w)};
+  device_buffer<float> dlogits(std::size_t(tokens) * experts);
+  dlogits.fill_bytes(0x7F);  // 3.4e38: a logit no warp wrote would show
+  moe::detail::gate_logits(dx.data(), tokens, dim, dw.data(), experts, gate_temp, dlogits.data(), nullptr);
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got = dlogits.download();
+
+  std::size_t order_bad = 0, nan_bad = 0, far = 0, equal_sequential = 0, finite = 0;
+  for (long long t = 0; t < tokens; ++t)
+    for (int e = 0; e < experts; ++e) {
+      const bf16* xt = x.data() + std::size_t(t) * dim;
+      const bf16* we = w.data() + std::size_t(e) * dim;
+      double lane_sum[32] = {}, sequential = 0, magnitude = 0;
+      for (int c = 0; c < dim / 8; ++c)
+        for (int i = 0; i < 8; ++i) {
+          const double p = double(xt[c * 8 + i].to_float()) * double(we[c * 8 + i].to_float());  // exact
+          lane_sum[c % 32] += p;
+        }
+      for (int d = 0; d < dim; ++d) {
+        const double p = double(xt[d].to_float()) * double(we[d].to_float());
+        sequential += p;
+        magnitude += std::fabs(p);
+      }
+      for (int off = 16; off > 0; off >>= 1) {
+        double next[32];
+        for (int l = 0; l < 32; ++l) next[l] = lane_sum[l] + lane_sum[l ^ off];
+        std::copy(next, next + 32, lane_sum);
+      }
+      const float want = float(lane_sum[0]) / gate_temp, ref = float(sequential) / gate_temp;
+      const float g = got[std::size_t(t) * experts + e];
+      if (std::isnan(want) || std::isnan(g)) {
+        nan_bad += !(std::isnan(want) && std::isnan(g));
+        continue;
+      }
+      ++finite;
+      order_bad += numerics::float_to_bits(g) != numerics::float_to_bits(want);
+      equal_sequential += g == ref;
+      const double ulp = std::fabs(std::nextafter(ref, INFINITY) - ref);
+      far += std::fabs(double(g) - ref) > ulp + magnitude * 0x1p-40 / gate_temp;
+    }
+  BOOST_TEST_MESSAGE("gate logits experts " << experts << " dim " << dim << " tokens " << tokens << ": " << equal_sequential
+                                            << " of " << finite << " finite logits equal to the sequential host sum");
+  BOOST_TEST(nan_bad == 0u, nan_bad << " logits are NaN on one side only");
+  BOOST_TEST(order_bad == 0u, order_bad << " logits differ from the kernel's summation order mirrored on the host");
+  BOOST_TEST(far == 0u, far << " logits are further than an ulp from the sequential host sum");
+}
+
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(moe_cuda)
+
+// The gate logits at V4.1 widths (384 experts, dim 5120) at decode batches, one token included,
+// partial token groups, DSpark's 128 experts, the bench's 16; a row so wide that fewer than 8
+// tokens fit a CTA's shared memory (12288: groups of 3).
+BOOST_AUTO_TEST_CASE(gate_logits_match_the_lane_order_sums, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  check_gate_logits(384, 5120, 1, 1.0f, 20);
+  check_gate_logits(384, 5120, 8, 1.0f, 21);
+  check_gate_logits(384, 5120, 13, 0.7f, 22);
+  check_gate_logits(384, 5120, 64, 1.0f, 23);
+  check_gate_logits(128, 5120, 3, 1.0f, 24);
+  check_gate_logits(16, 5120, 1, 1.0f, 25);
+  check_gate_logits(16, 12288, 7, 1.0f, 26);
+  check_gate_logits(8, 256, 100, 1.0f, 27);
+}
 
 BOOST_AUTO_TEST_CASE(layer_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   check_moe({384, 6, 256, 64, 40}, 1);                  // backbone routing, most experts idle

@@ -12,6 +12,7 @@
 //! host-memory path of issue 5, item 5, which is not built yet.
 
 #include <cublas_v2.h>
+#include <cuda_pipeline.h>  // __pipeline_memcpy_async (cp.async)
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -74,38 +75,77 @@ DSV4_KERNEL void engram_gather_kernel(engram_device_weights w, const std::int64_
   e[i] = bf16::from_float(__fmul_rn(q, s));
 }
 
-inline constexpr int gate_threads = 128;
+inline constexpr int gate_threads = 256;
+//! Shared memory a gate CTA may stage: 10 bytes per channel (qk weight, stream, key, value),
+//! so channels up to 16384.
+inline constexpr int gate_smem_budget = 160 * 1024;
 
-//! One CTA per token, one warp per stream (hc <= 4 warps): reduce, gate, update the stream.
+//! One CTA per (token, stream): reduce, gate, update the stream.
+//! The three sums keep the order of the kernel this one replaced (one CTA per token, one warp per
+//! stream), so the bits are the same: lane l adds channels l, l + 32, ... in order into a
+//! double, then the 32 lane sums meet in an xor butterfly. Each lane's sum is a dependent chain,
+//! so a sum cannot use more than one warp without changing the bits; what made that kernel slow
+//! (100 us at batch 1, dim 5120) was memory latency: each lane's 160 scalar loads per pass waited
+//! one after another, on one CTA. Here the CTA's 256 threads first copy the stream's row, its
+//! key, its qk weight and the value into shared memory with asynchronous copies, all in flight at
+//! once; three warps run the three sums (h.h, key.key, the weighted dot) side by side, and the
+//! value's copy overlaps them. Every thread then computes the same gate from the three sums.
 DSV4_KERNEL void __launch_bounds__(gate_threads) engram_gate_kernel(engram_device_weights w, bf16* x, const bf16* kv,
                                                                     const std::uint8_t* is_image) {
+  extern __shared__ uint4 staged[];  // qk weight [dim] fp32, then stream, key, value [dim] bf16 each
+  __shared__ double sums[3];         // h.h, key.key, dot
   const long long t = blockIdx.x;
-  const int c = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (c >= w.hc) return;
+  const int c = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int chunks = w.dim / 8;  // 16-byte pieces of a bf16 row (dim % 8 == 0, checked by the launcher)
   bf16* xs = x + (t * w.hc + c) * w.dim;
   const bf16* key = kv + t * w.n() + static_cast<long long>(c) * w.dim;
   const bf16* value = kv + t * w.n() + static_cast<long long>(w.hc) * w.dim;
   const float* wd = w.qk_weight + static_cast<long long>(c) * w.dim;
-  double hh = 0, kk = 0, dot = 0;
-  for (int d = lane; d < w.dim; d += 32) {
-    const float h = xs[d].to_float(), k = key[d].to_float();
-    hh += double(h) * h;
-    kk += double(k) * k;
-    dot += double(__fmul_rn(__fmul_rn(h, wd[d]), k));
+  float* wd_s = reinterpret_cast<float*>(staged);
+  bf16* h_s = reinterpret_cast<bf16*>(wd_s + w.dim);
+  bf16* key_s = h_s + w.dim;
+  bf16* value_s = key_s + w.dim;
+  auto copy = [](void* to, const void* from, int pieces) {
+    for (int i = threadIdx.x; i < pieces; i += gate_threads)
+      __pipeline_memcpy_async(static_cast<uint4*>(to) + i, static_cast<const uint4*>(from) + i, sizeof(uint4));
+  };
+  copy(wd_s, wd, 2 * chunks);
+  copy(h_s, xs, chunks);
+  copy(key_s, key, chunks);
+  __pipeline_commit();
+  copy(value_s, value, chunks);
+  __pipeline_commit();
+  __pipeline_wait_prior(1);  // all but the value
+  __syncthreads();
+  if (warp < 3) {
+    double sum = 0;
+    if (warp == 0)
+      for (int d = lane; d < w.dim; d += 32) {
+        const float h = h_s[d].to_float();
+        sum += double(h) * h;
+      }
+    else if (warp == 1)
+      for (int d = lane; d < w.dim; d += 32) {
+        const float k = key_s[d].to_float();
+        sum += double(k) * k;
+      }
+    else
+      for (int d = lane; d < w.dim; d += 32)
+        sum += double(__fmul_rn(__fmul_rn(h_s[d].to_float(), wd_s[d]), key_s[d].to_float()));
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) sums[warp] = sum;
   }
-  for (int off = 16; off > 0; off >>= 1) {
-    hh += __shfl_xor_sync(0xffffffffu, hh, off);
-    kk += __shfl_xor_sync(0xffffffffu, kk, off);
-    dot += __shfl_xor_sync(0xffffffffu, dot, off);
-  }
+  __pipeline_wait_prior(0);
+  __syncthreads();  // the sums and the value are in shared memory
+  const double hh = sums[0], kk = sums[1], dot = sums[2];
   const float rh = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(float(hh / w.dim), w.eps)));
   const float rk = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(float(kk / w.dim), w.eps)));
   const float rstd = __fmul_rn(rh, rk);
   const float dc = __fmul_rn(__fmul_rn(float(dot), rstd), __fdiv_rn(1.0f, __fsqrt_rn(float(w.dim))));
   const float root = copysignf(__fsqrt_rn(fmaxf(fabsf(dc), 1e-6f)), dc);
   const float gate = (is_image && is_image[t]) ? 0.0f : __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-root)));
-  for (int d = lane; d < w.dim; d += 32)
-    xs[d] = bf16::from_float(__fadd_rn(xs[d].to_float(), __fmul_rn(gate, value[d].to_float())));
+  for (int d = threadIdx.x; d < w.dim; d += gate_threads)
+    xs[d] = bf16::from_float(__fadd_rn(h_s[d].to_float(), __fmul_rn(gate, value_s[d].to_float())));
 }
 }  // namespace detail
 
@@ -116,14 +156,18 @@ inline void engram_forward(bf16* x, const std::int64_t* hashes, const std::uint8
                            cudaStream_t stream = nullptr) {
   const std::string where = "engram_forward (tokens " + std::to_string(tokens) + "): ";
   if (tokens < 0 || tokens > ws.max_tokens) throw error(where + "the workspace holds " + std::to_string(ws.max_tokens) + " tokens");
-  if (w.hc < 1 || w.hc > detail::gate_threads / 32 || w.dim <= 0 || w.head_dim <= 0 || w.head_dim % 32 || w.columns <= 0 ||
-      w.rows <= 0)
-    throw error(where + "need 1 <= hc <= 4, dim > 0, head_dim a positive multiple of 32, columns > 0, rows > 0");
+  if (w.hc < 1 || w.hc > 65535 || w.dim <= 0 || w.dim % 8 || w.dim > detail::gate_smem_budget / 10 || w.head_dim <= 0 ||
+      w.head_dim % 32 || w.columns <= 0 || w.rows <= 0)
+    throw error(where + "need 1 <= hc <= 65535 (grid y), dim a positive multiple of 8 up to " +
+                std::to_string(detail::gate_smem_budget / 10) +
+                ", head_dim a positive multiple of 32, columns > 0, rows > 0");
   if (ws.e.size() < std::size_t(tokens) * w.k() || ws.kv.size() < std::size_t(tokens) * w.n())
     throw error(where + "the workspace was made for other weights");
   if (tokens == 0) return;
   if (!x || !hashes || !w.embed || !w.embed_scale || !w.wkv || !w.wkv_scale || !w.qk_weight)
     throw error(where + "null pointer argument");
+  auto misaligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 != 0; };
+  if (misaligned(x) || misaligned(w.qk_weight)) throw error(where + "x and the qk weight must be 16-byte aligned");
   const long long gathered = tokens * w.k();
   detail::engram_gather_kernel<<<unsigned((gathered + 255) / 256), 256, 0, stream>>>(w, hashes, tokens, ws.e.data());
   DSV4_CUDA_CHECK_LAUNCH();
@@ -132,7 +176,11 @@ inline void engram_forward(bf16* x, const std::int64_t* hashes, const std::uint8
   kernels::gemm::block_scaled_linear({{int(tokens), w.n(), w.k()}, ws.codes.data(), ws.scales.data(), w.wkv, w.wkv_scale,
                                       ws.kv.data()},
                                      kernels::gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
-  detail::engram_gate_kernel<<<unsigned(tokens), detail::gate_threads, 0, stream>>>(w, x, ws.kv.data(), is_image);
+  const int smem = w.dim * 10;
+  if (smem > 48 * 1024)  // above the default limit of dynamic shared memory: opt in
+    DSV4_CUDA_CHECK(cudaFuncSetAttribute(detail::engram_gate_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  detail::engram_gate_kernel<<<dim3(unsigned(tokens), unsigned(w.hc)), detail::gate_threads, smem, stream>>>(
+      w, x, ws.kv.data(), is_image);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 

@@ -17,8 +17,10 @@
 
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
+#include <cuda_pipeline.h>  // __pipeline_memcpy_async (cp.async)
 #include <cuda_runtime.h>  // provides cudaStream_t, uint4
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -110,38 +112,72 @@ class moe_workspace {
 
 namespace detail {
 
-//! One warp per (group of 4 tokens, expert): the expert's gate row is read once for 4 tokens.
-DSV4_KERNEL void __launch_bounds__(256) gate_logits_kernel(const bf16* x, long long tokens, int dim, const bf16* w,
-                                                           int experts, float gate_temp, float* logits) {
-  constexpr int kTok = 4;
-  const long long warp = (long long)blockIdx.x * 8 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const long long groups = (tokens + kTok - 1) / kTok;
-  if (warp >= groups * experts) return;
-  const int e = int(warp % experts);
-  const long long t0 = (warp / experts) * kTok;
-  double acc[kTok] = {};
-  for (int c = lane; c < dim / 8; c += 32) {
-    float wv[8];
-    const uint4 wr = __ldg(reinterpret_cast<const uint4*>(w + (long long)e * dim + c * 8));
-    const unsigned ww[4] = {wr.x, wr.y, wr.z, wr.w};
+inline constexpr int gate_threads = 256;
+inline constexpr int gate_tokens_per_cta = gate_threads / 32;  //!< one warp per token
+//! Shared memory a gate-logits CTA may stage (a gate row and its tokens' x rows): two CTAs of
+//! this size fit on an sm_90 SM. 96 KB holds the row and 8 tokens at dim 5120.
+inline constexpr int gate_smem_budget = 96 * 1024;
+
+//! Gate logits, one CTA per (expert, group of up to 8 tokens), one warp per token.
+//! The summation order is that of the kernel this one replaced (one warp per expert and 4
+//! tokens), so the bits are the same: lane l adds, in order, the 8 products of each of its
+//! 8-channel chunks l, l + 32, l + 64, ... into one double, then the 32 lane sums meet in an xor
+//! butterfly. Each lane's sum is a dependent chain, so a token cannot use more than 32 threads of
+//! arithmetic without changing the bits; what made that kernel slow at decode was memory latency
+//! (each lane's 20 loads at dim 5120 waited one after another, on 48 CTAs at 384 experts and one
+//! token, 2 CTAs at 16). Here the CTA's 256 threads first copy the expert's gate row and the
+//! group's x rows into shared memory with asynchronous copies, all in flight at once, and the
+//! chains then read shared memory. The gate row is staged once for all the groups a CTA walks
+//! (grid y stops at 65535 groups).
+DSV4_KERNEL void __launch_bounds__(gate_threads) gate_logits_kernel(const bf16* x, long long tokens, int dim, const bf16* w,
+                                                                    int experts, int per_cta, float gate_temp,
+                                                                    float* logits) {
+  extern __shared__ uint4 staged[];  // [1 + per_cta][dim / 8]: the gate row, then the group's x rows
+  const int e = blockIdx.x, chunks = dim / 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint4* row = reinterpret_cast<const uint4*>(w + (long long)e * dim);
+  for (int c = threadIdx.x; c < chunks; c += gate_threads) __pipeline_memcpy_async(staged + c, row + c, sizeof(uint4));
+  for (long long t0 = (long long)blockIdx.y * per_cta; t0 < tokens; t0 += (long long)gridDim.y * per_cta) {
+    const int n = int(min((long long)per_cta, tokens - t0));
+    const uint4* xr = reinterpret_cast<const uint4*>(x + t0 * dim);  // the group's n rows, contiguous
+    uint4* xs = staged + chunks;
+    for (int i = threadIdx.x; i < n * chunks; i += gate_threads) __pipeline_memcpy_async(xs + i, xr + i, sizeof(uint4));
+    __pipeline_commit();
+    __pipeline_wait_prior(0);
+    __syncthreads();
+    if (warp < n) {
+      const uint4* xt = xs + warp * chunks;
+      double acc = 0;
+      for (int c = lane; c < chunks; c += 32) {
+        const uint4 wr = staged[c], xv = xt[c];
+        const unsigned ww[4] = {wr.x, wr.y, wr.z, wr.w}, xw[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
-    for (int i = 0; i < 8; ++i) wv[i] = __uint_as_float((ww[i / 2] >> (16 * (i % 2))) << 16);
-#pragma unroll
-    for (int t = 0; t < kTok; ++t) {
-      if (t0 + t >= tokens) break;
-      const uint4 xr = __ldg(reinterpret_cast<const uint4*>(x + (t0 + t) * dim + c * 8));
-      const unsigned xw[4] = {xr.x, xr.y, xr.z, xr.w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[t] += double(__uint_as_float((xw[i / 2] >> (16 * (i % 2))) << 16)) * double(wv[i]);
+        for (int i = 0; i < 8; ++i)
+          acc += double(__uint_as_float((xw[i / 2] >> (16 * (i % 2))) << 16)) *
+                 double(__uint_as_float((ww[i / 2] >> (16 * (i % 2))) << 16));
+      }
+      for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (lane == 0) logits[(t0 + warp) * experts + e] = __fdiv_rn(float(acc), gate_temp);
     }
+    __syncthreads();  // the next group's rows overwrite these
   }
-#pragma unroll
-  for (int t = 0; t < kTok; ++t) {
-    double v = acc[t];
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    if (lane == 0 && t0 + t < tokens) logits[(t0 + t) * experts + e] = __fdiv_rn(float(v), gate_temp);
-  }
+}
+
+//! Launches gate_logits_kernel: experts x ceil(tokens / per_cta) CTAs (384 at one token for the
+//! backbone), per_cta = min(8, tokens) or fewer where the staged rows would not fit the budget.
+inline void gate_logits(const bf16* x, long long tokens, int dim, const bf16* w, int experts, float gate_temp, float* logits,
+                        cudaStream_t stream) {
+  const long long row_bytes = (long long)dim * sizeof(bf16);
+  const int per_cta = int(std::min<long long>({tokens, gate_tokens_per_cta, gate_smem_budget / row_bytes - 1}));
+  if (per_cta < 1)
+    throw error("moe gate logits: dim " + std::to_string(dim) + " is too wide to stage a gate row and an x row in " +
+                std::to_string(gate_smem_budget) + " bytes of shared memory");
+  const int smem = int((1 + per_cta) * row_bytes);
+  if (smem > 48 * 1024)  // above the default limit of dynamic shared memory: opt in
+    DSV4_CUDA_CHECK(cudaFuncSetAttribute(gate_logits_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(unsigned(experts), unsigned(std::min<long long>((tokens + per_cta - 1) / per_cta, 65535)));
+  gate_logits_kernel<<<grid, gate_threads, smem, stream>>>(x, tokens, dim, w, experts, per_cta, gate_temp, logits);
+  DSV4_CUDA_CHECK_LAUNCH();
 }
 
 DSV4_DEVICE float softplus_torch(float s) { return s > 20.0f ? s : log1pf(expf(s)); }
@@ -303,10 +339,7 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   const int pairs = int(tokens * s.k);
 
   // 1-2. Routing.
-  const long long warps = (tokens + 3) / 4 * s.experts;
-  detail::gate_logits_kernel<<<unsigned((warps + 7) / 8), 256, 0, stream>>>(x, tokens, s.dim, w.gate, s.experts,
-                                                                            s.gate_temp, ws.logits.data());
-  DSV4_CUDA_CHECK_LAUNCH();
+  detail::gate_logits(x, tokens, s.dim, w.gate, s.experts, s.gate_temp, ws.logits.data(), stream);
   detail::route_kernel<<<unsigned((tokens + 7) / 8), 256, 0, stream>>>(ws.logits.data(), tokens, s, w.bias, w.bias_vl,
                                                                        is_image, ws.sel_expert.data(),
                                                                        ws.sel_weight.data(), ws.pair_index.data());
