@@ -16,6 +16,13 @@
 //! sequences (different lengths allowed), or a chunk appended to one sequence (exact mode); it
 //! returns fp32 logits, as the host model does.
 //! `prefill_ced` is the CED prefill (encoder over the prompt, decoder replay of its last window).
+//!
+//! Streams and synchronization: the model owns one non-blocking stream, and every launch, cuBLAS
+//! call and copy of a call runs on it (the attention stack and both cuBLAS handles are bound to
+//! it at construction). A call's token ids and Engram hashes go up in one cudaMemcpyAsync from
+//! pinned staging (runtime/upload_arena.cuh), the attention stack's metadata in another; the one
+//! point where the host waits for the device is the end of the call, when the logits come back
+//! through a pinned buffer (cudaStreamSynchronize). The observer (parity work) also waits.
 //! Not here yet: DSpark stages, images, and
 //! Engram tables in host memory (V4.1's are ~100 GB each).
 
@@ -38,6 +45,9 @@
 #include "dsv4/kernels/moe/moe.cuh"
 #include "dsv4/model/model_reference.hpp"
 #include "dsv4/runtime/device_buffer.cuh"
+#include "dsv4/runtime/pinned_buffer.cuh"
+#include "dsv4/runtime/stream.cuh"
+#include "dsv4/runtime/upload_arena.cuh"
 
 namespace dsv4::model {
 
@@ -94,7 +104,8 @@ class device_model {
     int page_tokens = 64;      //!< global-cache page size
   };
 
-  device_model(const host_model<Model>& m, const limits& lim) : lim_(lim), token_map_(m.token_map), hashes_(m.hashes) {
+  device_model(const host_model<Model>& m, const limits& lim)
+      : lim_(lim), token_map_(m.token_map), hashes_(m.hashes), stream_(runtime::owned_stream::non_blocking()) {
     using namespace device_detail;
     namespace gm = kernels::gemm;
     const int L = sched::num_layers;
@@ -106,7 +117,7 @@ class device_model {
     }
     typename stack_t::limits sl;
     sl.max_seqs = lim.max_seqs, sl.max_rows = lim.max_rows, sl.max_tokens = lim.max_tokens, sl.page_tokens = lim.page_tokens;
-    stack_.emplace(attention_shape<Model>(), m.wiring, attn, local, compressed, sl);
+    stack_.emplace(attention_shape<Model>(), m.wiring, attn, local, compressed, sl, stream());
     attn.clear();
 
     // The CUDA MoE gate and the bf16 layers take bf16 weights; a checkpoint may store some of them
@@ -160,7 +171,6 @@ class device_model {
       d.view.embed = d.embed.data(), d.view.embed_scale = d.embed_scale.data(), d.view.wkv = d.wkv.data();
       d.view.wkv_scale = d.wkv_scale.data(), d.view.qk_weight = d.qk.data(), d.view.eps = e.eps;
       d.ws.emplace(d.view, lim.max_rows);
-      d.hashes = device_buffer<std::int64_t>(std::size_t(lim.max_rows) * e.columns);
       engrams_.push_back(std::move(d));
     }
 
@@ -170,7 +180,11 @@ class device_model {
     // Logits are computed for one row per sequence of a call (a prefill's last row, one per decode entry).
     hf_ = device_buffer<float>(R * D);
     logits_ = device_buffer<float>(std::size_t(std::min(lim.max_rows, lim.max_seqs)) * std::size_t(c.vocab_size));
-    ids_ = device_buffer<std::int32_t>(R);
+    logits_host_ = runtime::pinned_buffer<float>(logits_.size());
+    // A call's inputs: token ids [rows], then each Engram module's hashes [rows, columns].
+    std::size_t input_bytes = runtime::upload_arena::space<std::int32_t>(R);
+    for (const auto& e : engrams_) input_bytes += runtime::upload_arena::space<std::int64_t>(R * std::size_t(e.view.columns));
+    inputs_ = runtime::upload_arena(input_bytes, "device_model call inputs");
     std::vector<float> one_hot(R * hc, 0.0f);
     for (std::size_t t = 0; t < R; ++t) one_hot[t * hc] = 1.0f;
     entry_pre_ = upload(one_hot);
@@ -181,9 +195,15 @@ class device_model {
                                c.moe.route_scale, c.moe.gate_temp, c.moe.swiglu_limit, c.moe.norm_topk_prob};
     moe_ws_.emplace(ms, lim.max_rows);
     kernels::gemm::detail::blas_check(cublasCreate(&blas_), "device_model: cublasCreate");
+    // Once here: blas_call (dense.cuh) then never switches it (which would drop a set workspace).
+    kernels::gemm::detail::blas_check(cublasSetStream(blas_, stream()), "device_model: cublasSetStream");
     histories_.assign(std::size_t(lim.max_seqs), {});
+    // The weights above went up by legacy-stream copies (device_buffer), which the non-blocking
+    // stream is not ordered after.
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   }
   ~device_model() {
+    cudaStreamSynchronize(stream());  // kernels of a failed call may still read the buffers freed next
     if (blas_) cublasDestroy(blas_);
   }
   device_model(const device_model&) = delete;
@@ -197,6 +217,8 @@ class device_model {
   void release_sequence(int slot) { stack_->release_sequence(slot); }
   long long length(int slot) const { return stack_->length(slot); }
   stack_t& attention() { return *stack_; }
+  //! The stream all of the model's work runs on.
+  cudaStream_t stream() const { return stream_.get(); }
   //! Calls `observe` with each block's intermediates (block_reference.hpp's stages), copied to the
   //! host after a device synchronization: for parity work only, it serializes the forward.
   void set_observer(layer_observer observe) { observe_ = std::move(observe); }
@@ -230,7 +252,7 @@ class device_model {
   struct device_engram {
     runtime::device_buffer<std::uint8_t> embed, embed_scale, wkv, wkv_scale;
     runtime::device_buffer<float> qk;
-    runtime::device_buffer<std::int64_t> hashes;
+    const std::int64_t* hashes = nullptr;  //!< [rows, columns] of the call in progress (in inputs_)
     engram::engram_device_weights view;
     std::optional<engram::engram_workspace> ws;
   };
@@ -238,12 +260,14 @@ class device_model {
   limits lim_;
   std::vector<std::int64_t> token_map_;
   engram::hash_layout hashes_;
+  runtime::owned_stream stream_;  // before everything that uses it, so it is destroyed after them
   std::optional<stack_t> stack_;
   std::vector<device_block> blocks_;
   std::vector<device_engram> engrams_;
   runtime::device_buffer<bf16> embed_, norm_, x_, y_, h_, sub_;
   runtime::device_buffer<float> head_, hf_, logits_, entry_pre_, a_pre_, a_post_, a_comb_, f_pre_, f_post_, f_comb_;
-  runtime::device_buffer<std::int32_t> ids_;
+  runtime::pinned_buffer<float> logits_host_;  //!< the logits' way back (an asynchronous copy needs pinned memory)
+  runtime::upload_arena inputs_;               //!< a call's token ids and Engram hashes
   std::optional<kernels::mhc::mhc_workspace> mhc_ws_;
   std::optional<kernels::moe::moe_workspace> moe_ws_;
   cublasHandle_t blas_ = nullptr;
@@ -267,7 +291,7 @@ class device_model {
     a.y = y, a.h = h_.data(), a.fn = fn, a.base = base, a.scale = scale, a.iters = c.mhc.hc_sinkhorn_iters;
     a.hc_eps = c.mhc.hc_eps, a.mix_norm_eps = c.norm_eps, a.next_pre = next_pre, a.next_post = next_post;
     a.next_comb = next_comb, a.tokens = rows, a.dim = c.dim;
-    kernels::mhc::mhc_step(a, *mhc_ws_);
+    kernels::mhc::mhc_step(a, *mhc_ws_, stream());
   }
 
   // The forward in pieces (shared by run and prefill_ced). X_ / Y_ point at the streams entering
@@ -280,7 +304,8 @@ class device_model {
   void start(const std::vector<int>& slots, std::span<const std::int32_t> ids, bool one_sequence) {
     using namespace device_detail;
     const long long R = static_cast<long long>(ids.size());
-    ids_.upload_prefix(ids);
+    inputs_.begin_pack();
+    const std::int32_t* ids_d = inputs_.put(ids, std::size_t(R), "token ids");
     for (std::size_t j = 0; j < engrams_.size(); ++j) {
       const auto& mult = Model::engram_multipliers[j];
       const std::vector<std::int64_t> mv(mult.begin(), mult.end());
@@ -291,9 +316,11 @@ class device_model {
                                            histories_[std::size_t(slots[b])][j], stack_->length(slots[b]));
         all.insert(all.end(), h.begin(), h.end());
       }
-      engrams_[j].hashes.upload_prefix(std::span<const std::int64_t>(all));
+      engrams_[j].hashes =
+          inputs_.put(std::span<const std::int64_t>(all), std::size_t(R) * std::size_t(engrams_[j].view.columns), "Engram hashes");
     }
-    embed_kernel<<<blocks_for(R * hc * c.dim), 256>>>(embed_.data(), ids_.data(), R, c.dim, hc, x_.data());
+    inputs_.upload(stream());
+    embed_kernel<<<blocks_for(R * hc * c.dim), 256, 0, stream()>>>(embed_.data(), ids_d, R, c.dim, hc, x_.data());
     DSV4_CUDA_CHECK_LAUNCH();
     X_ = x_.data(), Y_ = y_.data(), engram_row0_ = 0;
   }
@@ -313,7 +340,7 @@ class device_model {
     }
     if (engram_slot >= 0) {
       auto& e = engrams_[std::size_t(engram_slot)];
-      engram::engram_forward(X_, e.hashes.data() + engram_row0_ * e.view.columns, nullptr, R, e.view, *e.ws, blas_);
+      engram::engram_forward(X_, e.hashes + engram_row0_ * e.view.columns, nullptr, R, e.view, *e.ws, blas_, stream());
     }
     if (l == 0 || engram_slot >= 0) {
       boundary(R, X_, nullptr, nullptr, nullptr, pre, b.attn_norm.data(), nullptr, b.attn_fn.data(), b.attn_base.data(),
@@ -340,7 +367,7 @@ class device_model {
     mw.w2 = b.w2[0].data(), mw.w2_s = b.w2[1].data(), mw.s1 = b.s1[0].data(), mw.s1_s = b.s1[1].data();
     mw.s3 = b.s3[0].data(), mw.s3_s = b.s3[1].data(), mw.s2 = b.s2[0].data(), mw.s2_s = b.s2[1].data();
     observe(l, "ffn_in", h_.data(), R);
-    kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_);
+    kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_, stream());
     observe(l, "ffn_out", sub_.data(), R);
   }
 
@@ -352,12 +379,13 @@ class device_model {
     boundary(R, X_, sub_.data(), f_post_.data(), f_comb_.data(), f_pre_.data(), norm_.data(), Y_, nullptr, nullptr, nullptr,
              nullptr, nullptr, nullptr);
     const long long first = last_only ? R - 1 : 0, rows = R - first;
-    widen_rows_kernel<<<blocks_for(rows * D), 256>>>(h_.data() + first * D, hf_.data(), rows * D);
+    widen_rows_kernel<<<blocks_for(rows * D), 256, 0, stream()>>>(h_.data() + first * D, hf_.data(), rows * D);
     DSV4_CUDA_CHECK_LAUNCH();
-    kernels::gemm::linear_fp32(blas_, hf_.data(), head_.data(), logits_.data(), int(rows), c.vocab_size, D);
-    std::vector<float> out(std::size_t(rows) * c.vocab_size);
-    DSV4_CUDA_CHECK(cudaMemcpy(out.data(), logits_.data(), out.size() * sizeof(float), cudaMemcpyDeviceToHost));
-    return out;
+    kernels::gemm::linear_fp32(blas_, hf_.data(), head_.data(), logits_.data(), int(rows), c.vocab_size, D, stream());
+    const std::size_t n = std::size_t(rows) * c.vocab_size;
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), n * sizeof(float), cudaMemcpyDeviceToHost, stream()));
+    DSV4_CUDA_CHECK(cudaStreamSynchronize(stream()));  // the call's one wait for the device
+    return std::vector<float>(logits_host_.data(), logits_host_.data() + n);
   }
 
   //! `one_sequence`: the ids are a prefill or appended chunk of slots[0] (logits of the last row);
@@ -380,8 +408,8 @@ class device_model {
   template <class T>
   void keep_rows(T* data, long long first, long long rows, long long width, T* scratch) {
     const std::size_t bytes = std::size_t(rows * width) * sizeof(T);
-    DSV4_CUDA_CHECK(cudaMemcpy(scratch, data + first * width, bytes, cudaMemcpyDeviceToDevice));
-    DSV4_CUDA_CHECK(cudaMemcpy(data, scratch, bytes, cudaMemcpyDeviceToDevice));
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(scratch, data + first * width, bytes, cudaMemcpyDeviceToDevice, stream()));
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(data, scratch, bytes, cudaMemcpyDeviceToDevice, stream()));
   }
 
  public:
@@ -433,7 +461,9 @@ class device_model {
   void observe(int layer, std::string_view stage, const bf16* values, long long rows) {
     if (!observe_) return;
     std::vector<bf16> host(std::size_t(rows) * c.dim);
-    DSV4_CUDA_CHECK(cudaMemcpy(host.data(), values, host.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+    // On the model's stream (a legacy-stream cudaMemcpy is not ordered after it), then wait.
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(host.data(), values, host.size() * sizeof(bf16), cudaMemcpyDeviceToHost, stream()));
+    DSV4_CUDA_CHECK(cudaStreamSynchronize(stream()));
     observe_(layer, stage, host);
   }
 };

@@ -14,9 +14,16 @@
 //! sequences, or a chunk appended to one sequence after its prefill (exact mode: every row as the
 //! decode step of its position; the operand is the ring, then the chunk's rows, and the chunk
 //! enters the ring only after the attention). `begin_prefill` / `begin_decode` / `begin_append`
-//! describe it (positions, pages, metadata uploaded once), `forward(layer, x, out)` runs each
-//! layer in order with its attention input x (the attn_norm output) and writes the sublayer
-//! output, `end_call` commits the new lengths (every layer must have run).
+//! describe it (positions, pages), `forward(layer, x, out)` runs each layer in order with its
+//! attention input x (the attn_norm output) and writes the sublayer output, `end_call` commits
+//! the new lengths (every layer must have run).
+//! Streams and synchronization: the stack works on one stream, given at construction (the legacy
+//! default stream if none): every launch, cuBLAS call and copy of a call is issued there, so x
+//! must be ready in that stream's order and out is ready in it. A call's metadata (positions,
+//! block tables, latents' positions, ...) goes into a persistent arena sized for the limits:
+//! begin_* packs it into pinned staging and issues one cudaMemcpyAsync on the stream; nothing in
+//! a call allocates, frees or waits for the device, except that begin_* first waits for the
+//! previous call's upload to have left the staging buffer (runtime/upload_arena.cuh).
 //! The CED prefill is two calls: begin_prefill, the encoder layers, `fill_owner_cache` for the
 //! first decoder layer (its cache over every token), end_call; then `begin_replay` of the last
 //! `window` tokens from the first decoder layer on (windows start at the replay start, owners do
@@ -34,6 +41,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -55,6 +63,7 @@
 #include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/quantize.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
+#include "dsv4/runtime/upload_arena.cuh"
 
 namespace dsv4::kernels::attention {
 
@@ -176,9 +185,12 @@ class attention_stack {
     long long pages = 0;     //!< 0: max_seqs x pages for max_tokens
   };
 
+  //! `stream`: where every call's work runs (null: the legacy default stream); the caller keeps it
+  //! alive for the stack's lifetime.
   attention_stack(const layer_shape& shape, std::vector<layer_wiring> wiring, const std::vector<layer_weights>& weights,
-                  std::span<const float> freqs_local, std::span<const float> freqs_compressed, const limits& lim)
-      : shape_(shape), wiring_(std::move(wiring)), lim_(lim) {
+                  std::span<const float> freqs_local, std::span<const float> freqs_compressed, const limits& lim,
+                  cudaStream_t stream = nullptr)
+      : shape_(shape), wiring_(std::move(wiring)), lim_(lim), stream_(stream) {
     const std::string where = "attention_stack: ";
     if (shape.head_dim != HeadDim || shape.index_dim != IndexDim)
       throw error(where + "the shape's head_dim / index_dim (" + std::to_string(shape.head_dim) + ", " +
@@ -231,9 +243,16 @@ class attention_stack {
     freqs_local_ = runtime::device_buffer<float>{freqs_local};
     freqs_compressed_ = runtime::device_buffer<float>{freqs_compressed};
     allocate_scratch();
+    allocate_metadata();
     gemm::detail::blas_check(cublasCreate(&blas_), "attention_stack: cublasCreate");
+    // Once here rather than per call: blas_call (dense.cuh) then finds the stream already set.
+    gemm::detail::blas_check(cublasSetStream(blas_, stream_), "attention_stack: cublasSetStream");
+    // The weights and caches above were written by legacy-stream copies (device_buffer), which a
+    // non-blocking stream is not ordered after.
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   }
   ~attention_stack() {
+    cudaStreamSynchronize(stream_);  // the call's kernels may still read the buffers freed next
     if (blas_) cublasDestroy(blas_);
   }
   attention_stack(const attention_stack&) = delete;
@@ -259,6 +278,8 @@ class attention_stack {
   }
   long long length(int slot) const { return lengths_.at(std::size_t(slot)); }
   long long page_bytes() const { return page_bytes_; }
+  //! The stream every call's work runs on.
+  cudaStream_t stream() const { return stream_; }
   cache::cache_usage usage() const { return alloc_->usage(); }
 
   //! A prefill of `tokens` tokens of an empty sequence.
@@ -291,14 +312,14 @@ class attention_stack {
   //! CED prefill, step 1 (after begin_prefill and the encoder layers): the KV owner `layer` (a Full
   //! layer, the first decoder layer) compresses x [rows, dim] (its attention input over every
   //! prompt token) into its cache, without attention.
-  void fill_owner_cache(int layer, const bf16* x, cudaStream_t stream = nullptr) {
+  void fill_owner_cache(int layer, const bf16* x) {
     const std::string where = "attention_stack::fill_owner_cache (layer " + std::to_string(layer) + "): ";
     if (!call_ || !call_->prefill) throw error(where + "needs a prefill call in progress");
     if (layer < 0 || layer >= int(wiring_.size()) || wiring_[std::size_t(layer)].role != schedule::attn_role::full)
       throw error(where + "only a KV owner (a Full layer) fills a cache on its own");
     if (!x) throw error(where + "null x");
     if (layer < call_->next_layer) throw error(where + "the layer already ran in this call");
-    compress_owner(layer, x, stream);
+    compress_owner(layer, x, stream_);
     call_->filled.push_back(layer);
   }
   //! CED prefill, step 2: the last `tokens` positions of a sequence (from `from`) through layers
@@ -337,8 +358,9 @@ class attention_stack {
     begin(slots, std::vector<int>(slots.size(), 1), false);
   }
 
-  //! Layer `layer` over the call's rows: x [rows, dim] (device), out [rows, dim] (device).
-  void forward(int layer, const bf16* x, bf16* out, cudaStream_t stream = nullptr);
+  //! Layer `layer` over the call's rows: x [rows, dim] (device), out [rows, dim] (device), on the
+  //! stack's stream.
+  void forward(int layer, const bf16* x, bf16* out);
 
   //! Abandons a call that failed part-way: its sequences' caches may hold part of the call, so
   //! they are marked unusable (every later call on them is an error) until released.
@@ -378,13 +400,17 @@ class attention_stack {
     std::vector<int> filled;  //!< owners that fill_owner_cache ran for (a CED prefill)
     int rows = 0;
     int next_layer = 0;
-    // device metadata
-    runtime::device_buffer<std::int64_t> positions, visible_by_ratio[3];
-    runtime::device_buffer<std::int32_t> row_batch, row_slot, batch_slot, block_tables;
-    // per compressed ratio r in {1, 2}: latents of this call
-    std::map<int, runtime::device_buffer<compressor::pool_sequence>> pool_seqs;
-    std::map<int, runtime::device_buffer<std::int64_t>> latent_pos;
-    std::map<int, runtime::device_buffer<std::int32_t>> latent_batch;
+    // device metadata: slots of meta_ (valid from the call's upload on, in stream order)
+    const std::int64_t* positions = nullptr;                      //!< [rows]
+    const std::int32_t* row_batch = nullptr;                      //!< [rows] batch entry of each row
+    const std::int32_t* row_slot = nullptr;                       //!< [rows] sequence slot of each row
+    const std::int32_t* batch_slot = nullptr;                     //!< [batch]
+    const std::int32_t* block_tables = nullptr;                   //!< [batch, max_pages]
+    // per compressed ratio r in {1, 2} (index r): latents of this call
+    std::array<const std::int64_t*, 3> visible_by_ratio{};        //!< [rows] (position + 1) / r
+    std::array<const compressor::pool_sequence*, 3> pool_seqs{};  //!< [batch]
+    std::array<const std::int64_t*, 3> latent_pos{};              //!< [latents[r]]
+    std::array<const std::int32_t*, 3> latent_batch{};            //!< [latents[r]]
     std::map<int, int> latents, max_groups;
     std::map<int, long long> width;  //!< compressed entries visible to the call's last row, max over the batch
     // published by index sources for the layers after them
@@ -406,8 +432,10 @@ class attention_stack {
   std::vector<long long> lengths_;
   std::vector<int> ced_pending_;  //!< per slot: the layer a CED replay must start at, or -1
   runtime::device_buffer<float> freqs_local_, freqs_compressed_;
+  cudaStream_t stream_ = nullptr;
   cublasHandle_t blas_ = nullptr;
   std::optional<call_state> call_;
+  runtime::upload_arena meta_;  //!< the call metadata (call_state's device pointers point here)
 
   // scratch (sized for max_rows)
   runtime::device_buffer<std::uint8_t> x_codes_, x_scales_, qr_codes_, qr_scales_, chunk_kv_, iq_codes_, iq_scales_;
@@ -455,6 +483,21 @@ class attention_stack {
     attn_ws_.emplace(sparse_attention_workspace::for_device<HeadDim>());
   }
 
+  //! The call metadata arena, for the most a call may put: rows <= max_rows; batch <=
+  //! min(max_rows, max_seqs) (a decode batch is distinct live slots, the other calls one);
+  //! latents <= rows per ratio (completed_groups(start, t, r) <= t for r >= 1). begin() reserves
+  //! the same slots from its own rows and batch, in any order.
+  void allocate_metadata() {
+    using A = runtime::upload_arena;
+    const std::size_t rows = std::size_t(lim_.max_rows), batch = std::size_t(std::min(lim_.max_rows, lim_.max_seqs));
+    std::size_t bytes = A::space<std::int64_t>(rows) + 2 * A::space<std::int32_t>(rows) + A::space<std::int32_t>(batch) +
+                        A::space<std::int32_t>(batch * std::size_t(max_pages_));
+    for (int ratios = 0; ratios < 2; ++ratios)  // r = 1, 2
+      bytes += A::space<std::int64_t>(rows) + A::space<compressor::pool_sequence>(batch) + A::space<std::int64_t>(rows) +
+               A::space<std::int32_t>(rows);
+    meta_ = A(bytes, "attention_stack call metadata");
+  }
+
   //! `replay_from` >= 0: one sequence's last tokens again (positions from there; no new pages).
   void begin(const std::vector<int>& slots, const std::vector<int>& tokens, bool prefill, long long replay_from = -1) {
     if (call_) throw error("attention_stack: a call is already in progress (end_call first)");
@@ -494,15 +537,19 @@ class attention_stack {
       std::copy(bt.begin(), bt.end(), tables.begin() + std::ptrdiff_t(b) * max_pages_);
     }
     c.rows = int(pos.size());
-    c.positions = decltype(c.positions){std::span<const std::int64_t>(pos)};
-    c.row_batch = decltype(c.row_batch){std::span<const std::int32_t>(row_batch)};
-    c.row_slot = decltype(c.row_slot){std::span<const std::int32_t>(row_slot)};
-    c.batch_slot = decltype(c.batch_slot){std::span<const std::int32_t>(batch_slot)};
-    c.block_tables = decltype(c.block_tables){std::span<const std::int32_t>(tables)};
+    // Every slot is reserved for this call's rows or batch (not for the latents' count), so calls
+    // of one shape see the same device pointers (runtime/upload_arena.cuh).
+    const std::size_t rows = pos.size(), batch = slots.size();
+    meta_.begin_pack();
+    c.positions = meta_.put(std::span<const std::int64_t>(pos), rows, "positions");
+    c.row_batch = meta_.put(std::span<const std::int32_t>(row_batch), rows, "row_batch");
+    c.row_slot = meta_.put(std::span<const std::int32_t>(row_slot), rows, "row_slot");
+    c.batch_slot = meta_.put(std::span<const std::int32_t>(batch_slot), batch, "batch_slot");
+    c.block_tables = meta_.put(std::span<const std::int32_t>(tables), batch * std::size_t(max_pages_), "block_tables");
     for (int r : {1, 2}) {
       std::vector<std::int64_t> vis(pos.size());
       for (std::size_t i = 0; i < pos.size(); ++i) vis[i] = (pos[i] + 1) / r;
-      c.visible_by_ratio[r] = runtime::device_buffer<std::int64_t>{std::span<const std::int64_t>(vis)};
+      c.visible_by_ratio[std::size_t(r)] = meta_.put(std::span<const std::int64_t>(vis), rows, "visible_by_ratio");
       std::vector<compressor::pool_sequence> ps;
       std::vector<std::int64_t> lp;
       std::vector<std::int32_t> lb;
@@ -517,11 +564,12 @@ class attention_stack {
         out_row += n, row += tokens[b], max_groups = std::max(max_groups, n);
         width = std::max(width, (start + tokens[b]) / r);
       }
-      c.pool_seqs[r] = runtime::device_buffer<compressor::pool_sequence>{std::span<const compressor::pool_sequence>(ps)};
-      c.latent_pos[r] = runtime::device_buffer<std::int64_t>{std::span<const std::int64_t>(lp)};
-      c.latent_batch[r] = runtime::device_buffer<std::int32_t>{std::span<const std::int32_t>(lb)};
+      c.pool_seqs[std::size_t(r)] = meta_.put(std::span<const compressor::pool_sequence>(ps), batch, "pool_seqs");
+      c.latent_pos[std::size_t(r)] = meta_.put(std::span<const std::int64_t>(lp), rows, "latent_pos");
+      c.latent_batch[std::size_t(r)] = meta_.put(std::span<const std::int32_t>(lb), rows, "latent_batch");
       c.latents[r] = out_row, c.max_groups[r] = max_groups, c.width[r] = width;
     }
+    meta_.upload(stream_);  // one copy for the whole call
     call_.emplace(std::move(c));
     guard.armed = false;
   }
@@ -546,7 +594,7 @@ class attention_stack {
       DSV4_CUDA_CHECK_LAUNCH();
       gemm::linear_fp32(blas_, xf_.data(), w.comp_wkv32.data(), ck_.data(), R, HeadDim, s.dim, stream);
       gemm::linear_fp32(blas_, xf_.data(), w.comp_wgate.data(), cz_.data(), R, HeadDim, s.dim, stream);
-      compressor::compress_pool<HeadDim, bf16>({ck_.data(), cz_.data(), c.pool_seqs.at(r).data(), int(c.slots.size()),
+      compressor::compress_pool<HeadDim, bf16>({ck_.data(), cz_.data(), c.pool_seqs.at(std::size_t(r)), int(c.slots.size()),
                                                 c.max_groups.at(r), states_k_.at(layer).data(), states_z_.at(layer).data(),
                                                 w.comp_norm.data(), s.norm_eps, latents_.data(), nullptr, r, HeadDim},
                                                stream);
@@ -555,11 +603,11 @@ class attention_stack {
       // Index keys from the pre-RoPE latents, then the main entries.
       gemm::linear_bf16(blas_, latents_.data(), w.index_wk.data(), keys_.data(), n, IndexDim, HeadDim, stream);
       compressor::pack_entries<numerics::index_key_format, IndexDim, bf16>(
-          {keys_.data(), IndexDim, n, w.index_norm.data(), s.norm_eps, c.latent_pos.at(r).data(), c.latent_batch.at(r).data(),
+          {keys_.data(), IndexDim, n, w.index_norm.data(), s.norm_eps, c.latent_pos.at(std::size_t(r)), c.latent_batch.at(std::size_t(r)),
            freqs, pairs, page_destination(region, true)},
           stream);
       compressor::pack_entries<numerics::main_kv_format, HeadDim, bf16>(
-          {latents_.data(), HeadDim, n, nullptr, s.norm_eps, c.latent_pos.at(r).data(), c.latent_batch.at(r).data(), freqs,
+          {latents_.data(), HeadDim, n, nullptr, s.norm_eps, c.latent_pos.at(std::size_t(r)), c.latent_batch.at(std::size_t(r)), freqs,
            pairs, page_destination(region, false)},
           stream);
     }
@@ -570,7 +618,7 @@ class attention_stack {
     d.mode = compressor::entry_store::pages;
     d.base = pool_.data();
     d.entry_stride = keys ? key_stride : main_layout::bytes;
-    d.block_tables = call_->block_tables.data();
+    d.block_tables = call_->block_tables;
     d.max_pages = max_pages_;
     d.page_bytes = page_bytes_;
     d.region_offset = keys ? r.key_offset : r.main_offset;
@@ -581,8 +629,9 @@ class attention_stack {
 };
 
 template <int HeadDim, int IndexDim>
-void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16* out, cudaStream_t stream) {
+void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16* out) {
   using namespace device_detail;
+  const cudaStream_t stream = stream_;
   using schedule::attn_role;
   const std::string where = "attention_stack::forward (layer " + std::to_string(layer) + "): ";
   if (!call_) throw error(where + "no call in progress (begin_prefill / begin_decode first)");
@@ -608,7 +657,7 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
   numerics::quantize<numerics::fp8_act_format>({qr_.data(), R, s.q_lora, s.q_lora, qr_codes_.data(), s.q_lora, qr_scales_.data(), s.q_lora / 32},
                                                stream);
   linear(w.wq_b, qr_codes_.data(), qr_scales_.data(), q_.data());
-  rope::apply_rope({q_.data(), c.positions.data(), freqs, R, s.heads, HeadDim, pairs, false}, stream);
+  rope::apply_rope({q_.data(), c.positions, freqs, R, s.heads, HeadDim, pairs, false}, stream);
   linear(w.wkv, x_codes_.data(), x_scales_.data(), kv_.data());
   auto& ring = rings_[std::size_t(layer)];
   compressor::entry_destination ring_dst;
@@ -623,15 +672,15 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
   rows_dst.entry_stride = window_layout::bytes;
   auto pack_window = [&](int first, int rows, const compressor::entry_destination& dst, const std::int32_t* slots) {
     compressor::pack_entries<window_format, HeadDim, bf16>(
-        {kv_.data() + std::size_t(first) * HeadDim, HeadDim, rows, w.kv_norm.data(), s.norm_eps, c.positions.data() + first,
+        {kv_.data() + std::size_t(first) * HeadDim, HeadDim, rows, w.kv_norm.data(), s.norm_eps, c.positions + first,
          slots ? slots + first : nullptr, freqs, pairs, dst},
         stream);
   };
   const bool own_rows = c.prefill || c.replay;  // the window operand is the call's own rows
   const int ring_first = std::max(0, R - s.window);  // the call's last positions are what the ring keeps
   if (own_rows || c.append) pack_window(0, R, rows_dst, nullptr);
-  if (own_rows) pack_window(ring_first, R - ring_first, ring_dst, c.row_slot.data());
-  else if (!c.append) pack_window(0, R, ring_dst, c.row_slot.data());  // decode: straight into the ring
+  if (own_rows) pack_window(ring_first, R - ring_first, ring_dst, c.row_slot);
+  else if (!c.append) pack_window(0, R, ring_dst, c.row_slot);  // decode: straight into the ring
   // (an appended chunk enters the ring after the attention, which still reads the old slots)
   const int window_width = own_rows ? std::min(R, s.window) : s.window;
   const int operand_rows = own_rows ? R : c.append ? s.window + R : s.window;
@@ -649,7 +698,7 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
       if (width > 0) {
         const int ih = s.index_heads;
         linear(w.idx_wq_b, qr_codes_.data(), qr_scales_.data(), iq_.data());
-        rope::apply_rope({iq_.data(), c.positions.data(), freqs, R, ih, IndexDim, pairs, false}, stream);
+        rope::apply_rope({iq_.data(), c.positions, freqs, R, ih, IndexDim, pairs, false}, stream);
         const int qn = ih * IndexDim;
         numerics::quantize<numerics::index_key_format>({iq_.data(), R, qn, qn, iq_codes_.data(), qn / 2, iq_scales_.data(), qn / 32}, stream);
         numerics::dequantize<numerics::index_key_format>({iq_codes_.data(), qn / 2, iq_scales_.data(), qn / 32, R, qn, iq_.data(), qn}, stream);
@@ -659,9 +708,9 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
         indexer::index_scan_args scan;
         scan.q = iq_.data(), scan.w = wp_.data();
         scan.keys = pool_.data() + region.key_offset, scan.key_stride = key_stride;
-        scan.scores = scores_.data(), scan.visible = reinterpret_cast<const long long*>(c.visible_by_ratio[r].data());
+        scan.scores = scores_.data(), scan.visible = reinterpret_cast<const long long*>(c.visible_by_ratio[std::size_t(r)]);
         scan.rows = R, scan.heads = ih, scan.n_keys = width;
-        scan.block_tables = c.block_tables.data(), scan.row_batch = c.row_batch.data();
+        scan.block_tables = c.block_tables, scan.row_batch = c.row_batch;
         scan.max_pages = max_pages_, scan.entries_per_page = region.entries_per_page, scan.page_bytes = page_bytes_;
         if (wr.role == attn_role::reindex) {
           if (c.candidate_cols <= 0) throw error(where + "a Reindex layer needs the candidate pool of an earlier layer of this call");
@@ -693,7 +742,7 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
 
   // Index lists, attention, output.
   const int width = window_width + topk_width;
-  index_list_args il{idx_.data(), topk_.data(), c.positions.data(), R, window_width, topk_width, s.window, own_rows,
+  index_list_args il{idx_.data(), topk_.data(), c.positions, R, window_width, topk_width, s.window, own_rows,
                      c.append, c.append ? c.start[0] : 0};
   index_list_kernel<<<blocks_for(1LL * R * width), 256, 0, stream>>>(il);
   DSV4_CUDA_CHECK_LAUNCH();
@@ -709,7 +758,7 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
     win.base = chunk_kv_.data(), win.seq_stride = 0, win.rows = R;
   } else {
     win.base = ring.data(), win.seq_stride = 1LL * s.window * window_layout::bytes, win.rows = s.window;
-    win.slots = c.batch_slot.data();
+    win.slots = c.batch_slot;
   }
   const cache::owner_region* region = wr.ratio > 0 ? &regions_.at(wr.kv_owner) : nullptr;
   if (c.append) {
@@ -717,14 +766,14 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
     appended_kv<window_format, numerics::main_kv_format, HeadDim> kv;
     kv.window = win, kv.chunk = chunk_kv_.data(), kv.chunk_rows = R;
     if (region) {
-      kv.pool = pool_.data(), kv.block_tables = c.block_tables.data(), kv.max_pages = max_pages_;
+      kv.pool = pool_.data(), kv.block_tables = c.block_tables, kv.max_pages = max_pages_;
       kv.page_bytes = page_bytes_, kv.region_offset = region->main_offset, kv.entries_per_page = region->entries_per_page;
     }
     sparse_attention<HeadDim>(sa, kv, stream, &*attn_ws_);
-    pack_window(ring_first, R - ring_first, ring_dst, c.row_slot.data());  // only now may the chunk enter the ring
+    pack_window(ring_first, R - ring_first, ring_dst, c.row_slot);  // only now may the chunk enter the ring
   } else if (region) {
     paged_kv<window_format, numerics::main_kv_format, HeadDim> kv;
-    kv.window = win, kv.pool = pool_.data(), kv.block_tables = c.block_tables.data(), kv.max_pages = max_pages_;
+    kv.window = win, kv.pool = pool_.data(), kv.block_tables = c.block_tables, kv.max_pages = max_pages_;
     kv.page_bytes = page_bytes_, kv.region_offset = region->main_offset, kv.entries_per_page = region->entries_per_page;
     sparse_attention<HeadDim>(sa, kv, stream, &*attn_ws_);
   } else {
@@ -732,7 +781,7 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
     kv.window = win;
     sparse_attention<HeadDim>(sa, kv, stream, &*attn_ws_);
   }
-  output::attention_output(o_.data(), c.positions.data(), R, freqs, s.rope_dim, w.wo_a.data(), w.wo_b.codes.data(),
+  output::attention_output(o_.data(), c.positions, R, freqs, s.rope_dim, w.wo_a.data(), w.wo_b.codes.data(),
                            w.wo_b.scales.data(), out, *out_ws_, blas_, stream);
   ++c.next_layer;
 }

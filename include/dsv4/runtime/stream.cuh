@@ -1,0 +1,47 @@
+#pragma once
+//! \file
+//! An owned CUDA stream created non-blocking: it does not synchronize with the legacy default
+//! stream, so work on it can be captured as a CUDA graph and is not serialized behind unrelated
+//! legacy-stream work. The price: nothing issued on the legacy stream (synchronous cudaMemcpy,
+//! cudaMemset, device_buffer uploads) is ordered before work on this stream; order it by hand
+//! (cudaDeviceSynchronize once after setup, or issue the copy on this stream).
+
+#include <cuda_runtime.h>  // provides cudaStreamCreateWithFlags, cudaStreamDestroy
+
+#include <utility>
+
+#include "dsv4/runtime/cuda_check.cuh"
+
+namespace dsv4::runtime {
+
+class owned_stream {
+ public:
+  //! Creates a stream with cudaStreamNonBlocking.
+  static owned_stream non_blocking() {
+    owned_stream s;
+    DSV4_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking));
+    return s;
+  }
+  owned_stream() = default;
+  //! Waits for the stream's work before destroying it (buffers freed after it may still be read).
+  ~owned_stream() {
+    if (stream_) {
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+    }
+  }
+  owned_stream(owned_stream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)) {}
+  owned_stream& operator=(owned_stream&& o) noexcept {
+    std::swap(stream_, o.stream_);
+    return *this;
+  }
+  owned_stream(const owned_stream&) = delete;
+  owned_stream& operator=(const owned_stream&) = delete;
+
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace dsv4::runtime
