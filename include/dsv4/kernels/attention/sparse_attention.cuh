@@ -13,12 +13,15 @@
 //!
 //! Split KV (decode): with few rows the (row, head group) grid leaves most SMs idle (8 CTAs for
 //! one decode row of 64 heads), so the index list is cut at chunk boundaries into splits that run
-//! side by side, each writing its unnormalized accumulator, maximum and denominator to a
-//! workspace; a second kernel merges them with the sink (flash-decoding). Within a split the
-//! arithmetic is the reference's; the merge adds the splits' rescaled sums instead of carrying
-//! one accumulator through every chunk, which differs from the host reference by fp32 rounding
-//! only (the device tests bound it; the official vectors stay within 2 bf16 ulp). Without a
-//! workspace the kernel runs unsplit.
+//! side by side, each writing its unnormalized accumulator, running maximum and denominator to a
+//! workspace; a merge kernel adds them with the sink (flash-decoding). The reference rounds each
+//! probability to bf16 relative to the running maximum of all chunks so far, so a split that
+//! started from its own maximum would round differently (measured: a few outputs per thousand
+//! rows beyond 1 bf16 ulp where values cancel). A first pass therefore computes every chunk's
+//! maximum score, and each split starts from the maximum of the chunks before it: every
+//! probability and every running maximum is then the unsplit recurrence's, bit for bit, and only
+//! the fp32 sums differ (the merge rescales each split's sum once instead of carrying one
+//! accumulator through every chunk). Without a workspace the kernel runs unsplit.
 
 #include <cuda_runtime.h>  // provides cudaFuncSetAttribute
 
@@ -197,17 +200,18 @@ struct sparse_attention_args {
 };
 
 //! Scratch of split-KV launches: per (row, head, split) the unnormalized fp32 accumulator and the
-//! split's running maximum and denominator. One workspace serves any number of launches on one
-//! stream, one at a time (each launch's merge has read it before the next writes it).
+//! split's running maximum and denominator, and per (row, head, chunk) the chunk's maximum
+//! score. One workspace serves any number of launches on one stream, one at a time (each
+//! launch's merge has read it before the next writes it).
 class sparse_attention_workspace {
  public:
   sparse_attention_workspace() = default;
   explicit sparse_attention_workspace(std::size_t floats) : partials_(floats) {}
   //! Enough for the splits the launcher chooses on this device at any batch (one wave of CTAs of
-  //! eight heads each).
+  //! eight heads each) with up to 256 chunks (16,384 indices) a row.
   template <int Dim>
   static sparse_attention_workspace for_device() {
-    return sparse_attention_workspace(std::size_t(runtime::sm_count()) * 8 * (Dim + 4));
+    return sparse_attention_workspace(std::size_t(runtime::sm_count()) * 8 * (Dim + 4 + 256));
   }
   float* data() { return partials_.data(); }
   std::size_t floats() const { return partials_.size(); }
@@ -221,9 +225,12 @@ inline constexpr int heads_per_cta = 8;
 
 //! How a launch cuts each row's index list: `splits` pieces of `chunks_per_split` 64-entry chunks.
 struct kv_split {
-  float* partials = nullptr;  //!< [batch * rows, heads, splits, Dim + 4]: acc[Dim], m, l; null = unsplit
+  float* partials = nullptr;   //!< [batch * rows, heads, splits, Dim + 4]: acc[Dim], m, l; null = unsplit
+  float* chunk_max = nullptr;  //!< [batch * rows, heads, chunks]: each chunk's maximum score
   int splits = 1;
   int chunks_per_split = 0;
+  int chunks = 0;
+  bool max_pass = false;       //!< this launch only writes chunk_max (grid z = chunks)
 };
 
 DSV4_DEVICE float warp_sum(float v) {
@@ -251,7 +258,7 @@ DSV4_DEVICE int lane_channel(int lane, int i) {
 
 //! One step of the score butterfly: lanes with `Bit` set keep the upper `Half` partial sums.
 template <int Half, int Bit>
-DSV4_DEVICE void butterfly_step(float (&part)[64], int lane) {
+DSV4_DEVICE void butterfly_step(float (&part)[32], int lane) {
   const bool upper = lane & Bit;
 #pragma unroll
   for (int i = 0; i < Half; ++i) {
@@ -267,7 +274,7 @@ DSV4_DEVICE float warp_max(float v) {
 }
 
 template <int Dim, class KV>
-DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(sparse_attention_args a, KV kv, kv_split sp) {
+DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32, 2) sparse_attention_kernel(sparse_attention_args a, KV kv, kv_split sp) {
   constexpr int kLaneCh = Dim / 32;
   extern __shared__ uint4 dyn_smem[];
   bf16* tile = reinterpret_cast<bf16*>(dyn_smem);  // [sparse_chunk][Dim]
@@ -279,8 +286,11 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(s
   const int head = blockIdx.y * heads_per_cta + warp;
   const bool head_ok = head < a.heads;
   const int split = blockIdx.z;
-  const int first = sp.partials ? split * sp.chunks_per_split * sparse_chunk : 0;
-  const int last = sp.partials ? min(a.topk, first + sp.chunks_per_split * sparse_chunk) : a.topk;
+  // The max pass: chunk z alone. A split: its chunks. Unsplit: the whole list.
+  const int first = sp.max_pass ? split * sparse_chunk : sp.partials ? split * sp.chunks_per_split * sparse_chunk : 0;
+  const int last = sp.max_pass ? min(a.topk, first + sparse_chunk)
+                   : sp.partials ? min(a.topk, first + sp.chunks_per_split * sparse_chunk)
+                                 : a.topk;
 
   float q[kLaneCh], acc[kLaneCh];
   load_lane_channels<Dim>(a.q + (static_cast<long long>(row) * a.heads + (head_ok ? head : 0)) * Dim, lane, q);
@@ -289,6 +299,9 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(s
     acc[k] = 0.0f;
   }
   float m = -1e30f, l = 0.0f;
+  if (sp.partials && !sp.max_pass && head_ok)  // the running maximum the unsplit recurrence has here
+    for (int c = 0; c < split * sp.chunks_per_split; ++c)
+      m = fmaxf(m, sp.chunk_max[(static_cast<long long>(row) * a.heads + head) * sp.chunks + c]);
   const std::int32_t* row_idx = a.idx + static_cast<long long>(row) * a.topk;
 
   for (int c0 = first; c0 < last; c0 += sparse_chunk) {
@@ -313,36 +326,48 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(s
     __syncthreads();
     if (!head_ok) continue;
 
-    // Scores. Each lane forms partial dot products over its Dim/32 channels for all 64 entries,
-    // then a butterfly reduce-scatter (5 steps, 62 independent shuffles) leaves every lane with
-    // the full scores of entries 2 * lane and 2 * lane + 1 (step `bit` keeps the upper half of
-    // the remaining entries in lanes with that bit set).
-    float part[sparse_chunk];
-#pragma unroll
-    for (int e = 0; e < sparse_chunk; ++e) {
-      float k[kLaneCh];
-      load_lane_channels<Dim>(tile + e * Dim, lane, k);
-      float acc_e = 0.0f;
-#pragma unroll
-      for (int c = 0; c < kLaneCh; ++c) acc_e = fmaf(q[c], k[c], acc_e);
-      part[e] = acc_e;
-    }
+    // Scores, 32 entries at a time. Each lane forms partial dot products over its Dim/32
+    // channels for the 32 entries, then a butterfly reduce-scatter (5 steps, 31 independent
+    // shuffles) leaves lane i with the full score of entry i of the half (step `bit` keeps the
+    // upper half of the remaining entries in lanes with that bit set). Two halves rather than
+    // one 64-entry butterfly keep the kernel under 128 registers, so two CTAs share an SM and
+    // one's loads overlap the other's arithmetic.
     static_assert(sparse_chunk == 64, "the score butterfly below is written for 64-entry chunks");
-    butterfly_step<32, 16>(part, lane);
-    butterfly_step<16, 8>(part, lane);
-    butterfly_step<8, 4>(part, lane);
-    butterfly_step<4, 2>(part, lane);
-    butterfly_step<2, 1>(part, lane);
-    const int e0 = 2 * lane;
-    const float s0 = chunk_idx[e0] >= 0 ? part[0] * a.scale : -INFINITY;
-    const float s1 = chunk_idx[e0 + 1] >= 0 ? part[1] * a.scale : -INFINITY;
-    const float m_new = fmaxf(m, warp_max(fmaxf(s0, s1)));
+    float half_score[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float part[32];
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        float k[kLaneCh];
+        load_lane_channels<Dim>(tile + (32 * h + e) * Dim, lane, k);
+        float acc_e = 0.0f;
+#pragma unroll
+        for (int c = 0; c < kLaneCh; ++c) acc_e = fmaf(q[c], k[c], acc_e);
+        part[e] = acc_e;
+      }
+      butterfly_step<16, 16>(part, lane);
+      butterfly_step<8, 8>(part, lane);
+      butterfly_step<4, 4>(part, lane);
+      butterfly_step<2, 2>(part, lane);
+      butterfly_step<1, 1>(part, lane);
+      half_score[h] = part[0];
+    }
+    const int e0 = lane, e1 = lane + 32;
+    const float s0 = chunk_idx[e0] >= 0 ? half_score[0] * a.scale : -INFINITY;
+    const float s1 = chunk_idx[e1] >= 0 ? half_score[1] * a.scale : -INFINITY;
+    const float chunk_max = warp_max(fmaxf(s0, s1));
+    if (sp.max_pass) {
+      if (lane == 0) sp.chunk_max[(static_cast<long long>(row) * a.heads + head) * sp.chunks + split] = chunk_max;
+      continue;
+    }
+    const float m_new = fmaxf(m, chunk_max);
     const float alpha = expf(m - m_new);
     const float p0 = expf(s0 - m_new), p1 = expf(s1 - m_new);
     l = l * alpha + warp_sum(p0 + p1);
     float* pw = probs[warp];
     pw[e0] = numerics::round_to_bf16(p0);  // bf16 probabilities weight the values
-    pw[e0 + 1] = numerics::round_to_bf16(p1);
+    pw[e1] = numerics::round_to_bf16(p1);
     __syncwarp();
     // acc <- acc * alpha + (the chunk's sum of bf16(p_j) kv_j, formed first), rounded as the host
     // reference rounds it.
@@ -362,7 +387,7 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32) sparse_attention_kernel(s
     __syncwarp();  // pw is rewritten by the next chunk
     m = m_new;
   }
-  if (!head_ok) return;
+  if (!head_ok || sp.max_pass) return;
   if (sp.partials) {  // the split's share; the merge adds the sink
     float* part_out = sp.partials + ((static_cast<long long>(row) * a.heads + head) * sp.splits + split) * (Dim + 4);
 #pragma unroll
@@ -401,8 +426,8 @@ DSV4_KERNEL void __launch_bounds__(Dim / 4) sparse_attention_merge_kernel(sparse
 
 //! The split for a launch: none when the (row, head group) grid fills half the SMs or more, the
 //! list has one chunk, or no workspace is given; else as many splits as fit the grid into one
-//! wave (the kernel's ~190 registers a thread leave room for one CTA per SM, so a second wave
-//! would double the time), whole chunks each, as far as the workspace holds the partials.
+//! CTA per SM (every split beyond the first also adds its chunks to the maximum pass, so more
+//! splits are not free), whole chunks each, as far as the workspace holds the partials.
 template <int Dim>
 kv_split choose_split(const sparse_attention_args& a, sparse_attention_workspace* ws, int sms) {
   kv_split sp;
@@ -411,13 +436,15 @@ kv_split choose_split(const sparse_attention_args& a, sparse_attention_workspace
   const long long ctas = rows * ((a.heads + heads_per_cta - 1) / heads_per_cta);
   if (!ws || chunks < 2 || ctas == 0 || 2 * ctas > sms) return sp;
   long long splits = std::min<long long>(chunks, sms / ctas);
-  const long long per_split_floats = rows * a.heads * (Dim + 4);
-  splits = std::min<long long>(splits, static_cast<long long>(ws->floats()) / std::max(per_split_floats, 1LL));
+  const long long per_split_floats = rows * a.heads * (Dim + 4), max_floats = rows * a.heads * chunks;
+  splits = std::min<long long>(splits, (static_cast<long long>(ws->floats()) - max_floats) / std::max(per_split_floats, 1LL));
   if (splits < 2) return sp;
   sp.chunks_per_split = int((chunks + splits - 1) / splits);
   sp.splits = (chunks + sp.chunks_per_split - 1) / sp.chunks_per_split;  // no empty split
   if (sp.splits < 2) return kv_split{};
+  sp.chunks = chunks;
   sp.partials = ws->data();
+  sp.chunk_max = ws->data() + sp.splits * per_split_floats;
   return sp;
 }
 }  // namespace detail
@@ -449,9 +476,15 @@ void sparse_attention(const sparse_attention_args& a, const KV& kv, cudaStream_t
   auto kernel = detail::sparse_attention_kernel<Dim, KV>;
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const detail::kv_split sp = detail::choose_split<Dim>(a, workspace, runtime::sm_count());
-  const unsigned rows = unsigned(a.batch * a.rows);
-  const dim3 grid(rows, unsigned((a.heads + detail::heads_per_cta - 1) / detail::heads_per_cta), unsigned(sp.splits));
-  kernel<<<grid, detail::heads_per_cta * 32, smem, stream>>>(a, kv, sp);
+  const unsigned rows = unsigned(a.batch * a.rows), groups = unsigned((a.heads + detail::heads_per_cta - 1) / detail::heads_per_cta);
+  if (sp.partials) {  // the chunk maxima the splits start from (the last split's chunks are not needed)
+    detail::kv_split max_pass = sp;
+    max_pass.max_pass = true;
+    kernel<<<dim3(rows, groups, unsigned((sp.splits - 1) * sp.chunks_per_split)), detail::heads_per_cta * 32, smem, stream>>>(
+        a, kv, max_pass);
+    DSV4_CUDA_CHECK_LAUNCH();
+  }
+  kernel<<<dim3(rows, groups, unsigned(sp.splits)), detail::heads_per_cta * 32, smem, stream>>>(a, kv, sp);
   DSV4_CUDA_CHECK_LAUNCH();
   if (!sp.partials) return;
   detail::sparse_attention_merge_kernel<Dim><<<dim3(rows, unsigned(a.heads)), Dim / 4, 0, stream>>>(a, sp);
