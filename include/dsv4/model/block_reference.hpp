@@ -13,6 +13,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "dsv4/core/error.hpp"
@@ -43,10 +44,13 @@ struct block_weights {
 };
 
 //! The non-attention tensors of a block stored under `p` ("layers.N." or "mtp.N."), with
-//! `experts` routed experts of which `k` are active, and the given attention weights.
+//! `experts` routed experts of which `k` are active, and the given attention weights. A
+//! tensor-parallel rank (parallel/tensor_parallel_reference.hpp) holds only the routed experts
+//! [first_expert, first_expert + held_experts) (held_experts < 0: all of them), stored from
+//! index 0 of `experts`; the gate still routes over all `experts`.
 template <class Model>
 block_weights block_weights_at(io::checkpoint& ck, const std::string& p, kernels::attention::layer_weights attn, int experts,
-                               int k) {
+                               int k, int first_expert = 0, int held_experts = -1) {
   constexpr models::model_config c = Model::dims;
   block_weights b;
   b.attn = std::move(attn);
@@ -76,7 +80,11 @@ block_weights block_weights_at(io::checkpoint& ck, const std::string& p, kernels
     w = detail::bytes(ck, name + ".weight", {n, k / 2}, io::st_dtype::I8);
     s = detail::bytes(ck, name + ".scale", {n, k / 32}, io::st_dtype::F8_E8M0);
   };
-  for (int e = 0; e < experts; ++e) {
+  if (held_experts < 0) held_experts = experts - first_expert;
+  if (first_expert < 0 || first_expert + held_experts > experts)
+    throw error("block_weights_at: experts [" + std::to_string(first_expert) + ", " + std::to_string(first_expert + held_experts) +
+                ") outside the " + std::to_string(experts) + " routed experts of " + p);
+  for (int e = first_expert; e < first_expert + held_experts; ++e) {
     const std::string ex = p + "ffn.experts." + std::to_string(e) + ".";
     kernels::moe::expert_weights w;
     fp4(ex + "w1", inter, c.dim, w.w1, w.w1_s);
@@ -105,12 +113,16 @@ block_weights block_weights_of(io::checkpoint& ck, int layer) {
 }
 
 //! Block.forward over `s` tokens with the attention sublayer given as `attention(attn_in)`
-//! ([s, dim] attn_norm output -> [s, dim]): the backbone's CSA2 sublayer (block_forward_chunk) or
-//! a DSpark stage's (dspark_reference.hpp). Streams x [s, hc, dim] -> returned streams; pre_mix
-//! [s, hc] holds the previous sublayer's pre on entry and this block's f.pre on return.
-template <class Attention>
-std::vector<bf16> block_forward_with(int layer, const block_weights& w, int model_dim, float norm_eps, std::span<const bf16> x,
-                                     std::vector<float>& pre_mix, Attention&& attention, const layer_observer* observe = nullptr) {
+//! ([s, dim] attn_norm output -> [s, dim]) and the FFN as `ffn(ffn_in)` (the same shapes, the
+//! call's rows at once): the backbone's CSA2 sublayer (block_forward_chunk) or a DSpark stage's
+//! (dspark_reference.hpp), and the MoE of one process (block_forward_with) or of a
+//! tensor-parallel rank (parallel/tensor_parallel_reference.hpp). Streams x [s, hc, dim] ->
+//! returned streams; pre_mix [s, hc] holds the previous sublayer's pre on entry and this block's
+//! f.pre on return.
+template <class Attention, class Ffn>
+std::vector<bf16> block_forward_with_ffn(int layer, const block_weights& w, int model_dim, float norm_eps, std::span<const bf16> x,
+                                         std::vector<float>& pre_mix, Attention&& attention, Ffn&& ffn,
+                                         const layer_observer* observe = nullptr) {
   namespace mhc = kernels::mhc;
   constexpr int hc = mhc::hc;
   const std::size_t dim = std::size_t(model_dim), width = hc * dim;
@@ -138,22 +150,43 @@ std::vector<bf16> block_forward_with(int layer, const block_weights& w, int mode
   const std::vector<bf16> attn_out = attention(std::span<const bf16>(attn_in));
   if (attn_out.size() != attn_in.size()) throw error("block_forward: the attention sublayer must return [s, dim]");
   if (observe) (*observe)(layer, "attn_out", attn_out);
-  std::vector<bf16> ffn_ins, ffn_outs;
-  // FFN sublayer.
+  // FFN sublayer: the mixes and inputs of every row, the FFN over the rows (each row's MoE output
+  // depends on that row only), then the residual update.
+  std::vector<bf16> x1s, ffn_ins;
+  x1s.reserve(x.size());
+  ffn_ins.reserve(s * dim);
+  std::vector<mhc::coefficients> f(s);
+  for (std::size_t t = 0; t < s; ++t) {
+    const auto x1 = mhc::hc_post(std::span<const bf16>(attn_out).subspan(t * dim, dim), x.subspan(t * width, width), int(dim), a[t]);
+    f[t] = mhc::hc_coefficients(x1, int(dim), w.ffn_mix);
+    const auto ffn_in = normed(mhc::hc_pre(x1, int(dim), a[t].pre), w.ffn_norm);
+    x1s.insert(x1s.end(), x1.begin(), x1.end());
+    ffn_ins.insert(ffn_ins.end(), ffn_in.begin(), ffn_in.end());
+  }
+  const std::vector<bf16> ffn_outs = ffn(std::span<const bf16>(ffn_ins));
+  if (ffn_outs.size() != ffn_ins.size()) throw error("block_forward: the FFN sublayer must return [s, dim]");
   std::vector<bf16> out;
   out.reserve(x.size());
   for (std::size_t t = 0; t < s; ++t) {
-    const auto x1 = mhc::hc_post(std::span<const bf16>(attn_out).subspan(t * dim, dim), x.subspan(t * width, width), int(dim), a[t]);
-    const mhc::coefficients f = mhc::hc_coefficients(x1, int(dim), w.ffn_mix);
-    const auto ffn_in = normed(mhc::hc_pre(x1, int(dim), a[t].pre), w.ffn_norm);
-    const auto ffn_out = kernels::moe::moe_layer_reference(ffn_in, w.gate, w.experts, w.shared, w.inter, w.swiglu_limit);
-    if (observe) ffn_ins.insert(ffn_ins.end(), ffn_in.begin(), ffn_in.end()), ffn_outs.insert(ffn_outs.end(), ffn_out.begin(), ffn_out.end());
-    const auto x2 = mhc::hc_post(ffn_out, x1, int(dim), f);
+    const auto x2 = mhc::hc_post(std::span<const bf16>(ffn_outs).subspan(t * dim, dim), std::span<const bf16>(x1s).subspan(t * width, width),
+                                 int(dim), f[t]);
     out.insert(out.end(), x2.begin(), x2.end());
-    for (int c = 0; c < hc; ++c) pre_mix[t * hc + c] = f.pre[c];
+    for (int c = 0; c < hc; ++c) pre_mix[t * hc + c] = f[t].pre[c];
   }
   if (observe) (*observe)(layer, "ffn_in", ffn_ins), (*observe)(layer, "ffn_out", ffn_outs);
   return out;
+}
+
+//! block_forward_with_ffn with the block's own MoE (every routed expert in this process).
+template <class Attention>
+std::vector<bf16> block_forward_with(int layer, const block_weights& w, int model_dim, float norm_eps, std::span<const bf16> x,
+                                     std::vector<float>& pre_mix, Attention&& attention, const layer_observer* observe = nullptr) {
+  return block_forward_with_ffn(
+      layer, w, model_dim, norm_eps, x, pre_mix, std::forward<Attention>(attention),
+      [&](std::span<const bf16> ffn_in) {
+        return kernels::moe::moe_layer_reference(ffn_in, w.gate, w.experts, w.shared, w.inter, w.swiglu_limit);
+      },
+      observe);
 }
 
 //! Block.forward of backbone layer `layer` over `s` tokens (block_forward_with and the CSA2
