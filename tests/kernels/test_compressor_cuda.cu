@@ -68,7 +68,7 @@ void pool_schedule(int ratio, int batch, std::mt19937_64& rng) {
   device_buffer<float> sk{std::span<const float>(nan_state)}, sz{std::span<const float>(nan_state)};
   std::vector<history> hist(static_cast<std::size_t>(batch));
   std::normal_distribution<float> kd(0.0f, 1.5f), zd(0.0f, 3.0f);
-  std::size_t compared = 0, equal = 0;
+  std::size_t compared = 0, equal = 0, beyond = 0;
   int worst = 0;
   for (const auto& call : calls) {
     std::vector<pool_sequence> seqs(static_cast<std::size_t>(batch));
@@ -109,12 +109,19 @@ void pool_schedule(int ratio, int batch, std::mt19937_64& rng) {
         const auto want = kernels::compressor::detail::pool(w, span_k, span_z);
         const std::size_t row = std::size_t(sq.out_row + j);
         BOOST_TEST(got_pos[row] == g * ratio);
+        float row_max = 0;
+        for (int c = 0; c < Dim; ++c) row_max = std::max(row_max, std::fabs(want[std::size_t(c)].to_float()));
         for (int c = 0; c < Dim; ++c) {
           const bf16 gv = got[row * Dim + std::size_t(c)], wv = want[std::size_t(c)];
           BOOST_REQUIRE_MESSAGE(!std::isnan(gv.to_float()), "NaN latent: group " << g << " of sequence " << b);
           ++compared;
           if (gv.bits == wv.bits) ++equal;
-          worst = std::max(worst, bf16_ulps(gv, wv));
+          const int ulps = bf16_ulps(gv, wv);
+          worst = std::max(worst, ulps);
+          // A pooled channel whose weighted terms cancel is small, and there an fp32-ulp
+          // difference of one softmax weight moves it by several bf16 ulps (measured: 3 ulps
+          // at a value far below the row's largest); such values are held to the row's scale.
+          if (ulps > 1 && std::fabs(gv.to_float() - wv.to_float()) > row_max / 4096) ++beyond;
         }
       }
     }
@@ -122,8 +129,9 @@ void pool_schedule(int ratio, int batch, std::mt19937_64& rng) {
   BOOST_TEST_MESSAGE("compress_pool<" << Dim << "> ratio " << ratio << ": " << equal << " of " << compared
                                       << " latent values bit-equal, worst " << worst << " bf16 ulp");
   BOOST_TEST(compared > 0u);
-  // expf on the device and the host's exp may differ by an fp32 ulp before the bf16 rounding.
-  BOOST_TEST(worst <= 1);
+  // expf on the device and the host's exp may differ by an fp32 ulp before the bf16 rounding:
+  // 1 bf16 ulp, or 2^-12 of the row's largest value where terms cancel.
+  BOOST_TEST(beyond == 0u, beyond << " latent values beyond 1 ulp and 2^-12 of their row's largest (worst " << worst << " ulp)");
   BOOST_TEST(equal * 1000 >= compared * 995);
 }
 
