@@ -353,155 +353,28 @@ inline std::vector<bf16> row_parallel_sum(const rank_context& ctx, const std::ve
 
 //! A rank's attention sublayer over x [s, dim] (a prefill from 0 or one decode token): the
 //! host reference's normal call (kernels/attention/layer_reference.hpp) with the rank's heads,
-//! index heads and groups (`sh` from rank_attention_shape), the index scores all-reduced before
-//! the masks and the top-k, and the output the all-reduced wo_b partials.
+//! index heads and groups (`sh` from rank_attention_shape), its collectives where model.py places
+//! them: the index scores all-reduced before the masks and the top-k, the output the all-reduced
+//! wo_b partials.
 inline std::vector<bf16> attention_rank(const rank_context& ctx, int layer,
                                         const kernels::attention::layer_wiring& wr,
                                         const kernels::attention::layer_weights& w,
                                         const kernels::attention::layer_shape& sh,
                                         std::span<const float> freqs, std::span<const bf16> x,
                                         long long start_pos, kernels::attention::sequence_state& st) {
-  namespace att = kernels::attention;
-  namespace ix = kernels::indexer;
-  using schedule::attn_role;
   const std::string where = "tensor parallel attention (layer " + std::to_string(layer) + ", rank " +
                             std::to_string(ctx.rank) + "): ";
   if (x.size() % std::size_t(sh.dim) || x.empty()) throw error(where + "x must be [s, dim] with s >= 1");
-  const int s = int(x.size() / std::size_t(sh.dim)), hd = sh.head_dim;
-  if (start_pos != 0 && s != 1)
+  if (start_pos != 0 && x.size() != std::size_t(sh.dim))
     throw error(
         where +
         "the simulation runs a prefill from position 0 or one-token decode steps, not an appended chunk");
-  const bool prefill = start_pos == 0;
-  auto row = [&](int i) { return x.subspan(std::size_t(i) * sh.dim, std::size_t(sh.dim)); };
-
-  // Queries of the rank's heads (wq_b's rows) and the replicated window KV.
-  std::vector<std::vector<bf16>> qr(static_cast<std::size_t>(s));
-  std::vector<bf16> q, kv;
-  for (int i = 0; i < s; ++i) {
-    const std::int64_t pos[1] = {start_pos + i};
-    qr[std::size_t(i)] = kernels::norm::rmsnorm_bf16_reference(w.wq_a(row(i)), w.q_norm, sh.norm_eps);
-    auto qi = w.wq_b(qr[std::size_t(i)]);
-    kernels::rope::apply_rope_reference(qi, hd, sh.heads, pos, freqs, false);
-    q.insert(q.end(), qi.begin(), qi.end());
-    auto ki = kernels::norm::rmsnorm_bf16_reference(w.wkv(row(i)), w.kv_norm, sh.norm_eps);
-    kernels::rope::apply_rope_reference(ki, hd, 1, pos, freqs, false);
-    numerics::qdq_vector<numerics::fp8_act_format>(ki);
-    kv.insert(kv.end(), ki.begin(), ki.end());
-  }
-
-  // Window operand and lists (replicated).
-  auto& ring = st.rings[layer];
-  if (ring.empty()) ring.assign(std::size_t(sh.window) * hd, bf16::from_float(0.0f));
-  std::vector<bf16> operand;
-  std::vector<std::vector<std::int32_t>> lists(static_cast<std::size_t>(s));
-  if (prefill) {
-    operand = kv;
-    const int width = std::min(s, sh.window);
-    for (int i = 0; i < s; ++i)
-      for (int j = 0; j < width; ++j) {
-        const int e = std::max(i - sh.window + 1, 0) + j;
-        lists[std::size_t(i)].push_back(e > i ? -1 : e);
-      }
-    for (int p = std::max(0, s - sh.window); p < s; ++p)
-      std::copy(kv.begin() + std::ptrdiff_t(p) * hd, kv.begin() + std::ptrdiff_t(p + 1) * hd,
-                ring.begin() + std::ptrdiff_t((start_pos + p) % sh.window) * hd);
-  } else {
-    const int slot = int(start_pos % sh.window);
-    std::copy(kv.begin(), kv.end(), ring.begin() + std::ptrdiff_t(slot) * hd);
-    operand = ring;
-    for (int j = 1; j <= sh.window; ++j) {
-      const int e = (slot + j) % sh.window;
-      lists[0].push_back(e > start_pos ? -1 : e);
-    }
-  }
-  const int offset = int(operand.size() / std::size_t(hd));
-
-  // Global branch: the owner's cache is replicated; an index source scores with its own index
-  // heads, and the ranks' bf16 partial scores are summed before anything reads them.
-  if (wr.ratio > 0) {
-    if (wr.kv_owner < 0) throw error(where + "a compressed layer needs a KV owner");
-    const bool owner = wr.role == attn_role::full, source = owner || wr.role == attn_role::reindex;
-    if (owner && prefill) st.owners[layer] = att::owner_cache{};
-    auto found = st.owners.find(wr.kv_owner);
-    if (found == st.owners.end())
-      throw error(where + "its KV owner " + std::to_string(wr.kv_owner) + " has not run");
-    att::owner_cache& oc = found->second;
-    const long long compress_len = (start_pos + s) / wr.ratio;
-    if (owner) att::detail::compress_into(wr, w, sh, freqs, x, start_pos, oc);
-    if (oc.main.size() < std::size_t(compress_len) * hd ||
-        oc.keys.size() < std::size_t(compress_len) * sh.index_dim)
-      throw error(where + "its KV owner's cache holds fewer than the " + std::to_string(compress_len) +
-                  " entries this call needs");
-    if (source) {
-      const int width = int(compress_len);
-      st.topk.clear();
-      st.topk_width = std::min(sh.topk, width);
-      if (wr.candidate_source) st.candidates.clear(), st.candidates_width = width;
-      if (width > 0) {  // (model.py skips the indexer, and its all_reduce, on every rank alike)
-        std::vector<float> scores(std::size_t(s) * std::size_t(width));
-        for (int i = 0; i < s; ++i) {
-          const long long visible = (start_pos + i + 1) / wr.ratio;
-          const std::int64_t pos[1] = {start_pos + i};
-          auto qi = w.idx_wq_b(qr[std::size_t(i)]);
-          kernels::rope::apply_rope_reference(qi, sh.index_dim, sh.index_heads, pos, freqs, false);
-          numerics::qdq_vector<numerics::index_key_format>(qi);
-          const auto wp = kernels::linear::linear_bf16_reference(kernels::linear::widen(row(i)),
-                                                                 w.weights_proj, sh.index_heads);
-          std::vector<bf16> wscaled(wp.size());
-          for (std::size_t h = 0; h < wp.size(); ++h)
-            wscaled[h] = bf16::from_float(wp[h].to_float() * 0x1p-6f);
-          const auto part = ix::index_scores_reference(
-              qi, wscaled, std::span<const bf16>(oc.keys).subspan(0, std::size_t(width) * sh.index_dim),
-              sh.index_heads, sh.index_dim, visible);
-          std::copy(part.begin(), part.end(), scores.begin() + std::ptrdiff_t(i) * width);
-        }
-        // Masked positions are -inf on every rank (model.py masks after the sum: the same).
-        ctx.comm->all_reduce_bf16_values(ctx.rank, scores);
-        for (int i = 0; i < s; ++i) {
-          const long long visible = (start_pos + i + 1) / wr.ratio;
-          std::span<float> si(scores.data() + std::size_t(i) * width, std::size_t(width));
-          if (wr.candidate_source) {
-            const auto mask = ix::candidate_mask_reference(si, visible, sh.pool_blocks, sh.pool_block);
-            st.candidates.insert(st.candidates.end(), mask.begin(), mask.end());
-          }
-          if (wr.role == attn_role::reindex) {
-            if (st.candidates_width != width || st.candidates.size() != std::size_t(s) * width)
-              throw error(where + "the candidate pool does not match this layer's rows");
-            ix::apply_candidate_mask(
-                si, std::span<const std::uint8_t>(st.candidates).subspan(std::size_t(i) * width, width));
-          }
-          const auto sel = ix::select_reference(si, sh.topk, visible, offset);
-          st.topk.insert(st.topk.end(), sel.begin(), sel.end());
-        }
-      }
-    }
-    if (st.topk.size() != std::size_t(s) * st.topk_width)
-      throw error(where + "no top-k lists for these rows");
-    for (int i = 0; i < s; ++i)
-      lists[std::size_t(i)].insert(lists[std::size_t(i)].end(),
-                                   st.topk.begin() + std::ptrdiff_t(i) * st.topk_width,
-                                   st.topk.begin() + std::ptrdiff_t(i + 1) * st.topk_width);
-    operand.insert(operand.end(), oc.main.begin(), oc.main.begin() + std::ptrdiff_t(compress_len) * hd);
-  }
-
-  // The rank's heads attend (with their sinks); its groups project; wo_b's partial sum.
-  const int list_width = int(lists[0].size());
-  std::vector<std::int32_t> idx;
-  for (const auto& l : lists) idx.insert(idx.end(), l.begin(), l.end());
-  std::vector<bf16> o(q.size());
-  att::sparse_attention_reference(
-      {s, sh.heads, hd, int(operand.size() / std::size_t(hd)), list_width, float(std::pow(double(hd), -0.5))},
-      q, operand, w.attn_sink, idx, o);
-  const kernels::output::output_shape os{sh.heads, hd, sh.groups, sh.o_lora, sh.dim};
-  std::vector<bf16> partial;
-  for (int i = 0; i < s; ++i) {
-    const auto oi = kernels::output::attention_output_reference(
-        os, std::span<const bf16>(o).subspan(std::size_t(i) * sh.heads * hd, std::size_t(sh.heads) * hd),
-        start_pos + i, freqs, w.wo_a, w.wo_b.codes, w.wo_b.scales);
-    partial.insert(partial.end(), oi.begin(), oi.end());
-  }
-  return row_parallel_sum(ctx, partial);
+  kernels::attention::layer_collectives coll;
+  // Masked positions are -inf on every rank (model.py masks after the sum: the same).
+  coll.sum_index_scores = [&](std::vector<float>& scores) { ctx.comm->all_reduce_bf16_values(ctx.rank, scores); };
+  coll.sum_output = [&](const std::vector<bf16>& partial) { return row_parallel_sum(ctx, partial); };
+  return kernels::attention::attention_layer_reference(layer, wr, w, sh, freqs, x, start_pos, st,
+                                                       kernels::attention::layer_call::normal, &coll);
 }
 
 //! A rank's MoE over x [s, dim]: the replicated gate, the rank's experts in ascending id into an

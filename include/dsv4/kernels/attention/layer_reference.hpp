@@ -26,6 +26,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <span>
@@ -150,14 +151,26 @@ inline void compress_into(const layer_wiring& wr, const layer_weights& w, const 
 }
 }  // namespace detail
 
+//! Where a tensor-parallel rank (parallel/tensor_parallel_reference.hpp) joins the other ranks
+//! inside the layer, as model.py places its collectives; empty members are one rank's identity.
+struct layer_collectives {
+  //! The index scores of all rows, [s, width] bf16 values held in fp32, of the rank's index heads,
+  //! before any mask or selection reads them: made the sum over every rank's heads.
+  std::function<void(std::vector<float>&)> sum_index_scores;
+  //! The sublayer output [s, dim] from the rank's wo_b columns: made the sum over the ranks.
+  std::function<std::vector<bf16>(const std::vector<bf16>&)> sum_output;
+};
+
 //! One call of layer `layer` over x [s, dim] at positions start_pos .. start_pos + s - 1: a
 //! prefill (start_pos == 0), a decode step (s == 1) or an appended chunk; or, for the CED
 //! prefill, an owner filling its cache or a replay (see layer_call). Returns the sublayer output
-//! [s, dim] (nothing for owner_cache_only).
+//! [s, dim] (nothing for owner_cache_only). `coll`: a tensor-parallel rank's collectives (null:
+//! the whole model on one rank).
 inline std::vector<bf16> attention_layer_reference(int layer, const layer_wiring& wr, const layer_weights& w,
                                                    const layer_shape& sh, std::span<const float> freqs,
                                                    std::span<const bf16> x, long long start_pos, sequence_state& st,
-                                                   layer_call call = layer_call::normal) {
+                                                   layer_call call = layer_call::normal,
+                                                   const layer_collectives* coll = nullptr) {
   using schedule::attn_role;
   const std::string where = "attention_layer_reference (layer " + std::to_string(layer) + "): ";
   if (x.size() % std::size_t(sh.dim) || x.empty()) throw error(where + "x must be [s, dim] with s >= 1");
@@ -190,7 +203,7 @@ inline std::vector<bf16> attention_layer_reference(int layer, const layer_wiring
         st.candidates = rl->candidates, st.candidates_width = rl->candidates_width;
       }
       const auto o = attention_layer_reference(layer, wr, w, sh, freqs, x.subspan(std::size_t(i) * sh.dim, std::size_t(sh.dim)),
-                                               start_pos + i, st);
+                                               start_pos + i, st, layer_call::normal, coll);
       out.insert(out.end(), o.begin(), o.end());
       if (source) {
         rl->topk = st.topk, rl->topk_width = st.topk_width;
@@ -263,6 +276,9 @@ inline std::vector<bf16> attention_layer_reference(int layer, const layer_wiring
       st.topk.clear();
       st.topk_width = std::min(sh.topk, width);
       if (wr.candidate_source) st.candidates.clear(), st.candidates_width = width;
+      // Every row's scores first (a tensor-parallel rank sums them over the ranks' index heads
+      // before anything reads them; model.py skips the indexer, and that sum, when width is 0).
+      std::vector<float> all_scores;
       for (int i = 0; i < s && width > 0; ++i) {
         const long long visible = (start_pos + i + 1) / wr.ratio;
         const std::int64_t pos[1] = {start_pos + i};
@@ -272,9 +288,15 @@ inline std::vector<bf16> attention_layer_reference(int layer, const layer_wiring
         const auto wp = linear::linear_bf16_reference(linear::widen(row(i)), w.weights_proj, sh.index_heads);
         std::vector<bf16> wscaled(wp.size());
         for (std::size_t h = 0; h < wp.size(); ++h) wscaled[h] = bf16::from_float(wp[h].to_float() * 0x1p-6f);
-        auto scores = indexer::index_scores_reference(
+        const auto scores = indexer::index_scores_reference(
             qi, wscaled, std::span<const bf16>(oc.keys).subspan(0, std::size_t(width) * sh.index_dim), sh.index_heads,
             sh.index_dim, visible);
+        all_scores.insert(all_scores.end(), scores.begin(), scores.end());
+      }
+      if (width > 0 && coll && coll->sum_index_scores) coll->sum_index_scores(all_scores);
+      for (int i = 0; i < s && width > 0; ++i) {
+        const long long visible = (start_pos + i + 1) / wr.ratio;
+        const std::span<float> scores(all_scores.data() + std::size_t(i) * width, std::size_t(width));
         if (wr.candidate_source) {
           const auto mask = indexer::candidate_mask_reference(scores, visible, sh.pool_blocks, sh.pool_block);
           st.candidates.insert(st.candidates.end(), mask.begin(), mask.end());
@@ -309,6 +331,7 @@ inline std::vector<bf16> attention_layer_reference(int layer, const layer_wiring
                                                        start_pos + i, freqs, w.wo_a, w.wo_b.codes, w.wo_b.scales);
     out.insert(out.end(), oi.begin(), oi.end());
   }
+  if (coll && coll->sum_output) return coll->sum_output(out);
   return out;
 }
 
