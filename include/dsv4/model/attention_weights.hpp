@@ -125,10 +125,11 @@ inline std::vector<float> dequantized_fp8(io::checkpoint& ck, const std::string&
 }  // namespace detail
 
 //! The tensors every attention sublayer has (q and kv paths, output path, sink), read from `ck`
-//! under `p` ("layers.N.attn." in the backbone, "mtp.N.attn." for a DSpark stage).
+//! under `p` ("layers.N.attn." in the backbone, "mtp.N.attn." for a DSpark stage). `s`: the
+//! shapes to expect (a tensor-parallel rank's shard holds its heads, groups and index heads).
 template <class Model>
-layer_weights local_attention_weights(io::checkpoint& ck, const std::string& p) {
-  constexpr layer_shape s = attention_shape<Model>();
+layer_weights local_attention_weights(io::checkpoint& ck, const std::string& p,
+                                      const layer_shape& s = attention_shape<Model>()) {
   layer_weights w;
   w.wq_a = detail::fp8(ck, p + "wq_a", s.q_lora, s.dim);
   w.q_norm = detail::floats(ck, p + "q_norm.weight", {s.q_lora});
@@ -141,18 +142,18 @@ layer_weights local_attention_weights(io::checkpoint& ck, const std::string& p) 
   return w;
 }
 
-//! The weights of layer `layer`'s attention sublayer, read from `ck`.
+//! The weights of layer `layer`'s attention sublayer, read from `ck`, in the shapes `s` (the
+//! model's, or a tensor-parallel rank's: parallel/tensor_parallel_reference.hpp).
 template <class Model>
-layer_weights attention_weights(io::checkpoint& ck, int layer) {
+layer_weights attention_weights(io::checkpoint& ck, int layer, const layer_shape& s = attention_shape<Model>()) {
   using schedule::attn_role;
   using sched = typename models::model_traits<Model>::schedule;
   if (layer < 0 || layer >= sched::num_layers)
     throw error("attention_weights: layer " + std::to_string(layer) + " outside [0, " + std::to_string(sched::num_layers) +
                 ") of " + Model::name);
-  constexpr layer_shape s = attention_shape<Model>();
   const layer_wiring wr = attention_wiring<Model>(layer);
   const std::string p = "layers." + std::to_string(layer) + ".attn.";
-  layer_weights w = local_attention_weights<Model>(ck, p);
+  layer_weights w = local_attention_weights<Model>(ck, p, s);
   if (wr.role == attn_role::full) {
     w.compressor.dim = s.dim;
     w.compressor.head_dim = s.head_dim;

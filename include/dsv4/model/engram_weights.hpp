@@ -14,9 +14,10 @@
 
 namespace dsv4::model {
 
-//! The Engram module of slot `slot`, read from `ck`.
+//! The Engram module of slot `slot`, read from `ck`. `world` > 1: a tensor-parallel rank's
+//! shard, whose table holds ceil(rows / world) rows (ParallelEngramEmbedding's part).
 template <class Model>
-engram::engram_weights engram_weights_of(io::checkpoint& ck, int slot) {
+engram::engram_weights engram_weights_of(io::checkpoint& ck, int slot, int world = 1) {
   using sched = typename models::model_traits<Model>::schedule;
   constexpr models::model_config c = Model::dims;
   if (slot < 0 || slot >= int(sched::engram::values.size()))
@@ -28,7 +29,7 @@ engram::engram_weights engram_weights_of(io::checkpoint& ck, int slot) {
   w.dim = c.dim;
   w.head_dim = c.engram.engram_head_dim;
   w.columns = (c.engram.engram_max_ngram_size - 1) * c.engram.engram_n_heads;
-  w.rows = Model::engram_num_embeddings[std::size_t(slot)];
+  w.rows = (Model::engram_num_embeddings[std::size_t(slot)] + world - 1) / world;
   w.eps = c.norm_eps;
   w.embed = detail::bytes(ck, p + "embed.weight", {w.rows, w.head_dim}, io::st_dtype::F8_E4M3);
   w.embed_scale = detail::bytes(ck, p + "embed.scale", {w.rows, w.head_dim / 32}, io::st_dtype::F8_E8M0);

@@ -238,64 +238,18 @@ struct rank_model {
     m.embed = d::floats(ck, "embed.weight", {vpart, c.dim});
     m.head = d::floats(ck, "head.weight", {vpart, c.dim});
     m.norm = d::floats(ck, "norm.weight", {c.dim});
-    constexpr auto full = model::attention_shape<Model>();
     const auto s = rank_attention_shape<Model>(world);
     for (int l = 0; l < sched::num_layers; ++l) {
       const auto wr = model::attention_wiring<Model>(l);
-      const std::string p = "layers." + std::to_string(l) + ".attn.";
-      kernels::attention::layer_weights w;
-      w.wq_a = d::fp8(ck, p + "wq_a", s.q_lora, s.dim);
-      w.q_norm = d::floats(ck, p + "q_norm.weight", {s.q_lora});
-      w.wq_b = d::fp8(ck, p + "wq_b", s.heads * s.head_dim, s.q_lora);
-      w.wkv = d::fp8(ck, p + "wkv", s.head_dim, s.dim);
-      w.kv_norm = d::floats(ck, p + "kv_norm.weight", {s.head_dim});
-      w.wo_a = d::dequantized_fp8(ck, p + "wo_a", s.groups * s.o_lora, full.heads / full.groups * s.head_dim);
-      w.wo_b = d::fp8(ck, p + "wo_b", s.dim, s.groups * s.o_lora);
-      w.attn_sink = d::floats(ck, p + "attn_sink", {s.heads});
-      if (wr.role == schedule::attn_role::full) {  // replicated (attention_weights)
-        w.compressor.dim = s.dim;
-        w.compressor.head_dim = s.head_dim;
-        w.compressor.ratio = wr.ratio;
-        w.compressor.eps = s.norm_eps;
-        w.compressor.wkv = d::floats(ck, p + "compressor.wkv.weight", {s.head_dim, s.dim});
-        if (wr.ratio > 1)
-          w.compressor.wgate = d::floats(ck, p + "compressor.wgate.weight", {s.head_dim, s.dim});
-        w.compressor.norm = d::floats(ck, p + "compressor.norm.weight", {s.head_dim});
-        w.index_key.index_dim = s.index_dim;
-        w.index_key.eps = s.norm_eps;
-        w.index_key.wk = d::floats(ck, p + "indexer.wk.weight", {s.index_dim, s.head_dim});
-        w.index_key.norm = d::floats(ck, p + "indexer.k_norm.weight", {s.index_dim});
-      }
-      if (wr.role == schedule::attn_role::full || wr.role == schedule::attn_role::reindex) {
-        w.idx_wq_b = d::fp8(ck, p + "indexer.wq_b", s.index_heads * s.index_dim, s.q_lora);
-        w.weights_proj = d::floats(ck, p + "indexer.weights_proj.weight", {s.index_heads, s.dim});
-      }
+      kernels::attention::layer_weights w = model::attention_weights<Model>(ck, l, s);
       m.wiring.push_back(wr);
       m.blocks.push_back(model::block_weights_at<Model>(ck, "layers." + std::to_string(l) + ".", std::move(w),
                                                         c.moe.n_routed_experts, c.moe.n_activated_experts,
                                                         rank * m.experts_part(), m.experts_part()));
       m.freqs.push_back(model::attention_rope_frequencies<Model>(l));
     }
-    for (int j = 0; j < int(sched::engram::values.size()); ++j) {
-      const std::string p = "layers." + std::to_string(sched::engram::values[std::size_t(j)]) + ".engram.";
-      engram::engram_weights w;
-      w.hc = c.mhc.hc_mult;
-      w.dim = c.dim;
-      w.head_dim = c.engram.engram_head_dim;
-      w.columns = (c.engram.engram_max_ngram_size - 1) * c.engram.engram_n_heads;
-      w.rows = (Model::engram_num_embeddings[std::size_t(j)] + world - 1) /
-               world;  // ParallelEngramEmbedding's part
-      w.eps = c.norm_eps;
-      w.embed = d::bytes(ck, p + "embed.weight", {w.rows, w.head_dim}, io::st_dtype::F8_E4M3);
-      w.embed_scale = d::bytes(ck, p + "embed.scale", {w.rows, w.head_dim / 32}, io::st_dtype::F8_E8M0);
-      auto wkv = d::fp8(ck, p + "wkv", w.dim * (w.hc + 1), w.columns * w.head_dim);
-      w.wkv = std::move(wkv.codes);
-      w.wkv_scale = std::move(wkv.scales);
-      w.q_weight = d::floats(ck, p + "q_weight", {w.hc, w.dim});
-      w.k_weight = d::floats(ck, p + "k_weight", {w.hc, w.dim});
-      w.check();
-      m.engrams.push_back(std::move(w));
-    }
+    for (int j = 0; j < int(sched::engram::values.size()); ++j)
+      m.engrams.push_back(model::engram_weights_of<Model>(ck, j, world));
     m.hashes = model::engram_hash_layout<Model>();
     m.token_map = std::move(token_map);
     return m;
