@@ -174,7 +174,9 @@ std::size_t checkpoint_bytes(io::checkpoint& ck, const std::vector<io::tensor_sp
 
 BOOST_AUTO_TEST_SUITE(tensor_parallel)
 
-BOOST_AUTO_TEST_CASE(one_rank_equals_the_host_model) {
+// "long": about 20 s each here, minutes under the sanitizers, where the CI skips them (the W = 2
+// case keeps the ranks' threads and collectives under ASan / UBSan).
+BOOST_AUTO_TEST_CASE(one_rank_equals_the_host_model, *boost::unit_test::label("long")) {
   io::checkpoint full =
       io::random_checkpoint_in_memory(models::checkpoint_schema<tiny>(), 71, io::random_init::scaled);
   const auto r = run_both(full, 1, 5);
@@ -227,7 +229,7 @@ BOOST_AUTO_TEST_CASE(two_ranks_agree_with_one) {
              0u);  // embedding: exact
 }
 
-BOOST_AUTO_TEST_CASE(four_ranks_on_a_variant_agree_with_one) {
+BOOST_AUTO_TEST_CASE(four_ranks_on_a_variant_agree_with_one, *boost::unit_test::label("long")) {
   io::checkpoint full =
       io::random_checkpoint_in_memory(models::checkpoint_schema<tiny_w4>(), 76, io::random_init::scaled);
   check_agreement(run_both<tiny_w4>(full, 4, 8, 1, 34),
