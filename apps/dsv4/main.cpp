@@ -4,7 +4,14 @@
 #include <iostream>
 
 #include "dsv4/cli.hpp"
+#ifdef DSV4_CLI_CUDA
+#include "cuda_backend.hpp"
+#endif
 
 int main(int argc, char** argv) {
-  return dsv4::cli::run(std::vector<std::string>(argv + 1, argv + argc), std::cout, std::cerr);
+  dsv4::cli::backends extra;
+#ifdef DSV4_CLI_CUDA
+  extra.cuda = dsv4::apps::cuda_generate;
+#endif
+  return dsv4::cli::run(std::vector<std::string>(argv + 1, argv + argc), std::cout, std::cerr, extra);
 }

@@ -3,15 +3,16 @@
 //! The `dsv4` command line, as a library function: the app is a two-line main(), the tests
 //! drive it exactly as a user does, and an embedding program can reuse it.
 
-#include <map>
-#include <ostream>
-#include <string>
-#include <vector>
-
 #include <chrono>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <numeric>
+#include <ostream>
+#include <span>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "dsv4/dsv4.hpp"
 #include "dsv4/io/checkpoint.hpp"
@@ -25,6 +26,23 @@
 #include "dsv4/schedule/prefill_work.hpp"
 
 namespace dsv4::cli {
+
+//! What a backend other than the host reference returns for `dsv4 run`.
+struct generation {
+  std::vector<std::int32_t> tokens;
+  double prefill_s = 0, decode_s = 0;
+  std::string device;  //!< printed: "CUDA on <device name>"
+};
+//! `dsv4 run --backend cuda`: the loaded (and checked) host model, the prompt, the number of
+//! tokens, the sampling parameters, and whether the prefill is CED. Tokens are drawn with the
+//! host sampler at the same counters as the host backend's (the position), so the two backends
+//! differ only where their logits do.
+using generate_fn = std::function<generation(const model::host_model<models::tiny>&, std::span<const std::int32_t> prompt,
+                                             long long n_new, const kernels::sampling::sampling_params&, bool ced)>;
+//! The backends an app links in besides the host reference (apps/dsv4: CUDA when built with it).
+struct backends {
+  generate_fn cuda;
+};
 
 inline void usage(std::ostream& os) {
   os << "usage: dsv4 <command> [options]\n\n"
@@ -41,12 +59,15 @@ inline void usage(std::ostream& os) {
         "                       config.json, if given, has the model's values; lists every problem\n"
         "  run [--config tiny] [--checkpoint PATH] [--prompt IDS] [--tokens N]\n"
         "      [--temperature T] [--top-k K] [--top-p P] [--seed S] [--prefill exact|ced]\n"
-        "      [--speculative off|dspark]\n"
+        "      [--speculative off|dspark] [--backend host|cuda]\n"
         "                       generate N tokens (default 8) after a prompt of comma-separated\n"
         "                       token ids (default 1,2,...,8) and print them with the prefill and\n"
         "                       decode throughput; without --checkpoint the built-in tiny model\n"
-        "                       runs with random weights from a fixed seed. This backend is the\n"
-        "                       host reference: it runs the tiny variant only. --prefill ced runs\n"
+        "                       runs with random weights from a fixed seed. The default backend\n"
+        "                       is the host reference; --backend cuda runs model::device_model on\n"
+        "                       the GPU (when dsv4 was built with CUDA). Both run the tiny variant\n"
+        "                       only (V4.1's weights need a multi-GPU or offloaded build, issues 5\n"
+        "                       and 7). --prefill ced runs\n"
         "                       the encoder over the prompt and the decoder over its last window\n"
         "                       (an approximation; exact is the reference's semantics).\n"
         "                       --speculative dspark drafts with the DSpark stages and verifies\n"
@@ -122,8 +143,8 @@ inline std::string host_config(const std::string& cmd, const options& o) {
   const std::string config = o.named.count("config") ? o.named.at("config") : models::tiny::name;
   if (config != models::tiny::name) {
     models::describe_builtin(config);  // an unknown name gets the list of valid ones
-    throw error(cmd + ": the host backend runs the tiny variant only; " + config +
-                " needs the CUDA model (model::device_model), which the CLI does not use yet (issue 6)");
+    throw error(cmd + ": the CLI runs the tiny variant only; " + config +
+                "'s weights do not fit one GPU (the multi-GPU model and Engram tables in host memory are issues 7 and 5)");
   }
   return config;
 }
@@ -169,7 +190,7 @@ std::string multipliers_json() {
 }
 }  // namespace detail
 
-inline int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+inline int run(const std::vector<std::string>& args, std::ostream& out, std::ostream& err, const backends& extra = {}) {
   try {
     if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
       usage(args.empty() ? err : out);
@@ -217,13 +238,21 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
     }
     if (cmd == "run") {
       const auto o =
-          detail::parse(args, cmd, {"config", "checkpoint", "prompt", "tokens", "temperature", "top-k", "top-p", "seed", "prefill", "speculative"});
+          detail::parse(args, cmd, {"config", "checkpoint", "prompt", "tokens", "temperature", "top-k", "top-p", "seed", "prefill", "speculative", "backend"});
       const std::string prefill_mode = o.named.count("prefill") ? o.named.at("prefill") : "exact";
       if (prefill_mode != "exact" && prefill_mode != "ced")
         throw error("run: --prefill must be 'exact' or 'ced', got '" + prefill_mode + "'");
       const std::string speculative = o.named.count("speculative") ? o.named.at("speculative") : "off";
       if (speculative != "off" && speculative != "dspark")
         throw error("run: --speculative must be 'off' or 'dspark', got '" + speculative + "'");
+      const std::string backend = o.named.count("backend") ? o.named.at("backend") : "host";
+      if (backend != "host" && backend != "cuda")
+        throw error("run: --backend must be 'host' or 'cuda', got '" + backend + "'");
+      if (backend == "cuda" && !extra.cuda)
+        throw error("run: this dsv4 was built without CUDA (no nvcc at configure time); rebuild with a CUDA 13 toolkit "
+                    "(cmake -DDSV4_CUDA=ON) or use --backend host");
+      if (backend == "cuda" && speculative != "off")
+        throw error("run: --speculative dspark runs on the host backend only (DSpark on CUDA is not built yet, issue 6)");
       if (!o.positional.empty()) throw error("run: unexpected argument '" + o.positional[0] + "'");
       const std::string config = detail::host_config(cmd, o);
       using tiny = models::tiny;
@@ -254,8 +283,13 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       std::vector<std::int32_t> generated;
       model::speculative_stats spec;
       int draft_block = 0;
-      auto t0 = clock::now(), t1 = t0;
-      if (speculative == "dspark") {  // prefill and generation in one loop: timed as decode
+      std::string device = "host reference backend";
+      auto t0 = clock::now(), t1 = t0, t2 = t0;
+      double prefill_s = 0, decode_s = 0;
+      if (backend == "cuda") {  // timed by the backend (device set-up and weight upload excluded)
+        const generation g = extra.cuda(m, prompt, n_new, sp, prefill_mode == "ced");
+        generated = g.tokens, prefill_s = g.prefill_s, decode_s = g.decode_s, device = g.device;
+      } else if (speculative == "dspark") {  // prefill and generation in one loop: timed as decode
         const auto w = model::dspark_weights_of<tiny>(ck);
         draft_block = w.block;
         t0 = t1 = clock::now();
@@ -270,11 +304,13 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
           if (i + 1 < n_new) logits = model::forward(m, seq, std::span<const std::int32_t>(&next, 1));
         }
       }
-      const auto t2 = clock::now();
-      const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
-      const double decode_s = std::chrono::duration<double>(t2 - t1).count();
+      if (backend == "host") {
+        t2 = clock::now();
+        prefill_s = std::chrono::duration<double>(t1 - t0).count();
+        decode_s = std::chrono::duration<double>(t2 - t1).count();
+      }
       out << "model: " << config << (!path.empty() ? " from " + path : std::string(" (built-in random weights, seed 42)"))
-          << ", host reference backend\nprompt:";
+          << ", " << device << "\nprompt:";
       for (auto id : prompt) out << " " << id;
       out << "\ngenerated:";
       for (auto id : generated) out << " " << id;

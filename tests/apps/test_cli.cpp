@@ -76,6 +76,38 @@ BOOST_AUTO_TEST_CASE(run_rejects_what_it_cannot_do) {
   BOOST_TEST((r.code == 2 && has(r.err, "--temperature needs a number")));
   r = run({"run", "extra"});
   BOOST_TEST((r.code == 2 && has(r.err, "unexpected argument 'extra'")));
+  r = run({"run", "--backend", "gpu"});
+  BOOST_TEST((r.code == 2 && has(r.err, "--backend must be 'host' or 'cuda', got 'gpu'")));
+  r = run({"run", "--backend", "cuda"});  // no backend registered: a build without CUDA
+  BOOST_TEST((r.code == 2 && has(r.err, "built without CUDA")));
+}
+
+// The backend plumbing of `run`: a registered backend gets the loaded model, the prompt, the
+// count, the sampling parameters and the prefill mode, and its tokens and device are printed.
+BOOST_AUTO_TEST_CASE(run_hands_the_request_to_another_backend) {
+  dsv4::cli::backends extra;
+  int calls = 0;
+  extra.cuda = [&](const dsv4::model::host_model<dsv4::models::tiny>& m, std::span<const std::int32_t> prompt,
+                   long long n_new, const dsv4::kernels::sampling::sampling_params& sp, bool ced) {
+    ++calls;
+    BOOST_TEST(m.blocks.size() == std::size_t(dsv4::models::model_traits<dsv4::models::tiny>::schedule::num_layers));
+    BOOST_TEST((std::vector<std::int32_t>(prompt.begin(), prompt.end()) == std::vector<std::int32_t>{5, 6, 7}));
+    BOOST_TEST(n_new == 2);
+    BOOST_TEST(sp.seed == 9u);
+    BOOST_TEST(ced);
+    return dsv4::cli::generation{{11, 12}, 0.5, 0.25, "fake device"};
+  };
+  std::ostringstream out, err;
+  const int code = dsv4::cli::run({"run", "--backend", "cuda", "--prompt", "5,6,7", "--tokens", "2", "--seed", "9", "--prefill", "ced"},
+                                  out, err, extra);
+  BOOST_TEST(code == 0, err.str());
+  BOOST_TEST(calls == 1);
+  BOOST_TEST(has(out.str(), ", fake device\n"));
+  BOOST_TEST(has(out.str(), "generated: 11 12\n"));
+  std::ostringstream out2, err2;
+  BOOST_TEST(dsv4::cli::run({"run", "--backend", "cuda", "--speculative", "dspark"}, out2, err2, extra) == 2);
+  BOOST_TEST(has(err2.str(), "runs on the host backend only"));
+  BOOST_TEST(calls == 1);
 }
 
 // A user writes a random tiny checkpoint and checks it; a checkpoint of the wrong config is

@@ -1,0 +1,54 @@
+//! \file
+//! The CUDA backend of `dsv4 run` (cuda_backend.hpp).
+
+#include "cuda_backend.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+
+#include "dsv4/model/device_model.cuh"
+
+namespace dsv4::apps {
+
+cli::generation cuda_generate(const model::host_model<models::tiny>& m, std::span<const std::int32_t> prompt, long long n_new,
+                              const kernels::sampling::sampling_params& sp, bool ced) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    cudaGetLastError();  // clear the sticky "no device" error for any later CUDA call
+    throw error("run --backend cuda: no CUDA device is visible (check the driver, or CUDA_VISIBLE_DEVICES)");
+  }
+  cudaDeviceProp prop{};
+  DSV4_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const long long total = static_cast<long long>(prompt.size()) + std::max(n_new, 0LL);
+  if (total > models::tiny::dims.rope.max_position_embeddings)
+    throw error("run --backend cuda: " + std::to_string(total) + " positions exceed the model's " +
+                std::to_string(models::tiny::dims.rope.max_position_embeddings));
+  model::device_model<models::tiny>::limits lim;
+  lim.max_seqs = 1;
+  lim.max_rows = int(std::max<std::size_t>(prompt.size(), 1));
+  lim.max_tokens = std::max(total, 1LL);
+  model::device_model<models::tiny> dm(m, lim);
+  const int slot = dm.add_sequence();
+
+  using clock = std::chrono::steady_clock;
+  cli::generation g;
+  g.device = std::string("CUDA backend on ") + prop.name;
+  const auto t0 = clock::now();
+  std::vector<float> logits = ced ? dm.prefill_ced(slot, prompt) : dm.prefill(slot, prompt);
+  const auto t1 = clock::now();
+  for (long long i = 0; i < n_new; ++i) {
+    // The counter is the position of the token drawn, as the host backend's (sequence length).
+    const std::int32_t next = kernels::sampling::sample_reference(logits, sp, 0, std::uint64_t(dm.length(slot)));
+    g.tokens.push_back(next);
+    if (i + 1 < n_new) logits = dm.decode({slot}, std::span<const std::int32_t>(&next, 1));
+  }
+  const auto t2 = clock::now();
+  g.prefill_s = std::chrono::duration<double>(t1 - t0).count();
+  g.decode_s = std::chrono::duration<double>(t2 - t1).count();
+  return g;
+}
+
+}  // namespace dsv4::apps
