@@ -128,6 +128,7 @@ int run(FILE* jf, const options& opt) {
     }
     t0 = clock::now();
     io::checkpoint ck(dir.string());
+    ck.on_progress(io::load_progress_printer(std::cout, "loading " + dir.string()));
     return model::host_model<Model>::load(ck, token_map);
   }();
   std::printf("host model loaded in %.1f s\n", seconds_since(t0));

@@ -275,6 +275,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       const auto schema = models::checkpoint_schema<tiny>();
       io::checkpoint ck = path.empty() ? io::random_checkpoint_in_memory(schema, 42) : io::checkpoint(path);
       ck.validate(schema);
+      if (!path.empty()) ck.on_progress(io::load_progress_printer(err, "loading " + path));
       std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
       std::iota(token_map.begin(), token_map.end(), 0);  // tiny: compressed vocabulary = vocabulary
       const auto m = model::host_model<tiny>::load(ck, token_map);
@@ -369,6 +370,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       std::iota(token_map.begin(), token_map.end(), 0);  // tiny: compressed vocabulary = vocabulary
       io::checkpoint ck(o.named.at("checkpoint"));
       ck.validate(models::checkpoint_schema<tiny>());
+      ck.on_progress(io::load_progress_printer(err, "loading " + o.named.at("checkpoint")));
       const auto m = model::host_model<tiny>::load(ck, token_map);
       io::npy_matrix logits{.rows = 1 + decode.size(), .cols = std::size_t(tiny::dims.vocab_size), .data = {}};
       logits.data.reserve(logits.rows * logits.cols);

@@ -5,7 +5,10 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "dsv4/io/checkpoint.hpp"
 #include "dsv4/io/random_checkpoint.hpp"
@@ -75,6 +78,28 @@ BOOST_AUTO_TEST_CASE(in_memory_random_checkpoint_equals_the_written_one) {
   BOOST_TEST(throws_with([&] { ck.add("norm.weight", io::st_dtype::BF16, {4, 3}, std::vector<std::uint8_t>(24)); },
                          "two tensors map to 'norm.weight'"));
   BOOST_TEST(throws_with([&] { ck.validate(schema); }, "missing tensor 'embed.weight'"));
+}
+
+// Loading progress: each tensor counts once, when a loader first takes it; the printer speaks at
+// tenths of the way and stays silent for small checkpoints.
+BOOST_AUTO_TEST_CASE(loading_progress_counts_each_tensor_once) {
+  auto ck = dsv4::io::checkpoint::in_memory();
+  ck.add("a", dsv4::io::st_dtype::F32, {10}, std::vector<std::uint8_t>(40));
+  ck.add("b", dsv4::io::st_dtype::BF16, {30}, std::vector<std::uint8_t>(60));
+  BOOST_TEST(ck.total_bytes() == 100u);
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> calls;
+  ck.on_progress([&](std::uint64_t taken, std::uint64_t total) { calls.emplace_back(taken, total); });
+  ck.tensor("b"), ck.tensor("b"), ck.tensor("a");
+  BOOST_TEST(calls.size() == 2u);
+  BOOST_TEST((calls.at(0) == std::pair<std::uint64_t, std::uint64_t>{60, 100}));
+  BOOST_TEST((calls.at(1) == std::pair<std::uint64_t, std::uint64_t>{100, 100}));
+
+  std::ostringstream os;
+  auto print = dsv4::io::load_progress_printer(os, "loading x", 1000);
+  print(50, 999);  // under the threshold: silent
+  BOOST_TEST(os.str().empty());
+  print(0, 2'000'000'000), print(100'000'000, 2'000'000'000), print(250'000'000, 2'000'000'000), print(2'000'000'000, 2'000'000'000);
+  BOOST_TEST(os.str() == "loading x: 0% (0.0 of 2.0 GB)\nloading x: 10% (0.2 of 2.0 GB)\nloading x: 100% (2.0 of 2.0 GB)\n");
 }
 
 BOOST_AUTO_TEST_CASE(validation_names_tensor_and_file) {

@@ -7,9 +7,14 @@
 //! random models for benchmarks and tests, without writing files first.
 
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
+#include <optional>
+#include <ostream>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -92,6 +97,7 @@ class checkpoint {
     held->view = tensor_view{name, dtype, std::move(shape),
                              std::span<const std::byte>(reinterpret_cast<const std::byte*>(held->bytes.data()), held->bytes.size())};
     memory_.emplace(name, std::move(held));
+    total_bytes_.reset();
   }
 
   bool contains(const std::string& name) const { return where_.count(name) != 0; }
@@ -102,7 +108,30 @@ class checkpoint {
     if (it == where_.end()) throw error("checkpoint: no tensor named '" + name + "'");
     return it->second;
   }
-  const tensor_view& tensor(const std::string& name) { return view(name, file_of(name)); }
+  const tensor_view& tensor(const std::string& name) {
+    const tensor_view& v = view(name, file_of(name));
+    if (progress_ && taken_.insert(name).second) {
+      taken_bytes_ += v.bytes.size();
+      progress_(taken_bytes_, total_bytes());
+    }
+    return v;
+  }
+
+  //! Loading progress: after a loader takes a tensor through tensor() for the first time (the
+  //! loaders copy each tensor once), `report(bytes taken so far, bytes of every tensor)`.
+  void on_progress(std::function<void(std::uint64_t taken, std::uint64_t total)> report) {
+    progress_ = std::move(report);
+    taken_.clear(), taken_bytes_ = 0;
+  }
+  //! Bytes of every tensor in the checkpoint (the headers say; nothing is read).
+  std::uint64_t total_bytes() {
+    if (!total_bytes_) {
+      std::uint64_t sum = 0;
+      for (const auto& [name, file] : where_) sum += view(name, file).bytes.size();
+      total_bytes_ = sum;
+    }
+    return *total_bytes_;
+  }
 
   //! Checks every tensor of `schema`: present (unless optional), an accepted dtype, the shape.
   //! Throws one error listing up to 20 problems, each with tensor and file.
@@ -149,6 +178,10 @@ class checkpoint {
   std::map<std::string, std::string> where_;   // official tensor name -> file
   std::map<std::string, std::string> stored_;  // official name -> name as stored, where they differ
   std::map<std::string, std::unique_ptr<safetensors_file>> open_;
+  std::function<void(std::uint64_t, std::uint64_t)> progress_;
+  std::set<std::string> taken_;
+  std::uint64_t taken_bytes_ = 0;
+  std::optional<std::uint64_t> total_bytes_;
 
   void add_name(const std::string& stored, const std::string& file, const std::string& source) {
     const std::string official = official_tensor_name(stored);
@@ -174,5 +207,20 @@ class checkpoint {
     return *it->second;
   }
 };
+
+//! A checkpoint::on_progress callback that prints "<what>: 30% (7.5 of 25.0 GB)" to `os` at every
+//! tenth of the way; silent for checkpoints under `min_total` bytes (a tiny model loads at once).
+inline std::function<void(std::uint64_t, std::uint64_t)> load_progress_printer(std::ostream& os, std::string what,
+                                                                                std::uint64_t min_total = 256ull << 20) {
+  return [&os, what = std::move(what), min_total, shown = -1](std::uint64_t taken, std::uint64_t total) mutable {
+    if (total < min_total || total == 0) return;
+    const int tenth = int(10 * taken / total);
+    if (tenth <= shown) return;
+    shown = tenth;
+    char line[64];
+    std::snprintf(line, sizeof line, "%d%% (%.1f of %.1f GB)", 10 * tenth, double(taken) / 1e9, double(total) / 1e9);
+    os << what << ": " << line << std::endl;
+  };
+}
 
 }  // namespace dsv4::io
