@@ -3,9 +3,11 @@
 #include <boost/test/unit_test.hpp>
 
 #include <cmath>
+#include <cstdint>
 #include <random>
 #include <vector>
 
+#include "dsv4/engram/host_table.hpp"
 #include "dsv4/engram/reference.hpp"
 #include "dsv4/kernels/gemm/reference.hpp"
 #include "dsv4/numerics/quantize.hpp"
@@ -42,6 +44,39 @@ BOOST_AUTO_TEST_SUITE(engram_forward)
 
 // Steps 4-5 recomputed independently in double from the module's own value and key (the kv split:
 // key = kv[:4 * dim] copy-major) for one token; the gates agree to fp32 precision.
+// The host half of host-memory tables: a call's rows packed in order, each (token, column) given
+// its row's place in the pack, ids outside the table -1 with zero rows; the same pack on one
+// thread and split over several.
+BOOST_AUTO_TEST_CASE(host_table_rows_are_packed_in_order) {
+  auto rng = dsv4::test::make_rng(21);
+  const int head_dim = 64;
+  const long long rows = 1000;
+  std::vector<std::uint8_t> embed(std::size_t(rows) * head_dim), scale(std::size_t(rows) * head_dim / 32);
+  for (auto& b : embed) b = std::uint8_t(rng());
+  for (auto& b : scale) b = std::uint8_t(rng());
+  const dsv4::engram::host_table t{embed.data(), scale.data(), rows, head_dim};
+  std::vector<std::int64_t> ids(10000);
+  for (auto& id : ids) id = std::int64_t(rng() % 1100) - 50;  // some below 0, some past the table
+  for (unsigned threads : {1u, 3u}) {
+    std::vector<std::uint8_t> codes(ids.size() * head_dim, 0xAA), scales(ids.size() * head_dim / 32, 0xAA);
+    std::vector<std::int64_t> packed(ids.size(), 77);
+    dsv4::engram::gather_rows(t, ids, codes.data(), scales.data(), packed.data(), threads);
+    std::size_t outside = 0, bad = 0;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      const bool in = ids[i] >= 0 && ids[i] < rows;
+      outside += !in;
+      bad += packed[i] != (in ? std::int64_t(i) : -1);
+      for (int d = 0; d < head_dim; ++d)
+        bad += codes[i * head_dim + std::size_t(d)] != (in ? embed[std::size_t(ids[i]) * head_dim + std::size_t(d)] : 0);
+      for (int d = 0; d < head_dim / 32; ++d)
+        bad += scales[i * (head_dim / 32) + std::size_t(d)] != (in ? scale[std::size_t(ids[i]) * (head_dim / 32) + std::size_t(d)] : 0);
+    }
+    BOOST_TEST(outside > 0u);
+    BOOST_TEST(bad == 0u, "threads " << threads);
+  }
+  BOOST_CHECK_THROW(dsv4::engram::gather_rows({embed.data(), scale.data(), rows, 48}, ids, nullptr, nullptr, nullptr), dsv4::error);
+}
+
 BOOST_AUTO_TEST_CASE(gates_follow_the_per_stream_formula) {
   auto rng = test::make_rng(112);
   const auto w = make_weights(rng);

@@ -180,6 +180,45 @@ BOOST_AUTO_TEST_CASE(ced_prefill, *utf::label("gpu") * utf::precondition(test::h
   BOOST_TEST(dm.length(c) == 46);
 }
 
+// Engram tables in host memory (issue 5, item 5): the rows gathered on the host and shipped ahead
+// of the Engram layers give the same logits, bit for bit, as tables in device memory (the same
+// kernels read the same bytes), over a batched prefill + decode, a CED prefill and an append.
+BOOST_AUTO_TEST_CASE(engram_host_tables_equal_device_tables, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  const auto hm = load_tiny("device_model_engram_host", 46);
+  auto lim = tiny_limits(3, 64, 128);
+  model::device_model<tiny> dev(hm, lim);
+  lim.engram_host_tables = true;
+  model::device_model<tiny> host(hm, lim);
+  auto rng = test::make_rng(101);
+  const int V = tiny::dims.vocab_size;
+  std::vector<std::int32_t> ids(60);
+  for (auto& id : ids) id = std::int32_t(rng() % std::uint64_t(V));
+  auto same = [](const std::vector<float>& a, const std::vector<float>& b, const char* what) {
+    BOOST_TEST_REQUIRE(a.size() == b.size());
+    BOOST_TEST(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0, what);
+  };
+  const auto p1 = std::span<const std::int32_t>(ids).first(37), p2 = std::span<const std::int32_t>(ids).subspan(37, 9);
+  std::vector<int> sd, sh;
+  for (int i = 0; i < 2; ++i) sd.push_back(dev.add_sequence()), sh.push_back(host.add_sequence());
+  same(dev.prefill(sd[0], p1), host.prefill(sh[0], p1), "prefill");
+  same(dev.prefill_ced(sd[1], p2), host.prefill_ced(sh[1], p2), "CED prefill");
+  for (int step = 0; step < 4; ++step) {
+    const std::vector<std::int32_t> next{ids[std::size_t(46 + 2 * step)], ids[std::size_t(47 + 2 * step)]};
+    same(dev.decode(sd, next), host.decode(sh, next), "batched decode");
+  }
+  const auto chunk = std::span<const std::int32_t>(ids).subspan(54, 6);
+  same(dev.append(sd[0], chunk), host.append(sh[0], chunk), "appended chunk");
+  const auto stats = host.engram_fetch_stats();
+  BOOST_TEST(stats.size() == std::size_t(models::model_traits<tiny>::schedule::engram::values.size()));
+  BOOST_TEST(dev.engram_fetch_stats().empty());
+  for (const auto& st : stats) {
+    BOOST_TEST(st.calls == 7);  // two prefills, four decode steps, one append
+    BOOST_TEST(st.rows == (37 + 9 + 4 * 2 + 6) * (hm.engrams.at(0).columns));
+    BOOST_TEST_MESSAGE("Engram host fetch: " << st.bytes / double(st.rows) * hm.engrams.at(0).columns << " bytes per token, gather "
+                                             << st.gather_s * 1e3 << " ms, launch thread waited " << st.waited_s * 1e3 << " ms");
+  }
+}
+
 // Where device and host part ways: every block's intermediates on a prefill, each stage compared
 // with the host's (free running: the error a stage shows includes what earlier layers passed on).
 BOOST_AUTO_TEST_CASE(layer_by_layer_prefill, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {

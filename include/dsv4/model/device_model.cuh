@@ -23,13 +23,14 @@
 //! pinned staging (runtime/upload_arena.cuh), the attention stack's metadata in another; the one
 //! point where the host waits for the device is the end of the call, when the logits come back
 //! through a pinned buffer (cudaStreamSynchronize). The observer (parity work) also waits.
-//! Not here yet: DSpark stages, images, and
-//! Engram tables in host memory (V4.1's are ~100 GB each).
+//! Engram tables can stay in host memory (limits::engram_host_tables; V4.1's are ~100 GB each).
+//! Not here yet: DSpark stages, images.
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -38,6 +39,7 @@
 #include "dsv4/core/error.hpp"
 #include "dsv4/engram/engram.cuh"
 #include "dsv4/engram/hash.hpp"
+#include "dsv4/engram/host_fetch.cuh"
 #include "dsv4/kernels/attention/layer.cuh"
 #include "dsv4/kernels/gemm/dense.cuh"
 #include "dsv4/kernels/gemm/weight_tiles.hpp"
@@ -102,6 +104,10 @@ class device_model {
     int max_rows = 256;        //!< tokens of one call (prefill length, decode batch)
     long long max_tokens = 1024;  //!< tokens per sequence
     int page_tokens = 64;      //!< global-cache page size
+    //! Engram tables stay in host memory (the host model's, which must then outlive this model):
+    //! each call's rows are gathered on the host and copied ahead of the Engram layer on a side
+    //! stream (engram/host_fetch.cuh); same results as tables in device memory, bit for bit.
+    bool engram_host_tables = false;
   };
 
   device_model(const host_model<Model>& m, const limits& lim)
@@ -161,7 +167,12 @@ class device_model {
     }
     for (const auto& e : m.engrams) {
       device_engram d;
-      d.embed = upload(e.embed), d.embed_scale = upload(e.embed_scale);
+      if (lim.engram_host_tables)
+        d.fetch = std::make_unique<engram::host_table_fetch>(
+            engram::host_table{e.embed.data(), e.embed_scale.data(), e.rows, e.head_dim},
+            static_cast<long long>(lim.max_rows) * e.columns);
+      else
+        d.embed = upload(e.embed), d.embed_scale = upload(e.embed_scale);
       const auto t = gm::tile_weight(gm::weight_format::fp8_tile32, e.dim * (e.hc + 1), e.columns * e.head_dim, e.wkv, e.wkv_scale);
       d.wkv = upload(t.codes), d.wkv_scale = upload(t.scales);
       std::vector<float> qk(e.q_weight.size());
@@ -217,6 +228,13 @@ class device_model {
   void release_sequence(int slot) { stack_->release_sequence(slot); }
   long long length(int slot) const { return stack_->length(slot); }
   stack_t& attention() { return *stack_; }
+  //! Per Engram module, what its host-table fetches cost (empty without limits::engram_host_tables).
+  std::vector<engram::fetch_stats> engram_fetch_stats() const {
+    std::vector<engram::fetch_stats> v;
+    for (const auto& e : engrams_)
+      if (e.fetch) v.push_back(e.fetch->stats());
+    return v;
+  }
   //! The stream all of the model's work runs on.
   cudaStream_t stream() const { return stream_.get(); }
   //! Calls `observe` with each block's intermediates (block_reference.hpp's stages), copied to the
@@ -253,8 +271,9 @@ class device_model {
     runtime::device_buffer<std::uint8_t> embed, embed_scale, wkv, wkv_scale;
     runtime::device_buffer<float> qk;
     const std::int64_t* hashes = nullptr;  //!< [rows, columns] of the call in progress (in inputs_)
-    engram::engram_device_weights view;
+    engram::engram_device_weights view;    //!< (with host tables: no table; the fetch's view adds the pack)
     std::optional<engram::engram_workspace> ws;
+    std::unique_ptr<engram::host_table_fetch> fetch;  //!< limits::engram_host_tables (pinned: not movable)
   };
 
   limits lim_;
@@ -318,6 +337,8 @@ class device_model {
       }
       engrams_[j].hashes =
           inputs_.put(std::span<const std::int64_t>(all), std::size_t(R) * std::size_t(engrams_[j].view.columns), "Engram hashes");
+      // Host tables: the rows start on their way now, while the layers before this module run.
+      if (engrams_[j].fetch) engrams_[j].fetch->start(all, stream());
     }
     inputs_.upload(stream());
     embed_kernel<<<blocks_for(R * hc * c.dim), 256, 0, stream()>>>(embed_.data(), ids_d, R, c.dim, hc, x_.data());
@@ -340,7 +361,13 @@ class device_model {
     }
     if (engram_slot >= 0) {
       auto& e = engrams_[std::size_t(engram_slot)];
-      engram::engram_forward(X_, e.hashes + engram_row0_ * e.view.columns, nullptr, R, e.view, *e.ws, blas_, stream());
+      if (e.fetch) {  // the pack of this call's rows, indexed like the hash ids it replaces
+        e.fetch->wait(stream());
+        engram::engram_forward(X_, e.fetch->ids() + engram_row0_ * e.view.columns, nullptr, R, e.fetch->view(e.view), *e.ws,
+                               blas_, stream());
+      } else {
+        engram::engram_forward(X_, e.hashes + engram_row0_ * e.view.columns, nullptr, R, e.view, *e.ws, blas_, stream());
+      }
     }
     if (l == 0 || engram_slot >= 0) {
       boundary(R, X_, nullptr, nullptr, nullptr, pre, b.attn_norm.data(), nullptr, b.attn_fn.data(), b.attn_base.data(),
