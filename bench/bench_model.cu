@@ -1,7 +1,7 @@
 //! \brief The whole model on CUDA (model::device_model): prefill tokens/s in exact and CED mode,
 //! decode tokens/s at several batch sizes, global-cache bytes per token actually allocated.
 //! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N]
-//!                    [--checkpoint DIR] [--profile-decode] [--json FILE]
+//!                    [--checkpoint DIR] [--profile-decode] [--engram-host-tables] [--json FILE]
 //!
 //! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
 //! routed experts cut to 16 (DSpark stages to 8) and small Engram tables, so that one H200 holds it
@@ -11,6 +11,9 @@
 //! `--checkpoint DIR` writes the random checkpoint to DIR instead, or reuses the one DIR holds. `--profile-decode`: prefill the
 //! first batch size's sequences, then run one decode step between cudaProfilerStart and
 //! cudaProfilerStop and stop (for `ncu --profile-from-start off`: the kernels of one step).
+//! `--engram-host-tables`: the Engram tables stay in host memory and each call's rows are fetched
+//! ahead of the Engram layers (device_model::limits::engram_host_tables); the fetch statistics
+//! (bytes, gather time, the time the launching thread waited for it) are printed at the end.
 
 #include <chrono>
 #include <cmath>
@@ -100,6 +103,7 @@ struct options {
   int decode_context = 0;             // 0: the variant's default
   std::string checkpoint;             // empty: a temporary folder, removed at the end
   bool profile_decode = false;        // one decode step between cudaProfilerStart / Stop, nothing else
+  bool engram_host_tables = false;    // Engram tables in host memory, rows fetched per call (issue 5)
 };
 
 template <class Model>
@@ -142,6 +146,7 @@ int run(FILE* jf, const options& opt) {
   lim.max_seqs = *std::max_element(batches.begin(), batches.end()) + 2;
   lim.max_rows = std::max(*std::max_element(prompt_lengths.begin(), prompt_lengths.end()), decode_context);
   lim.max_tokens = std::max<long long>(lim.max_rows, decode_context + steps + 1), lim.page_tokens = 256;
+  lim.engram_host_tables = opt.engram_host_tables;
   t0 = clock::now();
   model::device_model<Model> dm(hm, lim);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
@@ -219,6 +224,20 @@ int run(FILE* jf, const options& opt) {
     row("decode", decode_context, batch, s, batch / s, traffic.decode_bytes(batch) / ceiling.copy_bps);
     for (int sl : slots) dm.release_sequence(sl);
   }
+  // Host tables: what the fetches moved and how much of them the launching thread waited for
+  // (the part the layers before each Engram layer did not hide), over every call above.
+  const auto fetches = dm.engram_fetch_stats();
+  for (std::size_t j = 0; j < fetches.size(); ++j) {
+    const auto& f = fetches[j];
+    std::printf("engram module %zu (host table): %lld calls, %.0f bytes per row fetched, gather %.1f ms, waited %.1f ms "
+                "(%.0f%% of the gather hidden)\n",
+                j, f.calls, f.rows ? f.bytes / double(f.rows) : 0.0, f.gather_s * 1e3, f.waited_s * 1e3,
+                f.gather_s > 0 ? 100 * std::max(0.0, 1 - f.waited_s / f.gather_s) : 100.0);
+    if (jf)
+      std::fprintf(jf, ",\n{\"model\": \"%s\", \"what\": \"engram-host-fetch\", \"module\": %zu, \"calls\": %lld, \"rows\": %lld, "
+                       "\"bytes\": %.0f, \"gather_seconds\": %.6f, \"waited_seconds\": %.6f}",
+                   Model::name, j, f.calls, f.rows, f.bytes, f.gather_s, f.waited_s);
+  }
   std::printf("\n");
   return 0;
 }
@@ -263,10 +282,11 @@ int main(int argc, char** argv) {
       else if (a == "--decode-context" && has_value) opt.decode_context = int_list(a, argv[++i]).at(0);
       else if (a == "--checkpoint" && has_value) opt.checkpoint = argv[++i];
       else if (a == "--profile-decode") opt.profile_decode = true;
+      else if (a == "--engram-host-tables") opt.engram_host_tables = true;
       else {
         std::fprintf(stderr,
                      "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N] "
-                     "[--checkpoint DIR] [--profile-decode] [--json FILE]\n");
+                     "[--checkpoint DIR] [--profile-decode] [--engram-host-tables] [--json FILE]\n");
         return 2;
       }
     }
