@@ -54,14 +54,11 @@ struct engram_mix {
   std::vector<bf16> value;   //!< [dim]
 };
 
-//! Steps 1-5 for one token: x [hc, dim] (read only), `hashes` its `columns` embedding row ids.
-inline engram_mix engram_gates_reference(const engram_weights& w, std::span<const bf16> x,
-                                         std::span<const std::int64_t> hashes, bool image_token) {
-  w.check();
-  if (x.size() != std::size_t(w.hc) * w.dim || hashes.size() != std::size_t(w.columns))
-    throw error("engram: x must be [hc, dim] and hashes [columns]");
-  const int k = w.columns * w.head_dim;
-  std::vector<bf16> e(static_cast<std::size_t>(k));
+//! Step 1 for one token: its `columns` embedding rows, dequantized to bf16 and concatenated
+//! ([columns * head_dim]).
+inline std::vector<bf16> engram_rows_reference(const engram_weights& w, std::span<const std::int64_t> hashes) {
+  if (hashes.size() != std::size_t(w.columns)) throw error("engram: hashes must be [columns]");
+  std::vector<bf16> e(std::size_t(w.columns) * std::size_t(w.head_dim));
   for (int c = 0; c < w.columns; ++c) {
     const std::int64_t row = hashes[std::size_t(c)];
     if (row < 0 || row >= w.rows) throw error("engram: hash row " + std::to_string(row) + " outside the table");
@@ -71,6 +68,17 @@ inline engram_mix engram_gates_reference(const engram_weights& w, std::span<cons
       e[std::size_t(c) * w.head_dim + d] = bf16::from_float(numerics::mul_rn(q, s));
     }
   }
+  return e;
+}
+
+//! Steps 2-5 for one token: x [hc, dim] (read only) and its gathered rows e [columns * head_dim]
+//! (step 1; a tensor-parallel rank all-reduces them first) -> the gates and the value.
+inline engram_mix engram_mix_reference(const engram_weights& w, std::span<const bf16> x, std::span<const bf16> e,
+                                       bool image_token) {
+  w.check();
+  const int k = w.columns * w.head_dim;
+  if (x.size() != std::size_t(w.hc) * w.dim || e.size() != std::size_t(k))
+    throw error("engram: x must be [hc, dim] and the gathered rows [columns * head_dim]");
   std::vector<std::uint8_t> codes(static_cast<std::size_t>(k)), scales(static_cast<std::size_t>(k / 32));
   numerics::quantize_vector<numerics::fp8_act_format>(e, codes, scales);
   const int n = w.dim * (w.hc + 1);
@@ -95,15 +103,28 @@ inline engram_mix engram_gates_reference(const engram_weights& w, std::span<cons
   return mix;
 }
 
-//! The whole step for one token: x [hc, dim] updated in place (step 6).
-inline void engram_forward_reference(const engram_weights& w, std::span<bf16> x, std::span<const std::int64_t> hashes,
-                                     bool image_token) {
-  const engram_mix mix = engram_gates_reference(w, x, hashes, image_token);
+//! Steps 1-5 for one token: x [hc, dim] (read only), `hashes` its `columns` embedding row ids.
+inline engram_mix engram_gates_reference(const engram_weights& w, std::span<const bf16> x,
+                                         std::span<const std::int64_t> hashes, bool image_token) {
+  w.check();
+  if (x.size() != std::size_t(w.hc) * w.dim || hashes.size() != std::size_t(w.columns))
+    throw error("engram: x must be [hc, dim] and hashes [columns]");
+  return engram_mix_reference(w, x, engram_rows_reference(w, hashes), image_token);
+}
+
+//! Step 6 for one token: x [hc, dim] += gate_c value on each stream c.
+inline void apply_engram_mix(const engram_weights& w, const engram_mix& mix, std::span<bf16> x) {
   for (int c = 0; c < w.hc; ++c)
     for (int d = 0; d < w.dim; ++d) {
       bf16& xv = x[std::size_t(c) * w.dim + d];
       xv = bf16::from_float(xv.to_float() + numerics::mul_rn(mix.gates[std::size_t(c)], mix.value[std::size_t(d)].to_float()));
     }
+}
+
+//! The whole step for one token: x [hc, dim] updated in place (step 6).
+inline void engram_forward_reference(const engram_weights& w, std::span<bf16> x, std::span<const std::int64_t> hashes,
+                                     bool image_token) {
+  apply_engram_mix(w, engram_gates_reference(w, x, hashes, image_token), x);
 }
 
 }  // namespace dsv4::engram

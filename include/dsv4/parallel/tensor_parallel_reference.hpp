@@ -82,47 +82,17 @@ class host_communicator {
 
   //! fp32 sum: v <- v_0 + v_1 + ... + v_{W-1}, left to right in fp32.
   void all_reduce_fp32(int rank, std::span<float> v) {
-    post(rank, v.data(), v.size());
-    std::vector<float> sum(v.size());
-    for (std::size_t i = 0; i < v.size(); ++i) {
-      float acc = 0.0f;
-      for (int r = 0; r < world_; ++r) {
-        const float x = static_cast<const float*>(slots_[std::size_t(r)].data)[i];
-        acc = r == 0 ? x : acc + x;
-      }
-      sum[i] = acc;
-    }
-    finish();
-    std::memcpy(v.data(), sum.data(), v.size() * sizeof(float));
+    sum_in_rank_order(rank, v, [](float acc, float x) { return acc + x; });
   }
 
   //! bf16 sum: v <- bf16(...bf16(v_0 + v_1) + ... + v_{W-1}), each addition in fp32 rounded to bf16.
   void all_reduce_bf16(int rank, std::span<bf16> v) {
-    post(rank, v.data(), v.size());
-    std::vector<bf16> sum(v.size());
-    for (std::size_t i = 0; i < v.size(); ++i) {
-      bf16 acc = static_cast<const bf16*>(slots_[0].data)[i];
-      for (int r = 1; r < world_; ++r)
-        acc = bf16::from_float(acc.to_float() +
-                               static_cast<const bf16*>(slots_[std::size_t(r)].data)[i].to_float());
-      sum[i] = acc;
-    }
-    finish();
-    std::copy(sum.begin(), sum.end(), v.begin());
+    sum_in_rank_order(rank, v, [](bf16 acc, bf16 x) { return bf16::from_float(acc.to_float() + x.to_float()); });
   }
 
   //! bf16 scores kept as floats (every value a bf16 value, -inf allowed): the bf16 sum above.
   void all_reduce_bf16_values(int rank, std::span<float> v) {
-    post(rank, v.data(), v.size());
-    std::vector<float> sum(v.size());
-    for (std::size_t i = 0; i < v.size(); ++i) {
-      float acc = static_cast<const float*>(slots_[0].data)[i];
-      for (int r = 1; r < world_; ++r)
-        acc = numerics::round_to_bf16(acc + static_cast<const float*>(slots_[std::size_t(r)].data)[i]);
-      sum[i] = acc;
-    }
-    finish();
-    std::memcpy(v.data(), sum.data(), v.size() * sizeof(float));
+    sum_in_rank_order(rank, v, [](float acc, float x) { return numerics::round_to_bf16(acc + x); });
   }
 
   //! Concatenation in rank order: out = part_0 ++ part_1 ++ ... (every part the same length).
@@ -150,6 +120,19 @@ class host_communicator {
     const void* data = nullptr;
     std::size_t size = 0;
   };
+  //! v <- add(...add(v_0, v_1)..., v_{W-1}) on every rank.
+  template <class T, class Add>
+  void sum_in_rank_order(int rank, std::span<T> v, Add add) {
+    post(rank, v.data(), v.size());
+    std::vector<T> sum(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      T acc = static_cast<const T*>(slots_[0].data)[i];
+      for (int r = 1; r < world_; ++r) acc = add(acc, static_cast<const T*>(slots_[std::size_t(r)].data)[i]);
+      sum[i] = acc;
+    }
+    finish();
+    std::copy(sum.begin(), sum.end(), v.begin());
+  }
   //! Publishes this rank's buffer and waits for every rank's.
   void post(int rank, const void* data, std::size_t size) {
     slots_[std::size_t(rank)] = {data, size};
@@ -387,39 +370,10 @@ inline void engram_rank(const rank_context& ctx, const engram::engram_weights& w
       }
     }
   ctx.comm->all_reduce_bf16(ctx.rank, e);
-  const int n = w.dim * (w.hc + 1);
-  for (std::size_t t = 0; t < rows; ++t) {
-    // Steps 2-6 of engram/reference.hpp on the gathered row.
-    std::vector<std::uint8_t> codes(static_cast<std::size_t>(k)), scales(static_cast<std::size_t>(k / 32));
-    numerics::quantize_vector<numerics::fp8_act_format>(
-        std::span<const bf16>(e).subspan(t * std::size_t(k), std::size_t(k)), codes, scales);
-    const auto kv = kernels::gemm::fp8_gemm_reference({1, n, k}, codes, scales, w.wkv, w.wkv_scale);
+  for (std::size_t t = 0; t < rows; ++t) {  // steps 2-6 of engram/reference.hpp on the gathered rows
     const auto xt = x.subspan(t * width, width);
-    std::vector<float> gates;
-    for (int c = 0; c < w.hc; ++c) {
-      double hh = 0, kk = 0, dot = 0;
-      for (int d = 0; d < w.dim; ++d) {
-        const float h = xt[std::size_t(c) * w.dim + d].to_float();
-        const float key = kv[std::size_t(c) * w.dim + d].to_float();
-        const float wd =
-            numerics::mul_rn(w.q_weight[std::size_t(c) * w.dim + d], w.k_weight[std::size_t(c) * w.dim + d]);
-        hh += double(h) * h;
-        kk += double(key) * key;
-        dot += double(numerics::mul_rn(numerics::mul_rn(h, wd), key));
-      }
-      const float rstd =
-          (1.0f / std::sqrt(float(hh / w.dim) + w.eps)) * (1.0f / std::sqrt(float(kk / w.dim) + w.eps));
-      const float dc = float(dot) * rstd * (1.0f / std::sqrt(float(w.dim)));
-      const float signed_root = std::copysign(std::sqrt(std::max(std::fabs(dc), 1e-6f)), dc);
-      gates.push_back(1.0f / (1.0f + std::exp(-signed_root)));
-    }
-    for (int c = 0; c < w.hc; ++c)
-      for (int d = 0; d < w.dim; ++d) {
-        bf16& xv = xt[std::size_t(c) * w.dim + d];
-        xv = bf16::from_float(xv.to_float() +
-                              numerics::mul_rn(gates[std::size_t(c)],
-                                               kv[std::size_t(w.hc) * w.dim + std::size_t(d)].to_float()));
-      }
+    const auto et = std::span<const bf16>(e).subspan(t * std::size_t(k), std::size_t(k));
+    engram::apply_engram_mix(w, engram::engram_mix_reference(w, xt, et, false), xt);
   }
 }
 
