@@ -2,7 +2,9 @@
 
 #include <boost/test/unit_test.hpp>
 
+#include <bit>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -164,6 +166,55 @@ BOOST_AUTO_TEST_CASE(topk_breaks_ties_toward_the_lowest_index) {
   std::vector<float> all_masked(10, -INFINITY);
   BOOST_TEST(indexer::topk_lowest_index_ties(all_masked, 3) == (std::vector<std::int32_t>{0, 1, 2}),
              boost::test_tools::per_element());
+}
+
+// torch.topk's order (numerics::topk_order_key): -0 ties +0, every NaN ranks above +inf whatever
+// its sign, NaNs tie; ties still go to the lowest index. Before, -0 ranked below +0 on the device
+// and the host's float comparison gave std::stable_sort no strict weak order with NaN.
+BOOST_AUTO_TEST_CASE(topk_follows_torch_order_for_signed_zeros_and_nan) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = INFINITY;
+  const float neg_nan = -nan;
+  BOOST_REQUIRE(std::signbit(neg_nan) && std::isnan(neg_nan));
+  using v = std::vector<std::int32_t>;
+  auto top = [](std::vector<float> s, int k, v want) {
+    BOOST_TEST(indexer::topk_lowest_index_ties(s, k) == want, boost::test_tools::per_element());
+  };
+  // -0 and +0 tie: the lower index wins, whichever sign it holds.
+  top({-1.0f, -0.0f, 0.0f, -2.0f}, 1, {1});
+  top({-1.0f, 0.0f, -0.0f, -2.0f}, 1, {1});
+  top({-0.0f, -inf, 0.0f, -0.0f, 0.0f}, 3, {0, 2, 3});
+  // NaN beats +inf (and every number), positive or negative NaN alike.
+  top({inf, 1.0f, nan, -inf}, 1, {2});
+  top({inf, 1.0f, neg_nan, -inf}, 1, {2});
+  top({-inf, 5.0f, neg_nan, inf, 0.0f}, 2, {2, 3});
+  // NaNs tie with each other (sign and payload ignored): the lowest indices first.
+  const float nan_payload = std::bit_cast<float>(0x7fc00123u), neg_nan_payload = std::bit_cast<float>(0xffc00456u);
+  top({1.0f, nan_payload, inf, neg_nan, nan, neg_nan_payload}, 2, {1, 3});
+  top({1.0f, neg_nan_payload, inf, nan, neg_nan, nan_payload}, 3, {1, 3, 4});
+  // Through the selection: NaN first, -1 tails at the end, offset added.
+  BOOST_TEST(indexer::select_reference(std::vector<float>{-0.0f, neg_nan, 0.0f, -inf, -inf}, 3, 3, 10) == (v{10, 11, 12}),
+             boost::test_tools::per_element());
+  BOOST_TEST(indexer::select_reference(std::vector<float>{-inf, neg_nan, 2.0f, -inf}, 2, 2, 10) == (v{11, -1}),
+             boost::test_tools::per_element());
+  // The bf16 key orders bf16 values as the fp32 key does (the CUDA kernel ranks bf16 scores).
+  const std::uint16_t bits[] = {0xFF80, 0xC000, 0x8001, 0x8000, 0x0000, 0x0001, 0x3F80, 0x7F80, 0x7FC0, 0xFFC1, 0x7F81};
+  for (std::uint16_t a : bits)
+    for (std::uint16_t b : bits) {
+      const std::uint32_t ka = numerics::topk_order_key_bf16(a), kb = numerics::topk_order_key_bf16(b);
+      const std::uint32_t fa = numerics::topk_order_key(bf16::from_bits(a).to_float());
+      const std::uint32_t fb = numerics::topk_order_key(bf16::from_bits(b).to_float());
+      BOOST_TEST(((ka < kb) == (fa < fb) && (ka == kb) == (fa == fb)), std::hex << a << " vs " << b);
+      BOOST_TEST(ka <= 0xFFFFu);
+      BOOST_TEST(ka > 0u);
+    }
+  BOOST_TEST(numerics::topk_order_key_bf16(0x8000) == numerics::topk_order_key_bf16(0x0000));
+  BOOST_TEST(numerics::topk_order_key_bf16(0xFFC1) == numerics::topk_order_key_bf16(0x7F81));
+  BOOST_TEST(numerics::topk_order_key_bf16(0xFFC1) > numerics::topk_order_key_bf16(0x7F80));
+  // Candidate pool: a block holding a NaN has a NaN maximum (torch's max propagates it; the CUDA
+  // block maxima use the same key), which outranks even the forced newest block.
+  const std::vector<float> c = {1, 2, 3, 4, 5, 6, 7, 8, 0, neg_nan, 0, 0, 9, 9, 9, 9};
+  const auto m = indexer::candidate_mask_reference(c, 16, 2, 4);
+  for (int t = 0; t < 16; ++t) BOOST_TEST(m[std::size_t(t)] == (t >= 8 ? 1 : 0), "position " << t);
 }
 
 // Spec §7: k = min(topk, columns); ascending; indices >= visible become -1 and sit at the end; the

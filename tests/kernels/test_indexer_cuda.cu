@@ -122,6 +122,67 @@ BOOST_AUTO_TEST_CASE(select_breaks_ties_toward_lowest_index, *utf::label("gpu") 
   }
 }
 
+// torch.topk's order on inputs the scan never produces (numerics::topk_order_key): -0 ties +0,
+// every NaN (either sign, any payload) ranks above +inf and NaNs tie, -inf lowest; ties to the
+// lowest index. Rows mix these with small integers (many ties), from all-special to a sprinkle,
+// with NaN counts below and above k; the kernel's selection and the candidate pool's block maxima
+// must equal the host's.
+BOOST_AUTO_TEST_CASE(select_follows_torch_order_for_signed_zeros_nan_and_inf,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  auto rng = test::make_rng(64);
+  const std::uint16_t specials[] = {0x0000, 0x8000, 0x7FC0, 0xFFC0, 0x7F81, 0xFFFF, 0x7F80, 0xFF80, 0x8000, 0x0000};
+  const double special_share[] = {1.0, 0.5, 0.1, 0.01, 0.9};
+  constexpr int rows = 5;
+  for (long long n : {37ll, 1000ll, 4097ll, 70001ll}) {
+    std::vector<bf16> s(std::size_t(rows) * n);
+    for (int r = 0; r < rows; ++r)
+      for (long long t = 0; t < n; ++t) {
+        const bool special = double(rng() % 1000000) < special_share[r] * 1e6;
+        s[std::size_t(r) * n + t] = special ? bf16::from_bits(specials[rng() % std::size(specials)])
+                                            : bf16::from_float(float(int(rng() % 5)) - 2.0f);
+      }
+    std::vector<long long> visible(rows, n);
+    visible[2] = n / 3;
+    visible[4] = 1;
+    std::vector<std::vector<float>> host_rows(rows);
+    for (int r = 0; r < rows; ++r)
+      for (long long t = 0; t < n; ++t) host_rows[r].push_back(s[std::size_t(r) * n + t].to_float());
+    device_buffer<bf16> ds{std::span<const bf16>(s)};
+    device_buffer<long long> dv{std::span<const long long>(visible)};
+    for (int topk : {1, 16, 512}) {
+      const int k = int(std::min<long long>(topk, n));
+      device_buffer<std::int32_t> dout(std::size_t(rows) * k);
+      dout.fill_bytes(0x7F);
+      select_topk({ds.data(), n, rows, k, dv.data(), 128, dout.data()});
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto got = dout.download();
+      for (int r = 0; r < rows; ++r) {
+        const auto want = select_reference(host_rows[r], topk, visible[r], 128);
+        BOOST_TEST(std::vector<std::int32_t>(got.begin() + std::ptrdiff_t(r) * k, got.begin() + std::ptrdiff_t(r + 1) * k) == want,
+                   "n " << n << " k " << k << " row " << r << " selection differs");
+      }
+    }
+    // Candidate pool over the same scores: block maxima in the same order (a NaN block first).
+    const int block = 4, topk_blocks = 6;
+    const long long blocks = (n + block - 1) / block;
+    const int kb = int(std::min<long long>(topk_blocks, blocks));
+    device_buffer<bf16> dblock(std::size_t(rows) * blocks);
+    device_buffer<std::int32_t> dids(std::size_t(rows) * kb), dpos(std::size_t(rows) * kb * block);
+    const long long cols = candidate_pool({ds.data(), n, rows, block, topk_blocks, dv.data(), dblock.data(), dids.data(), dpos.data()});
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto positions = dpos.download();
+    for (int r = 0; r < rows; ++r) {
+      const auto mask = candidate_mask_reference(host_rows[r], visible[r], topk_blocks, block);
+      std::vector<std::int32_t> want_pos, got_pos;
+      for (long long i = 0; i < n; ++i)
+        if (mask[std::size_t(i)]) want_pos.push_back(std::int32_t(i));
+      for (long long c = 0; c < cols; ++c)
+        if (positions[std::size_t(r) * cols + c] >= 0) got_pos.push_back(positions[std::size_t(r) * cols + c]);
+      BOOST_TEST(got_pos == want_pos, "n " << n << " row " << r << ": candidate pool differs");
+    }
+  }
+}
+
 // The hierarchical path (spec §7): the candidate source's scores give the pool; a Reindex layer
 // scores only the pool's positions and selects among them. Equal to the reference, which scores
 // every position, masks the non-candidates and selects.

@@ -154,7 +154,7 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
     BOOST_TEST(clamped * 2 >= inputs * c.k, "the clamps changed fewer than half of the routed experts' SwiGLU inputs");
     BOOST_TEST(clamped_shared * 10 >= inputs, "the clamps changed fewer than 10% of the shared expert's SwiGLU inputs");
   }
-  // The routes follow torch.topk's order (moe::route_order_key): a NaN score is chosen first;
+  // The routes follow torch.topk's order (numerics::topk_order_key): a NaN score is chosen first;
   // a token whose logits are all NaN ties everywhere and takes experts 0, 1, ..., k - 1.
   std::size_t order_bad = 0;
   for (long long t = 0; t < c.tokens; ++t) {

@@ -6,7 +6,8 @@
 //! memory as fp32; each thread dequantizes its MXFP4 key one 32-channel block at a time and keeps
 //! one fp32 dot product per head. Scores are stored as bf16 (-inf where not visible).
 //!
-//! Top-k: one CTA per row. Two histogram passes over the orderable 16-bit keys (per-warp bins,
+//! Top-k: one CTA per row, in torch.topk's order (numerics/order_key.hpp: -0 ties +0, NaN above
+//! +inf, NaNs tied). Two histogram passes over the orderable 16-bit keys (per-warp bins,
 //! 16-byte reads) find the k-th largest score T and how many scores exceed it; an ordered pass
 //! then keeps every score > T and the lowest-index scores == T, each thread owning 16 consecutive
 //! indices and a block prefix sum placing them, so the output comes out in ascending index order
@@ -22,6 +23,7 @@
 #include "dsv4/core/error.hpp"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/numerics/fast_codec.cuh"
+#include "dsv4/numerics/order_key.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
 
 namespace dsv4::kernels::indexer {
@@ -139,10 +141,10 @@ DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_ar
   (void)layout::bytes;
 }
 
-//! bf16 bits -> unsigned key whose integer order is the numeric order (-inf lowest). Scores from
-//! index_scan are never NaN or -0; for other inputs note that -0 ranks below +0 here (torch.topk
-//! treats them as equal) and a negative NaN below -inf (torch ranks NaN highest).
-DSV4_DEVICE unsigned order_key(std::uint16_t b) { return (b & 0x8000u) ? (~unsigned(b) & 0xFFFFu) : (b | 0x8000u); }
+//! bf16 bits -> 16-bit key in torch.topk's order (`numerics::topk_order_key_bf16`, shared with the
+//! host reference): -inf lowest (0x007f), -0 equal to +0, every NaN above +inf and all NaNs equal
+//! (0xffff). Scores from index_scan are never NaN or -0; the order matters for other inputs.
+DSV4_DEVICE unsigned order_key(std::uint16_t b) { return numerics::topk_order_key_bf16(b); }
 
 inline constexpr int topk_threads = 512;
 

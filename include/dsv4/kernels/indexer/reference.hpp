@@ -9,14 +9,17 @@
 //! practice (products are small multiples of the block scales), so any summation order agrees. q_h and k_t are the MXFP4 quantize-dequantized vectors; w_h =
 //! bf16(weights_proj(x))_h * 2^-6 (exact). Masked positions score -inf.
 //!
-//! Selection: the k = min(topk, end_pos / ratio) largest scores, ties broken toward the lowest
-//! index (PyTorch CUDA's observed behaviour, spec §7 and §18), returned in ascending order, with
-//! every index >= the row's visible count replaced by -1 and the rest shifted by `offset` (the
-//! window operand length), ready for sparse attention.
+//! Selection: the k = min(topk, end_pos / ratio) largest scores in torch.topk's order
+//! (`numerics::topk_order_key`: -0 ties +0, every NaN above +inf and all NaNs tied), ties broken
+//! toward the lowest index (PyTorch CUDA's observed behaviour, spec §7 and §18), returned in
+//! ascending order, with every index >= the row's visible count replaced by -1 (those sit at the
+//! end) and the rest shifted by `offset` (the window operand length), ready for sparse attention.
+//! Scores from the scan are never NaN or -0; the order matters for other inputs.
 //!
 //! Candidate pool (the candidate-source layer only): block maxima over blocks of `block`
-//! positions, the block of the newest visible position forced in, the top `topk_blocks` blocks
-//! whose score is finite, expanded back to positions.
+//! positions (in the same order: a NaN is a block's maximum, as torch's max propagates it), the
+//! block of the newest visible position forced in, the top `topk_blocks` blocks whose score is
+//! not -inf, expanded back to positions.
 
 #include <algorithm>
 #include <cmath>
@@ -28,6 +31,7 @@
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/numerics/bf16.hpp"
+#include "dsv4/numerics/order_key.hpp"
 
 namespace dsv4::kernels::indexer {
 
@@ -59,13 +63,18 @@ inline std::vector<float> index_scores_reference(std::span<const bf16> q, std::s
   return out;
 }
 
-//! Indices of the k largest scores (ties: lowest index first), in ascending index order.
+//! Indices of the k largest scores in torch.topk's order (`numerics::topk_order_key`; equal keys:
+//! lowest index first), in ascending index order.
 inline std::vector<std::int32_t> topk_lowest_index_ties(std::span<const float> scores, int k) {
   const int n = int(scores.size());
   if (k < 0 || k > n) throw error("topk: k = " + std::to_string(k) + " outside [0, " + std::to_string(n) + "]");
+  std::vector<std::uint32_t> key(scores.size());
+  for (std::size_t i = 0; i < scores.size(); ++i) key[i] = numerics::topk_order_key(scores[i]);
   std::vector<std::int32_t> order(static_cast<std::size_t>(n));
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return scores[std::size_t(a)] > scores[std::size_t(b)]; });
+  // Integer keys: a strict weak order whatever the scores hold (NaN included); stable: ties keep
+  // index order.
+  std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return key[std::size_t(a)] > key[std::size_t(b)]; });
   order.resize(static_cast<std::size_t>(k));
   std::sort(order.begin(), order.end());
   return order;
@@ -90,7 +99,10 @@ inline std::vector<std::uint8_t> candidate_mask_reference(std::span<const float>
   const int n = int(scores.size());
   const int blocks = (n + block - 1) / block;
   std::vector<float> bmax(static_cast<std::size_t>(blocks), -INFINITY);
-  for (int t = 0; t < n; ++t) bmax[std::size_t(t / block)] = std::max(bmax[std::size_t(t / block)], scores[std::size_t(t)]);
+  for (int t = 0; t < n; ++t) {  // the maximum by key, as the CUDA block_max_kernel: NaN wins
+    float& m = bmax[std::size_t(t / block)];
+    if (numerics::topk_order_key(scores[std::size_t(t)]) > numerics::topk_order_key(m)) m = scores[std::size_t(t)];
+  }
   if (visible > 0) bmax[std::size_t((visible - 1) / block)] = INFINITY;  // the newest visible block is always kept
   const auto top = topk_lowest_index_ties(bmax, std::min(topk_blocks, blocks));
   std::vector<std::uint8_t> mask(static_cast<std::size_t>(n), 0);

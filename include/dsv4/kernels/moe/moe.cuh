@@ -4,8 +4,8 @@
 //!
 //!  1. gate logits, fp32 results of double sums (as the host reference) of bf16 x and bf16 W;
 //!  2. per token, one warp: sqrtsoftplus, top-k on score + bias (bias_vl for image tokens) in
-//!     torch.topk's order (NaN above +inf; ties to the lower expert id: `route_order_key`, shared
-//!     with the host), weights from the unbiased scores, normalized, x route_scale;
+//!     torch.topk's order (NaN above +inf; ties to the lower expert id: `numerics::topk_order_key`,
+//!     shared with the host), weights from the unbiased scores, normalized, x route_scale;
 //!  3. dispatch: a stable radix sort of the (token, slot) pairs by expert (CUB), then a tile list
 //!     (runs of at most 8 or 16 rows of one expert) for the grouped GEMMs;
 //!  4. act_quant of x once; w1 and w3 as grouped FP4 GEMMs that read x's rows through the sort
@@ -27,7 +27,7 @@
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
 #include "dsv4/kernels/gemm/weight_tiles.hpp"
-#include "dsv4/kernels/moe/reference.hpp"  // route_order_key
+#include "dsv4/kernels/moe/reference.hpp"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/quantize.cuh"
@@ -183,7 +183,7 @@ inline void gate_logits(const bf16* x, long long tokens, int dim, const bf16* w,
 DSV4_DEVICE float softplus_torch(float s) { return s > 20.0f ? s : log1pf(expf(s)); }
 
 //! One warp per token: scores, top-k, weights; also the pair indices the sort carries.
-//! Each expert's rank is one 64-bit key: route_order_key(biased) above, ~id below, so the largest
+//! Each expert's rank is one 64-bit key: topk_order_key(biased) above, ~id below, so the largest
 //! key is the highest biased score (NaN above +inf) and, among equal scores, the lowest id; a
 //! chosen expert's key becomes 0, below every score's. Every slot thus gets a valid expert whatever
 //! the scores hold (k <= experts), NaN included: no slot is left at a sentinel.
@@ -201,7 +201,7 @@ DSV4_KERNEL void __launch_bounds__(256) route_kernel(const float* logits, long l
   for (int i = 0; i < kPerLane; ++i) {
     const int e = lane + 32 * i;
     score[i] = e < s.experts ? __fsqrt_rn(softplus_torch(logits[t * s.experts + e])) : 0.0f;
-    rank[i] = e < s.experts ? (static_cast<unsigned long long>(route_order_key(__fadd_rn(score[i], b[e]))) << 32) |
+    rank[i] = e < s.experts ? (static_cast<unsigned long long>(numerics::topk_order_key(__fadd_rn(score[i], b[e]))) << 32) |
                                   static_cast<unsigned>(~e)
                             : 0ull;
   }

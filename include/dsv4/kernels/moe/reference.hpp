@@ -5,7 +5,7 @@
 //! Gate (fp32 throughout): s = fp32(x) . fp32(W)^T / gate_temp; sqrtsoftplus s = sqrt(softplus(s))
 //! with softplus(s) = s for s > 20; the bias (bias_vl inside image spans) only chooses the top-k
 //! experts (descending biased score in torch.topk's order, NaN above +inf; ties toward the lower
-//! expert id: `route_order_key`); the weights are the unbiased scores of the chosen experts,
+//! expert id: `numerics::topk_order_key`); the weights are the unbiased scores of the chosen experts,
 //! normalized by (sum + 1e-20) when k > 1, times route_scale.
 //!
 //! Expert activation: u clamped to [-limit, limit], g clamped above at limit only, h = silu(g) u
@@ -29,6 +29,7 @@
 #include "dsv4/numerics/bits.hpp"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/numerics/formats.hpp"
+#include "dsv4/numerics/order_key.hpp"
 #include "dsv4/numerics/quantize.hpp"
 
 namespace dsv4::kernels::moe {
@@ -50,21 +51,16 @@ struct routing {
 
 inline float softplus_torch(float s) { return s > 20.0f ? s : std::log1p(std::exp(s)); }
 
-//! The rank of a biased score in the top-k, shared by the host reference and the CUDA route
-//! kernel: larger key = chosen first, equal keys go to the lower expert id. It is PyTorch's radix
-//! key for fp32 (`TopKTypeConfig<float>::convert` in ATen's SortingRadixSelect.cuh), i.e.
-//! torch.topk's order: every NaN ranks above +inf (and NaNs tie), -inf lowest. A NaN biased score
-//! (a NaN logit, from NaN in x or a gate row, or a NaN bias) therefore picks its expert first, as
-//! the reference does; the expert's weight is its unbiased score, so a NaN score makes the
-//! token's weights and output NaN, as in the reference, and a NaN bias alone changes only the
-//! choice. -0 ranks just below +0 (as in the radix key), but a biased score is never -0: the
-//! score is +0 or above (or NaN), and x + (-x) is +0. The keys of all floats are at least
-//! 0x007fffff (-inf), so 0 is free to mark an expert already chosen.
-DSV4_HOST_DEVICE std::uint32_t route_order_key(float biased) {
-  const std::uint32_t u = numerics::float_to_bits(biased);
-  if (numerics::is_nan_bits(u)) return 0xffffffffu;
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
+//! Routing ranks each biased score in the top-k, in the host reference and the CUDA route kernel
+//! alike, by `numerics::topk_order_key` (numerics/order_key.hpp), torch.topk's order: larger key =
+//! chosen first, equal keys go to the lower expert id; every NaN ranks above +inf (and NaNs tie),
+//! -inf lowest. It is PyTorch's radix key for fp32 (`TopKTypeConfig<float>::convert` in ATen's
+//! SortingRadixSelect.cuh) except that -0 ties with +0, which a biased score never meets: the
+//! score is +0 or above (or NaN), and x + (-x) is +0. A NaN biased score (a NaN logit, from NaN in
+//! x or a gate row, or a NaN bias) therefore picks its expert first, as the reference does; the
+//! expert's weight is its unbiased score, so a NaN score makes the token's weights and output NaN,
+//! as in the reference, and a NaN bias alone changes only the choice. The keys of all floats are
+//! at least 0x007fffff (-inf), so 0 is free to mark an expert already chosen.
 
 inline routing route_reference(std::span<const bf16> x, const gate_params& g) {
   if (x.size() != std::size_t(g.dim) || g.weight.size() != std::size_t(g.experts) * g.dim ||
@@ -77,7 +73,7 @@ inline routing route_reference(std::span<const bf16> x, const gate_params& g) {
     for (int d = 0; d < g.dim; ++d) dot += double(x[std::size_t(d)].to_float()) * g.weight[std::size_t(e) * g.dim + d];
     const float logit = float(dot) / g.gate_temp;
     s[std::size_t(e)] = std::sqrt(softplus_torch(logit));
-    key[std::size_t(e)] = route_order_key(s[std::size_t(e)] + g.bias[std::size_t(e)]);
+    key[std::size_t(e)] = numerics::topk_order_key(s[std::size_t(e)] + g.bias[std::size_t(e)]);
   }
   // A total order (integer keys, then ids), so NaN scores cannot break the sort's contract.
   std::vector<int> order(s.size());
