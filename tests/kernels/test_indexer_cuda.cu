@@ -185,8 +185,11 @@ BOOST_AUTO_TEST_CASE(select_follows_torch_order_for_signed_zeros_nan_and_inf,
 
 // The hierarchical path (spec §7): the candidate source's scores give the pool; a Reindex layer
 // scores only the pool's positions and selects among them. Equal to the reference, which scores
-// every position, masks the non-candidates and selects.
-void check_candidate_path(int rows, int heads, long long n, int topk, int block, int topk_blocks, std::uint64_t salt) {
+// every position, masks the non-candidates and selects. `fixed_visible` (one count per row) gives
+// prefill-like rows; without it, rows see nearly all n keys (decode-like).
+void check_candidate_path(int rows, int heads, long long n, int topk, int block, int topk_blocks, std::uint64_t salt,
+                          const std::vector<long long>& fixed_visible = {}) {
+  if (!fixed_visible.empty()) rows = int(fixed_visible.size());
   constexpr int dim = 128;
   using layout = numerics::packed_vector<numerics::index_key_format, dim>;
   auto rng = test::make_rng(salt);
@@ -203,7 +206,7 @@ void check_candidate_path(int rows, int heads, long long n, int topk, int block,
                                                             std::span(kq).subspan(t * dim, dim));
   }
   std::vector<long long> visible(static_cast<std::size_t>(rows));
-  for (int r = 0; r < rows; ++r) visible[r] = n - (long long)(rng() % 50);
+  for (int r = 0; r < rows; ++r) visible[r] = fixed_visible.empty() ? n - (long long)(rng() % 50) : fixed_visible[r];
   auto make_queries = [&] {
     std::vector<bf16> q = qdq_rows(rng, std::size_t(rows) * heads, dim, 1.0f), w(std::size_t(rows) * heads);
     for (auto& v : w) v = bf16::from_float(numerics::round_to_bf16(nk(rng)) * 0.015625f);
@@ -255,6 +258,15 @@ BOOST_AUTO_TEST_CASE(candidate_pool_and_reindex_match_host, *utf::label("gpu") *
   check_candidate_path(3, 4, 300, 16, 4, 8, 61);         // tiny sizes: the 32-entry pool binds
   check_candidate_path(2, 32, 20000, 512, 8, 2048, 62);  // V4.1 sizes: 16,384 candidates of 20,000
   check_candidate_path(2, 32, 9000, 512, 8, 2048, 63);   // below the pool size: every visible block kept
+}
+
+// Prefill-like rows (row i sees few keys): the pool holds every visible block and then blocks with
+// no visible key, which expand to -1 holes; rows with fewer visible keys than k select all of them
+// and fill the rest with -1 (positions past the visible count, then holes), at the row's end. Rows
+// around the block, k and pool boundaries, with a few long rows where the pool binds.
+BOOST_AUTO_TEST_CASE(reindex_prefill_rows_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  check_candidate_path(0, 4, 300, 16, 4, 8, 65, {1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 37, 150, 300});
+  check_candidate_path(0, 32, 20000, 512, 8, 2048, 66, {1, 7, 8, 9, 100, 511, 512, 513, 4000, 16383, 16384, 16385, 16392, 20000});
 }
 
 BOOST_AUTO_TEST_CASE(bad_arguments_are_errors) {
