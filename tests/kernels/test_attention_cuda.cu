@@ -18,6 +18,7 @@
 #include "dsv4/runtime/device_buffer.cuh"
 #include "support/data.hpp"
 #include "support/gpu.hpp"
+#include "support/numerics.hpp"
 #include "support/random.hpp"
 
 namespace utf = boost::unit_test;
@@ -27,11 +28,6 @@ using numerics::bf16;
 using runtime::device_buffer;
 
 namespace {
-
-int ulp_distance(bf16 a, bf16 b) {
-  auto key = [](bf16 x) { return (x.bits & 0x8000) ? -int(x.bits & 0x7fff) : int(x.bits); };
-  return std::abs(key(a) - key(b));
-}
 
 // Compares per (row, head) vector: NaN never passes; |got - want| <= 2^-7 |want| + 2^-9 max|want|.
 // Expected differences: fp32 summation order and exp, and the bf16 rounding of a probability that
@@ -46,7 +42,7 @@ void compare(const std::vector<bf16>& got, const std::vector<bf16>& want, int di
     for (int d = 0; d < dim; ++d) {
       const float g = got[v0 + d].to_float(), w = want[v0 + d].to_float();
       if (std::isnan(g) || std::isnan(w)) { ++nan; continue; }
-      worst_ulp = std::max(worst_ulp, ulp_distance(got[v0 + d], want[v0 + d]));
+      worst_ulp = std::max(worst_ulp, test::bf16_ulp_distance(got[v0 + d], want[v0 + d]));
       if (std::fabs(g - w) > std::fabs(w) / 128 + vmax / 512) ++bad;
     }
   }
@@ -181,15 +177,10 @@ void check_packed_operand(int batch, int rows, int heads, int window, int global
     for (int e = 0; e < entries; ++e) {
       const std::span<const bf16> x(p.kv.data() + (std::size_t(b) * entries + e) * Dim, Dim);
       const std::span<bf16> y(qdq.data() + (std::size_t(b) * entries + e) * Dim, Dim);
-      if (e < window) {
-        std::uint8_t* ent = wcache.data() + (std::size_t(b) * window + e) * wl::bytes;
-        numerics::quantize_vector<wf>(x, {ent, wl::code_bytes}, {ent + wl::scale_offset, wl::scale_bytes});
-        numerics::dequantize_vector<wf>({ent, wl::code_bytes}, {ent + wl::scale_offset, wl::scale_bytes}, y);
-      } else {
-        std::uint8_t* ent = gcache.data() + (std::size_t(b) * global + (e - window)) * gl::bytes;
-        numerics::quantize_vector<gf>(x, {ent, gl::code_bytes}, {ent + gl::scale_offset, gl::scale_bytes});
-        numerics::dequantize_vector<gf>({ent, gl::code_bytes}, {ent + gl::scale_offset, gl::scale_bytes}, y);
-      }
+      if (e < window)
+        test::pack_entry<wf, Dim>(x, wcache.data() + (std::size_t(b) * window + e) * wl::bytes, y);
+      else
+        test::pack_entry<gf, Dim>(x, gcache.data() + (std::size_t(b) * global + (e - window)) * gl::bytes, y);
     }
   const float scale = 1.0f / std::sqrt(float(Dim));
   device_buffer<std::uint8_t> dw{std::span<const std::uint8_t>(wcache)}, dg{std::span<const std::uint8_t>(gcache)};
@@ -222,7 +213,7 @@ BOOST_AUTO_TEST_CASE(device_matches_the_official_vectors, *utf::label("gpu") * u
     const auto got = run_device<512>(p, kv, scale, w);
     compare(got, want, 512, w ? "official vectors, split" : "official vectors");
     int worst = 0;
-    for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, ulp_distance(got[i], want[i]));
+    for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, test::bf16_ulp_distance(got[i], want[i]));
     BOOST_TEST(worst <= 2);
     if (w) compare_split(got, unsplit, 512, "official vectors, split");
     else unsplit = got;
@@ -316,13 +307,8 @@ BOOST_AUTO_TEST_CASE(device_reads_paged_caches, *utf::label("gpu") * utf::precon
       const std::span<bf16> y(qdq.data() + (std::size_t(b) * (window + global) + e) * dim, dim);
       std::uint8_t* ent = e < window ? wcache.data() + (std::size_t(b) * window + e) * wl::bytes
                                      : const_cast<std::uint8_t*>(v.entry(e - window));
-      if (e < window) {
-        numerics::quantize_vector<wf>(x, {ent, wl::code_bytes}, {ent + wl::scale_offset, wl::scale_bytes});
-        numerics::dequantize_vector<wf>({ent, wl::code_bytes}, {ent + wl::scale_offset, wl::scale_bytes}, y);
-      } else {
-        numerics::quantize_vector<gf>(x, {ent, gl::code_bytes}, {ent + gl::scale_offset, gl::scale_bytes});
-        numerics::dequantize_vector<gf>({ent, gl::code_bytes}, {ent + gl::scale_offset, gl::scale_bytes}, y);
-      }
+      if (e < window) test::pack_entry<wf, dim>(x, ent, y);
+      else test::pack_entry<gf, dim>(x, ent, y);
     }
   }
   device_buffer<std::uint8_t> dpool{std::span<const std::uint8_t>(pool)}, dw{std::span<const std::uint8_t>(wcache)};

@@ -17,6 +17,7 @@
 #include "dsv4/numerics/quantize.hpp"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "support/gpu.hpp"
+#include "support/numerics.hpp"
 #include "support/random.hpp"
 
 namespace utf = boost::unit_test;
@@ -26,11 +27,6 @@ using numerics::bf16;
 using runtime::device_buffer;
 
 namespace {
-
-int bf16_ulps(bf16 a, bf16 b) {
-  auto key = [](bf16 v) { return v.bits & 0x8000 ? -int(v.bits & 0x7fff) : int(v.bits); };
-  return std::abs(key(a) - key(b));
-}
 
 std::vector<bf16> random_bf16(std::size_t n, std::mt19937_64& rng, float sd, float mean = 0.0f) {
   std::normal_distribution<float> d(mean, sd);
@@ -116,7 +112,7 @@ void pool_schedule(int ratio, int batch, std::mt19937_64& rng) {
           BOOST_REQUIRE_MESSAGE(!std::isnan(gv.to_float()), "NaN latent: group " << g << " of sequence " << b);
           ++compared;
           if (gv.bits == wv.bits) ++equal;
-          const int ulps = bf16_ulps(gv, wv);
+          const int ulps = test::bf16_ulp_distance(gv, wv);
           worst = std::max(worst, ulps);
           // A pooled channel whose weighted terms cancel is small, and there an fp32-ulp
           // difference of one softmax weight moves it by several bf16 ulps (measured: 3 ulps
@@ -147,10 +143,8 @@ std::vector<bf16> host_staged(const std::vector<bf16>& x, int dim, const std::ve
 
 template <class F, int Dim>
 std::vector<std::uint8_t> host_entry(std::span<const bf16> staged) {
-  using layout = numerics::packed_vector<F, Dim>;
-  std::vector<std::uint8_t> e(layout::bytes);
-  numerics::quantize_vector<F>(staged, {e.data(), std::size_t(layout::code_bytes)},
-                               {e.data() + layout::scale_offset, std::size_t(layout::scale_bytes)});
+  std::vector<std::uint8_t> e(numerics::packed_vector<F, Dim>::bytes);
+  test::quantize_entry<F, Dim>(staged, e.data());
   return e;
 }
 
@@ -273,7 +267,7 @@ BOOST_AUTO_TEST_CASE(pool_of_extreme_gates_has_no_nan, *utf::label("gpu") * utf:
   const auto got = dlat.download();
   for (int c = 0; c < Dim; ++c) {
     BOOST_TEST(!std::isnan(got[std::size_t(c)].to_float()));
-    BOOST_TEST(bf16_ulps(got[std::size_t(c)], want[std::size_t(c)]) <= 1);
+    BOOST_TEST(test::bf16_ulp_distance(got[std::size_t(c)], want[std::size_t(c)]) <= 1);
   }
 }
 

@@ -13,6 +13,7 @@
 #include "dsv4/numerics/quantize.hpp"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "support/gpu.hpp"
+#include "support/numerics.hpp"
 #include "support/random.hpp"
 
 namespace utf = boost::unit_test;
@@ -43,15 +44,7 @@ void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std:
   std::vector<bf16> kx(std::size_t(n_keys) * dim);
   std::normal_distribution<float> nk(0.0f, 1.0f);
   for (auto& v : kx) v = bf16::from_float(nk(rng));
-  std::vector<std::uint8_t> cache(std::size_t(n_keys) * layout::bytes);
-  std::vector<bf16> kq(kx.size());
-  for (long long t = 0; t < n_keys; ++t) {
-    std::uint8_t* e = cache.data() + t * layout::bytes;
-    numerics::quantize_vector<numerics::index_key_format>(std::span(kx).subspan(t * dim, dim), {e, layout::code_bytes},
-                                                          {e + layout::scale_offset, layout::scale_bytes});
-    numerics::dequantize_vector<numerics::index_key_format>({e, layout::code_bytes}, {e + layout::scale_offset, layout::scale_bytes},
-                                                            std::span(kq).subspan(t * dim, dim));
-  }
+  const auto [cache, kq] = test::pack_index_keys<dim>(kx);
   std::vector<long long> visible(static_cast<std::size_t>(rows));
   for (int r = 0; r < rows; ++r) visible[r] = r == 0 ? n_keys : (long long)(rng() % std::uint64_t(n_keys + 1));
 
@@ -196,15 +189,7 @@ void check_candidate_path(int rows, int heads, long long n, int topk, int block,
   std::normal_distribution<float> nk(0.0f, 1.0f);
   std::vector<bf16> kx(std::size_t(n) * dim);
   for (auto& v : kx) v = bf16::from_float(nk(rng));
-  std::vector<std::uint8_t> cache(std::size_t(n) * layout::bytes);
-  std::vector<bf16> kq(kx.size());
-  for (long long t = 0; t < n; ++t) {
-    std::uint8_t* e = cache.data() + t * layout::bytes;
-    numerics::quantize_vector<numerics::index_key_format>(std::span(kx).subspan(t * dim, dim), {e, layout::code_bytes},
-                                                          {e + layout::scale_offset, layout::scale_bytes});
-    numerics::dequantize_vector<numerics::index_key_format>({e, layout::code_bytes}, {e + layout::scale_offset, layout::scale_bytes},
-                                                            std::span(kq).subspan(t * dim, dim));
-  }
+  const auto [cache, kq] = test::pack_index_keys<dim>(kx);
   std::vector<long long> visible(static_cast<std::size_t>(rows));
   for (int r = 0; r < rows; ++r) visible[r] = fixed_visible.empty() ? n - (long long)(rng() % 50) : fixed_visible[r];
   auto make_queries = [&] {
