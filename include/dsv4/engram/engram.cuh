@@ -27,6 +27,7 @@
 #include "dsv4/numerics/quantize.cuh"
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
+#include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::engram {
 
@@ -60,6 +61,8 @@ struct engram_workspace {
 
 namespace detail {
 DSV4_KERNEL void engram_gather_kernel(engram_device_weights w, const std::int64_t* hashes, long long tokens, bf16* e) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   const long long per_token = 1LL * w.columns * w.head_dim;
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= tokens * per_token) return;
@@ -92,6 +95,8 @@ inline constexpr int gate_smem_budget = 160 * 1024;
 //! value's copy overlaps them. Every thread then computes the same gate from the three sums.
 DSV4_KERNEL void __launch_bounds__(gate_threads) engram_gate_kernel(engram_device_weights w, bf16* x, const bf16* kv,
                                                                     const std::uint8_t* is_image) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   extern __shared__ uint4 staged[];  // qk weight [dim] fp32, then stream, key, value [dim] bf16 each
   __shared__ double sums[3];         // h.h, key.key, dot
   const long long t = blockIdx.x;
@@ -169,7 +174,8 @@ inline void engram_forward(bf16* x, const std::int64_t* hashes, const std::uint8
   auto misaligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 != 0; };
   if (misaligned(x) || misaligned(w.qk_weight)) throw error(where + "x and the qk weight must be 16-byte aligned");
   const long long gathered = tokens * w.k();
-  detail::engram_gather_kernel<<<unsigned((gathered + 255) / 256), 256, 0, stream>>>(w, hashes, tokens, ws.e.data());
+  runtime::launch_programmatic(detail::engram_gather_kernel, dim3(unsigned((gathered + 255) / 256)), dim3(256), 0, stream, w,
+                               hashes, tokens, ws.e.data());
   DSV4_CUDA_CHECK_LAUNCH();
   numerics::quantize<numerics::fp8_act_format>(
       {ws.e.data(), tokens, w.k(), w.k(), ws.codes.data(), w.k(), ws.scales.data(), w.k() / 32}, stream);
@@ -179,8 +185,8 @@ inline void engram_forward(bf16* x, const std::int64_t* hashes, const std::uint8
   const int smem = w.dim * 10;
   if (smem > 48 * 1024)  // above the default limit of dynamic shared memory: opt in
     DSV4_CUDA_CHECK(cudaFuncSetAttribute(detail::engram_gate_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  detail::engram_gate_kernel<<<dim3(unsigned(tokens), unsigned(w.hc)), detail::gate_threads, smem, stream>>>(
-      w, x, ws.kv.data(), is_image);
+  runtime::launch_programmatic(detail::engram_gate_kernel, dim3(unsigned(tokens), unsigned(w.hc)), dim3(detail::gate_threads),
+                               std::size_t(smem), stream, w, x, ws.kv.data(), is_image);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 

@@ -47,6 +47,7 @@
 #include "dsv4/kernels/moe/moe.cuh"
 #include "dsv4/model/model_reference.hpp"
 #include "dsv4/runtime/device_buffer.cuh"
+#include "dsv4/runtime/pdl.cuh"
 #include "dsv4/runtime/pinned_buffer.cuh"
 #include "dsv4/runtime/stream.cuh"
 #include "dsv4/runtime/upload_arena.cuh"
@@ -76,6 +77,8 @@ struct tiled_stack {
 };
 
 DSV4_KERNEL void embed_kernel(const bf16* table, const std::int32_t* ids, long long tokens, int dim, int streams, bf16* x) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= tokens * streams * dim) return;
   const long long t = i / (1LL * streams * dim);
@@ -83,6 +86,8 @@ DSV4_KERNEL void embed_kernel(const bf16* table, const std::int32_t* ids, long l
   x[i] = table[static_cast<long long>(ids[t]) * dim + d];
 }
 DSV4_KERNEL void widen_rows_kernel(const bf16* x, float* y, long long n) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) y[i] = x[i].to_float();
 }
@@ -341,7 +346,8 @@ class device_model {
       if (engrams_[j].fetch) engrams_[j].fetch->start(all, stream());
     }
     inputs_.upload(stream());
-    embed_kernel<<<blocks_for(R * hc * c.dim), 256, 0, stream()>>>(embed_.data(), ids_d, R, c.dim, hc, x_.data());
+    runtime::launch_programmatic(embed_kernel, dim3(blocks_for(R * hc * c.dim)), dim3(256), 0, stream(), embed_.data(), ids_d, R,
+                                 c.dim, hc, x_.data());
     DSV4_CUDA_CHECK_LAUNCH();
     X_ = x_.data(), Y_ = y_.data(), engram_row0_ = 0;
   }
@@ -406,7 +412,8 @@ class device_model {
     boundary(R, X_, sub_.data(), f_post_.data(), f_comb_.data(), f_pre_.data(), norm_.data(), Y_, nullptr, nullptr, nullptr,
              nullptr, nullptr, nullptr);
     const long long first = last_only ? R - 1 : 0, rows = R - first;
-    widen_rows_kernel<<<blocks_for(rows * D), 256, 0, stream()>>>(h_.data() + first * D, hf_.data(), rows * D);
+    runtime::launch_programmatic(widen_rows_kernel, dim3(blocks_for(rows * D)), dim3(256), 0, stream(), h_.data() + first * D,
+                                 hf_.data(), rows * D);
     DSV4_CUDA_CHECK_LAUNCH();
     kernels::gemm::linear_fp32(blas_, hf_.data(), head_.data(), logits_.data(), int(rows), c.vocab_size, D, stream());
     const std::size_t n = std::size_t(rows) * c.vocab_size;

@@ -18,6 +18,7 @@
 #include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/quantize.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
+#include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::numerics {
 
@@ -99,6 +100,10 @@ struct device_block_encoder {
 
 template <class F>
 DSV4_KERNEL void quantize_kernel(quantize_args a) {
+  // Wait for the producer of x first, then let the GEMM that consumes the codes start streaming
+  // its weights (runtime/pdl.cuh).
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   constexpr int kElems = quant_elems_per_thread;
   constexpr int kLanes = F::block_size / kElems;
   using Elem = typename F::element;
@@ -138,6 +143,8 @@ DSV4_KERNEL void quantize_kernel(quantize_args a) {
 
 template <class F>
 DSV4_KERNEL void dequantize_kernel(dequantize_args a) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   constexpr int kElems = quant_elems_per_thread;
   constexpr int kLanes = F::block_size / kElems;
   using Elem = typename F::element;
@@ -183,7 +190,7 @@ void launch_rows(const char* op, Kernel kernel, const Args& a, cudaStream_t stre
   const long long threads = a.rows * (a.channels / quant_elems_per_thread);
   if (threads == 0) return;
   const long long ctas = (threads + quant_threads_per_cta - 1) / quant_threads_per_cta;
-  kernel<<<static_cast<unsigned>(ctas), quant_threads_per_cta, 0, stream>>>(a);
+  runtime::launch_programmatic(kernel, dim3(static_cast<unsigned>(ctas)), dim3(quant_threads_per_cta), 0, stream, a);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 }  // namespace detail

@@ -63,6 +63,7 @@
 #include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/quantize.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
+#include "dsv4/runtime/pdl.cuh"
 #include "dsv4/runtime/upload_arena.cuh"
 
 namespace dsv4::kernels::attention {
@@ -94,10 +95,14 @@ struct fp8_weight {
 
 //! Multiplies bf16 values by a power of two in fp32 and rounds back (weights_proj x 2^-6).
 DSV4_KERNEL void scale_bf16_kernel(bf16* x, long long n, float factor) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) x[i] = bf16::from_float(__fmul_rn(x[i].to_float(), factor));
 }
 DSV4_KERNEL void widen_kernel(const bf16* x, float* y, long long n) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) y[i] = x[i].to_float();
 }
@@ -113,6 +118,8 @@ struct index_list_args {
   long long chunk_start = 0;          //!< append: position of the chunk's first row
 };
 DSV4_KERNEL void index_list_kernel(index_list_args a) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   const int width = a.window_width + a.topk_width;
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= static_cast<long long>(a.rows) * width) return;
@@ -590,7 +597,8 @@ class attention_stack {
       gemm::linear_bf16(blas_, x, w.comp_wkv16.data(), latents_.data(), R, HeadDim, s.dim, stream);
       norm::rmsnorm<bf16>({latents_.data(), HeadDim, w.comp_norm.data(), latents_.data(), HeadDim, R, HeadDim, s.norm_eps}, stream);
     } else {
-      widen_kernel<<<blocks_for(1LL * R * s.dim), 256, 0, stream>>>(x, xf_.data(), 1LL * R * s.dim);
+      runtime::launch_programmatic(widen_kernel, dim3(blocks_for(1LL * R * s.dim)), dim3(256), 0, stream, x, xf_.data(),
+                                   1LL * R * s.dim);
       DSV4_CUDA_CHECK_LAUNCH();
       gemm::linear_fp32(blas_, xf_.data(), w.comp_wkv32.data(), ck_.data(), R, HeadDim, s.dim, stream);
       gemm::linear_fp32(blas_, xf_.data(), w.comp_wgate.data(), cz_.data(), R, HeadDim, s.dim, stream);
@@ -703,7 +711,8 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
         numerics::quantize<numerics::index_key_format>({iq_.data(), R, qn, qn, iq_codes_.data(), qn / 2, iq_scales_.data(), qn / 32}, stream);
         numerics::dequantize<numerics::index_key_format>({iq_codes_.data(), qn / 2, iq_scales_.data(), qn / 32, R, qn, iq_.data(), qn}, stream);
         gemm::linear_bf16(blas_, x, w.weights_proj.data(), wp_.data(), R, ih, s.dim, stream);
-        scale_bf16_kernel<<<blocks_for(1LL * R * ih), 256, 0, stream>>>(wp_.data(), 1LL * R * ih, 0x1p-6f);
+        runtime::launch_programmatic(scale_bf16_kernel, dim3(blocks_for(1LL * R * ih)), dim3(256), 0, stream, wp_.data(),
+                                     1LL * R * ih, 0x1p-6f);
         DSV4_CUDA_CHECK_LAUNCH();
         indexer::index_scan_args scan;
         scan.q = iq_.data(), scan.w = wp_.data();
@@ -744,7 +753,7 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
   const int width = window_width + topk_width;
   index_list_args il{idx_.data(), topk_.data(), c.positions, R, window_width, topk_width, s.window, own_rows,
                      c.append, c.append ? c.start[0] : 0};
-  index_list_kernel<<<blocks_for(1LL * R * width), 256, 0, stream>>>(il);
+  runtime::launch_programmatic(index_list_kernel, dim3(blocks_for(1LL * R * width)), dim3(256), 0, stream, il);
   DSV4_CUDA_CHECK_LAUNCH();
   sparse_attention_args sa;
   sa.q = q_.data(), sa.idx = idx_.data(), sa.sink = w.attn_sink.data(), sa.out = o_.data();

@@ -36,6 +36,7 @@
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "dsv4/runtime/device_info.cuh"
+#include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::kernels::attention {
 
@@ -275,6 +276,8 @@ DSV4_DEVICE float warp_max(float v) {
 
 template <int Dim, class KV>
 DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32, 2) sparse_attention_kernel(sparse_attention_args a, KV kv, kv_split sp) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   constexpr int kLaneCh = Dim / 32;
   extern __shared__ uint4 dyn_smem[];
   bf16* tile = reinterpret_cast<bf16*>(dyn_smem);  // [sparse_chunk][Dim]
@@ -407,6 +410,8 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32, 2) sparse_attention_kerne
 //! m = -1e30 and l = 0, so it weighs nothing unless every split is empty (then out = 0, as unsplit).
 template <int Dim>
 DSV4_KERNEL void __launch_bounds__(Dim / 4) sparse_attention_merge_kernel(sparse_attention_args a, kv_split sp) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   const int row = blockIdx.x, head = blockIdx.y, c = 4 * threadIdx.x;
   const float* base = sp.partials + (static_cast<long long>(row) * a.heads + head) * sp.splits * (Dim + 4);
   float mx = -1e30f;
@@ -480,14 +485,16 @@ void sparse_attention(const sparse_attention_args& a, const KV& kv, cudaStream_t
   if (sp.partials) {  // the chunk maxima the splits start from (the last split's chunks are not needed)
     detail::kv_split max_pass = sp;
     max_pass.max_pass = true;
-    kernel<<<dim3(rows, groups, unsigned((sp.splits - 1) * sp.chunks_per_split)), detail::heads_per_cta * 32, smem, stream>>>(
-        a, kv, max_pass);
+    runtime::launch_programmatic(kernel, dim3(rows, groups, unsigned((sp.splits - 1) * sp.chunks_per_split)),
+                                 dim3(detail::heads_per_cta * 32), smem, stream, a, kv, max_pass);
     DSV4_CUDA_CHECK_LAUNCH();
   }
-  kernel<<<dim3(rows, groups, unsigned(sp.splits)), detail::heads_per_cta * 32, smem, stream>>>(a, kv, sp);
+  runtime::launch_programmatic(kernel, dim3(rows, groups, unsigned(sp.splits)), dim3(detail::heads_per_cta * 32), smem, stream,
+                               a, kv, sp);
   DSV4_CUDA_CHECK_LAUNCH();
   if (!sp.partials) return;
-  detail::sparse_attention_merge_kernel<Dim><<<dim3(rows, unsigned(a.heads)), Dim / 4, 0, stream>>>(a, sp);
+  runtime::launch_programmatic(detail::sparse_attention_merge_kernel<Dim>, dim3(rows, unsigned(a.heads)), dim3(Dim / 4), 0,
+                               stream, a, sp);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 

@@ -39,6 +39,7 @@
 #include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/quantize.cuh"
 #include "dsv4/runtime/cuda_check.cuh"
+#include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::kernels::compressor {
 
@@ -100,6 +101,8 @@ struct pool_args {
 namespace detail {
 template <int Dim, class Weight>
 DSV4_KERNEL void __launch_bounds__(warps_per_cta * 32) pool_kernel(pool_args<Weight> a) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   constexpr int E = Dim / 32;
   const int lane = threadIdx.x % 32;
   const int j = blockIdx.x * warps_per_cta + threadIdx.x / 32;  // this warp's group, from the first completed
@@ -180,7 +183,7 @@ void compress_pool(const pool_args<Weight>& a, cudaStream_t stream = nullptr) {
   // At least one CTA per sequence: warp 0 of CTA 0 stores the state even when no group completes.
   const int ctas = (a.max_groups + detail::warps_per_cta - 1) / detail::warps_per_cta;
   const dim3 grid(unsigned(ctas > 0 ? ctas : 1), unsigned(a.batch));
-  detail::pool_kernel<Dim, Weight><<<grid, detail::warps_per_cta * 32, 0, stream>>>(a);
+  runtime::launch_programmatic(detail::pool_kernel<Dim, Weight>, grid, dim3(detail::warps_per_cta * 32), 0, stream, a);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 
@@ -234,6 +237,8 @@ struct pack_args {
 namespace detail {
 template <class F, int Dim, class Weight>
 DSV4_KERNEL void __launch_bounds__(warps_per_cta * 32) pack_kernel(pack_args<Weight> a) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   using layout = numerics::packed_vector<F, Dim>;
   using Elem = typename F::element;
   constexpr int E = Dim / 32;
@@ -334,7 +339,8 @@ void pack_entries(const pack_args<Weight>& a, cudaStream_t stream = nullptr) {
   if (a.rows == 0) return;
   const long long ctas = (a.rows + detail::warps_per_cta - 1) / detail::warps_per_cta;
   if (ctas > 0x7fffffffLL) throw error("pack_entries: too many rows for one launch");
-  detail::pack_kernel<F, Dim, Weight><<<unsigned(ctas), detail::warps_per_cta * 32, 0, stream>>>(a);
+  runtime::launch_programmatic(detail::pack_kernel<F, Dim, Weight>, dim3(unsigned(ctas)), dim3(detail::warps_per_cta * 32), 0,
+                               stream, a);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 

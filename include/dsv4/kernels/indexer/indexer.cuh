@@ -25,6 +25,7 @@
 #include "dsv4/numerics/fast_codec.cuh"
 #include "dsv4/numerics/order_key.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
+#include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::kernels::indexer {
 
@@ -95,6 +96,8 @@ inline constexpr int max_index_heads = 64;
 
 template <int Dim>
 DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_args a, const std::int32_t* positions) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   using F = numerics::index_key_format;
   using layout = numerics::packed_vector<F, Dim>;
   extern __shared__ float qs[];  // [heads][Dim] then w[heads]
@@ -149,6 +152,8 @@ DSV4_DEVICE unsigned order_key(std::uint16_t b) { return numerics::topk_order_ke
 inline constexpr int topk_threads = 512;
 
 DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   using scan_t = cub::BlockScan<int, topk_threads>;
   __shared__ typename scan_t::TempStorage scan_storage;
   constexpr int warps = topk_threads / 32;
@@ -248,6 +253,8 @@ DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
 }
 //! Block maxima of one row's scores, the newest visible block forced to +inf.
 DSV4_KERNEL void block_max_kernel(candidate_args a) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   const long long blocks = (a.n + a.block - 1) / a.block;
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int row = blockIdx.y;
@@ -269,6 +276,8 @@ DSV4_KERNEL void block_max_kernel(candidate_args a) {
 
 //! Expands the selected blocks (ascending) into positions; blocks with a -inf maximum are holes.
 DSV4_KERNEL void expand_blocks_kernel(candidate_args a, int kb) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   const long long blocks = (a.n + a.block - 1) / a.block;
   const int row = blockIdx.y;
   const long long slot = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -301,7 +310,7 @@ void launch_index_scan(const char* op, const index_scan_args& a, const std::int3
   auto kernel = index_scan_kernel<Dim>;
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(unsigned((a.n_keys + scan_threads - 1) / scan_threads), unsigned(a.rows));
-  kernel<<<grid, scan_threads, smem, stream>>>(a, positions);
+  runtime::launch_programmatic(kernel, grid, dim3(scan_threads), std::size_t(smem), stream, a, positions);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 }  // namespace detail
@@ -331,7 +340,8 @@ inline long long candidate_pool(const candidate_args& a, cudaStream_t stream = n
   if (a.rows > 65535) throw error("candidate_pool: at most 65535 rows per launch (grid y); split the rows");
   if (!a.scores || !a.visible || !a.block_scores || !a.block_ids || !a.positions)
     throw error("candidate_pool: null pointer argument");
-  detail::block_max_kernel<<<dim3(unsigned((blocks + 255) / 256), unsigned(a.rows)), 256, 0, stream>>>(a);
+  runtime::launch_programmatic(detail::block_max_kernel, dim3(unsigned((blocks + 255) / 256), unsigned(a.rows)), dim3(256), 0,
+                               stream, a);
   DSV4_CUDA_CHECK_LAUNCH();
   // Visible = all blocks: the expansion, not the selection, turns unusable blocks into holes.
   // The visible counts must live on the device; the block count is the same for every row.
@@ -344,8 +354,9 @@ inline long long candidate_pool(const candidate_args& a, cudaStream_t stream = n
   t.offset = 0;
   t.out = a.block_ids;
   select_topk(t, stream);
-  detail::expand_blocks_kernel<<<dim3(unsigned((static_cast<long long>(kb) * a.block + 255) / 256), unsigned(a.rows)), 256, 0,
-                                 stream>>>(a, kb);
+  runtime::launch_programmatic(detail::expand_blocks_kernel,
+                               dim3(unsigned((static_cast<long long>(kb) * a.block + 255) / 256), unsigned(a.rows)), dim3(256),
+                               0, stream, a, kb);
   DSV4_CUDA_CHECK_LAUNCH();
   return static_cast<long long>(kb) * a.block;
 }
@@ -358,7 +369,7 @@ inline void select_topk(const topk_args& a, cudaStream_t stream) {
                 std::to_string(a.n) + ")");
   if (a.rows == 0 || a.k == 0) return;
   if (!a.scores || !a.out) throw error("select_topk: null pointer argument");
-  detail::topk_kernel<<<unsigned(a.rows), detail::topk_threads, 0, stream>>>(a);
+  runtime::launch_programmatic(detail::topk_kernel, dim3(unsigned(a.rows)), dim3(detail::topk_threads), 0, stream, a);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 

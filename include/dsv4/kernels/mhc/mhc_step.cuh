@@ -28,6 +28,7 @@
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
+#include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::kernels::mhc {
 
@@ -101,6 +102,8 @@ DSV4_DEVICE uint4 pack8(const float (&v)[8]) {
 
 template <int TB>
 DSV4_KERNEL void __launch_bounds__(mhc_threads) mhc_step_kernel(mhc_step_args a, double* partials, unsigned* counters) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   constexpr int P = mhc_workspace::partial_count, S = mhc_workspace::slice, kChunks = S / 8;
   const int dim = a.dim, splits = (dim + S - 1) / S, split = blockIdx.x;
   const long long group = blockIdx.y, tok0 = group * TB;
@@ -308,13 +311,13 @@ inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t str
   // is then read once per 8 tokens).
   if (a.tokens <= 16) {
     if (a.tokens > 65535) throw error(where + "too many tokens for one launch");
-    detail::mhc_step_kernel<1><<<dim3(splits, unsigned(a.tokens)), detail::mhc_threads, 0, stream>>>(a, ws.partials(),
-                                                                                                   ws.counters());
+    runtime::launch_programmatic(detail::mhc_step_kernel<1>, dim3(splits, unsigned(a.tokens)), dim3(detail::mhc_threads), 0,
+                                 stream, a, ws.partials(), ws.counters());
   } else {
     const long long groups = (a.tokens + 7) / 8;
     if (groups > 65535) throw error(where + "too many tokens for one launch");
-    detail::mhc_step_kernel<8><<<dim3(splits, unsigned(groups)), detail::mhc_threads, 0, stream>>>(a, ws.partials(),
-                                                                                                  ws.counters());
+    runtime::launch_programmatic(detail::mhc_step_kernel<8>, dim3(splits, unsigned(groups)), dim3(detail::mhc_threads), 0,
+                                 stream, a, ws.partials(), ws.counters());
   }
   DSV4_CUDA_CHECK_LAUNCH();
 }

@@ -9,6 +9,7 @@
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/mhc/sinkhorn.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
+#include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::kernels::mhc {
 
@@ -65,6 +66,8 @@ DSV4_DEVICE void split_sinkhorn_warp(const float* mixes, const float* scale, con
 
 namespace detail {
 DSV4_KERNEL void sinkhorn_kernel(sinkhorn_args a) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= a.tokens) return;
   float m[mix_count], pre[hc], post[hc], comb[hc * hc];
@@ -82,7 +85,7 @@ inline void split_sinkhorn(const sinkhorn_args& a, cudaStream_t stream = nullptr
   if (a.tokens < 0 || a.iters < 1) throw error("split_sinkhorn: need tokens >= 0 and iters >= 1");
   if (a.tokens == 0) return;
   if (!a.mixes || !a.scale || !a.base || !a.pre || !a.post || !a.comb) throw error("split_sinkhorn: null pointer argument");
-  detail::sinkhorn_kernel<<<unsigned((a.tokens + 127) / 128), 128, 0, stream>>>(a);
+  runtime::launch_programmatic(detail::sinkhorn_kernel, dim3(unsigned((a.tokens + 127) / 128)), dim3(128), 0, stream, a);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 

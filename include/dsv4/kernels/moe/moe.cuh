@@ -33,6 +33,7 @@
 #include "dsv4/numerics/quantize.cuh"
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
+#include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::kernels::moe {
 
@@ -132,6 +133,8 @@ inline constexpr int gate_smem_budget = 96 * 1024;
 DSV4_KERNEL void __launch_bounds__(gate_threads) gate_logits_kernel(const bf16* x, long long tokens, int dim, const bf16* w,
                                                                     int experts, int per_cta, float gate_temp,
                                                                     float* logits) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   extern __shared__ uint4 staged[];  // [1 + per_cta][dim / 8]: the gate row, then the group's x rows
   const int e = blockIdx.x, chunks = dim / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -176,7 +179,8 @@ inline void gate_logits(const bf16* x, long long tokens, int dim, const bf16* w,
   if (smem > 48 * 1024)  // above the default limit of dynamic shared memory: opt in
     DSV4_CUDA_CHECK(cudaFuncSetAttribute(gate_logits_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(unsigned(experts), unsigned(std::min<long long>((tokens + per_cta - 1) / per_cta, 65535)));
-  gate_logits_kernel<<<grid, gate_threads, smem, stream>>>(x, tokens, dim, w, experts, per_cta, gate_temp, logits);
+  runtime::launch_programmatic(gate_logits_kernel, grid, dim3(gate_threads), std::size_t(smem), stream, x, tokens, dim, w,
+                               experts, per_cta, gate_temp, logits);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 
@@ -190,6 +194,8 @@ DSV4_DEVICE float softplus_torch(float s) { return s > 20.0f ? s : log1pf(expf(s
 DSV4_KERNEL void __launch_bounds__(256) route_kernel(const float* logits, long long tokens, moe_shape s, const float* bias,
                                                      const float* bias_vl, const std::uint8_t* is_image, int* sel_expert,
                                                      float* sel_weight, int* pair_index) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   constexpr int kPerLane = max_experts / 32;
   const long long t = (long long)blockIdx.x * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -240,6 +246,8 @@ DSV4_KERNEL void __launch_bounds__(256) route_kernel(const float* logits, long l
 DSV4_KERNEL void __launch_bounds__(max_experts) tile_list_kernel(const int* sorted_expert, int pairs, int experts, int tile,
                                                                int* tile_group, int* tile_row0, int* tile_rows,
                                                                int* tile_count) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   using scan = cub::BlockScan<int, max_experts>;
   __shared__ typename scan::TempStorage temp;
   const int e = threadIdx.x;
@@ -265,6 +273,8 @@ DSV4_KERNEL void __launch_bounds__(max_experts) tile_list_kernel(const int* sort
 
 //! For each sorted row: its token (A's row for w1 / w3) and, per pair, its row (for the combine).
 DSV4_KERNEL void rows_kernel(const int* sorted_pair, int pairs, int k, int* row_token, int* pair_row) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= pairs) return;
   const int p = sorted_pair[r];
@@ -275,6 +285,8 @@ DSV4_KERNEL void rows_kernel(const int* sorted_pair, int pairs, int k, int* row_
 //! h = bf16(weight * (silu(min(g, L)) * clamp(u, -L, L))), weight from the row's pair (1 if null).
 DSV4_KERNEL void swiglu_kernel(const bf16* g, const bf16* u, long long rows, int inter, float limit,
                                const float* sel_weight, const int* sorted_pair, bf16* h) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= rows * inter) return;
   const long long r = i / inter;
@@ -291,6 +303,8 @@ DSV4_KERNEL void swiglu_kernel(const bf16* g, const bf16* u, long long rows, int
 //! a layer at batch 1). The sum per channel is the same sequence of additions either way.
 DSV4_KERNEL void combine_kernel(const bf16* expert_out, const bf16* shared_out, const int* sel_expert,
                                 const int* pair_row, long long tokens, int k, int dim, bf16* y) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   const long long t = blockIdx.x;
   const int d = int(blockIdx.y) * int(blockDim.x) + int(threadIdx.x);
   if (t >= tokens || d >= dim) return;
@@ -340,9 +354,9 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
 
   // 1-2. Routing.
   detail::gate_logits(x, tokens, s.dim, w.gate, s.experts, s.gate_temp, ws.logits.data(), stream);
-  detail::route_kernel<<<unsigned((tokens + 7) / 8), 256, 0, stream>>>(ws.logits.data(), tokens, s, w.bias, w.bias_vl,
-                                                                       is_image, ws.sel_expert.data(),
-                                                                       ws.sel_weight.data(), ws.pair_index.data());
+  runtime::launch_programmatic(detail::route_kernel, dim3(unsigned((tokens + 7) / 8)), dim3(256), 0, stream, ws.logits.data(),
+                               tokens, s, w.bias, w.bias_vl, is_image, ws.sel_expert.data(), ws.sel_weight.data(),
+                               ws.pair_index.data());
   DSV4_CUDA_CHECK_LAUNCH();
   // 3. Dispatch: stable sort by expert, tile list, row maps.
   std::size_t temp_bytes = ws.sort_temp.size();
@@ -350,12 +364,12 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
                                                   ws.sorted_expert.data(), ws.pair_index.data(), ws.sorted_pair.data(),
                                                   pairs, 0, 10, stream));
   const int tile = pairs / s.experts >= 8 ? 16 : 8;
-  detail::tile_list_kernel<<<1, max_experts, 0, stream>>>(ws.sorted_expert.data(), pairs, s.experts, tile,
-                                                          ws.tile_group.data(), ws.tile_row0.data(), ws.tile_rows.data(),
-                                                          ws.tile_count.data());
+  runtime::launch_programmatic(detail::tile_list_kernel, dim3(1), dim3(max_experts), 0, stream, ws.sorted_expert.data(), pairs,
+                               s.experts, tile, ws.tile_group.data(), ws.tile_row0.data(), ws.tile_rows.data(),
+                               ws.tile_count.data());
   DSV4_CUDA_CHECK_LAUNCH();
-  detail::rows_kernel<<<unsigned((pairs + 255) / 256), 256, 0, stream>>>(ws.sorted_pair.data(), pairs, s.k,
-                                                                          ws.row_token.data(), ws.pair_row.data());
+  runtime::launch_programmatic(detail::rows_kernel, dim3(unsigned((pairs + 255) / 256)), dim3(256), 0, stream,
+                               ws.sorted_pair.data(), pairs, s.k, ws.row_token.data(), ws.pair_row.data());
   DSV4_CUDA_CHECK_LAUNCH();
   // 4. Routed experts.
   detail::quantize_rows(x, tokens, s.dim, ws.xq.data(), ws.xs.data(), stream);
@@ -371,9 +385,9 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   gemm::grouped_block_scaled_gemm({{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w3, w.w3_s, ws.u.data()}, groups,
                                   gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
   const long long act = (long long)pairs * s.inter;
-  detail::swiglu_kernel<<<unsigned((act + 255) / 256), 256, 0, stream>>>(ws.g.data(), ws.u.data(), pairs, s.inter,
-                                                                          s.swiglu_limit, ws.sel_weight.data(),
-                                                                          ws.sorted_pair.data(), ws.h.data());
+  runtime::launch_programmatic(detail::swiglu_kernel, dim3(unsigned((act + 255) / 256)), dim3(256), 0, stream, ws.g.data(),
+                               ws.u.data(), pairs, s.inter, s.swiglu_limit, ws.sel_weight.data(), ws.sorted_pair.data(),
+                               ws.h.data());
   DSV4_CUDA_CHECK_LAUNCH();
   detail::quantize_rows(ws.h.data(), pairs, s.inter, ws.hq.data(), ws.hs.data(), stream);
   groups.a_row_index = nullptr;  // w2 reads the activations in sorted order
@@ -388,16 +402,16 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   gemm::block_scaled_gemm({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s3, w.s3_s, ws.su.data()},
                           gemm::weight_format::fp8_tile32, &ws.gemm, stream);
   const long long sact = tokens * s.inter;
-  detail::swiglu_kernel<<<unsigned((sact + 255) / 256), 256, 0, stream>>>(ws.sg.data(), ws.su.data(), tokens, s.inter,
-                                                                           s.swiglu_limit, nullptr, nullptr, ws.sh.data());
+  runtime::launch_programmatic(detail::swiglu_kernel, dim3(unsigned((sact + 255) / 256)), dim3(256), 0, stream, ws.sg.data(),
+                               ws.su.data(), tokens, s.inter, s.swiglu_limit, nullptr, nullptr, ws.sh.data());
   DSV4_CUDA_CHECK_LAUNCH();
   detail::quantize_rows(ws.sh.data(), tokens, s.inter, ws.shq.data(), ws.shs.data(), stream);
   gemm::block_scaled_gemm({{m, s.dim, s.inter}, ws.shq.data(), ws.shs.data(), w.s2, w.s2_s, ws.shared_out.data()},
                           gemm::weight_format::fp8_tile32, &ws.gemm, stream);
   // 6. Combine.
   const dim3 combine_grid(unsigned(tokens), unsigned((s.dim + 127) / 128));
-  detail::combine_kernel<<<combine_grid, 128, 0, stream>>>(ws.expert_out.data(), ws.shared_out.data(), ws.sel_expert.data(),
-                                                           ws.pair_row.data(), tokens, s.k, s.dim, y);
+  runtime::launch_programmatic(detail::combine_kernel, combine_grid, dim3(128), 0, stream, ws.expert_out.data(),
+                               ws.shared_out.data(), ws.sel_expert.data(), ws.pair_row.data(), tokens, s.k, s.dim, y);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 

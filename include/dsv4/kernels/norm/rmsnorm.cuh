@@ -15,6 +15,7 @@
 #include "dsv4/core/error.hpp"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
+#include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::kernels::norm {
 
@@ -43,6 +44,8 @@ DSV4_DEVICE float weight_value(const Weight* w, int i) {
 
 template <class Weight>
 DSV4_KERNEL void __launch_bounds__(rmsnorm_threads) rmsnorm_kernel(rmsnorm_args<Weight> a) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   __shared__ double partial[rmsnorm_threads / 32];
   __shared__ float inv_rms;
   const numerics::bf16* x = a.x + blockIdx.x * a.x_stride;
@@ -85,7 +88,8 @@ void rmsnorm(const rmsnorm_args<Weight>& a, cudaStream_t stream = nullptr) {
   if (reinterpret_cast<std::uintptr_t>(a.x) % 16 || a.x_stride % 8)
     throw error(where + "x must be 16-byte aligned with a row stride that is a multiple of 8 elements");
   if (a.x_stride < a.dim || a.y_stride < a.dim) throw error(where + "row strides must be at least dim");
-  detail::rmsnorm_kernel<Weight><<<unsigned(a.rows), detail::rmsnorm_threads, 0, stream>>>(a);
+  runtime::launch_programmatic(detail::rmsnorm_kernel<Weight>, dim3(unsigned(a.rows)), dim3(detail::rmsnorm_threads), 0, stream,
+                               a);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 

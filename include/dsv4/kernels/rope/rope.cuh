@@ -11,6 +11,7 @@
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/rope/rope.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
+#include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::kernels::rope {
 
@@ -27,6 +28,8 @@ struct rope_args {
 
 namespace detail {
 DSV4_KERNEL void rope_kernel(rope_args a) {
+  runtime::wait_for_previous_grid();
+  runtime::allow_dependent_launch();
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long total = a.n_positions * a.vectors_per_position * a.pairs;
   if (t >= total) return;
@@ -48,7 +51,7 @@ inline void apply_rope(const rope_args& a, cudaStream_t stream = nullptr) {
   const long long total = a.n_positions * a.vectors_per_position * a.pairs;
   if (total == 0) return;
   if (!a.x || !a.positions || !a.freqs) throw error("apply_rope: null pointer argument");
-  detail::rope_kernel<<<unsigned((total + 255) / 256), 256, 0, stream>>>(a);
+  runtime::launch_programmatic(detail::rope_kernel, dim3(unsigned((total + 255) / 256)), dim3(256), 0, stream, a);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 
