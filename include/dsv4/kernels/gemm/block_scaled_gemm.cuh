@@ -26,6 +26,8 @@
 //!   launch does it all.
 //! - Each block's partial is scaled and accumulated with one FMA by the product of the two
 //!   power-of-two scales (exact; see the kernel), so the fp32 pipe keeps up with the MMAs.
+//! - Launched programmatically (runtime/pdl.cuh): a GEMM starts while the kernel before it (the
+//!   activation quantizer) finishes, and requests its first weights before waiting for it.
 
 #include <cuda_runtime.h>  // provides cudaStream_t, uint2
 
@@ -41,6 +43,7 @@
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "dsv4/runtime/device_info.cuh"
+#include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::kernels::gemm {
 
@@ -140,7 +143,14 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
   // Grouped (MoE): token group x is entry x of the tile list: one group's weights, a run of
   // rows of A and C (A's rows possibly through an index).
   int tok_base = blockIdx.x * kToksPerCta, tok_end = M;
-  if (groups.tile_group) {
+  // Launched programmatically (runtime/pdl.cuh). A grouped GEMM's tile list comes from the
+  // kernel before, so it waits first; a plain GEMM starts loading its weights, then waits.
+  const bool grouped = groups.tile_group != nullptr;
+  if (grouped) {
+    runtime::wait_for_previous_grid();
+    runtime::allow_dependent_launch();
+  }
+  if (grouped) {
     if (int(blockIdx.x) >= *groups.tile_count) return;
     const int group = groups.tile_group[blockIdx.x];
     tok_base = groups.tile_row0[blockIdx.x];
@@ -194,7 +204,8 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
     uint2 af[Unroll][TokenTiles];
     std::uint32_t wsc[Unroll][RowTiles][2], asc[Unroll][TokenTiles][2];
   };
-  auto load = [&](stage& st, int kb0) {
+  // Weight codes and scales do not depend on the kernel before; activations and their scales do.
+  auto load_weights = [&](stage& st, int kb0) {
 #pragma unroll
     for (int u = 0; u < Unroll; ++u) {
       const int kb = kb0 + u;
@@ -215,13 +226,26 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
 #pragma unroll
         for (int h = 0; h < 2; ++h) st.wsc[u][r][h] = go ? __ldg(ws_row[r][h] + kb * ws_step) : 127u;
       }
+    }
+  };
+  // The activations and their scales come from the kernel before: read only after waiting for it
+  // (ordinary loads, as for any data another grid wrote while this one was resident).
+  auto load_activations = [&](stage& st, int kb0) {
+#pragma unroll
+    for (int u = 0; u < Unroll; ++u) {
+      const int kb = kb0 + u;
+      const bool ok = kb < kb_end;
 #pragma unroll
       for (int t = 0; t < TokenTiles; ++t) {
-        st.af[u][t] = ok && tok_ok[t] ? __ldg(reinterpret_cast<const uint2*>(a_row[t] + kb * 32)) : make_uint2(0, 0);
+        st.af[u][t] = ok && tok_ok[t] ? *reinterpret_cast<const uint2*>(a_row[t] + kb * 32) : make_uint2(0, 0);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) st.asc[u][t][h] = ok ? __ldg(as_row[t][h] + kb) : 127u;
+        for (int h = 0; h < 2; ++h) st.asc[u][t][h] = ok ? *(as_row[t][h] + kb) : 127u;
       }
     }
+  };
+  auto load = [&](stage& st, int kb0) {
+    load_weights(st, kb0);
+    load_activations(st, kb0);
   };
   float acc[RowTiles][TokenTiles][4] = {};
   auto multiply = [&](const stage& st, int kb0) {
@@ -258,15 +282,25 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
       }
     }
   };
+  // Both stages' weights are requested before waiting for the kernel before (a plain GEMM), so
+  // the first DRAM round trip overlaps that kernel's tail; then one stage is multiplied while
+  // the other loads.
   stage even, odd;
-  if (kb_begin < kb_end) load(even, kb_begin);
+  if (kb_begin < kb_end) load_weights(even, kb_begin);
+  if (kb_begin + Unroll < kb_end) load_weights(odd, kb_begin + Unroll);
+  if (!grouped) {
+    runtime::wait_for_previous_grid();
+    runtime::allow_dependent_launch();
+  }
+  if (kb_begin < kb_end) load_activations(even, kb_begin);
+  if (kb_begin + Unroll < kb_end) load_activations(odd, kb_begin + Unroll);
   for (int kb0 = kb_begin; kb0 < kb_end;) {
-    if (kb0 + Unroll < kb_end) load(odd, kb0 + Unroll);
     multiply(even, kb0);
+    if (kb0 + 2 * Unroll < kb_end) load(even, kb0 + 2 * Unroll);
     kb0 += Unroll;
     if (kb0 >= kb_end) break;
-    if (kb0 + Unroll < kb_end) load(even, kb0 + Unroll);
     multiply(odd, kb0);
+    if (kb0 + 2 * Unroll < kb_end) load(odd, kb0 + 2 * Unroll);
     kb0 += Unroll;
   }
 
@@ -400,7 +434,8 @@ void launch(const block_scaled_gemm_args& g, const gemm_plan& p, gemm_workspace*
   float* partials = ws ? ws->partials() : nullptr;
   unsigned* counters = ws ? ws->counters() : nullptr;
   auto go = [&](auto kernel) {
-    kernel<<<grid, gemm_warps * 32, 0, stream>>>(g, gemm_groups{}, p.kbps, p.slices, partials, counters);
+    runtime::launch_programmatic(kernel, grid, dim3(gemm_warps * 32), 0, stream, g, gemm_groups{}, p.kbps, p.slices,
+                                 partials, counters);
   };
   if (p.token_tiles == 8) return go(block_scaled_gemm_kernel<WF, 8, 1, 1, 1>);
   if (p.token_tiles == 1) return go(block_scaled_gemm_kernel<WF, 1, 1, 4, 1>);
@@ -428,7 +463,10 @@ inline void grouped_block_scaled_gemm(const block_scaled_gemm_args& g, const gem
   const unsigned row_groups = unsigned((g.shape.n + 15) / 16);  // one 16-row tile per CTA, K over the warps
   const dim3 grid(unsigned(max_tiles), 1, row_groups);
   const int kb = g.shape.k / 32;
-  auto go = [&](auto kernel) { kernel<<<grid, detail::gemm_warps * 32, 0, stream>>>(g, groups, kb, 1, nullptr, nullptr); };
+  auto go = [&](auto kernel) {
+    runtime::launch_programmatic(kernel, grid, dim3(detail::gemm_warps * 32), 0, stream, g, groups, kb, 1,
+                                 static_cast<float*>(nullptr), static_cast<unsigned*>(nullptr));
+  };
   if (wf == weight_format::fp8_tile32)
     token_tiles == 1 ? go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 1, 1, 4, detail::gemm_warps>)
                      : go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 2, 1, 4, detail::gemm_warps>);

@@ -1,0 +1,57 @@
+#pragma once
+//! \file
+//! Programmatic dependent launch (Hopper): a kernel launched with `launch_programmatic` may start
+//! while the kernel before it on the stream is still running, do work that does not depend on
+//! that kernel (a decode GEMM streams its weights), then call `wait_for_previous_grid()` before
+//! it touches anything the previous kernel writes or reads. A kernel that wants its successor to
+//! start early calls `allow_dependent_launch()`; without it the successor starts as the
+//! kernel's last blocks exit, which still saves the launch latency.
+//!
+//! Rules that keep this correct (docs/decisions.md, "programmatic dependent launch"):
+//! - Only kernels that call `wait_for_previous_grid()` in every thread, before their first read
+//!   of a previous kernel's output and before their first write of any buffer, are launched
+//!   with `launch_programmatic`. Then a kernel's completion implies its predecessor's, so
+//!   ordinary stream order stays transitive for everything launched after it.
+//! - On devices before sm_90, and for kernels launched the ordinary way, both calls are no-ops.
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "dsv4/config.hpp"
+#include "dsv4/runtime/cuda_check.cuh"
+
+namespace dsv4::runtime {
+
+//! Blocks until the previous kernel on the stream has completed and its writes are visible.
+DSV4_DEVICE void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+//! Lets the next kernel on the stream (if launched programmatically) be scheduled now.
+DSV4_DEVICE void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+//! Launches `kernel` so that it may overlap the tail of the kernel before it on `stream`.
+template <class... Params, class... Args>
+void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes,
+                         cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  DSV4_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace dsv4::runtime
