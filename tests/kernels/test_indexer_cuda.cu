@@ -115,7 +115,7 @@ BOOST_AUTO_TEST_CASE(select_breaks_ties_toward_lowest_index, *utf::label("gpu") 
   }
 }
 
-// torch.topk's order on inputs the scan never produces (numerics::topk_order_key): -0 ties +0,
+// torch.topk's order on inputs the scan never produces (numerics::topk_order_key): -0 below +0,
 // every NaN (either sign, any payload) ranks above +inf and NaNs tie, -inf lowest; ties to the
 // lowest index. Rows mix these with small integers (many ties), from all-special to a sprinkle,
 // with NaN counts below and above k; the kernel's selection and the candidate pool's block maxima

@@ -6,7 +6,7 @@
 //! memory as fp32; each thread dequantizes its MXFP4 key one 32-channel block at a time and keeps
 //! one fp32 dot product per head. Scores are stored as bf16 (-inf where not visible).
 //!
-//! Top-k: one CTA per row, in torch.topk's order (numerics/order_key.hpp: -0 ties +0, NaN above
+//! Top-k: one CTA per row, in torch.topk's order (numerics/order_key.hpp: -0 below +0, NaN above
 //! +inf, NaNs tied). Two histogram passes over the orderable 16-bit keys (per-warp bins,
 //! 16-byte reads) find the k-th largest score T and how many scores exceed it; an ordered pass
 //! then keeps every score > T and the lowest-index scores == T, each thread owning 16 consecutive
@@ -145,7 +145,7 @@ DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_ar
 }
 
 //! bf16 bits -> 16-bit key in torch.topk's order (`numerics::topk_order_key_bf16`, shared with the
-//! host reference): -inf lowest (0x007f), -0 equal to +0, every NaN above +inf and all NaNs equal
+//! host reference): -inf lowest (0x007f), -0 below +0, every NaN above +inf and all NaNs equal
 //! (0xffff). Scores from index_scan are never NaN or -0; the order matters for other inputs.
 DSV4_DEVICE unsigned order_key(std::uint16_t b) { return numerics::topk_order_key_bf16(b); }
 

@@ -10,7 +10,7 @@
 //! bf16(weights_proj(x))_h * 2^-6 (exact). Masked positions score -inf.
 //!
 //! Selection: the k = min(topk, end_pos / ratio) largest scores in torch.topk's order
-//! (`numerics::topk_order_key`: -0 ties +0, every NaN above +inf and all NaNs tied), ties broken
+//! (`numerics::topk_order_key`: -0 below +0, every NaN above +inf and all NaNs tied), ties broken
 //! toward the lowest index (PyTorch CUDA's observed behaviour, spec §7 and §18), returned in
 //! ascending order, with every index >= the row's visible count replaced by -1 (those sit at the
 //! end) and the rest shifted by `offset` (the window operand length), ready for sparse attention.

@@ -55,8 +55,9 @@ inline float softplus_torch(float s) { return s > 20.0f ? s : std::log1p(std::ex
 //! alike, by `numerics::topk_order_key` (numerics/order_key.hpp), torch.topk's order: larger key =
 //! chosen first, equal keys go to the lower expert id; every NaN ranks above +inf (and NaNs tie),
 //! -inf lowest. It is PyTorch's radix key for fp32 (`TopKTypeConfig<float>::convert` in ATen's
-//! SortingRadixSelect.cuh) except that -0 ties with +0, which a biased score never meets: the
-//! score is +0 or above (or NaN), and x + (-x) is +0. A NaN biased score (a NaN logit, from NaN in
+//! SortingRadixSelect.cuh) except that every NaN ranks first (the radix key ranks a negative NaN
+//! last); -0 ranks below +0 as there, though a biased score is never -0 (it is +0 or above, or
+//! NaN, and x + (-x) is +0). A NaN biased score (a NaN logit, from NaN in
 //! x or a gate row, or a NaN bias) therefore picks its expert first, as the reference does; the
 //! expert's weight is its unbiased score, so a NaN score makes the token's weights and output NaN,
 //! as in the reference, and a NaN bias alone changes only the choice. The keys of all floats are
