@@ -13,6 +13,7 @@
 //!   with `launch_programmatic`. Then a kernel's completion implies its predecessor's, so
 //!   ordinary stream order stays transitive for everything launched after it.
 //! - On devices before sm_90, and for kernels launched the ordinary way, both calls are no-ops.
+//! - Defining DSV4_NO_PDL makes every launch ordinary (to rule PDL in or out when hunting a race).
 
 #include <cuda_runtime.h>
 
@@ -50,7 +51,11 @@ void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, std::
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
+#ifdef DSV4_NO_PDL
+  config.numAttrs = 0;
+#else
   config.numAttrs = 1;
+#endif
   DSV4_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
