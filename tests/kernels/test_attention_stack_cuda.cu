@@ -174,7 +174,11 @@ BOOST_AUTO_TEST_CASE(prefill_and_batched_decode_match_host, *utf::label("gpu") *
                                                                                     << append_stats.exact_rows << " bit-equal, "
                                                                                     << append_stats.loose_rows << " beyond 2^-5, worst "
                                                                                     << append_stats.worst);
-  BOOST_TEST(append_stats.exact_rows * 10 >= append_stats.rows * 9);
+  // The appended rows write cache entries that every later row of the sequence reads, so one
+  // rounding-boundary crossing or top-k near-tie in a chunk reaches many rows: measured on the
+  // H200 over seeds, 127 to 145 of the 145 rows bit-equal (127: DSV4_TEST_SEED=1465402800403392140,
+  // the same with programmatic launch off). A systematic error leaves few rows bit-equal.
+  BOOST_TEST(append_stats.exact_rows * 4 >= append_stats.rows * 3);
   BOOST_TEST(append_stats.loose_rows * 50 <= append_stats.rows);
   BOOST_TEST_MESSAGE("attention stack, prefill: " << prefill_stats.rows << " rows, " << prefill_stats.exact_rows
                                                   << " bit-equal, " << prefill_stats.loose_rows
