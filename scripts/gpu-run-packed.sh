@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Runs binaries packed by scripts/gpu-pack.sh on the GPU machine: every GPU test binary's GPU
+# cases (a skipped GPU case is a failure here), the CLI's CUDA backend, then optionally
+# compute-sanitizer and bench_model (tiny). Results in $OUT (default build/gpu-run): summary.txt
+# and one logs.tar.gz. Exit status 0 only if everything run passed.
+#
+#   bash scripts/gpu-run-packed.sh [PACKDIR]            # default devbin/pack
+#   MEMCHECK="test_gemm_cuda test_moe_cuda" ...         # memcheck on these (all: MEMCHECK=all)
+#   INITCHECK=...  BENCH=1  MC_LIMIT=seconds-per-binary (default 200)
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+pack=$(cd "${1:-$repo/devbin/pack}" && pwd)
+out=${OUT:-$repo/build/gpu-run}
+mkdir -p "$out"
+# The binaries name their test data by the absolute path of the build machine's checkout
+# (data_path.txt): make that path lead to this checkout if it does not exist here.
+data=$(cat "$pack/data_path.txt")
+if [ ! -d "$data" ]; then
+  root=$(dirname "$(dirname "$data")")
+  mkdir -p "$(dirname "$root")" && ln -sfn "$repo" "$root"
+fi
+bin=$(mktemp -d)
+tar -xJf "$pack/bins.tar.xz" -C "$bin"
+cd "$bin"
+log() { echo "$*" | tee -a "$out/summary.txt"; }
+log "pack: $(tr '\n' ' ' < "$pack/commit.txt")"
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 || true; } | sed 's/^/gpu: /' | tee -a "$out/summary.txt"
+fail=0
+for t in tests/test_*_cuda; do
+  n=$(basename "$t")
+  if ./"$t" --run_test=@gpu --report_level=detailed > "$out/$n.log" 2>&1; then r=passed; else r=FAILED; fail=1; fi
+  grep -q "was skipped" "$out/$n.log" && { r="FAILED (GPU cases skipped)"; fail=1; }
+  log "$n: $r $(grep -aE 'DSV4_TEST_SEED|error:' "$out/$n.log" | head -3 | tr '\n' ' ')"
+done
+if apps/dsv4 run --backend cuda --tokens 3 --seed 7 > "$out/cli.log" 2>&1 && grep -q "generated:" "$out/cli.log"; then
+  log "dsv4 run --backend cuda: passed"
+else
+  fail=1; log "dsv4 run --backend cuda: FAILED"
+fi
+sanitize() {
+  local tool=$1 list=$2 extra=()
+  [ "$tool" = initcheck ] && extra=(--kernel-name-exclude kns=splitKreduce)  # see gpu-suite.sh
+  [ "$list" = all ] && list=$(cd tests && ls test_*_cuda)
+  for n in $list; do
+    if timeout "${MC_LIMIT:-200}" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 86 tests/"$n" --run_test=@gpu \
+        > "$out/$n.$tool.log" 2>&1; then
+      log "$n under $tool: clean"
+    else
+      fail=1; log "$n under $tool: FAILED or timed out"
+    fi
+  done
+}
+[ -n "${MEMCHECK:-}" ] && sanitize memcheck "$MEMCHECK"
+[ -n "${INITCHECK:-}" ] && sanitize initcheck "$INITCHECK"
+if [ -n "${BENCH:-}" ]; then
+  bench/bench_model > "$out/bench_model.txt" 2>&1 || fail=1
+  grep -E "^(prefill|decode)" "$out/bench_model.txt" | tee -a "$out/summary.txt"
+fi
+log "$([ "$fail" = 0 ] && echo 'ALL PASSED' || echo 'SOMETHING FAILED')"
+# The device tool returns a few files: keep summary.txt loose, pack the rest.
+tar -czf "$out/logs.tar.gz" -C "$out" --exclude summary.txt --exclude logs.tar.gz . 2>/dev/null
+find "$out" -maxdepth 1 -type f ! -name summary.txt ! -name logs.tar.gz -delete
+exit "$fail"
