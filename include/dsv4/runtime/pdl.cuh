@@ -14,6 +14,10 @@
 //!   ordinary stream order stays transitive for everything launched after it.
 //! - On devices before sm_90, and for kernels launched the ordinary way, both calls are no-ops.
 //! - Defining DSV4_NO_PDL makes every launch ordinary (to rule PDL in or out when hunting a race).
+//!   Define it for the whole program (CMake: -DDSV4_NO_PDL=ON), not per translation unit: the
+//!   launcher is one inline template, and mixed definitions would be an ODR violation.
+//! - Where any target architecture of the build is below sm_90 (a kernel image that cannot wait),
+//!   every launch is ordinary too (`pdl_enabled`).
 
 #include <cuda_runtime.h>
 
@@ -38,6 +42,21 @@ DSV4_DEVICE void allow_dependent_launch() {
 #endif
 }
 
+//! Whether launches may be programmatic: every architecture this translation unit is compiled
+//! for is sm_90 or newer (nvcc lists them in __CUDA_ARCH_LIST__), and DSV4_NO_PDL is not set.
+inline constexpr bool pdl_enabled = [] {
+#if defined(DSV4_NO_PDL)
+  return false;
+#elif defined(__CUDA_ARCH_LIST__)
+  constexpr int archs[] = {__CUDA_ARCH_LIST__};
+  for (int a : archs)
+    if (a < 900) return false;
+  return true;
+#else
+  return true;
+#endif
+}();
+
 //! Launches `kernel` so that it may overlap the tail of the kernel before it on `stream`.
 template <class... Params, class... Args>
 void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes,
@@ -51,12 +70,12 @@ void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, std::
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-#ifdef DSV4_NO_PDL
-  config.numAttrs = 0;
-#else
-  config.numAttrs = 1;
-#endif
-  DSV4_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  config.numAttrs = pdl_enabled ? 1 : 0;
+  const cudaError_t launched = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  if (launched != cudaSuccess) {
+    (void)cudaGetLastError();  // reported here, not again by the next launch's check
+    DSV4_CUDA_CHECK(launched);
+  }
 }
 
 }  // namespace dsv4::runtime
