@@ -4,6 +4,8 @@
 
 #include <boost/test/unit_test.hpp>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -25,6 +27,49 @@ using namespace dsv4;
 using tiny = models::tiny;
 
 BOOST_AUTO_TEST_SUITE(model_forward)
+
+// Engram tables read in place from the checkpoint's memory mapping (engram_tables::mapped, for
+// V4.1's ~100 GB tables) instead of copied: the same bytes, no copy, the same logits bit for bit.
+BOOST_AUTO_TEST_CASE(mapped_engram_tables_give_the_copied_logits) {
+  const test::temp_checkpoint tmp("mapped", models::checkpoint_schema<tiny>(), 43);
+  io::checkpoint ck(tmp.dir);
+  std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
+  std::iota(token_map.begin(), token_map.end(), 0);
+  const auto copied = model::host_model<tiny>::load(ck, token_map);
+  const auto mapped = model::host_model<tiny>::load(ck, token_map, model::engram_tables::mapped);
+  BOOST_REQUIRE_EQUAL(mapped.engrams.size(), copied.engrams.size());
+  BOOST_REQUIRE(!mapped.engrams.empty());
+  for (std::size_t j = 0; j < mapped.engrams.size(); ++j) {
+    const auto& a = copied.engrams[j];
+    const auto& b = mapped.engrams[j];
+    BOOST_TEST(b.embed.empty());  // nothing copied
+    BOOST_TEST(b.embed_scale.empty());
+    BOOST_TEST(a.mapped_embed.empty());
+    BOOST_TEST(std::ranges::equal(a.table_codes(), b.table_codes()));
+    BOOST_TEST(std::ranges::equal(a.table_scales(), b.table_scales()));
+    BOOST_TEST(b.table_codes().size() == std::size_t(b.rows * b.head_dim));
+  }
+  auto rng = test::make_rng(96);
+  std::vector<std::int32_t> ids(12);
+  for (auto& id : ids) id = std::int32_t(rng() % std::uint64_t(tiny::dims.vocab_size));
+  model::host_sequence sa, sb;
+  const auto la = model::forward(copied, sa, ids), lb = model::forward(mapped, sb, ids);
+  BOOST_REQUIRE_EQUAL(la.size(), lb.size());
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < la.size(); ++i) differ += std::bit_cast<std::uint32_t>(float(la[i])) != std::bit_cast<std::uint32_t>(float(lb[i]));
+  BOOST_TEST(differ == 0u, differ << " logits differ between mapped and copied Engram tables");
+  // A table of the wrong dtype is refused by name, mapped or not.
+  auto bad = io::checkpoint::in_memory();
+  for (const auto& t : models::checkpoint_schema<tiny>()) {
+    const std::string name = t.name;
+    if (name.find(".engram.embed.weight") == std::string::npos) continue;
+    long long n = 1;
+    for (long long x : t.shape) n *= x;
+    bad.add(name, io::st_dtype::U8, t.shape, std::vector<std::uint8_t>(std::size_t(n), 0));
+  }
+  BOOST_TEST(test::throws_with([&] { model::engram_weights_of<tiny>(bad, 0, 1, model::engram_tables::mapped); },
+                               "engram.embed.weight"));
+}
 
 BOOST_AUTO_TEST_CASE(decode_logits_equal_prefill_logits) {
   const test::temp_checkpoint tmp("model", models::checkpoint_schema<tiny>(), 41);

@@ -32,14 +32,25 @@ struct engram_weights {
   long long rows = 0;                              //!< embedding rows (sum of the tables' primes)
   std::vector<std::uint8_t> embed;                 //!< [rows, head_dim] E4M3 codes
   std::vector<std::uint8_t> embed_scale;           //!< [rows, head_dim / 32] UE8M0
+  //! The table read in place instead (a memory-mapped checkpoint: V4.1's tables are ~100 GB
+  //! each, not worth a copy); when set, `embed` / `embed_scale` stay empty. Whoever sets them
+  //! keeps that memory alive while these weights are used (model::engram_tables::mapped: the
+  //! checkpoint).
+  std::span<const std::uint8_t> mapped_embed, mapped_embed_scale;
   std::vector<std::uint8_t> wkv, wkv_scale;        //!< FP8 [dim * (hc + 1), columns * head_dim], 32 x 32 scales
   std::vector<float> q_weight, k_weight;           //!< [hc, dim], bf16 values
   float eps = 1e-20f;
 
+  //! The table's codes [rows, head_dim] and scales [rows, head_dim / 32], wherever they live.
+  std::span<const std::uint8_t> table_codes() const { return mapped_embed.data() ? mapped_embed : std::span<const std::uint8_t>(embed); }
+  std::span<const std::uint8_t> table_scales() const {
+    return mapped_embed_scale.data() ? mapped_embed_scale : std::span<const std::uint8_t>(embed_scale);
+  }
+
   void check() const {
     const long long k = 1ll * columns * head_dim, n = 1ll * dim * (hc + 1);
     if (head_dim % 32 || k % 32) throw error("engram: head_dim must be a multiple of 32");
-    if (embed.size() != std::size_t(rows * head_dim) || embed_scale.size() != std::size_t(rows * (head_dim / 32)))
+    if (table_codes().size() != std::size_t(rows * head_dim) || table_scales().size() != std::size_t(rows * (head_dim / 32)))
       throw error("engram: embed must be [rows, head_dim] with [rows, head_dim / 32] scales");
     if (wkv.size() != std::size_t(n * k) || wkv_scale.size() != std::size_t(((n + 31) / 32) * (k / 32)))
       throw error("engram: wkv must be [dim * (hc + 1), columns * head_dim] FP8 with 32 x 32 scales");
@@ -59,12 +70,13 @@ struct engram_mix {
 inline std::vector<bf16> engram_rows_reference(const engram_weights& w, std::span<const std::int64_t> hashes) {
   if (hashes.size() != std::size_t(w.columns)) throw error("engram: hashes must be [columns]");
   std::vector<bf16> e(std::size_t(w.columns) * std::size_t(w.head_dim));
+  const auto codes = w.table_codes(), scales = w.table_scales();
   for (int c = 0; c < w.columns; ++c) {
     const std::int64_t row = hashes[std::size_t(c)];
     if (row < 0 || row >= w.rows) throw error("engram: hash row " + std::to_string(row) + " outside the table");
     for (int d = 0; d < w.head_dim; ++d) {
-      const float q = numerics::decode<numerics::e4m3>(w.embed[std::size_t(row) * w.head_dim + d]);
-      const float s = numerics::decode<numerics::ue8m0>(w.embed_scale[std::size_t(row) * (w.head_dim / 32) + d / 32]);
+      const float q = numerics::decode<numerics::e4m3>(codes[std::size_t(row) * w.head_dim + d]);
+      const float s = numerics::decode<numerics::ue8m0>(scales[std::size_t(row) * (w.head_dim / 32) + d / 32]);
       e[std::size_t(c) * w.head_dim + d] = bf16::from_float(numerics::mul_rn(q, s));
     }
   }

@@ -57,8 +57,12 @@ namespace dsv4::model {
 namespace device_detail {
 using runtime::device_buffer;
 template <class T>
+device_buffer<T> upload(std::span<const T> v) {
+  return device_buffer<T>{v};
+}
+template <class T>
 device_buffer<T> upload(const std::vector<T>& v) {
-  return device_buffer<T>{std::span<const T>(v)};
+  return upload(std::span<const T>(v));
 }
 inline device_buffer<bf16> upload_bf16(const std::vector<float>& v) {
   std::vector<bf16> b(v.size());
@@ -174,10 +178,10 @@ class device_model {
       device_engram d;
       if (lim.engram_host_tables)
         d.fetch = std::make_unique<engram::host_table_fetch>(
-            engram::host_table{e.embed.data(), e.embed_scale.data(), e.rows, e.head_dim},
+            engram::host_table{e.table_codes().data(), e.table_scales().data(), e.rows, e.head_dim},
             static_cast<long long>(lim.max_rows) * e.columns);
       else
-        d.embed = upload(e.embed), d.embed_scale = upload(e.embed_scale);
+        d.embed = upload(e.table_codes()), d.embed_scale = upload(e.table_scales());
       const auto t = gm::tile_weight(gm::weight_format::fp8_tile32, e.dim * (e.hc + 1), e.columns * e.head_dim, e.wkv, e.wkv_scale);
       d.wkv = upload(t.codes), d.wkv_scale = upload(t.scales);
       std::vector<float> qk(e.q_weight.size());

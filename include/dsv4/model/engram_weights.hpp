@@ -5,6 +5,7 @@
 //! layout and multipliers the module needs. Errors name the tensor and the file.
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -14,10 +15,29 @@
 
 namespace dsv4::model {
 
+//! How an Engram module's embedding table is held: `copied` into the weights' own vectors, or
+//! `mapped`: read in place from the checkpoint (for a file, its memory mapping: V4.1's tables
+//! are ~100 GB each; the rows a call needs are paged in on first use). With `mapped` the
+//! checkpoint must outlive the weights (and any host or device model built from them).
+enum class engram_tables { copied, mapped };
+
+namespace detail {
+//! The bytes of tensor `name` in place, checked like bytes() (shape, dtype).
+inline std::span<const std::uint8_t> mapped_bytes(io::checkpoint& ck, const std::string& name, std::vector<long long> shape,
+                                                  io::st_dtype dtype) {
+  const io::tensor_view t = need(ck, name, std::move(shape));
+  if (t.dtype != dtype)
+    throw error("checkpoint: tensor '" + name + "' in " + ck.file_of(name) + " is " + io::dtype_name(t.dtype) +
+                ", expected " + io::dtype_name(dtype));
+  return {reinterpret_cast<const std::uint8_t*>(t.bytes.data()), t.bytes.size()};
+}
+}  // namespace detail
+
 //! The Engram module of slot `slot`, read from `ck`. `world` > 1: a tensor-parallel rank's
 //! shard, whose table holds ceil(rows / world) rows (ParallelEngramEmbedding's part).
 template <class Model>
-engram::engram_weights engram_weights_of(io::checkpoint& ck, int slot, int world = 1) {
+engram::engram_weights engram_weights_of(io::checkpoint& ck, int slot, int world = 1,
+                                         engram_tables tables = engram_tables::copied) {
   using sched = typename models::model_traits<Model>::schedule;
   constexpr models::model_config c = Model::dims;
   if (slot < 0 || slot >= int(sched::engram::values.size()))
@@ -31,8 +51,13 @@ engram::engram_weights engram_weights_of(io::checkpoint& ck, int slot, int world
   w.columns = (c.engram.engram_max_ngram_size - 1) * c.engram.engram_n_heads;
   w.rows = (Model::engram_num_embeddings[std::size_t(slot)] + world - 1) / world;
   w.eps = c.norm_eps;
-  w.embed = detail::bytes(ck, p + "embed.weight", {w.rows, w.head_dim}, io::st_dtype::F8_E4M3);
-  w.embed_scale = detail::bytes(ck, p + "embed.scale", {w.rows, w.head_dim / 32}, io::st_dtype::F8_E8M0);
+  if (tables == engram_tables::mapped) {
+    w.mapped_embed = detail::mapped_bytes(ck, p + "embed.weight", {w.rows, w.head_dim}, io::st_dtype::F8_E4M3);
+    w.mapped_embed_scale = detail::mapped_bytes(ck, p + "embed.scale", {w.rows, w.head_dim / 32}, io::st_dtype::F8_E8M0);
+  } else {
+    w.embed = detail::bytes(ck, p + "embed.weight", {w.rows, w.head_dim}, io::st_dtype::F8_E4M3);
+    w.embed_scale = detail::bytes(ck, p + "embed.scale", {w.rows, w.head_dim / 32}, io::st_dtype::F8_E8M0);
+  }
   auto wkv = detail::fp8(ck, p + "wkv", w.dim * (w.hc + 1), w.columns * w.head_dim);
   w.wkv = std::move(wkv.codes);
   w.wkv_scale = std::move(wkv.scales);

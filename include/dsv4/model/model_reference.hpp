@@ -35,7 +35,10 @@ struct host_model {
   std::vector<std::int64_t> token_map;          //!< token id -> compressed id
 
   //! Reads every tensor the forward uses; `token_map` is the variant's compressed token map.
-  static host_model load(io::checkpoint& ck, std::vector<std::int64_t> token_map) {
+  //! `tables`: engram_tables::mapped reads the Engram tables in place (`ck` must then outlive
+  //! the model).
+  static host_model load(io::checkpoint& ck, std::vector<std::int64_t> token_map,
+                         engram_tables tables = engram_tables::copied) {
     constexpr models::model_config c = Model::dims;
     if (token_map.size() != std::size_t(c.vocab_size))
       throw error("host_model: the token map has " + std::to_string(token_map.size()) + " entries, the vocabulary " +
@@ -49,7 +52,7 @@ struct host_model {
       m.blocks.push_back(block_weights_of<Model>(ck, l));
       m.freqs.push_back(attention_rope_frequencies<Model>(l));
     }
-    for (int j = 0; j < int(sched::engram::values.size()); ++j) m.engrams.push_back(engram_weights_of<Model>(ck, j));
+    for (int j = 0; j < int(sched::engram::values.size()); ++j) m.engrams.push_back(engram_weights_of<Model>(ck, j, 1, tables));
     m.hashes = engram_hash_layout<Model>();
     m.token_map = std::move(token_map);
     return m;

@@ -358,14 +358,14 @@ inline void engram_rank(const rank_context& ctx, const engram::engram_weights& w
   const int k = w.columns * w.head_dim;
   const long long first = ctx.rank * w.rows;  // w.rows: the rank's part, ceil(rows / W)
   std::vector<bf16> e(rows * std::size_t(k), bf16::from_float(0.0f));
+  const auto codes = w.table_codes(), scales = w.table_scales();
   for (std::size_t t = 0; t < rows; ++t)
     for (int c = 0; c < w.columns; ++c) {
       const std::int64_t id = hashes[t * std::size_t(w.columns) + std::size_t(c)] - first;
       if (id < 0 || id >= w.rows) continue;  // another rank's row
       for (int d = 0; d < w.head_dim; ++d) {
-        const float q = numerics::decode<numerics::e4m3>(w.embed[std::size_t(id) * w.head_dim + d]);
-        const float sc =
-            numerics::decode<numerics::ue8m0>(w.embed_scale[std::size_t(id) * (w.head_dim / 32) + d / 32]);
+        const float q = numerics::decode<numerics::e4m3>(codes[std::size_t(id) * w.head_dim + d]);
+        const float sc = numerics::decode<numerics::ue8m0>(scales[std::size_t(id) * (w.head_dim / 32) + d / 32]);
         e[t * std::size_t(k) + std::size_t(c) * w.head_dim + d] = bf16::from_float(numerics::mul_rn(q, sc));
       }
     }
