@@ -13,13 +13,15 @@
 //! cudaProfilerStop and stop (for `ncu --profile-from-start off`: the kernels of one step).
 //! `--engram-host-tables`: the Engram tables stay in host memory and each call's rows are fetched
 //! ahead of the Engram layers (device_model::limits::engram_host_tables); the fetch statistics
-//! (bytes, gather time, the time the launching thread waited for it) are printed at the end.
+//! (bytes, gather time, the time the launching thread waited for it) are printed at the end. With
+//! `--checkpoint`, the tables are then read in place from the checkpoint's memory mapping.
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -115,7 +117,10 @@ int run(FILE* jf, const options& opt) {
   for (std::size_t i = 0; i < token_map.size(); ++i) token_map[i] = std::int64_t(i % std::size_t(c.engram.engram_compressed_vocab_size));
   const auto schema = models::checkpoint_schema<Model>();
   auto t0 = clock::now();
-  // The random weights: in memory (default), or in a folder kept between runs.
+  // The random weights: in memory (default), or in a folder kept between runs. From a folder with
+  // --engram-host-tables, the Engram tables are read in place from the checkpoint's mapping
+  // (model::engram_tables::mapped), so `file_ck` lives as long as the models.
+  std::optional<io::checkpoint> file_ck;
   const auto hm = [&] {
     if (opt.checkpoint.empty()) {
       io::checkpoint ck = io::random_checkpoint_in_memory(schema, 1, io::random_init::scaled);
@@ -131,9 +136,10 @@ int run(FILE* jf, const options& opt) {
       std::printf("model %s: random checkpoint written in %.1f s\n", Model::name, seconds_since(t0));
     }
     t0 = clock::now();
-    io::checkpoint ck(dir.string());
+    io::checkpoint& ck = file_ck.emplace(dir.string());
     ck.on_progress(io::load_progress_printer(std::cout, "loading " + dir.string()));
-    return model::host_model<Model>::load(ck, token_map);
+    return model::host_model<Model>::load(ck, token_map,
+                                          opt.engram_host_tables ? model::engram_tables::mapped : model::engram_tables::copied);
   }();
   std::printf("host model loaded in %.1f s\n", seconds_since(t0));
 
