@@ -61,8 +61,7 @@ struct engram_workspace {
 
 namespace detail {
 DSV4_KERNEL void engram_gather_kernel(engram_device_weights w, const std::int64_t* hashes, long long tokens, bf16* e) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   const long long per_token = 1LL * w.columns * w.head_dim;
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= tokens * per_token) return;
@@ -95,8 +94,7 @@ inline constexpr int gate_smem_budget = 160 * 1024;
 //! value's copy overlaps them. Every thread then computes the same gate from the three sums.
 DSV4_KERNEL void __launch_bounds__(gate_threads) engram_gate_kernel(engram_device_weights w, bf16* x, const bf16* kv,
                                                                     const std::uint8_t* is_image) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   extern __shared__ uint4 staged[];  // qk weight [dim] fp32, then stream, key, value [dim] bf16 each
   __shared__ double sums[3];         // h.h, key.key, dot
   const long long t = blockIdx.x;

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -86,13 +87,21 @@ inline std::vector<float> floats(io::checkpoint& ck, const std::string& name, st
               ", expected BF16 or F32");
 }
 
-inline std::vector<std::uint8_t> bytes(io::checkpoint& ck, const std::string& name, std::vector<long long> shape,
-                                       io::st_dtype dtype) {
+//! The bytes of tensor `name` in place (valid while `ck` lives), checked for shape and dtype.
+inline std::span<const std::uint8_t> bytes_view(io::checkpoint& ck, const std::string& name, std::vector<long long> shape,
+                                                io::st_dtype dtype) {
   const io::tensor_view t = need(ck, name, std::move(shape));
   if (t.dtype != dtype)
     throw error("checkpoint: tensor '" + name + "' in " + ck.file_of(name) + " is " + io::dtype_name(t.dtype) +
                 ", expected " + io::dtype_name(dtype));
-  return io::copy_as<std::uint8_t>(t);
+  return {reinterpret_cast<const std::uint8_t*>(t.bytes.data()), t.bytes.size()};
+}
+
+//! A copy of bytes_view's bytes.
+inline std::vector<std::uint8_t> bytes(io::checkpoint& ck, const std::string& name, std::vector<long long> shape,
+                                       io::st_dtype dtype) {
+  const auto v = bytes_view(ck, name, std::move(shape), dtype);
+  return {v.begin(), v.end()};
 }
 
 inline fp8_linear fp8(io::checkpoint& ck, const std::string& name, int n, int k) {

@@ -81,8 +81,7 @@ struct tiled_stack {
 };
 
 DSV4_KERNEL void embed_kernel(const bf16* table, const std::int32_t* ids, long long tokens, int dim, int streams, bf16* x) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= tokens * streams * dim) return;
   const long long t = i / (1LL * streams * dim);
@@ -90,8 +89,7 @@ DSV4_KERNEL void embed_kernel(const bf16* table, const std::int32_t* ids, long l
   x[i] = table[static_cast<long long>(ids[t]) * dim + d];
 }
 DSV4_KERNEL void widen_rows_kernel(const bf16* x, float* y, long long n) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) y[i] = x[i].to_float();
 }

@@ -21,18 +21,6 @@ namespace dsv4::model {
 //! checkpoint must outlive the weights (and any host or device model built from them).
 enum class engram_tables { copied, mapped };
 
-namespace detail {
-//! The bytes of tensor `name` in place, checked like bytes() (shape, dtype).
-inline std::span<const std::uint8_t> mapped_bytes(io::checkpoint& ck, const std::string& name, std::vector<long long> shape,
-                                                  io::st_dtype dtype) {
-  const io::tensor_view t = need(ck, name, std::move(shape));
-  if (t.dtype != dtype)
-    throw error("checkpoint: tensor '" + name + "' in " + ck.file_of(name) + " is " + io::dtype_name(t.dtype) +
-                ", expected " + io::dtype_name(dtype));
-  return {reinterpret_cast<const std::uint8_t*>(t.bytes.data()), t.bytes.size()};
-}
-}  // namespace detail
-
 //! The Engram module of slot `slot`, read from `ck`. `world` > 1: a tensor-parallel rank's
 //! shard, whose table holds ceil(rows / world) rows (ParallelEngramEmbedding's part).
 template <class Model>
@@ -52,8 +40,8 @@ engram::engram_weights engram_weights_of(io::checkpoint& ck, int slot, int world
   w.rows = (Model::engram_num_embeddings[std::size_t(slot)] + world - 1) / world;
   w.eps = c.norm_eps;
   if (tables == engram_tables::mapped) {
-    w.mapped_embed = detail::mapped_bytes(ck, p + "embed.weight", {w.rows, w.head_dim}, io::st_dtype::F8_E4M3);
-    w.mapped_embed_scale = detail::mapped_bytes(ck, p + "embed.scale", {w.rows, w.head_dim / 32}, io::st_dtype::F8_E8M0);
+    w.mapped_embed = detail::bytes_view(ck, p + "embed.weight", {w.rows, w.head_dim}, io::st_dtype::F8_E4M3);
+    w.mapped_embed_scale = detail::bytes_view(ck, p + "embed.scale", {w.rows, w.head_dim / 32}, io::st_dtype::F8_E8M0);
   } else {
     w.embed = detail::bytes(ck, p + "embed.weight", {w.rows, w.head_dim}, io::st_dtype::F8_E4M3);
     w.embed_scale = detail::bytes(ck, p + "embed.scale", {w.rows, w.head_dim / 32}, io::st_dtype::F8_E8M0);

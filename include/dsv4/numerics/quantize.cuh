@@ -102,8 +102,7 @@ template <class F>
 DSV4_KERNEL void quantize_kernel(quantize_args a) {
   // Wait for the producer of x first, then let the GEMM that consumes the codes start streaming
   // its weights (runtime/pdl.cuh).
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   constexpr int kElems = quant_elems_per_thread;
   constexpr int kLanes = F::block_size / kElems;
   using Elem = typename F::element;
@@ -143,8 +142,7 @@ DSV4_KERNEL void quantize_kernel(quantize_args a) {
 
 template <class F>
 DSV4_KERNEL void dequantize_kernel(dequantize_args a) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   constexpr int kElems = quant_elems_per_thread;
   constexpr int kLanes = F::block_size / kElems;
   using Elem = typename F::element;

@@ -42,6 +42,14 @@ DSV4_DEVICE void allow_dependent_launch() {
 #endif
 }
 
+//! The prologue of every programmatically launched kernel (after any work that reads no earlier
+//! kernel's data): wait for the kernel before, then let the next one be scheduled. Waiting
+//! first keeps the chain of waiting kernels one deep.
+DSV4_DEVICE void start_after_previous_grid() {
+  wait_for_previous_grid();
+  allow_dependent_launch();
+}
+
 //! Whether launches may be programmatic: every architecture this translation unit is compiled
 //! for is sm_90 or newer (nvcc lists them in __CUDA_ARCH_LIST__), and DSV4_NO_PDL is not set.
 inline constexpr bool pdl_enabled = [] {

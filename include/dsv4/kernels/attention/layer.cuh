@@ -95,14 +95,12 @@ struct fp8_weight {
 
 //! Multiplies bf16 values by a power of two in fp32 and rounds back (weights_proj x 2^-6).
 DSV4_KERNEL void scale_bf16_kernel(bf16* x, long long n, float factor) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) x[i] = bf16::from_float(__fmul_rn(x[i].to_float(), factor));
 }
 DSV4_KERNEL void widen_kernel(const bf16* x, float* y, long long n) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) y[i] = x[i].to_float();
 }
@@ -118,8 +116,7 @@ struct index_list_args {
   long long chunk_start = 0;          //!< append: position of the chunk's first row
 };
 DSV4_KERNEL void index_list_kernel(index_list_args a) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   const int width = a.window_width + a.topk_width;
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= static_cast<long long>(a.rows) * width) return;

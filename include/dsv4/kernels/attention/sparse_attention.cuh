@@ -276,8 +276,7 @@ DSV4_DEVICE float warp_max(float v) {
 
 template <int Dim, class KV>
 DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32, 2) sparse_attention_kernel(sparse_attention_args a, KV kv, kv_split sp) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   constexpr int kLaneCh = Dim / 32;
   extern __shared__ uint4 dyn_smem[];
   bf16* tile = reinterpret_cast<bf16*>(dyn_smem);  // [sparse_chunk][Dim]
@@ -410,8 +409,7 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32, 2) sparse_attention_kerne
 //! m = -1e30 and l = 0, so it weighs nothing unless every split is empty (then out = 0, as unsplit).
 template <int Dim>
 DSV4_KERNEL void __launch_bounds__(Dim / 4) sparse_attention_merge_kernel(sparse_attention_args a, kv_split sp) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   const int row = blockIdx.x, head = blockIdx.y, c = 4 * threadIdx.x;
   const float* base = sp.partials + (static_cast<long long>(row) * a.heads + head) * sp.splits * (Dim + 4);
   float mx = -1e30f;

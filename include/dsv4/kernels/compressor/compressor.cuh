@@ -101,8 +101,7 @@ struct pool_args {
 namespace detail {
 template <int Dim, class Weight>
 DSV4_KERNEL void __launch_bounds__(warps_per_cta * 32) pool_kernel(pool_args<Weight> a) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   constexpr int E = Dim / 32;
   const int lane = threadIdx.x % 32;
   const int j = blockIdx.x * warps_per_cta + threadIdx.x / 32;  // this warp's group, from the first completed
@@ -237,8 +236,7 @@ struct pack_args {
 namespace detail {
 template <class F, int Dim, class Weight>
 DSV4_KERNEL void __launch_bounds__(warps_per_cta * 32) pack_kernel(pack_args<Weight> a) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   using layout = numerics::packed_vector<F, Dim>;
   using Elem = typename F::element;
   constexpr int E = Dim / 32;

@@ -147,10 +147,7 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
   // kernel before, so it waits first; a plain GEMM starts loading its weights, then waits.
   const bool grouped = groups.tile_group != nullptr;
   if (grouped) {
-    runtime::wait_for_previous_grid();
-    runtime::allow_dependent_launch();
-  }
-  if (grouped) {
+    runtime::start_after_previous_grid();
     if (int(blockIdx.x) >= *groups.tile_count) return;
     const int group = groups.tile_group[blockIdx.x];
     tok_base = groups.tile_row0[blockIdx.x];
@@ -288,10 +285,7 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
   stage even, odd;
   if (kb_begin < kb_end) load_weights(even, kb_begin);
   if (kb_begin + Unroll < kb_end) load_weights(odd, kb_begin + Unroll);
-  if (!grouped) {
-    runtime::wait_for_previous_grid();
-    runtime::allow_dependent_launch();
-  }
+  if (!grouped) runtime::start_after_previous_grid();
   if (kb_begin < kb_end) load_activations(even, kb_begin);
   if (kb_begin + Unroll < kb_end) load_activations(odd, kb_begin + Unroll);
   for (int kb0 = kb_begin; kb0 < kb_end;) {

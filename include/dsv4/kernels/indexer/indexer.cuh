@@ -96,8 +96,7 @@ inline constexpr int max_index_heads = 64;
 
 template <int Dim>
 DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_args a, const std::int32_t* positions) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   using F = numerics::index_key_format;
   using layout = numerics::packed_vector<F, Dim>;
   extern __shared__ float qs[];  // [heads][Dim] then w[heads]
@@ -152,8 +151,7 @@ DSV4_DEVICE unsigned order_key(std::uint16_t b) { return numerics::topk_order_ke
 inline constexpr int topk_threads = 512;
 
 DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   using scan_t = cub::BlockScan<int, topk_threads>;
   __shared__ typename scan_t::TempStorage scan_storage;
   constexpr int warps = topk_threads / 32;
@@ -253,8 +251,7 @@ DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
 }
 //! Block maxima of one row's scores, the newest visible block forced to +inf.
 DSV4_KERNEL void block_max_kernel(candidate_args a) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   const long long blocks = (a.n + a.block - 1) / a.block;
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int row = blockIdx.y;
@@ -276,8 +273,7 @@ DSV4_KERNEL void block_max_kernel(candidate_args a) {
 
 //! Expands the selected blocks (ascending) into positions; blocks with a -inf maximum are holes.
 DSV4_KERNEL void expand_blocks_kernel(candidate_args a, int kb) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   const long long blocks = (a.n + a.block - 1) / a.block;
   const int row = blockIdx.y;
   const long long slot = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -102,8 +102,7 @@ DSV4_DEVICE uint4 pack8(const float (&v)[8]) {
 
 template <int TB>
 DSV4_KERNEL void __launch_bounds__(mhc_threads) mhc_step_kernel(mhc_step_args a, double* partials, unsigned* counters) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   constexpr int P = mhc_workspace::partial_count, S = mhc_workspace::slice, kChunks = S / 8;
   const int dim = a.dim, splits = (dim + S - 1) / S, split = blockIdx.x;
   const long long group = blockIdx.y, tok0 = group * TB;

@@ -66,8 +66,7 @@ DSV4_DEVICE void split_sinkhorn_warp(const float* mixes, const float* scale, con
 
 namespace detail {
 DSV4_KERNEL void sinkhorn_kernel(sinkhorn_args a) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= a.tokens) return;
   float m[mix_count], pre[hc], post[hc], comb[hc * hc];

@@ -133,8 +133,7 @@ inline constexpr int gate_smem_budget = 96 * 1024;
 DSV4_KERNEL void __launch_bounds__(gate_threads) gate_logits_kernel(const bf16* x, long long tokens, int dim, const bf16* w,
                                                                     int experts, int per_cta, float gate_temp,
                                                                     float* logits) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   extern __shared__ uint4 staged[];  // [1 + per_cta][dim / 8]: the gate row, then the group's x rows
   const int e = blockIdx.x, chunks = dim / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -194,8 +193,7 @@ DSV4_DEVICE float softplus_torch(float s) { return s > 20.0f ? s : log1pf(expf(s
 DSV4_KERNEL void __launch_bounds__(256) route_kernel(const float* logits, long long tokens, moe_shape s, const float* bias,
                                                      const float* bias_vl, const std::uint8_t* is_image, int* sel_expert,
                                                      float* sel_weight, int* pair_index) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   constexpr int kPerLane = max_experts / 32;
   const long long t = (long long)blockIdx.x * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -246,8 +244,7 @@ DSV4_KERNEL void __launch_bounds__(256) route_kernel(const float* logits, long l
 DSV4_KERNEL void __launch_bounds__(max_experts) tile_list_kernel(const int* sorted_expert, int pairs, int experts, int tile,
                                                                int* tile_group, int* tile_row0, int* tile_rows,
                                                                int* tile_count) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   using scan = cub::BlockScan<int, max_experts>;
   __shared__ typename scan::TempStorage temp;
   const int e = threadIdx.x;
@@ -273,8 +270,7 @@ DSV4_KERNEL void __launch_bounds__(max_experts) tile_list_kernel(const int* sort
 
 //! For each sorted row: its token (A's row for w1 / w3) and, per pair, its row (for the combine).
 DSV4_KERNEL void rows_kernel(const int* sorted_pair, int pairs, int k, int* row_token, int* pair_row) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= pairs) return;
   const int p = sorted_pair[r];
@@ -285,8 +281,7 @@ DSV4_KERNEL void rows_kernel(const int* sorted_pair, int pairs, int k, int* row_
 //! h = bf16(weight * (silu(min(g, L)) * clamp(u, -L, L))), weight from the row's pair (1 if null).
 DSV4_KERNEL void swiglu_kernel(const bf16* g, const bf16* u, long long rows, int inter, float limit,
                                const float* sel_weight, const int* sorted_pair, bf16* h) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= rows * inter) return;
   const long long r = i / inter;
@@ -303,8 +298,7 @@ DSV4_KERNEL void swiglu_kernel(const bf16* g, const bf16* u, long long rows, int
 //! a layer at batch 1). The sum per channel is the same sequence of additions either way.
 DSV4_KERNEL void combine_kernel(const bf16* expert_out, const bf16* shared_out, const int* sel_expert,
                                 const int* pair_row, long long tokens, int k, int dim, bf16* y) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   const long long t = blockIdx.x;
   const int d = int(blockIdx.y) * int(blockDim.x) + int(threadIdx.x);
   if (t >= tokens || d >= dim) return;

@@ -44,8 +44,7 @@ DSV4_DEVICE float weight_value(const Weight* w, int i) {
 
 template <class Weight>
 DSV4_KERNEL void __launch_bounds__(rmsnorm_threads) rmsnorm_kernel(rmsnorm_args<Weight> a) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   __shared__ double partial[rmsnorm_threads / 32];
   __shared__ float inv_rms;
   const numerics::bf16* x = a.x + blockIdx.x * a.x_stride;

@@ -28,8 +28,7 @@ struct rope_args {
 
 namespace detail {
 DSV4_KERNEL void rope_kernel(rope_args a) {
-  runtime::wait_for_previous_grid();
-  runtime::allow_dependent_launch();
+  runtime::start_after_previous_grid();
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long total = a.n_positions * a.vectors_per_position * a.pairs;
   if (t >= total) return;
