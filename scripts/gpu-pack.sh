@@ -4,6 +4,7 @@
 # then spends its minutes on tests, not on a build (~3 of a session's 30 minutes saved per run).
 #
 #   scripts/gpu-pack.sh [OUTDIR]     # default devbin/pack; carry OUTDIR to the device
+#   BENCHES="bench_attention bench_gemm" scripts/gpu-pack.sh   # also pack these benchmarks
 # On the device:  bash scripts/gpu-run-packed.sh OUTDIR   (options: see that script)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,8 +13,11 @@ mkdir -p "$out"
 cmake --preset gpu >/dev/null
 targets=$(sed -n 's/^ *dsv4_add_test(\(test_[a-z_]*_cuda\) .*LABELS gpu.*/\1/p' tests/CMakeLists.txt | sort -u)
 # shellcheck disable=SC2086
-cmake --build build/gpu -j "$(nproc)" --target $targets dsv4_cli bench_model
-(cd build/gpu && tar -cJf "$OLDPWD/$out/bins.tar.xz" tests/test_*_cuda apps/dsv4 bench/bench_model)
+benches="bench_model ${BENCHES:-}"
+# shellcheck disable=SC2086
+cmake --build build/gpu -j "$(nproc)" --target $targets dsv4_cli $benches
+# shellcheck disable=SC2046
+(cd build/gpu && tar -cJf "$OLDPWD/$out/bins.tar.xz" tests/test_*_cuda apps/dsv4 $(printf 'bench/%s ' $benches))
 echo "$PWD/tests/data" > "$out/data_path.txt"  # DSV4_TEST_DATA, compiled into the test binaries
 git rev-parse --short HEAD > "$out/commit.txt"
 git status --short --untracked-files=no | sed 's/^/changed: /' >> "$out/commit.txt"

@@ -234,8 +234,9 @@ BOOST_AUTO_TEST_CASE(device_reads_packed_caches, *utf::label("gpu") * utf::preco
   check_packed_operand<128>(3, 7, 4, 16, 40, 32, 12);        // tiny widths
 }
 
-// One decode row of 64 heads is 8 CTAs unsplit: the launcher must spread its ten chunks; a
-// prefill-sized grid must not split.
+// One decode row of 64 heads is one CTA unsplit: the launcher must spread its ten chunks over
+// the SMs, as long as the (row, head group) grid fills fewer than half of them; a prefill-sized
+// grid must not split.
 BOOST_AUTO_TEST_CASE(decode_rows_split_prefill_rows_do_not, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   auto ws = sparse_attention_workspace::for_device<512>();
   sparse_attention_args a;
@@ -243,13 +244,20 @@ BOOST_AUTO_TEST_CASE(decode_rows_split_prefill_rows_do_not, *utf::label("gpu") *
   const auto one = detail::choose_split<512>(a, &ws, 132);
   BOOST_TEST(one.splits == 10);
   BOOST_TEST(one.chunks_per_split == 1);
-  a.batch = 8;  // 64 CTAs: two splits of five chunks fill 128 SMs in one wave
+  a.batch = 8;  // 8 CTAs: still one chunk per split
+  BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 10);
+  a.batch = 16;  // 16 CTAs: at most 8 splits, so two chunks each: 5 splits
+  BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 5);
+  a.batch = 64;  // 64 CTAs: two splits of five chunks fill 128 SMs
   BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 2);
-  a.batch = 16;  // 128 CTAs already
+  a.batch = 128;  // 128 CTAs already
   BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 1);
   a.batch = 1, a.rows = 4096;
   BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 1);
   BOOST_TEST(detail::choose_split<512>(a, nullptr, 132).splits == 1);
+  a.rows = 1, a.heads = 20;  // heads that do not fill a CTA: two head tiles, one CTA per row
+  BOOST_TEST(detail::heads_per_cta(a.heads) == 32);
+  BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 10);
 }
 
 BOOST_AUTO_TEST_CASE(launch_rejects_bad_arguments) {

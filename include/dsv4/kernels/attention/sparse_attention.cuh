@@ -5,13 +5,12 @@
 //! in the denominator), reading its KV operand either as bf16 rows or straight from the packed
 //! caches (FP8 window entries and FP4 global entries, dequantized in the kernel).
 //!
-//! Work split (CUDA cores; see docs/perf.md for where it stands): one CTA per (query row, group of
-//! 8 heads, KV split), one warp per head. Each chunk of 64 indexed entries is dequantized once into
-//! shared memory and shared by the CTA's heads. A lane owns channels g * 128 + 4 * lane + (0..3)
-//! for g < Dim / 128, so a warp's shared-memory reads of one entry are contiguous (no bank
-//! conflicts).
+//! Work split (tensor cores, mma.sync bf16; the kernel's comment has the details): one CTA per
+//! (query row, up to 64 heads, KV split), sixteen warps: four head tiles of 16 x four quarters of
+//! the channels. Each chunk of 64 indexed entries is dequantized once into shared memory and
+//! serves all of the CTA's heads, for the scores and for the values.
 //!
-//! Split KV (decode): with few rows the (row, head group) grid leaves most SMs idle (8 CTAs for
+//! Split KV (decode): with few rows the (row, head group) grid leaves most SMs idle (one CTA for
 //! one decode row of 64 heads), so the index list is cut at chunk boundaries into splits that run
 //! side by side, each writing its unnormalized accumulator, running maximum and denominator to a
 //! workspace; a merge kernel adds them with the sink (flash-decoding). The reference rounds each
@@ -209,10 +208,10 @@ class sparse_attention_workspace {
   sparse_attention_workspace() = default;
   explicit sparse_attention_workspace(std::size_t floats) : partials_(floats) {}
   //! Enough for the splits the launcher chooses on this device at any batch (one wave of CTAs of
-  //! eight heads each) with up to 256 chunks (16,384 indices) a row.
+  //! up to 64 heads each) with up to 256 chunks (16,384 indices) a row.
   template <int Dim>
   static sparse_attention_workspace for_device() {
-    return sparse_attention_workspace(std::size_t(runtime::sm_count()) * 8 * (Dim + 4 + 256));
+    return sparse_attention_workspace(std::size_t(runtime::sm_count()) * 64 * (Dim + 4 + 256));
   }
   float* data() { return partials_.data(); }
   std::size_t floats() const { return partials_.size(); }
@@ -222,7 +221,13 @@ class sparse_attention_workspace {
 };
 
 namespace detail {
-inline constexpr int heads_per_cta = 8;
+inline constexpr int head_tile = 16;      // query heads per MMA tile (the MMA's M side)
+inline constexpr int channel_parts = 4;   // warps that share a head tile, each a quarter of the channels
+inline constexpr int max_head_tiles = 4;  // 64 heads per CTA: each dequantized chunk serves them all
+
+//! Head tiles per CTA for `heads` query heads: as many as the heads fill, at most four.
+inline int head_tiles_for(int heads) { return heads <= head_tile ? 1 : heads <= 2 * head_tile ? 2 : max_head_tiles; }
+inline int heads_per_cta(int heads) { return head_tile * head_tiles_for(heads); }
 
 //! How a launch cuts each row's index list: `splits` pieces of `chunks_per_split` 64-entry chunks.
 struct kv_split {
@@ -234,85 +239,123 @@ struct kv_split {
   bool max_pass = false;       //!< this launch only writes chunk_max (grid z = chunks)
 };
 
-DSV4_DEVICE float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-//! A lane's Dim/32 channels of one bf16 vector (g * 128 + 4 * lane + i), widened to fp32, one
-//! 8-byte load per group of four: a warp reads 256 contiguous bytes per group.
-template <int Dim>
-DSV4_DEVICE void load_lane_channels(const bf16* v, int lane, float (&out)[Dim / 32]) {
-#pragma unroll
-  for (int g = 0; g < Dim / 128; ++g) {
-    const uint2 w = *reinterpret_cast<const uint2*>(v + g * 128 + 4 * lane);
-    out[4 * g + 0] = __uint_as_float(w.x << 16);
-    out[4 * g + 1] = __uint_as_float(w.x & 0xffff0000u);
-    out[4 * g + 2] = __uint_as_float(w.y << 16);
-    out[4 * g + 3] = __uint_as_float(w.y & 0xffff0000u);
-  }
-}
-//! The channel a lane's i-th value stands for.
-template <int Dim>
-DSV4_DEVICE int lane_channel(int lane, int i) {
-  return (i / 4) * 128 + 4 * lane + i % 4;
+//! Four 8 x 8 bf16 matrices from shared memory (`row` is this lane's row address), as MMA fragments;
+//! `Trans` transposes each matrix (the value operand, stored entry-major).
+template <bool Trans>
+DSV4_DEVICE void ldmatrix_x4(std::uint32_t (&r)[4], const bf16* row) {
+#if DSV4_DEVICE_PASS
+  const auto addr = static_cast<std::uint32_t>(__cvta_generic_to_shared(row));
+  if constexpr (Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+#endif
 }
 
-//! One step of the score butterfly: lanes with `Bit` set keep the upper `Half` partial sums.
-template <int Half, int Bit>
-DSV4_DEVICE void butterfly_step(float (&part)[32], int lane) {
-  const bool upper = lane & Bit;
-#pragma unroll
-  for (int i = 0; i < Half; ++i) {
-    const float send = upper ? part[i] : part[i + Half];
-    const float keep = upper ? part[i + Half] : part[i];
-    part[i] = keep + __shfl_xor_sync(0xffffffffu, send, Bit);
-  }
+//! d = a b + c on the tensor cores: bf16 16 x 16 times 16 x 8, fp32 accumulation.
+DSV4_DEVICE void mma_bf16(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+#if DSV4_DEVICE_PASS
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
-DSV4_DEVICE float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
+DSV4_DEVICE std::uint32_t bf16x2_bits(float lo, float hi) {
+  return std::uint32_t(bf16::from_float(lo).bits) | (std::uint32_t(bf16::from_float(hi).bits) << 16);
 }
 
-template <int Dim, class KV>
-DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32, 2) sparse_attention_kernel(sparse_attention_args a, KV kv, kv_split sp) {
-  runtime::start_after_previous_grid();
-  constexpr int kLaneCh = Dim / 32;
+//! Shared memory of one CTA: the chunk's dequantized entries, the CTA's query heads, and each
+//! channel part's partial scores. Rows are padded by 16 bytes so that the eight row addresses of
+//! an ldmatrix fall in different banks.
+template <int Dim, int HeadTiles>
+struct mma_smem {
+  static constexpr int row = Dim + 8;                     // bf16 elements per entry / head row
+  static constexpr int score_row = sparse_chunk + 8;      // floats per partial-score row
+  static constexpr int heads = HeadTiles * head_tile;
+  static constexpr std::size_t kv_bytes = std::size_t(sparse_chunk) * row * sizeof(bf16);
+  static constexpr std::size_t q_bytes = std::size_t(heads) * row * sizeof(bf16);
+  static constexpr std::size_t score_bytes = std::size_t(channel_parts) * heads * score_row * sizeof(float);
+  static constexpr std::size_t bytes = kv_bytes + q_bytes + score_bytes;
+};
+
+//! Sparse attention on the tensor cores. One CTA per (query row, 16 x HeadTiles heads, KV split);
+//! warp (t, p) owns head tile t and value channels [p Dim/4, (p + 1) Dim/4). Per 64-entry chunk:
+//! - the CTA dequantizes the chunk's entries once into shared memory (bf16, exact);
+//! - each warp multiplies its heads' queries by the entries over its quarter of the channels
+//!   (mma m16n8k16, fp32 accumulation), and the four quarters' partial scores are added in
+//!   quarter order through shared memory, so every warp of a head tile holds the same scores
+//!   (and the maximum pass of a split launch the same as the main pass);
+//! - the online softmax of the reference, per head: chunk maximum, running maximum m, alpha =
+//!   e^(m_old - m), probabilities rounded to bf16, which are the A operand of the value product;
+//! - the chunk's value sum is formed first (an MMA chain from zero over the 64 entries, 8
+//!   channels at a time) and then added to the rescaled accumulator: acc = acc alpha + sum, as
+//!   the reference orders it.
+//! The sums inside the tensor core run in the hardware's order (as in the official kernel); the
+//! host reference's differ by fp32 rounding only (docs/decisions.md).
+template <int Dim, int HeadTiles, class KV>
+DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
+    sparse_attention_kernel(sparse_attention_args a, KV kv, kv_split sp) {
+  using smem_t = mma_smem<Dim, HeadTiles>;
+  constexpr int kThreads = HeadTiles * channel_parts * 32, kRow = smem_t::row, kScoreRow = smem_t::score_row;
+  constexpr int kHeads = smem_t::heads, kPartCh = Dim / channel_parts;
+  static_assert(kPartCh % 16 == 0, "sparse_attention: Dim / 4 must be a multiple of 16 (MMA k-steps and ldmatrix pairs)");
+  constexpr int kTiles = sparse_chunk / 8;  // 8-entry score tiles per chunk
   extern __shared__ uint4 dyn_smem[];
-  bf16* tile = reinterpret_cast<bf16*>(dyn_smem);  // [sparse_chunk][Dim]
+  bf16* kv_tile = reinterpret_cast<bf16*>(dyn_smem);                          // [64][kRow]
+  bf16* q_tile = kv_tile + sparse_chunk * kRow;                               // [kHeads][kRow]
+  float* score_part = reinterpret_cast<float*>(q_tile + kHeads * kRow);       // [parts][kHeads][kScoreRow]
   __shared__ std::int32_t chunk_idx[sparse_chunk];
-  __shared__ float probs[heads_per_cta][sparse_chunk];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, gid = lane / 4, quad = lane % 4;
+  const int ht = warp / channel_parts, part = warp % channel_parts;
   const int row = blockIdx.x;  // flattened (sequence, row)
   const int seq = row / a.rows;
-  const int head = blockIdx.y * heads_per_cta + warp;
-  const bool head_ok = head < a.heads;
+  const int head0 = blockIdx.y * kHeads;
+  const int tile_head0 = head0 + ht * head_tile;
+  const bool tile_live = tile_head0 < a.heads;  // warp-uniform: a tile past the last head skips the math
+  // This thread's two heads: fragment rows gid and gid + 8 of its tile.
+  const int my_head[2] = {tile_head0 + gid, tile_head0 + gid + 8};
+  const bool head_ok[2] = {my_head[0] < a.heads, my_head[1] < a.heads};
   const int split = blockIdx.z;
-  // The max pass: chunk z alone. A split: its chunks. Unsplit: the whole list.
   const int first = sp.max_pass ? split * sparse_chunk : sp.partials ? split * sp.chunks_per_split * sparse_chunk : 0;
   const int last = sp.max_pass ? min(a.topk, first + sparse_chunk)
                    : sp.partials ? min(a.topk, first + sp.chunks_per_split * sparse_chunk)
                                  : a.topk;
+  runtime::start_after_previous_grid();
 
-  float q[kLaneCh], acc[kLaneCh];
-  load_lane_channels<Dim>(a.q + (static_cast<long long>(row) * a.heads + (head_ok ? head : 0)) * Dim, lane, q);
-  for (int k = 0; k < kLaneCh; ++k) {
-    if (!head_ok) q[k] = 0.0f;
-    acc[k] = 0.0f;
+  // The CTA's queries (heads past the last are zero rows: their scores are 0 and never stored).
+  for (int t = threadIdx.x; t < kHeads * (Dim / 4); t += kThreads) {
+    const int h = t / (Dim / 4), c = (t % (Dim / 4)) * 4;
+    const uint2 v = head0 + h < a.heads
+                        ? *reinterpret_cast<const uint2*>(a.q + (static_cast<long long>(row) * a.heads + head0 + h) * Dim + c)
+                        : make_uint2(0, 0);
+    *reinterpret_cast<uint2*>(q_tile + h * kRow + c) = v;
   }
-  float m = -1e30f, l = 0.0f;
-  if (sp.partials && !sp.max_pass && head_ok)  // the running maximum the unsplit recurrence has here
-    for (int c = 0; c < split * sp.chunks_per_split; ++c)
-      m = fmaxf(m, sp.chunk_max[(static_cast<long long>(row) * a.heads + head) * sp.chunks + c]);
+
+  float m[2] = {-1e30f, -1e30f}, l[2] = {0.0f, 0.0f};
+  if (sp.partials && !sp.max_pass)  // the running maximum the unsplit recurrence has here
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      if (head_ok[i])
+        for (int c = 0; c < split * sp.chunks_per_split; ++c)
+          m[i] = fmaxf(m[i], sp.chunk_max[(static_cast<long long>(row) * a.heads + my_head[i]) * sp.chunks + c]);
+  float acc[kPartCh / 8][4];
+#pragma unroll
+  for (int n = 0; n < kPartCh / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   const std::int32_t* row_idx = a.idx + static_cast<long long>(row) * a.topk;
+  const int ch0 = part * kPartCh;
 
   for (int c0 = first; c0 < last; c0 += sparse_chunk) {
     const int n = min(sparse_chunk, last - c0);
-    __syncthreads();  // the previous chunk's tile is no longer read
+    __syncthreads();  // the previous chunk's entries and scores are no longer read
     if (threadIdx.x < sparse_chunk) chunk_idx[threadIdx.x] = threadIdx.x < n ? row_idx[c0 + threadIdx.x] : -1;
     __syncthreads();
-#pragma unroll 4
-    for (int t = threadIdx.x; t < sparse_chunk * (Dim / 8); t += blockDim.x) {
+#pragma unroll 2
+    for (int t = threadIdx.x; t < sparse_chunk * (Dim / 8); t += kThreads) {
       const int e = t / (Dim / 8), c = (t % (Dim / 8)) * 8;
       const int j = chunk_idx[e];
       bf16 v[8];
@@ -323,85 +366,132 @@ DSV4_KERNEL void __launch_bounds__(heads_per_cta * 32, 2) sparse_attention_kerne
       }
       std::uint32_t w[4];
       for (int i = 0; i < 4; ++i) w[i] = std::uint32_t(v[2 * i].bits) | (std::uint32_t(v[2 * i + 1].bits) << 16);
-      *reinterpret_cast<uint4*>(tile + e * Dim + c) = make_uint4(w[0], w[1], w[2], w[3]);
+      *reinterpret_cast<uint4*>(kv_tile + e * kRow + c) = make_uint4(w[0], w[1], w[2], w[3]);
     }
     __syncthreads();
-    if (!head_ok) continue;
 
-    // Scores, 32 entries at a time. Each lane forms partial dot products over its Dim/32
-    // channels for the 32 entries, then a butterfly reduce-scatter (5 steps, 31 independent
-    // shuffles) leaves lane i with the full score of entry i of the half (step `bit` keeps the
-    // upper half of the remaining entries in lanes with that bit set). Two halves rather than
-    // one 64-entry butterfly keep the kernel under 128 registers, so two CTAs share an SM and
-    // one's loads overlap the other's arithmetic.
-    static_assert(sparse_chunk == 64, "the score butterfly below is written for 64-entry chunks");
-    float half_score[2];
+    // This quarter's partial scores: 16 heads x 64 entries over channels [ch0, ch0 + kPartCh).
+    float s[kTiles][4];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float part[32];
+    for (int t = 0; t < kTiles; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.0f;
+    if (tile_live) {
 #pragma unroll
-      for (int e = 0; e < 32; ++e) {
-        float k[kLaneCh];
-        load_lane_channels<Dim>(tile + (32 * h + e) * Dim, lane, k);
-        float acc_e = 0.0f;
+      for (int k = 0; k < kPartCh; k += 16) {
+        std::uint32_t qa[4];  // rows lane % 16, channels k + 8 (lane / 16) ..
+        ldmatrix_x4<false>(qa, q_tile + (ht * head_tile + lane % 16) * kRow + ch0 + k + (lane / 16) * 8);
 #pragma unroll
-        for (int c = 0; c < kLaneCh; ++c) acc_e = fmaf(q[c], k[c], acc_e);
-        part[e] = acc_e;
+        for (int t = 0; t < kTiles; t += 2) {
+          std::uint32_t kb[4];  // entries of tiles t, t + 1; channels k .. k + 15
+          ldmatrix_x4<false>(kb, kv_tile + ((t + lane / 16) * 8 + lane % 8) * kRow + ch0 + k + ((lane / 8) % 2) * 8);
+          mma_bf16(s[t], qa, kb[0], kb[1]);
+          mma_bf16(s[t + 1], qa, kb[2], kb[3]);
+        }
       }
-      butterfly_step<16, 16>(part, lane);
-      butterfly_step<8, 8>(part, lane);
-      butterfly_step<4, 4>(part, lane);
-      butterfly_step<2, 2>(part, lane);
-      butterfly_step<1, 1>(part, lane);
-      half_score[h] = part[0];
+      float* mine = score_part + (part * kHeads + ht * head_tile + gid) * kScoreRow + 2 * quad;
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) {
+        *reinterpret_cast<float2*>(mine + t * 8) = make_float2(s[t][0], s[t][1]);
+        *reinterpret_cast<float2*>(mine + 8 * kScoreRow + t * 8) = make_float2(s[t][2], s[t][3]);
+      }
     }
-    const int e0 = lane, e1 = lane + 32;
-    const float s0 = chunk_idx[e0] >= 0 ? half_score[0] * a.scale : -INFINITY;
-    const float s1 = chunk_idx[e1] >= 0 ? half_score[1] * a.scale : -INFINITY;
-    const float chunk_max = warp_max(fmaxf(s0, s1));
+    __syncthreads();
+    if (!tile_live) continue;
+    // The full scores: the four quarters added in order, scaled; empty slots -inf.
+    float cmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // fragment elements 2h, 2h + 1: head row gid + 8h, entries e, e + 1
+        const int r = ht * head_tile + gid + 8 * h, e = t * 8 + 2 * quad;
+        float2 sum = *reinterpret_cast<const float2*>(score_part + r * kScoreRow + e);
+#pragma unroll
+        for (int p = 1; p < channel_parts; ++p) {
+          const float2 more = *reinterpret_cast<const float2*>(score_part + (p * kHeads + r) * kScoreRow + e);
+          sum.x += more.x, sum.y += more.y;
+        }
+        s[t][2 * h] = chunk_idx[e] >= 0 ? sum.x * a.scale : -INFINITY;
+        s[t][2 * h + 1] = chunk_idx[e + 1] >= 0 ? sum.y * a.scale : -INFINITY;
+        cmax[h] = fmaxf(cmax[h], fmaxf(s[t][2 * h], s[t][2 * h + 1]));
+      }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      cmax[i] = fmaxf(cmax[i], __shfl_xor_sync(0xffffffffu, cmax[i], 1));
+      cmax[i] = fmaxf(cmax[i], __shfl_xor_sync(0xffffffffu, cmax[i], 2));
+    }
     if (sp.max_pass) {
-      if (lane == 0) sp.chunk_max[(static_cast<long long>(row) * a.heads + head) * sp.chunks + split] = chunk_max;
+      if (part == 0 && quad == 0)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          if (head_ok[i]) sp.chunk_max[(static_cast<long long>(row) * a.heads + my_head[i]) * sp.chunks + split] = cmax[i];
       continue;
     }
-    const float m_new = fmaxf(m, chunk_max);
-    const float alpha = expf(m - m_new);
-    const float p0 = expf(s0 - m_new), p1 = expf(s1 - m_new);
-    l = l * alpha + warp_sum(p0 + p1);
-    float* pw = probs[warp];
-    pw[e0] = numerics::round_to_bf16(p0);  // bf16 probabilities weight the values
-    pw[e1] = numerics::round_to_bf16(p1);
-    __syncwarp();
-    // acc <- acc * alpha + (the chunk's sum of bf16(p_j) kv_j, formed first), rounded as the host
-    // reference rounds it.
-    float sum[kLaneCh];
+    float alpha[2], psum[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int c = 0; c < kLaneCh; ++c) sum[c] = 0.0f;
-    for (int e = 0; e < sparse_chunk; ++e) {
-      const float p = pw[e];
-      if (p == 0.0f) continue;  // warp-uniform: every lane reads the same value
-      float v[kLaneCh];
-      load_lane_channels<Dim>(tile + e * Dim, lane, v);
+    for (int i = 0; i < 2; ++i) {
+      const float m_new = fmaxf(m[i], cmax[i]);
+      alpha[i] = expf(m[i] - m_new);
+      m[i] = m_new;
+    }
+    // Probabilities (fp32 for the denominator, bf16 for the values) as the A operand of P V:
+    // the C fragment of score tiles 2k, 2k + 1 is the A fragment of entries 16k .. 16k + 15.
+    std::uint32_t pa[sparse_chunk / 16][4];
 #pragma unroll
-      for (int c = 0; c < kLaneCh; ++c) sum[c] = __fadd_rn(sum[c], __fmul_rn(p, v[c]));
+    for (int t = 0; t < kTiles; ++t) {
+      float p[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        p[i] = expf(s[t][i] - m[i / 2]);  // exp(-inf) = 0 for empty slots
+        psum[i / 2] += p[i];
+      }
+      pa[t / 2][(t % 2) * 2 + 0] = bf16x2_bits(p[0], p[1]);
+      pa[t / 2][(t % 2) * 2 + 1] = bf16x2_bits(p[2], p[3]);
     }
 #pragma unroll
-    for (int c = 0; c < kLaneCh; ++c) acc[c] = __fadd_rn(__fmul_rn(acc[c], alpha), sum[c]);
-    __syncwarp();  // pw is rewritten by the next chunk
-    m = m_new;
-  }
-  if (!head_ok || sp.max_pass) return;
-  if (sp.partials) {  // the split's share; the merge adds the sink
-    float* part_out = sp.partials + ((static_cast<long long>(row) * a.heads + head) * sp.splits + split) * (Dim + 4);
+    for (int i = 0; i < 2; ++i) {
+      psum[i] += __shfl_xor_sync(0xffffffffu, psum[i], 1);
+      psum[i] += __shfl_xor_sync(0xffffffffu, psum[i], 2);
+      l[i] = l[i] * alpha[i] + psum[i];
+    }
+    // acc <- acc alpha + (the chunk's sum of bf16(p_j) kv_j), 16 channels at a time.
 #pragma unroll
-    for (int g = 0; g < Dim / 128; ++g)
-      *reinterpret_cast<float4*>(part_out + g * 128 + 4 * lane) =
-          make_float4(acc[4 * g], acc[4 * g + 1], acc[4 * g + 2], acc[4 * g + 3]);
-    if (lane == 0) part_out[Dim] = m, part_out[Dim + 1] = l;
+    for (int nb = 0; nb < kPartCh / 16; ++nb) {
+      float sum[2][4] = {};
+#pragma unroll
+      for (int k = 0; k < sparse_chunk / 16; ++k) {
+        std::uint32_t vb[4];  // entries 16k .. 16k + 15, channels ch0 + 16 nb .. + 15, transposed
+        ldmatrix_x4<true>(vb, kv_tile + (16 * k + ((lane / 8) % 2) * 8 + lane % 8) * kRow + ch0 + 16 * nb + (lane / 16) * 8);
+        mma_bf16(sum[0], pa[k], vb[0], vb[1]);
+        mma_bf16(sum[1], pa[k], vb[2], vb[3]);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[2 * nb + h][i] = __fadd_rn(__fmul_rn(acc[2 * nb + h][i], alpha[i / 2]), sum[h][i]);
+    }
+  }
+  if (!tile_live || sp.max_pass) return;
+  // Fragment element i of channel tile n: head my_head[i / 2], channel ch0 + 8 n + 2 quad + i % 2.
+  if (sp.partials) {  // the split's share; the merge adds the sink
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (!head_ok[i]) continue;
+      float* part_out = sp.partials + ((static_cast<long long>(row) * a.heads + my_head[i]) * sp.splits + split) * (Dim + 4);
+#pragma unroll
+      for (int n = 0; n < kPartCh / 8; ++n)
+        *reinterpret_cast<float2*>(part_out + ch0 + 8 * n + 2 * quad) = make_float2(acc[n][2 * i], acc[n][2 * i + 1]);
+      if (part == 0 && quad == 0) part_out[Dim] = m[i], part_out[Dim + 1] = l[i];
+    }
     return;
   }
-  l += expf(a.sink[head] - m);
-  bf16* o = a.out + (static_cast<long long>(row) * a.heads + head) * Dim;
-  for (int c = 0; c < kLaneCh; ++c) o[lane_channel<Dim>(lane, c)] = bf16::from_float(__fdiv_rn(acc[c], l));
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (!head_ok[i]) continue;
+    const float li = l[i] + expf(a.sink[my_head[i]] - m[i]);
+    bf16* o = a.out + (static_cast<long long>(row) * a.heads + my_head[i]) * Dim + ch0 + 2 * quad;
+#pragma unroll
+    for (int n = 0; n < kPartCh / 8; ++n)
+      *reinterpret_cast<std::uint32_t*>(o + 8 * n) = bf16x2_bits(__fdiv_rn(acc[n][2 * i], li), __fdiv_rn(acc[n][2 * i + 1], li));
+  }
 }
 
 //! Merges the splits of one (row, head): M = max m_s, out = sum_s acc_s e^(m_s - M) /
@@ -436,7 +526,7 @@ kv_split choose_split(const sparse_attention_args& a, sparse_attention_workspace
   kv_split sp;
   const int chunks = (a.topk + sparse_chunk - 1) / sparse_chunk;
   const long long rows = static_cast<long long>(a.batch) * a.rows;
-  const long long ctas = rows * ((a.heads + heads_per_cta - 1) / heads_per_cta);
+  const long long ctas = rows * ((a.heads + heads_per_cta(a.heads) - 1) / heads_per_cta(a.heads));
   if (!ws || chunks < 2 || ctas == 0 || 2 * ctas > sms) return sp;
   long long splits = std::min<long long>(chunks, sms / ctas);
   const long long per_split_floats = rows * a.heads * (Dim + 4), max_floats = rows * a.heads * chunks;
@@ -455,8 +545,8 @@ kv_split choose_split(const sparse_attention_args& a, sparse_attention_workspace
 //! Empty when the launch can proceed, else why not.
 template <int Dim, class KV>
 std::string can_implement(const sparse_attention_args& a, const KV& kv) {
-  static_assert(Dim % 128 == 0,
-                "sparse_attention<Dim>: Dim must be a multiple of 128 (a lane owns four channels in each 128)");
+  static_assert(Dim % 64 == 0,
+                "sparse_attention<Dim>: Dim must be a multiple of 64 (four warps share the channels, 16 at a time)");
   if (a.batch < 0 || a.rows < 0 || a.heads <= 0 || a.topk < 0) return "batch, rows, topk must be >= 0 and heads > 0";
   if (static_cast<long long>(a.batch) * a.rows > 0x7fffffffll) return "batch * rows exceeds the grid limit";
   if (a.heads > 65535) return "heads exceed the grid limit (65535)";
@@ -475,25 +565,31 @@ void sparse_attention(const sparse_attention_args& a, const KV& kv, cudaStream_t
                       sparse_attention_workspace* workspace = nullptr) {
   if (const std::string why = can_implement<Dim>(a, kv); !why.empty()) throw error("sparse_attention: " + why);
   if (a.rows == 0 || a.batch == 0) return;
-  constexpr int smem = sparse_chunk * Dim * int(sizeof(bf16));
-  auto kernel = detail::sparse_attention_kernel<Dim, KV>;
-  DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const detail::kv_split sp = detail::choose_split<Dim>(a, workspace, runtime::sm_count());
-  const unsigned rows = unsigned(a.batch * a.rows), groups = unsigned((a.heads + detail::heads_per_cta - 1) / detail::heads_per_cta);
-  if (sp.partials) {  // the chunk maxima the splits start from (the last split's chunks are not needed)
-    detail::kv_split max_pass = sp;
-    max_pass.max_pass = true;
-    runtime::launch_programmatic(kernel, dim3(rows, groups, unsigned((sp.splits - 1) * sp.chunks_per_split)),
-                                 dim3(detail::heads_per_cta * 32), smem, stream, a, kv, max_pass);
+  const int tiles = detail::head_tiles_for(a.heads);
+  auto run = [&](auto kernel, auto smem_layout) {
+    using smem_t = decltype(smem_layout);
+    constexpr int smem = int(smem_t::bytes);
+    DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const detail::kv_split sp = detail::choose_split<Dim>(a, workspace, runtime::sm_count());
+    const unsigned rows = unsigned(a.batch * a.rows), groups = unsigned((a.heads + smem_t::heads - 1) / smem_t::heads);
+    const dim3 block(smem_t::heads / detail::head_tile * detail::channel_parts * 32);
+    if (sp.partials) {  // the chunk maxima the splits start from (the last split's chunks are not needed)
+      detail::kv_split max_pass = sp;
+      max_pass.max_pass = true;
+      runtime::launch_programmatic(kernel, dim3(rows, groups, unsigned((sp.splits - 1) * sp.chunks_per_split)), block, smem,
+                                   stream, a, kv, max_pass);
+      DSV4_CUDA_CHECK_LAUNCH();
+    }
+    runtime::launch_programmatic(kernel, dim3(rows, groups, unsigned(sp.splits)), block, smem, stream, a, kv, sp);
     DSV4_CUDA_CHECK_LAUNCH();
-  }
-  runtime::launch_programmatic(kernel, dim3(rows, groups, unsigned(sp.splits)), dim3(detail::heads_per_cta * 32), smem, stream,
-                               a, kv, sp);
-  DSV4_CUDA_CHECK_LAUNCH();
-  if (!sp.partials) return;
-  runtime::launch_programmatic(detail::sparse_attention_merge_kernel<Dim>, dim3(rows, unsigned(a.heads)), dim3(Dim / 4), 0,
-                               stream, a, sp);
-  DSV4_CUDA_CHECK_LAUNCH();
+    if (!sp.partials) return;
+    runtime::launch_programmatic(detail::sparse_attention_merge_kernel<Dim>, dim3(rows, unsigned(a.heads)), dim3(Dim / 4), 0,
+                                 stream, a, sp);
+    DSV4_CUDA_CHECK_LAUNCH();
+  };
+  if (tiles == 1) return run(detail::sparse_attention_kernel<Dim, 1, KV>, detail::mma_smem<Dim, 1>{});
+  if (tiles == 2) return run(detail::sparse_attention_kernel<Dim, 2, KV>, detail::mma_smem<Dim, 2>{});
+  run(detail::sparse_attention_kernel<Dim, detail::max_head_tiles, KV>, detail::mma_smem<Dim, detail::max_head_tiles>{});
 }
 
 }  // namespace dsv4::kernels::attention
