@@ -5,7 +5,10 @@
 //! Decode floor: the bytes of the weights the routing actually touches (distinct chosen experts x
 //! 3 FP4 matrices + the shared expert + the gate) over the copy bandwidth; prefill: FLOPs
 //! (tokens x 7 experts x 3 GEMMs x 2 x 5120 x 2304) over the cuBLAS bf16 rate. Both ceilings are
-//! measured in the same run; times per call, graph-replayed.
+//! measured in the same run; times per call, graph-replayed. "cuBLAS path": the same call given a
+//! cuBLAS handle where moe_forward then takes its prefill path (>= 32 rows per expert: bf16 copies
+//! and per-expert cuBLAS GEMMs; one stream synchronization per call, so timed call by call with
+//! CUDA events instead of a graph).
 
 #include <cstdio>
 #include <set>
@@ -43,12 +46,14 @@ int main(int argc, char** argv) {
     bias.fill_bytes(0);
     const moe::moe_weights w{gate.data(), bias.data(), nullptr, w1.data(), w1s.data(), w3.data(), w3s.data(), w2.data(),
                              w2s.data(),  s1.data(),   s1s.data(), s3.data(), s3s.data(), s2.data(), s2s.data()};
-    std::printf("%7s %10s %9s %11s %9s %9s %9s\n", "tokens", "median us", "experts", "weight GB/s", "vs copy",
-                "TFLOP/s", "vs gemm");
+    std::printf("%7s %10s %9s %11s %9s %9s %9s %14s %9s\n", "tokens", "median us", "experts", "weight GB/s", "vs copy",
+                "TFLOP/s", "vs gemm", "cuBLAS path us", "vs gemm");
+    cublasHandle_t blas = nullptr;
+    gemm::detail::blas_check(cublasCreate(&blas), "bench_moe: cublasCreate");
     FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
     if (jf) std::fprintf(jf, "{\"copy_gbps\": %.1f, \"gemm_tflops\": %.1f, \"results\": [\n", ceil.copy_bps / 1e9, ceil.gemm_fps / 1e12);
     bool first = true;
-    for (long long tokens : {1LL, 8LL, 64LL, 4096LL}) {
+    for (long long tokens : {1LL, 8LL, 64LL, 4096LL, 8192LL}) {
       runtime::device_buffer<bf16> x(std::size_t(tokens) * s.dim), y(x.size());
       bench::fill_bf16(x.data(), x.size(), 11 + unsigned(tokens), 2.0f);
       moe::moe_workspace ws(s, tokens);
@@ -60,15 +65,25 @@ int main(int argc, char** argv) {
                                                   tokens >= 4096 ? 2 : 10);
       const double bytes = double(distinct.size()) * expert_bytes + shared_bytes + gate.bytes();
       const double flops = double(tokens) * (s.k + 1) * 3 * 2.0 * s.dim * s.inter;
-      std::printf("%7lld %10.1f %9zu %11.0f %8.1f%% %9.1f %8.1f%%\n", tokens, ms * 1e3, distinct.size(),
+      const bool dense = tokens * s.k >= moe::dense_min_rows_per_expert * s.experts;
+      const double ms_dense =
+          dense ? bench::median_ms([&] { moe::moe_forward(x.data(), tokens, nullptr, w, y.data(), ws, nullptr, blas); }, 2, 10)
+                : 0.0;
+      std::printf("%7lld %10.1f %9zu %11.0f %8.1f%% %9.1f %8.1f%%", tokens, ms * 1e3, distinct.size(),
                   bytes / (ms * 1e-3) / 1e9, 100 * bytes / ceil.copy_bps / (ms * 1e-3), flops / (ms * 1e-3) / 1e12,
                   100 * flops / ceil.gemm_fps / (ms * 1e-3));
+      if (dense)
+        std::printf(" %14.1f %8.1f%%\n", ms_dense * 1e3, 100 * flops / ceil.gemm_fps / (ms_dense * 1e-3));
+      else
+        std::printf(" %14s %9s\n", "-", "-");
       if (jf)
-        std::fprintf(jf, "%s  {\"tokens\": %lld, \"us\": %.2f, \"experts\": %zu, \"copy_ratio\": %.4f, \"gemm_ratio\": %.4f}",
+        std::fprintf(jf, "%s  {\"tokens\": %lld, \"us\": %.2f, \"experts\": %zu, \"copy_ratio\": %.4f, \"gemm_ratio\": %.4f, "
+                         "\"cublas_path_us\": %.2f}",
                      first ? "" : ",\n", tokens, ms * 1e3, distinct.size(), bytes / ceil.copy_bps / (ms * 1e-3),
-                     flops / ceil.gemm_fps / (ms * 1e-3));
+                     flops / ceil.gemm_fps / (ms * 1e-3), ms_dense * 1e3);
       first = false;
     }
+    cublasDestroy(blas);
     if (jf) {
       std::fprintf(jf, "\n]}\n");
       std::fclose(jf);

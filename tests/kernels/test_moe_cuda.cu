@@ -37,6 +37,7 @@ struct moe_case {
   int nan_bias = -1;       // an expert whose bias (and bias_vl) is NaN, or -1
   int nan_gate_row = -1;   // an expert whose gate row holds a NaN (NaN logit for every token), or -1
   int nan_token_every = 0; // tokens 0, n, 2n, ... get a NaN in x (every logit NaN), if n > 0
+  bool cublas = false;     // moe_forward gets a cuBLAS handle: the prefill path must be taken
 };
 
 //! How many SwiGLU inputs of one expert on one token the clamps change: g > limit, |u| > limit.
@@ -185,8 +186,18 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
   ws.sel_expert.fill_bytes(0xFF);  // the rows past this call's tokens are downloaded below, unused
   ws.expert_out.fill_bytes(0xFF);  // NaN: a combine that read a row no expert wrote would show
   dy.fill_bytes(0xFF);
-  moe::moe_forward(dx.data(), c.tokens, c.images ? dimg.data() : nullptr, w, dy.data(), ws);
+  cublasHandle_t blas = nullptr;
+  if (c.cublas) gemm::detail::blas_check(cublasCreate(&blas), "test: cublasCreate");
+  // cuBLAS writes these with Hopper bulk (TMA) stores, which compute-sanitizer initcheck does not
+  // see; NaN poison makes them initialized for it, and any row cuBLAS left unwritten would show.
+  for (auto* b : {&ws.g, &ws.u, &ws.sg, &ws.su, &ws.shared_out}) b->fill_bytes(0xFF);
+  ws.expert_offsets_host.data()[c.experts] = -1;  // the prefill path writes the row offsets here
+  moe::moe_forward(dx.data(), c.tokens, c.images ? dimg.data() : nullptr, w, dy.data(), ws, nullptr, blas);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  if (blas) cublasDestroy(blas);
+  const long long offsets_end = ws.expert_offsets_host.data()[c.experts];
+  BOOST_TEST((offsets_end == c.tokens * c.k) == c.cublas,
+             "the prefill path was " << (c.cublas ? "not " : "") << "taken (offsets end " << offsets_end << ")");
   const auto y = dy.download();
   const auto sel = ws.sel_expert.download();
 
@@ -319,6 +330,16 @@ BOOST_AUTO_TEST_CASE(layer_matches_host, *utf::label("gpu") * utf::precondition(
   check_moe({8, 2, 256, 128, 100}, 3);                  // tiny: 25 rows per expert, 16-row tiles
   check_moe({16, 3, 256, 64, 50, 5, 128, false, true}, 4);  // every token picks expert 5; clamps engage
   check_moe({64, 4, 256, 64, 30, -1, 122, true}, 5);    // image tokens route with bias_vl
+}
+
+// The prefill path (a cuBLAS handle and >= 32 rows per expert): per-expert bf16 copies and cuBLAS
+// GEMMs in windows of the workspace's max_tokens rows (603 and 303 rows here, so windows cut
+// through experts), the shared expert through gemm::dequant_gemm. Same tolerance as the kernel
+// path: only fp32 summation order differs from the block-wise reference.
+BOOST_AUTO_TEST_CASE(prefill_path_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  check_moe({.experts = 8, .k = 2, .dim = 256, .inter = 128, .tokens = 600, .cublas = true}, 9);
+  check_moe({.experts = 16, .k = 3, .dim = 256, .inter = 64, .tokens = 300, .favourite = 5, .scale_code = 128,
+             .clamps = true, .cublas = true}, 10);
 }
 
 // NaN gate scores are ranked as torch.topk ranks them (above +inf; ties to the lower id), on the

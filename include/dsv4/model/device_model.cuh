@@ -402,7 +402,7 @@ class device_model {
     mw.w2 = b.w2[0].data(), mw.w2_s = b.w2[1].data(), mw.s1 = b.s1[0].data(), mw.s1_s = b.s1[1].data();
     mw.s3 = b.s3[0].data(), mw.s3_s = b.s3[1].data(), mw.s2 = b.s2[0].data(), mw.s2_s = b.s2[1].data();
     observe(l, "ffn_in", h_.data(), R);
-    kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_, stream());
+    kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_, stream(), blas_);
     observe(l, "ffn_out", sub_.data(), R);
   }
 

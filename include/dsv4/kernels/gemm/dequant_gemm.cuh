@@ -38,17 +38,20 @@ inline std::size_t dequant_elems(const gemm_shape& s) { return (std::size_t(s.m)
 
 namespace detail {
 
-//! Activations [rows, k] E4M3 with UE8M0 per 32 -> bf16: one thread per 8 consecutive elements.
+//! Activations E4M3 with UE8M0 per 32 -> bf16 [rows, k]: one thread per 8 consecutive elements.
+//! Output row i is input row `row_index[row0 + i]` (a gather, e.g. the MoE's sorted pairs), or
+//! row0 + i without an index.
 DSV4_KERNEL void __launch_bounds__(256)
-    dequantize_activations_kernel(const std::uint8_t* codes, const std::uint8_t* scales, long long rows, int k,
-                                  numerics::bf16* out) {
+    dequantize_activations_kernel(const std::uint8_t* codes, const std::uint8_t* scales, const int* row_index,
+                                  long long row0, long long rows, int k, numerics::bf16* out) {
   const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const long long per_row = k / 8;
   if (t >= rows * per_row) return;
   const long long row = t / per_row;
+  const long long src = row_index ? row_index[row0 + row] : row0 + row;
   const int col = int(t % per_row) * 8;
-  const float s = ue8m0_value(scales[row * (k / 32) + col / 32]);
-  const uint2 raw = *reinterpret_cast<const uint2*>(codes + row * k + col);
+  const float s = ue8m0_value(scales[src * (k / 32) + col / 32]);
+  const uint2 raw = *reinterpret_cast<const uint2*>(codes + src * k + col);
   unsigned packed[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -105,6 +108,40 @@ DSV4_KERNEL void __launch_bounds__(256)
   }
 }
 
+//! bf16 copies of `rows` activation rows (see the kernel for row_index / row0).
+inline void dequantize_activation_rows(const std::uint8_t* codes, const std::uint8_t* scales, const int* row_index,
+                                       long long row0, long long rows, int k, numerics::bf16* out, cudaStream_t stream) {
+  const long long threads = rows * (k / 8);
+  if (threads == 0) return;
+  dequantize_activations_kernel<<<unsigned((threads + 255) / 256), 256, 0, stream>>>(codes, scales, row_index, row0, rows, k,
+                                                                                     out);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+
+//! A row-major bf16 [n, k] copy of an MMA-tile weight.
+inline void dequantize_weight(weight_format wf, const std::uint8_t* codes, const std::uint8_t* scales, int n, int k,
+                              numerics::bf16* out, cudaStream_t stream) {
+  const long long threads = (long long)((n + 15) / 16) * (k / 32) * 32;
+  if (threads == 0) return;
+  const unsigned blocks = unsigned((threads + 255) / 256);
+  if (wf == weight_format::fp8_tile32)
+    dequantize_weight_kernel<weight_format::fp8_tile32><<<blocks, 256, 0, stream>>>(codes, scales, n, k, out);
+  else
+    dequantize_weight_kernel<weight_format::fp4_row32><<<blocks, 256, 0, stream>>>(codes, scales, n, k, out);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+
+//! Row-major C[m, n] = A[m, k] W[n, k]^T, bf16 in and out, fp32 accumulation (cuBLAS; the caller
+//! holds a blas_call with bf16_math on the handle).
+inline void bf16_gemm_nt(cublasHandle_t blas, const numerics::bf16* a, const numerics::bf16* w, numerics::bf16* c, int m,
+                         int n, int k, const char* what) {
+  const float one = 1.0f, zero = 0.0f;
+  // Row-major C[M, N] = A[M, K] W[N, K]^T is column-major C^T = W A^T.
+  blas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, a, CUDA_R_16BF, k, &zero, c,
+                          CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+             what);
+}
+
 }  // namespace detail
 
 //! C = A W^T through bf16 copies of both operands in `workspace` and one cuBLAS GEMM on `stream`.
@@ -120,23 +157,10 @@ inline void dequant_gemm(const block_scaled_gemm_args& g, weight_format wf, gemm
                 " bf16 elements, this shape needs " + std::to_string(dequant_elems(s)) + " (dequant_elems)");
   numerics::bf16* a16 = workspace.dequant();
   numerics::bf16* w16 = a16 + std::size_t(s.m) * s.k;
-  const long long act_threads = (long long)s.m * (s.k / 8);
-  detail::dequantize_activations_kernel<<<unsigned((act_threads + 255) / 256), 256, 0, stream>>>(g.a, g.a_s, s.m, s.k, a16);
-  DSV4_CUDA_CHECK_LAUNCH();
-  const long long w_threads = (long long)((s.n + 15) / 16) * (s.k / 32) * 32;
-  if (wf == weight_format::fp8_tile32)
-    detail::dequantize_weight_kernel<weight_format::fp8_tile32><<<unsigned((w_threads + 255) / 256), 256, 0, stream>>>(
-        g.w, g.w_s, s.n, s.k, w16);
-  else
-    detail::dequantize_weight_kernel<weight_format::fp4_row32><<<unsigned((w_threads + 255) / 256), 256, 0, stream>>>(
-        g.w, g.w_s, s.n, s.k, w16);
-  DSV4_CUDA_CHECK_LAUNCH();
+  detail::dequantize_activation_rows(g.a, g.a_s, nullptr, 0, s.m, s.k, a16, stream);
+  detail::dequantize_weight(wf, g.w, g.w_s, s.n, s.k, w16, stream);
   const detail::blas_call call(blas, stream, detail::bf16_math);
-  const float one = 1.0f, zero = 0.0f;
-  // Row-major C[M, N] = A[M, K] W[N, K]^T is column-major C^T = W A^T.
-  detail::blas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, s.n, s.m, s.k, &one, w16, CUDA_R_16BF, s.k, a16,
-                                  CUDA_R_16BF, s.k, &zero, g.c, CUDA_R_16BF, s.n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                     "dequant_gemm: cublasGemmEx");
+  detail::bf16_gemm_nt(blas, a16, w16, g.c, s.m, s.n, s.k, "dequant_gemm: cublasGemmEx");
 }
 
 //! The linear layer of an FP8 / FP4 weight (after act_quant): picks the path by token count.

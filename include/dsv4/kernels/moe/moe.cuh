@@ -9,8 +9,12 @@
 //!  3. dispatch: a stable radix sort of the (token, slot) pairs by expert (CUB), then a tile list
 //!     (runs of at most 8 or 16 rows of one expert) for the grouped GEMMs;
 //!  4. act_quant of x once; w1 and w3 as grouped FP4 GEMMs that read x's rows through the sort
-//!     (no gather copy); the clamped SwiGLU times the routing weight, act_quant; w2 grouped;
-//!  5. the shared expert (FP8) on all tokens;
+//!     (no gather copy); the clamped SwiGLU times the routing weight, act_quant; w2 grouped.
+//!     Prefill-sized calls given a cuBLAS handle (>= dense_min_rows_per_expert rows per expert)
+//!     instead run each expert's rows through bf16 copies and one cuBLAS GEMM per expert and
+//!     projection (dense_expert_projection), tensor-core GEMMs at full tile height;
+//!  5. the shared expert (FP8) on all tokens (gemm::block_scaled_linear: the dequantize + cuBLAS
+//!     path from gemm::dequant_min_tokens tokens when a handle is given);
 //!  6. per token: its experts' bf16 outputs added in ascending expert id into an fp32 sum that
 //!     starts at 0, then the shared expert's, one rounding (deterministic: no atomics anywhere).
 //! Works for the backbone (384 experts, top-6) and the DSpark stages (128, top-3) alike.
@@ -26,6 +30,7 @@
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
+#include "dsv4/kernels/gemm/dequant_gemm.cuh"
 #include "dsv4/kernels/gemm/weight_tiles.hpp"
 #include "dsv4/kernels/moe/reference.hpp"
 #include "dsv4/numerics/bf16.hpp"
@@ -34,6 +39,7 @@
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "dsv4/runtime/pdl.cuh"
+#include "dsv4/runtime/pinned_buffer.cuh"
 
 namespace dsv4::kernels::moe {
 
@@ -47,6 +53,19 @@ struct moe_shape {
   float route_scale = 1.5f, gate_temp = 1.0f, swiglu_limit = 10.0f;
   bool norm_topk_prob = true;
 };
+
+//! With a cuBLAS handle, moe_forward runs the routed experts through bf16 copies and cuBLAS (the
+//! prefill path) when the sorted pairs give this many rows per expert on average or more; the
+//! shared expert takes that path from gemm::dequant_min_tokens tokens on.
+inline constexpr int dense_min_rows_per_expert = 32;
+
+//! bf16 scratch of the prefill path for up to `max_tokens` tokens (0 below dequant_min_tokens):
+//! a window of max_tokens activation rows and one weight, each at most max(dim, inter) wide.
+inline std::size_t dense_dequant_elems(const moe_shape& s, long long max_tokens) {
+  if (max_tokens < gemm::dequant_min_tokens) return 0;
+  const std::size_t w = std::size_t(std::max(s.dim, s.inter));
+  return (std::size_t(max_tokens) + w) * w;
+}
 
 //! Device weights of one MoE layer. Expert weights are in the MMA-tile layout
 //! (gemm/weight_tiles.hpp), expert after expert.
@@ -71,7 +90,8 @@ class moe_workspace {
         tile_group(tiles_bound()), tile_row0(tiles_bound()), tile_rows(tiles_bound()), tile_count(1),
         xq(n(s.dim)), xs(n(s.dim / 32)), g(n(std::size_t(s.k) * s.inter)), u(g.size()), h(g.size()), hq(g.size()),
         hs(g.size() / 32), expert_out(n(std::size_t(s.k) * s.dim)), sg(n(s.inter)), su(sg.size()), sh(sg.size()),
-        shq(sg.size()), shs(sg.size() / 32), shared_out(n(s.dim)), gemm(std::size_t(1) << 20) {
+        shq(sg.size()), shs(sg.size() / 32), shared_out(n(s.dim)), expert_offsets(std::size_t(s.experts) + 1),
+        expert_offsets_host(std::size_t(s.experts) + 1), gemm(std::size_t(1) << 20, dense_dequant_elems(s, max_tokens)) {
     std::size_t bytes = 0;
     DSV4_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, sorted_expert.data(), sorted_expert.data(),
                                                     pair_index.data(), sorted_pair.data(), int(max_tokens * s.k), 0, 10));
@@ -108,6 +128,8 @@ class moe_workspace {
   runtime::device_buffer<std::uint8_t> shq, shs;
   runtime::device_buffer<bf16> shared_out;
   runtime::device_buffer<unsigned char> sort_temp;
+  runtime::device_buffer<int> expert_offsets;        //!< [experts + 1]: first sorted row of each expert
+  runtime::pinned_buffer<int> expert_offsets_host;   //!< their copy for the prefill path's launches
   gemm::gemm_workspace gemm;
 };
 
@@ -321,12 +343,63 @@ inline void quantize_rows(const bf16* x, long long rows, int channels, std::uint
       {x, rows, channels, channels, codes, channels, scales, channels / 32}, stream);
 }
 
+//! offsets[e] = the first sorted row whose expert is >= e, for e = 0 .. experts (a binary search
+//! of the ascending expert column per thread).
+DSV4_KERNEL void expert_offsets_kernel(const int* sorted_expert, int pairs, int experts, int* offsets) {
+  runtime::start_after_previous_grid();
+  const int e = int(blockIdx.x * blockDim.x + threadIdx.x);
+  if (e > experts) return;
+  int lo = 0, hi = pairs;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (sorted_expert[mid] < e) lo = mid + 1;
+    else hi = mid;
+  }
+  offsets[e] = lo;
+}
+
+//! The prefill path of one routed projection (w1 or w3 from x, or w2 from h): the sorted rows are
+//! taken in windows of max_tokens rows; each window's activations are dequantized to bf16 once
+//! (gathered through `row_index` for x), then every expert with rows in the window has its weight
+//! dequantized to bf16 and one cuBLAS GEMM computes its rows (fp32 accumulation; only the
+//! summation order differs from the block-wise reference, as in gemm::dequant_gemm). Needs
+//! ws.expert_offsets_host filled.
+inline void dense_expert_projection(const std::uint8_t* a, const std::uint8_t* a_s, const int* row_index, int pairs, int k,
+                                    const std::uint8_t* w, const std::uint8_t* w_s, int n, bf16* out, moe_workspace& ws,
+                                    cublasHandle_t blas, cudaStream_t stream) {
+  const moe_shape& s = ws.shape();
+  const gemm::weight_tile_shape shape{n, k, gemm::weight_format::fp4_row32};
+  const long long window = ws.max_tokens();
+  const std::size_t wide = std::size_t(std::max(s.dim, s.inter));
+  bf16* a16 = ws.gemm.dequant();
+  bf16* w16 = a16 + std::size_t(window) * wide;
+  const int* offsets = ws.expert_offsets_host.data();
+  const gemm::detail::blas_call call(blas, stream, gemm::detail::bf16_math);
+  for (long long r0 = 0; r0 < pairs; r0 += window) {
+    const long long r1 = std::min<long long>(pairs, r0 + window);
+    gemm::detail::dequantize_activation_rows(a, a_s, row_index, r0, r1 - r0, k, a16, stream);
+    for (int e = 0; e < s.experts; ++e) {
+      const long long b = std::max<long long>(r0, offsets[e]), end = std::min<long long>(r1, offsets[e + 1]);
+      if (b >= end) continue;
+      gemm::detail::dequantize_weight(gemm::weight_format::fp4_row32, w + e * (long long)shape.code_bytes(),
+                                      w_s + e * (long long)shape.scale_bytes(), n, k, w16, stream);
+      gemm::detail::bf16_gemm_nt(blas, a16 + std::size_t(b - r0) * k, w16, out + std::size_t(b) * n, int(end - b), n, k,
+                                 "moe_forward: expert GEMM (cublasGemmEx)");
+    }
+  }
+}
+
 }  // namespace detail
 
 //! y = MoE(x) for `tokens` tokens (x: the bf16 ffn_norm output). `is_image` (optional, one byte
-//! per token) picks bias_vl for image-span tokens. Throws dsv4::error on bad shapes.
+//! per token) picks bias_vl for image-span tokens. With a cuBLAS handle (`blas`), prefill-sized
+//! calls take the dequantize + cuBLAS path for the experts (dense_min_rows_per_expert, see
+//! dense_expert_projection), which copies the per-expert row counts to the host and waits for
+//! them: such a call synchronizes its stream once and cannot be captured in a CUDA graph (calls
+//! below the threshold, and every call without a handle, never synchronize). Throws dsv4::error
+//! on bad shapes.
 inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_image, const moe_weights& w, bf16* y,
-                        moe_workspace& ws, cudaStream_t stream = nullptr) {
+                        moe_workspace& ws, cudaStream_t stream = nullptr, cublasHandle_t blas = nullptr) {
   const moe_shape& s = ws.shape();
   const std::string where = "moe_forward (tokens " + std::to_string(tokens) + "): ";
   if (tokens < 0 || tokens > ws.max_tokens())
@@ -357,11 +430,22 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   DSV4_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws.sort_temp.data(), temp_bytes, ws.sel_expert.data(),
                                                   ws.sorted_expert.data(), ws.pair_index.data(), ws.sorted_pair.data(),
                                                   pairs, 0, 10, stream));
+  const bool dense = blas && pairs >= dense_min_rows_per_expert * s.experts &&
+                     dense_dequant_elems(s, ws.max_tokens()) > 0 &&
+                     ws.gemm.dequant_elems() >= dense_dequant_elems(s, ws.max_tokens());
   const int tile = pairs / s.experts >= 8 ? 16 : 8;
-  runtime::launch_programmatic(detail::tile_list_kernel, dim3(1), dim3(max_experts), 0, stream, ws.sorted_expert.data(), pairs,
-                               s.experts, tile, ws.tile_group.data(), ws.tile_row0.data(), ws.tile_rows.data(),
-                               ws.tile_count.data());
-  DSV4_CUDA_CHECK_LAUNCH();
+  if (dense) {
+    runtime::launch_programmatic(detail::expert_offsets_kernel, dim3(unsigned((s.experts + 256) / 256)), dim3(256), 0, stream,
+                                 ws.sorted_expert.data(), pairs, s.experts, ws.expert_offsets.data());
+    DSV4_CUDA_CHECK_LAUNCH();
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(ws.expert_offsets_host.data(), ws.expert_offsets.data(),
+                                    sizeof(int) * (std::size_t(s.experts) + 1), cudaMemcpyDeviceToHost, stream));
+  } else {
+    runtime::launch_programmatic(detail::tile_list_kernel, dim3(1), dim3(max_experts), 0, stream, ws.sorted_expert.data(),
+                                 pairs, s.experts, tile, ws.tile_group.data(), ws.tile_row0.data(), ws.tile_rows.data(),
+                                 ws.tile_count.data());
+    DSV4_CUDA_CHECK_LAUNCH();
+  }
   runtime::launch_programmatic(detail::rows_kernel, dim3(unsigned((pairs + 255) / 256)), dim3(256), 0, stream,
                                ws.sorted_pair.data(), pairs, s.k, ws.row_token.data(), ws.pair_row.data());
   DSV4_CUDA_CHECK_LAUNCH();
@@ -374,10 +458,18 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   gemm::gemm_groups groups{ws.tile_group.data(), ws.tile_row0.data(), ws.tile_rows.data(), ws.tile_count.data(),
                            ws.row_token.data(), (long long)up.code_bytes(), (long long)up.scale_bytes()};
   const int token_tiles = tile / 8;
-  gemm::grouped_block_scaled_gemm({{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w1, w.w1_s, ws.g.data()}, groups,
-                                  gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
-  gemm::grouped_block_scaled_gemm({{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w3, w.w3_s, ws.u.data()}, groups,
-                                  gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
+  if (dense) {
+    DSV4_CUDA_CHECK(cudaStreamSynchronize(stream));  // the row counts, for the per-expert launches
+    detail::dense_expert_projection(ws.xq.data(), ws.xs.data(), ws.row_token.data(), pairs, s.dim, w.w1, w.w1_s, s.inter,
+                                    ws.g.data(), ws, blas, stream);
+    detail::dense_expert_projection(ws.xq.data(), ws.xs.data(), ws.row_token.data(), pairs, s.dim, w.w3, w.w3_s, s.inter,
+                                    ws.u.data(), ws, blas, stream);
+  } else {
+    gemm::grouped_block_scaled_gemm({{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w1, w.w1_s, ws.g.data()},
+                                    groups, gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
+    gemm::grouped_block_scaled_gemm({{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w3, w.w3_s, ws.u.data()},
+                                    groups, gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
+  }
   const long long act = (long long)pairs * s.inter;
   runtime::launch_programmatic(detail::swiglu_kernel, dim3(unsigned((act + 255) / 256)), dim3(256), 0, stream, ws.g.data(),
                                ws.u.data(), pairs, s.inter, s.swiglu_limit, ws.sel_weight.data(), ws.sorted_pair.data(),
@@ -387,21 +479,27 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   groups.a_row_index = nullptr;  // w2 reads the activations in sorted order
   groups.w_group_bytes = (long long)down.code_bytes();
   groups.ws_group_bytes = (long long)down.scale_bytes();
-  gemm::grouped_block_scaled_gemm({{pairs, s.dim, s.inter}, ws.hq.data(), ws.hs.data(), w.w2, w.w2_s, ws.expert_out.data()},
-                                  groups, gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
+  if (dense)
+    detail::dense_expert_projection(ws.hq.data(), ws.hs.data(), nullptr, pairs, s.inter, w.w2, w.w2_s, s.dim,
+                                    ws.expert_out.data(), ws, blas, stream);
+  else
+    gemm::grouped_block_scaled_gemm({{pairs, s.dim, s.inter}, ws.hq.data(), ws.hs.data(), w.w2, w.w2_s,
+                                     ws.expert_out.data()},
+                                    groups, gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
   // 5. Shared expert (FP8), all tokens.
   const int m = int(tokens);
-  gemm::block_scaled_gemm({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s1, w.s1_s, ws.sg.data()},
-                          gemm::weight_format::fp8_tile32, &ws.gemm, stream);
-  gemm::block_scaled_gemm({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s3, w.s3_s, ws.su.data()},
-                          gemm::weight_format::fp8_tile32, &ws.gemm, stream);
+  // (block_scaled_linear: the dequantize + cuBLAS path from dequant_min_tokens tokens with a handle.)
+  gemm::block_scaled_linear({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s1, w.s1_s, ws.sg.data()},
+                            gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
+  gemm::block_scaled_linear({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s3, w.s3_s, ws.su.data()},
+                            gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
   const long long sact = tokens * s.inter;
   runtime::launch_programmatic(detail::swiglu_kernel, dim3(unsigned((sact + 255) / 256)), dim3(256), 0, stream, ws.sg.data(),
                                ws.su.data(), tokens, s.inter, s.swiglu_limit, nullptr, nullptr, ws.sh.data());
   DSV4_CUDA_CHECK_LAUNCH();
   detail::quantize_rows(ws.sh.data(), tokens, s.inter, ws.shq.data(), ws.shs.data(), stream);
-  gemm::block_scaled_gemm({{m, s.dim, s.inter}, ws.shq.data(), ws.shs.data(), w.s2, w.s2_s, ws.shared_out.data()},
-                          gemm::weight_format::fp8_tile32, &ws.gemm, stream);
+  gemm::block_scaled_linear({{m, s.dim, s.inter}, ws.shq.data(), ws.shs.data(), w.s2, w.s2_s, ws.shared_out.data()},
+                            gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
   // 6. Combine.
   const dim3 combine_grid(unsigned(tokens), unsigned((s.dim + 127) / 128));
   runtime::launch_programmatic(detail::combine_kernel, combine_grid, dim3(128), 0, stream, ws.expert_out.data(),
