@@ -132,16 +132,19 @@ BOOST_AUTO_TEST_CASE(attention_output_matches_host, *utf::label("gpu") * utf::pr
       const auto want = output::attention_output_reference(s, ot, positions[std::size_t(t)], freqs, wo_a_f, wo_b, wo_b_scale);
       std::vector<bf16> g(got.begin() + std::ptrdiff_t(t) * s.dim, got.begin() + std::ptrdiff_t(t + 1) * s.dim);
       // A one-ulp difference in a bf16 intermediate (cuBLAS's fp32 sum order) can move one FP8
-      // code of wo_b's input by one step, which shifts every output of the token by a fraction of
-      // one term: allow 2^-8 of the token's largest output on top of one ulp.
+      // code of wo_b's input by one step (1/8 of that input), which shifts every output of the
+      // token by up to 1/8 of one of its k terms; with k = 128 that is about 2^-6.5 of the
+      // token's largest output (2^-8 failed 2 of 2 fresh seeds on 2026-11-30, old and new code
+      // alike): allow 2^-5 of it on top of one ulp, and ask 90% of the outputs to be bit-equal.
       double mag = 0;
       for (const auto v : want) mag = std::max(mag, double(std::fabs(v.to_float())));
-      bad += count_bad(g, want, mag * 256);
+      bad += count_bad(g, want, mag * 2048);
       for (int i = 0; i < s.dim; ++i) exact += g[std::size_t(i)].bits == want[std::size_t(i)].bits;
     }
     BOOST_TEST_MESSAGE("attention output heads " << s.heads << " tokens " << c.tokens << ": " << exact << " of " << got.size()
                                                  << " bit-equal");
     BOOST_TEST(bad == 0u);
+    BOOST_TEST(exact * 10 >= got.size() * 9, "fewer than 90% of the outputs are bit-equal to the host");
   }
 }
 
