@@ -171,6 +171,52 @@ void check_quantize_shape(long long rows, int channels, std::uint64_t salt) {
 
 using all_formats = std::tuple<main_kv_format, index_key_format, fp8_act_format>;
 
+// Per (entry, 8-channel group): dequantize8 packed into bf16x2 words, and dequantize8_packed.
+template <class F, int Channels>
+__global__ void packed_dequantize_kernel(const std::uint8_t* entries, int count, uint4* generic, uint4* fast) {
+  using layout = packed_vector<F, Channels>;
+  const int t = int(blockIdx.x * blockDim.x + threadIdx.x), groups = Channels / 8;
+  if (t >= count * groups) return;
+  const std::uint8_t* entry = entries + std::size_t(t / groups) * layout::bytes;
+  const int c0 = (t % groups) * 8;
+  bf16 v[8];
+  dequantize8<F, Channels>(entry, c0, v);
+  std::uint32_t w[4];
+  for (int i = 0; i < 4; ++i) w[i] = std::uint32_t(v[2 * i].bits) | (std::uint32_t(v[2 * i + 1].bits) << 16);
+  generic[t] = make_uint4(w[0], w[1], w[2], w[3]);
+  fast[t] = dequantize8_packed<F, Channels>(entry, c0);
+}
+
+// Every scale code in every scale slot, random element codes (NaN codes included): the packed
+// fast paths must return dequantize8's bits exactly.
+template <class F>
+void check_packed_dequantize(std::uint64_t salt) {
+  constexpr int channels = 512;
+  using layout = packed_vector<F, channels>;
+  auto rng = test::make_rng(salt);
+  const int count = 512;
+  std::vector<std::uint8_t> entries(std::size_t(count) * layout::bytes);
+  for (auto& b : entries) b = std::uint8_t(rng());
+  for (int e = 0; e < count; ++e)
+    for (int j = 0; j < channels / F::block_size; ++j)
+      entries[std::size_t(e) * layout::bytes + layout::scale_offset + j] = std::uint8_t(e + 7 * j);
+  device_buffer<std::uint8_t> d{std::span<const std::uint8_t>(entries)};
+  const int n = count * channels / 8;
+  device_buffer<uint4> generic(n), fast(n);
+  fast.fill_bytes(0x5A);
+  packed_dequantize_kernel<F, channels><<<(n + 255) / 256, 256>>>(d.data(), count, generic.data(), fast.data());
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto g = generic.download(), f = fast.download();
+  std::size_t bad = 0;
+  for (int i = 0; i < n; ++i) {
+    const bool same = g[i].x == f[i].x && g[i].y == f[i].y && g[i].z == f[i].z && g[i].w == f[i].w;
+    if (!same && ++bad <= 5)
+      BOOST_ERROR("group " << i << ": generic " << std::hex << g[i].x << " " << g[i].y << " " << g[i].z << " " << g[i].w
+                           << ", packed " << f[i].x << " " << f[i].y << " " << f[i].z << " " << f[i].w);
+  }
+  BOOST_TEST(bad == 0u, bad << " of " << n << " groups differ");
+}
+
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(numerics_cuda)
@@ -193,6 +239,12 @@ BOOST_AUTO_TEST_CASE(host_codec_matches_cuda_conversions) {
       BOOST_TEST(same_bits_or_both_nan(decode<e2m1>(std::uint8_t(c)), cuda4), "e2m1 code " << c);
     }
   }
+}
+
+BOOST_AUTO_TEST_CASE(packed_dequantize_matches_dequantize8, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  check_packed_dequantize<main_kv_format>(41);  // the E2M1 / E4M3-per-16 fast path
+  check_packed_dequantize<fp8_act_format>(42);  // the E4M3 / UE8M0-per-32 fast path (window entries)
+  check_packed_dequantize<index_key_format>(43);  // no fast path: dequantize8 itself
 }
 
 BOOST_AUTO_TEST_CASE(device_codec_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {

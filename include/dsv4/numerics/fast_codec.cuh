@@ -8,9 +8,12 @@
 //! - E4M3 decode: the hardware `cvt.rn.f16x2.e4m3x2`, widened to fp32;
 //! - E2M1 decode: fp32 bit patterns from a 128-bit constant table.
 
+#include <cuda_bf16.h>  // provides __floats2bfloat162_rn
+#include <cuda_fp16.h>  // provides __half22float2
 #include <cuda_fp8.h>  // provides __nv_cvt_float_to_fp8, __nv_cvt_fp8_to_halfraw
 
 #include <cstdint>
+#include <type_traits>
 
 #include "dsv4/numerics/block_format.hpp"
 #include "dsv4/numerics/formats.hpp"
@@ -69,6 +72,83 @@ DSV4_DEVICE void dequantize8(const std::uint8_t* entry, int c0, bf16 (&out)[8]) 
   } else {
     const std::uint32_t w = __ldg(reinterpret_cast<const unsigned*>(entry + c0 / 2));
     for (int i = 0; i < 8; ++i) out[i] = fast_dequantize<F>(std::uint8_t((w >> (4 * i)) & 0xf), s);
+  }
+}
+
+//! bf16x2 product, rounded to nearest even (sm_90 `mul.rn.bf16x2`).
+DSV4_DEVICE std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32_t b) {
+  std::uint32_t d = 0;
+#if DSV4_DEVICE_PASS
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#endif
+  return d;
+}
+
+//! Four E2M1 codes (16 bits, element i in bits 4i .. 4i + 3) -> their bf16 values as two bf16x2
+//! words (elements 0, 1 in `w01`, 2, 3 in `w23`, the lower element in the low half). Byte
+//! permutes look up the high and low bytes of the eight magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; the
+//! sign bits are moved to bit 15 / 31. Every value is a normal bf16 (or zero): exact.
+DSV4_DEVICE void e2m1x4_to_bf16x4(std::uint32_t v, std::uint32_t& w01, std::uint32_t& w23) {
+  const std::uint32_t sel = v & 0x7777u;
+  const std::uint32_t hi = __byte_perm(0x3F3F3F00u, 0x40404040u, sel);  // bf16 high bytes: 00 3F 3F 3F 40 40 40 40
+  const std::uint32_t lo = __byte_perm(0xC0800000u, 0xC0804000u, sel);  // bf16 low bytes:  00 00 80 C0 00 40 80 C0
+  w01 = __byte_perm(lo, hi, 0x5140u) | ((v << 12) & 0x8000u) | ((v << 24) & 0x80000000u);
+  w23 = __byte_perm(lo, hi, 0x7362u) | ((v << 4) & 0x8000u) | ((v << 16) & 0x80000000u);
+}
+
+//! Channels [c0, c0 + 8) of one packed vector as four bf16x2 words (channel c0 + 2i in the low
+//! half of word i): bit for bit the values of dequantize8 (the device test compares them over
+//! every code and scale). The main-KV format (E2M1 with an E4M3 scale per 16) has a fast path:
+//! table lookups for the elements and one bf16x2 multiply by the scale per pair, exact because
+//! an E2M1 value times an E4M3 value has at most 6 significant bits and stays in bf16's normal
+//! range; a NaN scale gives eight canonical NaNs, as bf16::from_float does. The window / activation
+//! format (E4M3 with a UE8M0 scale per 32) converts pairs in hardware. Other formats go through
+//! dequantize8.
+template <class F, int Channels>
+DSV4_DEVICE uint4 dequantize8_packed(const std::uint8_t* entry, int c0) {
+  using layout = packed_vector<F, Channels>;
+  if constexpr (std::is_same_v<typename F::element, e2m1> && std::is_same_v<typename F::scale, e4m3> && F::block_size % 8 == 0) {
+    const std::uint32_t sc = __ldg(entry + layout::scale_offset + c0 / F::block_size);
+    const std::uint32_t w = __ldg(reinterpret_cast<const unsigned*>(entry + c0 / 2));
+    if ((sc & 0x7Fu) == 0x7Fu) {  // a NaN scale
+      const std::uint32_t nan2 = std::uint32_t(bf16::canonical_nan_bits) * 0x10001u;
+      return make_uint4(nan2, nan2, nan2, nan2);
+    }
+    // The scale as bf16 in both halves (an E4M3 value is exact in bf16: its fp32 bits end in 16 zeros).
+    const std::uint32_t s2 = (__float_as_uint(fast_decode<e4m3>(std::uint8_t(sc))) >> 16) * 0x10001u;
+    std::uint32_t e[4];
+    e2m1x4_to_bf16x4(w & 0xFFFFu, e[0], e[1]);
+    e2m1x4_to_bf16x4(w >> 16, e[2], e[3]);
+    return make_uint4(bf16x2_mul(e[0], s2), bf16x2_mul(e[1], s2), bf16x2_mul(e[2], s2), bf16x2_mul(e[3], s2));
+  } else if constexpr (std::is_same_v<typename F::element, e4m3> && std::is_same_v<typename F::scale, ue8m0> &&
+                       F::block_size % 8 == 0) {
+    // E4M3 with a power-of-two scale: the hardware E4M3 -> f16 conversion (exact), one fp32
+    // multiply (exact: at most 4 significant bits, no fp32 underflow), one packed rounding to
+    // bf16, as dequantize8 rounds; NaN results take the canonical bits as bf16::from_float does.
+    const std::uint32_t sc = __ldg(entry + layout::scale_offset + c0 / F::block_size);
+    const std::uint32_t lo = __ldg(reinterpret_cast<const unsigned*>(entry + c0));
+    const std::uint32_t hi = __ldg(reinterpret_cast<const unsigned*>(entry + c0 + 4));
+    const float s = __uint_as_float(sc == 0 ? 0x00400000u : sc == 0xFFu ? 0x7fc00000u : sc << 23);
+    std::uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const std::uint32_t codes = ((i < 2 ? lo : hi) >> (16 * (i % 2))) & 0xFFFFu;
+      const __half2 h(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3));
+      const float2 f = __half22float2(h);
+      const float a = __fmul_rn(f.x, s), b = __fmul_rn(f.y, s);
+      const __nv_bfloat162 p = __floats2bfloat162_rn(a, b);
+      std::uint32_t bits = std::uint32_t(__bfloat16_as_ushort(p.x)) | (std::uint32_t(__bfloat16_as_ushort(p.y)) << 16);
+      if (a != a) bits = (bits & 0xFFFF0000u) | bf16::canonical_nan_bits;
+      if (b != b) bits = (bits & 0x0000FFFFu) | (std::uint32_t(bf16::canonical_nan_bits) << 16);
+      w[i] = bits;
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+    bf16 v[8];
+    dequantize8<F, Channels>(entry, c0, v);
+    std::uint32_t w[4];
+    for (int i = 0; i < 4; ++i) w[i] = std::uint32_t(v[2 * i].bits) | (std::uint32_t(v[2 * i + 1].bits) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 

@@ -50,10 +50,9 @@ struct bf16_kv {
   long long row_stride = Dim;
   long long seq_stride = 0;
 
-  DSV4_DEVICE void load8(int seq, int e, int c0, bf16 (&out)[8]) const {
-    const uint4 w = __ldg(reinterpret_cast<const uint4*>(kv + seq * seq_stride + e * row_stride + c0));
-    const std::uint32_t words[4] = {w.x, w.y, w.z, w.w};
-    for (int i = 0; i < 8; ++i) out[i] = bf16::from_bits(std::uint16_t(words[i / 2] >> (16 * (i % 2))));
+  //! Channels [c0, c0 + 8) of entry e as four bf16x2 words (the lower channel in the low half).
+  DSV4_DEVICE uint4 load8(int seq, int e, int c0) const {
+    return __ldg(reinterpret_cast<const uint4*>(kv + seq * seq_stride + e * row_stride + c0));
   }
   std::string check() const {
     if (entries > 0 && (!kv || reinterpret_cast<std::uintptr_t>(kv) % 16 || row_stride % 8 || seq_stride % 8))
@@ -74,9 +73,9 @@ struct window_ring {
   //! while the batch around them changes); null: ring b.
   const std::int32_t* slots = nullptr;
 
-  DSV4_DEVICE void load8(int seq, int e, int c0, bf16 (&out)[8]) const {
+  DSV4_DEVICE uint4 load8(int seq, int e, int c0) const {
     const long long ring = slots ? slots[seq] : seq;
-    numerics::dequantize8<WindowFormat, Dim>(base + ring * seq_stride + e * stride, c0, out);
+    return numerics::dequantize8_packed<WindowFormat, Dim>(base + ring * seq_stride + e * stride, c0);
   }
   std::string check() const {
     if (rows > 0 && (!base || reinterpret_cast<std::uintptr_t>(base) % 4 || stride % 4 || seq_stride % 4))
@@ -98,12 +97,10 @@ struct packed_kv {
   int global_rows = 0;
 
   int entries() const { return window.rows + global_rows; }
-  DSV4_DEVICE void load8(int seq, int e, int c0, bf16 (&out)[8]) const {
-    if (e < window.rows)
-      window.load8(seq, e, c0, out);
-    else
-      numerics::dequantize8<GlobalFormat, Dim>(global + seq * global_seq_stride + (e - window.rows) * global_stride,
-                                               c0, out);
+  DSV4_DEVICE uint4 load8(int seq, int e, int c0) const {
+    if (e < window.rows) return window.load8(seq, e, c0);
+    return numerics::dequantize8_packed<GlobalFormat, Dim>(
+        global + seq * global_seq_stride + (e - window.rows) * global_stride, c0);
   }
   std::string check() const {
     if (global_rows > 0 &&
@@ -127,15 +124,12 @@ struct paged_kv {
   long long region_offset = 0;                  //!< the owner's main-KV region in a page
   int entries_per_page = 0;
 
-  DSV4_DEVICE void load8(int seq, int e, int c0, bf16 (&out)[8]) const {
-    if (e < window.rows) {
-      window.load8(seq, e, c0, out);
-      return;
-    }
+  DSV4_DEVICE uint4 load8(int seq, int e, int c0) const {
+    if (e < window.rows) return window.load8(seq, e, c0);
     const int g = e - window.rows;
     const long long page = block_tables[static_cast<long long>(seq) * max_pages + g / entries_per_page];
-    numerics::dequantize8<GlobalFormat, Dim>(
-        pool + page * page_bytes + region_offset + static_cast<long long>(g % entries_per_page) * global_layout::bytes, c0, out);
+    return numerics::dequantize8_packed<GlobalFormat, Dim>(
+        pool + page * page_bytes + region_offset + static_cast<long long>(g % entries_per_page) * global_layout::bytes, c0);
   }
   std::string check() const {
     if (!pool || !block_tables || entries_per_page <= 0 || reinterpret_cast<std::uintptr_t>(pool) % 4 ||
@@ -164,19 +158,14 @@ struct appended_kv {
   long long region_offset = 0;
   int entries_per_page = 0;
 
-  DSV4_DEVICE void load8(int seq, int e, int c0, bf16 (&out)[8]) const {
-    if (e < window.rows) {
-      window.load8(seq, e, c0, out);
-      return;
-    }
-    if (e < window.rows + chunk_rows) {
-      numerics::dequantize8<WindowFormat, Dim>(chunk + static_cast<long long>(e - window.rows) * chunk_stride, c0, out);
-      return;
-    }
+  DSV4_DEVICE uint4 load8(int seq, int e, int c0) const {
+    if (e < window.rows) return window.load8(seq, e, c0);
+    if (e < window.rows + chunk_rows)
+      return numerics::dequantize8_packed<WindowFormat, Dim>(chunk + static_cast<long long>(e - window.rows) * chunk_stride, c0);
     const int g = e - window.rows - chunk_rows;
     const long long page = block_tables[static_cast<long long>(seq) * max_pages + g / entries_per_page];
-    numerics::dequantize8<GlobalFormat, Dim>(
-        pool + page * page_bytes + region_offset + static_cast<long long>(g % entries_per_page) * global_layout::bytes, c0, out);
+    return numerics::dequantize8_packed<GlobalFormat, Dim>(
+        pool + page * page_bytes + region_offset + static_cast<long long>(g % entries_per_page) * global_layout::bytes, c0);
   }
   std::string check() const {
     if (chunk_rows > 0 && (!chunk || reinterpret_cast<std::uintptr_t>(chunk) % 4 || chunk_stride % 4))
@@ -358,15 +347,8 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
     for (int t = threadIdx.x; t < sparse_chunk * (Dim / 8); t += kThreads) {
       const int e = t / (Dim / 8), c = (t % (Dim / 8)) * 8;
       const int j = chunk_idx[e];
-      bf16 v[8];
-      if (j >= 0) {
-        kv.load8(seq, j, c, v);
-      } else {
-        for (int i = 0; i < 8; ++i) v[i] = bf16{};  // empty slots must not feed NaN garbage to 0 * x
-      }
-      std::uint32_t w[4];
-      for (int i = 0; i < 4; ++i) w[i] = std::uint32_t(v[2 * i].bits) | (std::uint32_t(v[2 * i + 1].bits) << 16);
-      *reinterpret_cast<uint4*>(kv_tile + e * kRow + c) = make_uint4(w[0], w[1], w[2], w[3]);
+      // Empty slots are zeros: they must not feed NaN garbage to 0 * x.
+      *reinterpret_cast<uint4*>(kv_tile + e * kRow + c) = j >= 0 ? kv.load8(seq, j, c) : make_uint4(0, 0, 0, 0);
     }
     __syncthreads();
 
