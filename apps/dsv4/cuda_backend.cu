@@ -13,8 +13,10 @@
 
 namespace dsv4::apps {
 
-cli::generation cuda_generate(const model::host_model<models::tiny>& m, std::span<const std::int32_t> prompt, long long n_new,
-                              const kernels::sampling::sampling_params& sp, bool ced) {
+cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cli::run_request& request) {
+  const auto prompt = request.prompt;
+  const long long n_new = request.n_new;
+  const auto& sp = request.sampling;
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     cudaGetLastError();  // clear the sticky "no device" error for any later CUDA call
@@ -30,14 +32,16 @@ cli::generation cuda_generate(const model::host_model<models::tiny>& m, std::spa
   lim.max_seqs = 1;
   lim.max_rows = int(std::max<std::size_t>(prompt.size(), 1));
   lim.max_tokens = std::max(total, 1LL);
+  lim.engram_host_tables = request.engram_host_tables;
   model::device_model<models::tiny> dm(m, lim);
   const int slot = dm.add_sequence();
 
   using clock = std::chrono::steady_clock;
   cli::generation g;
-  g.device = std::string("CUDA backend on ") + prop.name;
+  g.device = std::string("CUDA backend on ") + prop.name +
+             (request.engram_host_tables ? ", Engram tables in host memory" : "");
   const auto t0 = clock::now();
-  std::vector<float> logits = ced ? dm.prefill_ced(slot, prompt) : dm.prefill(slot, prompt);
+  std::vector<float> logits = request.ced ? dm.prefill_ced(slot, prompt) : dm.prefill(slot, prompt);
   const auto t1 = clock::now();
   for (long long i = 0; i < n_new; ++i) {
     // The counter is the position of the token drawn, as the host backend's (sequence length).

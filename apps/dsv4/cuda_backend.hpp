@@ -7,10 +7,10 @@
 
 namespace dsv4::apps {
 
-//! Uploads the model, prefills the prompt (exact or CED) and decodes `n_new` tokens, sampling on
-//! the host at the position counters the host backend uses. Throws dsv4::error when no CUDA
-//! device is visible.
-cli::generation cuda_generate(const model::host_model<models::tiny>& m, std::span<const std::int32_t> prompt, long long n_new,
-                              const kernels::sampling::sampling_params& sp, bool ced);
+//! Uploads the model (its Engram tables too, unless request.engram_host_tables keeps them in host
+//! memory), prefills the prompt (exact or CED) and decodes request.n_new tokens, sampling on the
+//! host at the position counters the host backend uses. Throws dsv4::error when no CUDA device
+//! is visible.
+cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cli::run_request& request);
 
 }  // namespace dsv4::apps

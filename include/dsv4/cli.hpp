@@ -33,12 +33,19 @@ struct generation {
   double prefill_s = 0, decode_s = 0;
   std::string device;  //!< printed: "CUDA on <device name>"
 };
-//! `dsv4 run --backend cuda`: the loaded (and checked) host model, the prompt, the number of
-//! tokens, the sampling parameters, and whether the prefill is CED. Tokens are drawn with the
-//! host sampler at the same counters as the host backend's (the position), so the two backends
-//! differ only where their logits do.
-using generate_fn = std::function<generation(const model::host_model<models::tiny>&, std::span<const std::int32_t> prompt,
-                                             long long n_new, const kernels::sampling::sampling_params&, bool ced)>;
+//! What `dsv4 run` asks of a backend besides the model.
+struct run_request {
+  std::span<const std::int32_t> prompt;
+  long long n_new = 0;                        //!< tokens to generate
+  kernels::sampling::sampling_params sampling;
+  bool ced = false;                           //!< --prefill ced
+  bool engram_host_tables = false;            //!< --engram-tables host: the tables stay in host memory
+};
+//! `dsv4 run --backend cuda`: the loaded (and checked) host model and the request. Tokens are
+//! drawn with the host sampler at the same counters as the host backend's (the position), so
+//! the two backends differ only where their logits do. With request.engram_host_tables the
+//! model's Engram tables are read in place from the checkpoint (model::engram_tables::mapped).
+using generate_fn = std::function<generation(const model::host_model<models::tiny>&, const run_request&)>;
 //! The backends an app links in besides the host reference (apps/dsv4: CUDA when built with it).
 struct backends {
   generate_fn cuda;
@@ -59,13 +66,16 @@ inline void usage(std::ostream& os) {
         "                       config.json, if given, has the model's values; lists every problem\n"
         "  run [--config tiny] [--checkpoint PATH] [--prompt IDS] [--tokens N]\n"
         "      [--temperature T] [--top-k K] [--top-p P] [--seed S] [--prefill exact|ced]\n"
-        "      [--speculative off|dspark] [--backend host|cuda]\n"
+        "      [--speculative off|dspark] [--backend host|cuda] [--engram-tables device|host]\n"
         "                       generate N tokens (default 8) after a prompt of comma-separated\n"
         "                       token ids (default 1,2,...,8) and print them with the prefill and\n"
         "                       decode throughput; without --checkpoint the built-in tiny model\n"
         "                       runs with random weights from a fixed seed. The default backend\n"
         "                       is the host reference; --backend cuda runs model::device_model on\n"
-        "                       the GPU (when dsv4 was built with CUDA). Both run the tiny variant\n"
+        "                       the GPU (when dsv4 was built with CUDA); with --engram-tables host\n"
+        "                       its Engram tables stay in host memory, read in place from the\n"
+        "                       checkpoint, and each call's rows are fetched to the GPU (the\n"
+        "                       layout for V4.1's ~100 GB tables). Both run the tiny variant\n"
         "                       only (V4.1's weights need a multi-GPU or offloaded build, issues 5\n"
         "                       and 7). --prefill ced runs\n"
         "                       the encoder over the prompt and the decoder over its last window\n"
@@ -238,7 +248,8 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
     }
     if (cmd == "run") {
       const auto o =
-          detail::parse(args, cmd, {"config", "checkpoint", "prompt", "tokens", "temperature", "top-k", "top-p", "seed", "prefill", "speculative", "backend"});
+          detail::parse(args, cmd, {"config", "checkpoint", "prompt", "tokens", "temperature", "top-k", "top-p", "seed", "prefill",
+                                    "speculative", "backend", "engram-tables"});
       const std::string prefill_mode = o.named.count("prefill") ? o.named.at("prefill") : "exact";
       if (prefill_mode != "exact" && prefill_mode != "ced")
         throw error("run: --prefill must be 'exact' or 'ced', got '" + prefill_mode + "'");
@@ -253,6 +264,11 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
                     "(cmake -DDSV4_CUDA=ON) or use --backend host");
       if (backend == "cuda" && speculative != "off")
         throw error("run: --speculative dspark runs on the host backend only (DSpark on CUDA is not built yet, issue 6)");
+      const std::string engram_tables = o.named.count("engram-tables") ? o.named.at("engram-tables") : "device";
+      if (engram_tables != "device" && engram_tables != "host")
+        throw error("run: --engram-tables must be 'device' or 'host', got '" + engram_tables + "'");
+      if (engram_tables == "host" && backend != "cuda")
+        throw error("run: --engram-tables applies to --backend cuda (the host backend always reads its tables in host memory)");
       if (!o.positional.empty()) throw error("run: unexpected argument '" + o.positional[0] + "'");
       const std::string config = detail::host_config(cmd, o);
       using tiny = models::tiny;
@@ -278,7 +294,9 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       if (!path.empty()) ck.on_progress(io::load_progress_printer(err, "loading " + path));
       std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
       std::iota(token_map.begin(), token_map.end(), 0);  // tiny: compressed vocabulary = vocabulary
-      const auto m = model::host_model<tiny>::load(ck, token_map);
+      // --engram-tables host: the tables are read in place from `ck`, which outlives `m` here.
+      const auto m = model::host_model<tiny>::load(ck, token_map,
+                                                   engram_tables == "host" ? model::engram_tables::mapped : model::engram_tables::copied);
       using clock = std::chrono::steady_clock;
       model::host_sequence seq;
       std::vector<std::int32_t> generated;
@@ -288,7 +306,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       auto t0 = clock::now(), t1 = t0, t2 = t0;
       double prefill_s = 0, decode_s = 0;
       if (backend == "cuda") {  // timed by the backend (device set-up and weight upload excluded)
-        const generation g = extra.cuda(m, prompt, n_new, sp, prefill_mode == "ced");
+        const generation g = extra.cuda(m, {prompt, n_new, sp, prefill_mode == "ced", engram_tables == "host"});
         generated = g.tokens, prefill_s = g.prefill_s, decode_s = g.decode_s, device = g.device;
       } else if (speculative == "dspark") {  // prefill and generation in one loop: timed as decode
         const auto w = model::dspark_weights_of<tiny>(ck);

@@ -80,6 +80,10 @@ BOOST_AUTO_TEST_CASE(run_rejects_what_it_cannot_do) {
   BOOST_TEST((r.code == 2 && has(r.err, "--backend must be 'host' or 'cuda', got 'gpu'")));
   r = run({"run", "--backend", "cuda"});  // no backend registered: a build without CUDA
   BOOST_TEST((r.code == 2 && has(r.err, "built without CUDA")));
+  r = run({"run", "--engram-tables", "host"});
+  BOOST_TEST((r.code == 2 && has(r.err, "--engram-tables applies to --backend cuda")));
+  r = run({"run", "--engram-tables", "disk"});
+  BOOST_TEST((r.code == 2 && has(r.err, "--engram-tables must be 'device' or 'host', got 'disk'")));
 }
 
 // The backend plumbing of `run`: a registered backend gets the loaded model, the prompt, the
@@ -87,14 +91,18 @@ BOOST_AUTO_TEST_CASE(run_rejects_what_it_cannot_do) {
 BOOST_AUTO_TEST_CASE(run_hands_the_request_to_another_backend) {
   dsv4::cli::backends extra;
   int calls = 0;
-  extra.cuda = [&](const dsv4::model::host_model<dsv4::models::tiny>& m, std::span<const std::int32_t> prompt,
-                   long long n_new, const dsv4::kernels::sampling::sampling_params& sp, bool ced) {
+  bool want_host_tables = false;
+  extra.cuda = [&](const dsv4::model::host_model<dsv4::models::tiny>& m, const dsv4::cli::run_request& r) {
     ++calls;
     BOOST_TEST(m.blocks.size() == std::size_t(dsv4::models::model_traits<dsv4::models::tiny>::schedule::num_layers));
-    BOOST_TEST((std::vector<std::int32_t>(prompt.begin(), prompt.end()) == std::vector<std::int32_t>{5, 6, 7}));
-    BOOST_TEST(n_new == 2);
-    BOOST_TEST(sp.seed == 9u);
-    BOOST_TEST(ced);
+    BOOST_TEST((std::vector<std::int32_t>(r.prompt.begin(), r.prompt.end()) == std::vector<std::int32_t>{5, 6, 7}));
+    BOOST_TEST(r.n_new == 2);
+    BOOST_TEST(r.sampling.seed == 9u);
+    BOOST_TEST(r.ced);
+    BOOST_TEST(r.engram_host_tables == want_host_tables);
+    // Host tables: the model reads them in place from the checkpoint (no copy of its own).
+    BOOST_TEST(!m.engrams.empty());
+    for (const auto& e : m.engrams) BOOST_TEST((e.mapped_embed.data() != nullptr) == want_host_tables);
     return dsv4::cli::generation{{11, 12}, 0.5, 0.25, "fake device"};
   };
   std::ostringstream out, err;
@@ -104,10 +112,17 @@ BOOST_AUTO_TEST_CASE(run_hands_the_request_to_another_backend) {
   BOOST_TEST(calls == 1);
   BOOST_TEST(has(out.str(), ", fake device\n"));
   BOOST_TEST(has(out.str(), "generated: 11 12\n"));
+  want_host_tables = true;
+  std::ostringstream out1, err1;
+  BOOST_TEST(dsv4::cli::run({"run", "--backend", "cuda", "--prompt", "5,6,7", "--tokens", "2", "--seed", "9", "--prefill", "ced",
+                             "--engram-tables", "host"},
+                            out1, err1, extra) == 0,
+             err1.str());
+  BOOST_TEST(calls == 2);
   std::ostringstream out2, err2;
   BOOST_TEST(dsv4::cli::run({"run", "--backend", "cuda", "--speculative", "dspark"}, out2, err2, extra) == 2);
   BOOST_TEST(has(err2.str(), "runs on the host backend only"));
-  BOOST_TEST(calls == 1);
+  BOOST_TEST(calls == 2);
 }
 
 // A user writes a random tiny checkpoint and checks it; a checkpoint of the wrong config is
