@@ -225,6 +225,8 @@ BOOST_AUTO_TEST_CASE(device_matches_host_on_bf16_operands, *utf::label("gpu") * 
   check_bf16_operand<512>(8, 1, 64, 640, 2000, 2);   // decode: 8 sequences, window + 512 selected
   check_bf16_operand<512>(3, 6, 20, 100, 90, 3);     // 6 queries per sequence, heads not a multiple of 16
   check_bf16_operand<128>(4, 5, 4, 48, 64, 4);       // tiny widths
+  check_bf16_operand<512>(1, 2, 80, 200, 300, 6);    // two head groups (64 + 16): the second CTA's dead tiles
+  check_bf16_operand<512>(2, 1, 40, 130, 150, 7);    // 40 heads: a CTA of four tiles whose fourth is dead
   check_bf16_operand<512>(2, 3, 64, 0, 10, 5);       // no indices at all: zeros
 }
 

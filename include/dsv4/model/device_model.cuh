@@ -297,6 +297,7 @@ class device_model {
   std::optional<kernels::mhc::mhc_workspace> mhc_ws_;
   std::optional<kernels::moe::moe_workspace> moe_ws_;
   cublasHandle_t blas_ = nullptr;
+  bool moe_host_sync_ = false;  //!< the MoE may synchronize (prefill / append calls, not decode; start())
   layer_observer observe_;
   std::vector<std::vector<std::vector<std::int64_t>>> histories_;  //!< [slot][engram] compressed-id history
 
@@ -330,6 +331,10 @@ class device_model {
   void start(const std::vector<int>& slots, std::span<const std::int32_t> ids, bool one_sequence) {
     using namespace device_detail;
     const long long R = static_cast<long long>(ids.size());
+    // Prefill and appended chunks may take the MoE's routed cuBLAS path (it synchronizes the
+    // stream once per layer); a decode batch never does, whatever its size, so a decode step
+    // stays free of host waits (and capturable, docs/decode-graph.md).
+    moe_host_sync_ = one_sequence;
     inputs_.begin_pack();
     const std::int32_t* ids_d = inputs_.put(ids, std::size_t(R), "token ids");
     for (std::size_t j = 0; j < engrams_.size(); ++j) {
@@ -402,7 +407,7 @@ class device_model {
     mw.w2 = b.w2[0].data(), mw.w2_s = b.w2[1].data(), mw.s1 = b.s1[0].data(), mw.s1_s = b.s1[1].data();
     mw.s3 = b.s3[0].data(), mw.s3_s = b.s3[1].data(), mw.s2 = b.s2[0].data(), mw.s2_s = b.s2[1].data();
     observe(l, "ffn_in", h_.data(), R);
-    kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_, stream(), blas_);
+    kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_, stream(), blas_, moe_host_sync_);
     observe(l, "ffn_out", sub_.data(), R);
   }
 

@@ -75,11 +75,18 @@ DSV4_DEVICE void dequantize8(const std::uint8_t* entry, int c0, bf16 (&out)[8]) 
   }
 }
 
-//! bf16x2 product, rounded to nearest even (sm_90 `mul.rn.bf16x2`).
+//! bf16x2 product, rounded to nearest even: sm_90's `mul.rn.bf16x2`; for older targets of a
+//! mixed build, fp32 products rounded once (the same result: an fp32 product of two bf16 values
+//! is exact).
 DSV4_DEVICE std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32_t b) {
   std::uint32_t d = 0;
-#if DSV4_DEVICE_PASS
+#if DSV4_DEVICE_PASS && __CUDA_ARCH__ >= 900
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#elif DSV4_DEVICE_PASS
+  const float lo = __fmul_rn(__uint_as_float(a << 16), __uint_as_float(b << 16));
+  const float hi = __fmul_rn(__uint_as_float(a & 0xFFFF0000u), __uint_as_float(b & 0xFFFF0000u));
+  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+  d = std::uint32_t(__bfloat16_as_ushort(p.x)) | (std::uint32_t(__bfloat16_as_ushort(p.y)) << 16);
 #endif
   return d;
 }
@@ -123,8 +130,9 @@ DSV4_DEVICE uint4 dequantize8_packed(const std::uint8_t* entry, int c0) {
   } else if constexpr (std::is_same_v<typename F::element, e4m3> && std::is_same_v<typename F::scale, ue8m0> &&
                        F::block_size % 8 == 0) {
     // E4M3 with a power-of-two scale: the hardware E4M3 -> f16 conversion (exact), one fp32
-    // multiply (exact: at most 4 significant bits, no fp32 underflow), one packed rounding to
-    // bf16, as dequantize8 rounds; NaN results take the canonical bits as bf16::from_float does.
+    // multiply (the same product dequantize8 forms, possibly an fp32 subnormal for tiny scales),
+    // one packed rounding to bf16 (round to nearest even, as bf16::from_float); NaN results take
+    // the canonical bits as bf16::from_float does.
     const std::uint32_t sc = __ldg(entry + layout::scale_offset + c0 / F::block_size);
     const std::uint32_t lo = __ldg(reinterpret_cast<const unsigned*>(entry + c0));
     const std::uint32_t hi = __ldg(reinterpret_cast<const unsigned*>(entry + c0 + 4));

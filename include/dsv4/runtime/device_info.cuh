@@ -11,15 +11,24 @@
 
 namespace dsv4::runtime {
 
-//! Streaming multiprocessors of the current device.
-inline int sm_count() {
+namespace detail {
+//! An integer attribute of the current device, cached per device and attribute slot.
+template <cudaDeviceAttr Attr>
+int cached_device_attribute() {
   static std::atomic<int> cached[64] = {};
-  int dev = 0, sms = 0;
+  int dev = 0, value = 0;
   DSV4_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= 0 && dev < 64 && (sms = cached[dev].load(std::memory_order_relaxed)) > 0) return sms;
-  DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  if (dev >= 0 && dev < 64) cached[dev].store(sms, std::memory_order_relaxed);
-  return sms;
+  if (dev >= 0 && dev < 64 && (value = cached[dev].load(std::memory_order_relaxed)) > 0) return value;
+  DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&value, Attr, dev));
+  if (dev >= 0 && dev < 64) cached[dev].store(value, std::memory_order_relaxed);
+  return value;
 }
+}  // namespace detail
+
+//! Streaming multiprocessors of the current device.
+inline int sm_count() { return detail::cached_device_attribute<cudaDevAttrMultiProcessorCount>(); }
+
+//! The most dynamic shared memory one block may opt in to on the current device (bytes).
+inline int max_shared_per_block_optin() { return detail::cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(); }
 
 }  // namespace dsv4::runtime

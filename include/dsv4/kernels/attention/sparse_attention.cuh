@@ -6,8 +6,8 @@
 //! caches (FP8 window entries and FP4 global entries, dequantized in the kernel).
 //!
 //! Work split (tensor cores, mma.sync bf16; the kernel's comment has the details): one CTA per
-//! (query row, up to 64 heads, KV split), sixteen warps: four head tiles of 16 x four quarters of
-//! the channels. Each chunk of 64 indexed entries is dequantized once into shared memory and
+//! (query row, up to 64 heads, KV split), up to sixteen warps: one to four head tiles of 16 (as
+//! the heads fill them) x four quarters of the channels. Each chunk of 64 indexed entries is dequantized once into shared memory and
 //! serves all of the CTA's heads, for the scores and for the values.
 //!
 //! Split KV (decode): with few rows the (row, head group) grid leaves most SMs idle (one CTA for
@@ -225,7 +225,7 @@ struct kv_split {
   int splits = 1;
   int chunks_per_split = 0;
   int chunks = 0;
-  bool max_pass = false;       //!< this launch only writes chunk_max (grid z = chunks)
+  bool max_pass = false;       //!< this launch only writes chunk_max (grid z = the chunks before the last split)
 };
 
 //! Four 8 x 8 bf16 matrices from shared memory (`row` is this lane's row address), as MMA fragments;
@@ -478,7 +478,8 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
 
 //! Merges the splits of one (row, head): M = max m_s, out = sum_s acc_s e^(m_s - M) /
 //! (sum_s l_s e^(m_s - M) + e^(sink - M)), splits in order. A split without a valid index has
-//! m = -1e30 and l = 0, so it weighs nothing unless every split is empty (then out = 0, as unsplit).
+//! l = 0 and acc = 0 (its m is the maximum of the chunks before it, -1e30 if none), so it weighs
+//! nothing unless every split is empty (then out = 0, as unsplit).
 template <int Dim>
 DSV4_KERNEL void __launch_bounds__(Dim / 4) sparse_attention_merge_kernel(sparse_attention_args a, kv_split sp) {
   runtime::start_after_previous_grid();
@@ -529,6 +530,9 @@ template <int Dim, class KV>
 std::string can_implement(const sparse_attention_args& a, const KV& kv) {
   static_assert(Dim % 64 == 0,
                 "sparse_attention<Dim>: Dim must be a multiple of 64 (four warps share the channels, 16 at a time)");
+  static_assert(detail::mma_smem<Dim, detail::max_head_tiles>::bytes <= 227 * 1024,
+                "sparse_attention<Dim>: a CTA of 64 heads would need more shared memory than an sm_90 block can have "
+                "(227 KB): Dim is too large for this kernel (at most 576)");
   if (a.batch < 0 || a.rows < 0 || a.heads <= 0 || a.topk < 0) return "batch, rows, topk must be >= 0 and heads > 0";
   if (static_cast<long long>(a.batch) * a.rows > 0x7fffffffll) return "batch * rows exceeds the grid limit";
   if (a.heads > 65535) return "heads exceed the grid limit (65535)";
@@ -551,6 +555,10 @@ void sparse_attention(const sparse_attention_args& a, const KV& kv, cudaStream_t
   auto run = [&](auto kernel, auto smem_layout) {
     using smem_t = decltype(smem_layout);
     constexpr int smem = int(smem_t::bytes);
+    if (smem > runtime::max_shared_per_block_optin())
+      throw error("sparse_attention: Dim " + std::to_string(Dim) + " with " + std::to_string(smem_t::heads) +
+                  " heads per CTA needs " + std::to_string(smem) + " bytes of shared memory per block; this device allows " +
+                  std::to_string(runtime::max_shared_per_block_optin()) + " (the kernel is sized for Hopper's 227 KB)");
     DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const detail::kv_split sp = detail::choose_split<Dim>(a, workspace, runtime::sm_count());
     const unsigned rows = unsigned(a.batch * a.rows), groups = unsigned((a.heads + smem_t::heads - 1) / smem_t::heads);

@@ -7,7 +7,8 @@
 //!     torch.topk's order (NaN above +inf; ties to the lower expert id: `numerics::topk_order_key`,
 //!     shared with the host), weights from the unbiased scores, normalized, x route_scale;
 //!  3. dispatch: a stable radix sort of the (token, slot) pairs by expert (CUB), then a tile list
-//!     (runs of at most 8 or 16 rows of one expert) for the grouped GEMMs;
+//!     (runs of at most 8 or 16 rows of one expert) for the grouped GEMMs, or, on the prefill
+//!     path of step 4, each expert's first sorted row (copied to the host);
 //!  4. act_quant of x once; w1 and w3 as grouped FP4 GEMMs that read x's rows through the sort
 //!     (no gather copy); the clamped SwiGLU times the routing weight, act_quant; w2 grouped.
 //!     Prefill-sized calls given a cuBLAS handle (>= dense_min_rows_per_expert rows per expert)
@@ -60,11 +61,12 @@ struct moe_shape {
 inline constexpr int dense_min_rows_per_expert = 32;
 
 //! bf16 scratch of the prefill path for up to `max_tokens` tokens (0 below dequant_min_tokens):
-//! a window of max_tokens activation rows and one weight, each at most max(dim, inter) wide.
+//! a window of max_tokens activation rows at most max(dim, inter) wide, then one weight
+//! (dim x inter elements). It also covers the shared expert's dequant_gemm ((m + n) k with
+//! m <= max_tokens and n k = dim x inter).
 inline std::size_t dense_dequant_elems(const moe_shape& s, long long max_tokens) {
   if (max_tokens < gemm::dequant_min_tokens) return 0;
-  const std::size_t w = std::size_t(std::max(s.dim, s.inter));
-  return (std::size_t(max_tokens) + w) * w;
+  return std::size_t(max_tokens) * std::size_t(std::max(s.dim, s.inter)) + std::size_t(s.dim) * std::size_t(s.inter);
 }
 
 //! Device weights of one MoE layer. Expert weights are in the MMA-tile layout
@@ -273,7 +275,7 @@ DSV4_KERNEL void __launch_bounds__(max_experts) tile_list_kernel(const int* sort
   auto lower_bound = [&](int key) {
     int lo = 0, hi = pairs;
     while (lo < hi) {
-      const int mid = (lo + hi) / 2;
+      const int mid = lo + (hi - lo) / 2;
       if (sorted_expert[mid] < key) lo = mid + 1; else hi = mid;
     }
     return lo;
@@ -392,14 +394,16 @@ inline void dense_expert_projection(const std::uint8_t* a, const std::uint8_t* a
 }  // namespace detail
 
 //! y = MoE(x) for `tokens` tokens (x: the bf16 ffn_norm output). `is_image` (optional, one byte
-//! per token) picks bias_vl for image-span tokens. With a cuBLAS handle (`blas`), prefill-sized
-//! calls take the dequantize + cuBLAS path for the experts (dense_min_rows_per_expert, see
-//! dense_expert_projection), which copies the per-expert row counts to the host and waits for
-//! them: such a call synchronizes its stream once and cannot be captured in a CUDA graph (calls
-//! below the threshold, and every call without a handle, never synchronize). Throws dsv4::error
-//! on bad shapes.
+//! per token) picks bias_vl for image-span tokens. With a cuBLAS handle (`blas`), the shared
+//! expert takes the dequantize + cuBLAS path from gemm::dequant_min_tokens tokens, and, when
+//! `allow_host_sync`, prefill-sized calls take it for the routed experts too
+//! (dense_min_rows_per_expert, see dense_expert_projection), which copies the per-expert row
+//! counts to the host and waits for them: such a call synchronizes its stream once and cannot be
+//! captured in a CUDA graph. Decode steps pass allow_host_sync = false (device_model does).
+//! Throws dsv4::error on bad shapes.
 inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_image, const moe_weights& w, bf16* y,
-                        moe_workspace& ws, cudaStream_t stream = nullptr, cublasHandle_t blas = nullptr) {
+                        moe_workspace& ws, cudaStream_t stream = nullptr, cublasHandle_t blas = nullptr,
+                        bool allow_host_sync = true) {
   const moe_shape& s = ws.shape();
   const std::string where = "moe_forward (tokens " + std::to_string(tokens) + "): ";
   if (tokens < 0 || tokens > ws.max_tokens())
@@ -430,7 +434,7 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   DSV4_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws.sort_temp.data(), temp_bytes, ws.sel_expert.data(),
                                                   ws.sorted_expert.data(), ws.pair_index.data(), ws.sorted_pair.data(),
                                                   pairs, 0, 10, stream));
-  const bool dense = blas && pairs >= dense_min_rows_per_expert * s.experts &&
+  const bool dense = blas && allow_host_sync && pairs >= dense_min_rows_per_expert * s.experts &&
                      dense_dequant_elems(s, ws.max_tokens()) > 0 &&
                      ws.gemm.dequant_elems() >= dense_dequant_elems(s, ws.max_tokens());
   const int tile = pairs / s.experts >= 8 ? 16 : 8;
