@@ -1,9 +1,9 @@
 #pragma once
 //! \file
 //! Moving a call's Engram rows from a host-memory table to the device (issue 5, item 5), ahead of
-//! the consuming layer: `start` gathers the rows on a worker thread into pinned staging
-//! (host_table.hpp) and issues one cudaMemcpyAsync on the fetcher's own stream, then records an
-//! event; the forward goes on launching the layers before the Engram layer meanwhile. `wait`
+//! the consuming layer: `start` gathers the rows into pinned staging (host_table.hpp; on a worker
+//! thread for prefill-sized packs, inline for a decode step's few rows) and issues the
+//! cudaMemcpyAsyncs on the fetcher's own stream, then records an event; the forward goes on launching the layers before the Engram layer meanwhile. `wait`
 //! (called when the Engram layer is launched) joins the worker and makes the model's stream wait
 //! for the event, so the copy overlaps the earlier layers' GPU work and only the part that is not
 //! done by then delays anything. `view` is the module's weights with the table replaced by the
@@ -33,7 +33,8 @@ struct fetch_stats {
   long long calls = 0, rows = 0;
   double bytes = 0;         //!< sent to the device (codes, scales, pack indices)
   double gather_s = 0;      //!< host gather time (on the worker)
-  double waited_s = 0;      //!< time the launching thread waited in `wait`: fetch not hidden
+  double waited_s = 0;      //!< time the launching thread spent on fetches (waiting in `wait`, or an
+                            //!< inline gather in `start`): the part not hidden
 };
 
 class host_table_fetch {
@@ -60,7 +61,11 @@ class host_table_fetch {
   //! Starts fetching the rows of `ids` ([tokens, columns] hash ids, copied: the caller's vector
   //! may go). `consumer`: the stream that reads the packs; the new pack overwrites the device
   //! buffer only after the work enqueued there so far (the previous pack's reader). A fetch still
-  //! in flight is waited for first (the staging buffer is reused).
+  //! in flight is waited for first (the staging buffer is reused). Packs of up to
+  //! `inline_max_ids` rows (a decode step's) are gathered and their copy issued right here: a
+  //! few dozen rows take microseconds, less than handing them to a worker thread did (58 us per
+  //! call measured, docs/perf.md); larger ones (a prefill's) go to a worker so that the layers
+  //! before the Engram layer launch meanwhile.
   void start(std::span<const std::int64_t> ids, cudaStream_t consumer) {
     if (static_cast<long long>(ids.size()) > max_ids_)
       throw error("engram host table fetch: " + std::to_string(ids.size()) + " ids, the fetcher holds " +
@@ -71,23 +76,20 @@ class host_table_fetch {
     DSV4_CUDA_CHECK(cudaEventSynchronize(copied_));  // the previous copy has left the staging buffer
     n_ = static_cast<long long>(ids.size());
     DSV4_CUDA_CHECK(cudaEventRecord(released_, consumer));
-    pending_ = std::async(std::launch::async, [this, v = std::vector<std::int64_t>(ids.begin(), ids.end())] {
+    if (static_cast<long long>(ids.size()) <= inline_max_ids) {
       const auto t0 = std::chrono::steady_clock::now();
-      gather_rows(table_, v, codes(staging_.data()), scales(staging_.data()), packed(staging_.data()),
-                  std::max(1u, std::thread::hardware_concurrency() / 2));
-      stats_.gather_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      // The pack is contiguous only at the full size, so copy the three used prefixes.
-      DSV4_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), released_, 0));
-      const long long n = static_cast<long long>(v.size());
-      copy(codes(device_.data()), codes(staging_.data()), std::size_t(n) * std::size_t(table_.head_dim));
-      copy(scales(device_.data()), scales(staging_.data()), std::size_t(n) * std::size_t(table_.head_dim / 32));
-      copy(reinterpret_cast<std::uint8_t*>(packed(device_.data())), reinterpret_cast<std::uint8_t*>(packed(staging_.data())),
-           std::size_t(n) * sizeof(std::int64_t));
-      DSV4_CUDA_CHECK(cudaEventRecord(copied_, stream_.get()));
-      stats_.calls += 1, stats_.rows += n;
-      stats_.bytes += double(n) * double(table_.row_bytes() + sizeof(std::int64_t));
+      gather_and_copy(ids, 1);
+      // The launching thread did the gather itself: none of it is hidden.
+      stats_.waited_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      return;
+    }
+    pending_ = std::async(std::launch::async, [this, v = std::vector<std::int64_t>(ids.begin(), ids.end())] {
+      gather_and_copy(v, std::max(1u, std::thread::hardware_concurrency() / 2));
     });
   }
+
+  //! Packs of at most this many rows are gathered on the calling thread (see start).
+  static constexpr long long inline_max_ids = 512;
 
   //! Makes `stream` wait for the started fetch (joining its worker first; a gather error is
   //! rethrown here).
@@ -129,6 +131,23 @@ class host_table_fetch {
   std::int64_t* packed(std::uint8_t* base) const {
     const std::size_t at = std::size_t(max_ids_) * table_.row_bytes();
     return reinterpret_cast<std::int64_t*>(base + (at + 7) / 8 * 8);
+  }
+  // Gathers the rows of `ids` into the staging buffer (on `threads` threads), then copies the
+  // three used prefixes on the fetcher's stream once the consumer has released the device buffer.
+  void gather_and_copy(std::span<const std::int64_t> ids, unsigned threads) {
+    const auto t0 = std::chrono::steady_clock::now();
+    gather_rows(table_, ids, codes(staging_.data()), scales(staging_.data()), packed(staging_.data()), threads);
+    stats_.gather_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    // The pack is contiguous only at the full size, so copy the three used prefixes.
+    DSV4_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), released_, 0));
+    const long long n = static_cast<long long>(ids.size());
+    copy(codes(device_.data()), codes(staging_.data()), std::size_t(n) * std::size_t(table_.head_dim));
+    copy(scales(device_.data()), scales(staging_.data()), std::size_t(n) * std::size_t(table_.head_dim / 32));
+    copy(reinterpret_cast<std::uint8_t*>(packed(device_.data())), reinterpret_cast<std::uint8_t*>(packed(staging_.data())),
+         std::size_t(n) * sizeof(std::int64_t));
+    DSV4_CUDA_CHECK(cudaEventRecord(copied_, stream_.get()));
+    stats_.calls += 1, stats_.rows += n;
+    stats_.bytes += double(n) * double(table_.row_bytes() + sizeof(std::int64_t));
   }
   void copy(std::uint8_t* dst, const std::uint8_t* src, std::size_t bytes) {
     if (bytes) DSV4_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_.get()));
