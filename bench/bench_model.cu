@@ -1,7 +1,8 @@
 //! \brief The whole model on CUDA (model::device_model): prefill tokens/s in exact and CED mode,
 //! decode tokens/s at several batch sizes, global-cache bytes per token actually allocated.
 //! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N]
-//!                    [--checkpoint DIR] [--profile-decode] [--engram-host-tables] [--json FILE]
+//!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced]
+//!                    [--engram-host-tables] [--json FILE]
 //!
 //! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
 //! routed experts cut to 16 (DSpark stages to 8) and small Engram tables, so that one H200 holds it
@@ -11,6 +12,8 @@
 //! `--checkpoint DIR` writes the random checkpoint to DIR instead, or reuses the one DIR holds. `--profile-decode`: prefill the
 //! first batch size's sequences, then run one decode step between cudaProfilerStart and
 //! cudaProfilerStop and stop (for `ncu --profile-from-start off`: the kernels of one step).
+//! `--profile-prefill exact|ced`: one warm-up prefill of the first prompt length, then one more
+//! between cudaProfilerStart and cudaProfilerStop, and stop (the kernels of one prefill).
 //! `--engram-host-tables`: the Engram tables stay in host memory and each call's rows are fetched
 //! ahead of the Engram layers (device_model::limits::engram_host_tables); the fetch statistics
 //! (bytes, gather time, the time the launching thread waited for it) are printed at the end. With
@@ -105,6 +108,7 @@ struct options {
   int decode_context = 0;             // 0: the variant's default
   std::string checkpoint;             // empty: a temporary folder, removed at the end
   bool profile_decode = false;        // one decode step between cudaProfilerStart / Stop, nothing else
+  std::string profile_prefill;        // "exact" / "ced": one prefill between cudaProfilerStart / Stop, nothing else
   bool engram_host_tables = false;    // Engram tables in host memory, rows fetched per call (issue 5)
 };
 
@@ -186,6 +190,20 @@ int run(FILE* jf, const options& opt) {
     dm.decode(slots, std::vector<std::int32_t>(std::size_t(batch), 5));
     return slots;
   };
+  if (!opt.profile_prefill.empty()) {  // for `ncu --profile-from-start off`: the kernels of one prefill
+    const bool ced = opt.profile_prefill == "ced";
+    const auto span = std::span<const std::int32_t>(ids).first(std::size_t(prompt_lengths.front()));
+    for (int rep = 0; rep < 2; ++rep) {
+      const int slot = dm.add_sequence();
+      if (rep == 1) DSV4_CUDA_CHECK(cudaProfilerStart());
+      if (ced) dm.prefill_ced(slot, span);
+      else dm.prefill(slot, span);
+      if (rep == 1) DSV4_CUDA_CHECK(cudaProfilerStop());
+      dm.release_sequence(slot);
+    }
+    std::printf("profiled one %s prefill of %d tokens\n", ced ? "CED" : "exact", prompt_lengths.front());
+    return 0;
+  }
   if (opt.profile_decode) {  // for `ncu --profile-from-start off`: the kernels of one decode step
     const int batch = batches.front();
     const auto slots = decode_batch(batch);
@@ -288,11 +306,13 @@ int main(int argc, char** argv) {
       else if (a == "--decode-context" && has_value) opt.decode_context = int_list(a, argv[++i]).at(0);
       else if (a == "--checkpoint" && has_value) opt.checkpoint = argv[++i];
       else if (a == "--profile-decode") opt.profile_decode = true;
+      else if (a == "--profile-prefill" && has_value && (std::string(argv[i + 1]) == "exact" || std::string(argv[i + 1]) == "ced"))
+        opt.profile_prefill = argv[++i];
       else if (a == "--engram-host-tables") opt.engram_host_tables = true;
       else {
         std::fprintf(stderr,
                      "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N] "
-                     "[--checkpoint DIR] [--profile-decode] [--engram-host-tables] [--json FILE]\n");
+                     "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] [--json FILE]\n");
         return 2;
       }
     }
