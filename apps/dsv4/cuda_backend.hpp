@@ -3,7 +3,7 @@
 //! `dsv4 run --backend cuda`: the tiny model on model::device_model (cuda_backend.cu, compiled
 //! only when the app is built with CUDA; main.cpp registers it).
 
-#include "dsv4/cli.hpp"
+#include "dsv4/apps/generate.hpp"
 
 namespace dsv4::apps {
 

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "dsv4/apps/generate.hpp"
+#include "dsv4/apps/serve.hpp"
 #include "dsv4/dsv4.hpp"
 #include "dsv4/io/checkpoint.hpp"
 #include "dsv4/io/npy.hpp"
@@ -26,30 +28,6 @@
 #include "dsv4/schedule/prefill_work.hpp"
 
 namespace dsv4::cli {
-
-//! What a backend other than the host reference returns for `dsv4 run`.
-struct generation {
-  std::vector<std::int32_t> tokens;
-  double prefill_s = 0, decode_s = 0;
-  std::string device;  //!< printed: "CUDA on <device name>"
-};
-//! What `dsv4 run` asks of a backend besides the model.
-struct run_request {
-  std::span<const std::int32_t> prompt;
-  long long n_new = 0;                        //!< tokens to generate
-  kernels::sampling::sampling_params sampling;
-  bool ced = false;                           //!< --prefill ced
-  bool engram_host_tables = false;            //!< --engram-tables host: the tables stay in host memory
-};
-//! `dsv4 run --backend cuda`: the loaded (and checked) host model and the request. Tokens are
-//! drawn with the host sampler at the same counters as the host backend's (the position), so
-//! the two backends differ only where their logits do. With request.engram_host_tables the
-//! model's Engram tables are read in place from the checkpoint (model::engram_tables::mapped).
-using generate_fn = std::function<generation(const model::host_model<models::tiny>&, const run_request&)>;
-//! The backends an app links in besides the host reference (apps/dsv4: CUDA when built with it).
-struct backends {
-  generate_fn cuda;
-};
 
 inline void usage(std::ostream& os) {
   os << "usage: dsv4 <command> [options]\n\n"
@@ -83,6 +61,22 @@ inline void usage(std::ostream& os) {
         "                       --speculative dspark drafts with the DSpark stages and verifies\n"
         "                       the drafts against the backbone's tokens: the same tokens, plus\n"
         "                       the drafts' acceptance counts\n"
+        "  serve [--config tiny] [--checkpoint PATH] [--host ADDR] [--port N] [--backend host|cuda]\n"
+        "        [--max-tokens N] [--max-requests N]\n"
+        "                       an HTTP/1.1 JSON server over the model (default 127.0.0.1:8080;\n"
+        "                       --port 0 picks a free port and prints it): GET /health, GET\n"
+        "                       /v1/model, POST /v1/generate {\"prompt\": [ids], \"max_tokens\": N,\n"
+        "                       \"temperature\", \"top_k\", \"top_p\", \"seed\", \"prefill\": \"exact\"|\"ced\"}\n"
+        "                       answered with the tokens dsv4 run would draw; one request at a\n"
+        "                       time; --max-requests N exits after N answers\n"
+        "  serve [--config tiny] [--checkpoint PATH] [--host ADDR] [--port N] [--backend host|cuda]\n"
+        "        [--max-tokens N] [--max-requests N]\n"
+        "                       an HTTP/1.1 JSON server over the model (default 127.0.0.1:8080;\n"
+        "                       --port 0 picks a free port and prints it): GET /health, GET\n"
+        "                       /v1/model, POST /v1/generate {\"prompt\": [ids], \"max_tokens\": N,\n"
+        "                       \"temperature\", \"top_k\", \"top_p\", \"seed\", \"prefill\": \"exact\"|\"ced\"}\n"
+        "                       answered with the tokens `run` would draw; one request at a time;\n"
+        "                       --max-requests N exits after N answers\n"
         "  logits --checkpoint PATH [--config tiny] --prompt IDS [--decode IDS] --out FILE\n"
         "         [--index-keys ownership|upstream]\n"
         "                       exact prefill of the prompt, then the decode ids fed one at a\n"
@@ -157,6 +151,21 @@ inline std::string host_config(const std::string& cmd, const options& o) {
                 "'s weights do not fit one GPU (the multi-GPU model and Engram tables in host memory are issues 7 and 5)");
   }
   return config;
+}
+//! The tiny model's checkpoint: the file or folder at `path`, or (empty path) the built-in random
+//! weights from seed 42; validated against the schema, with load progress on `err`.
+inline io::checkpoint open_tiny_checkpoint(const std::string& path, std::ostream& err) {
+  const auto schema = models::checkpoint_schema<models::tiny>();
+  io::checkpoint ck = path.empty() ? io::random_checkpoint_in_memory(schema, 42) : io::checkpoint(path);
+  ck.validate(schema);
+  if (!path.empty()) ck.on_progress(io::load_progress_printer(err, "loading " + path));
+  return ck;
+}
+//! tiny's compressed vocabulary is its vocabulary: the identity token map.
+inline std::vector<std::int64_t> tiny_token_map() {
+  std::vector<std::int64_t> token_map(std::size_t(models::tiny::dims.vocab_size));
+  std::iota(token_map.begin(), token_map.end(), 0);
+  return token_map;
 }
 inline double parse_number(const std::string& cmd, const std::string& key, const std::string& v) {
   try {
@@ -246,6 +255,35 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
           << ck.size() << " tensors in the checkpoint)\n";
       return 0;
     }
+    if (cmd == "serve") {
+      const auto o = detail::parse(args, cmd, {"config", "checkpoint", "host", "port", "backend", "max-requests", "max-tokens"});
+      if (!o.positional.empty()) throw error("serve: unexpected argument '" + o.positional[0] + "'");
+      const std::string config = detail::host_config(cmd, o);
+      const std::string backend = o.named.count("backend") ? o.named.at("backend") : "host";
+      if (backend != "host" && backend != "cuda")
+        throw error("serve: --backend must be 'host' or 'cuda', got '" + backend + "'");
+      if (backend == "cuda" && !extra.cuda)
+        throw error("serve: this dsv4 was built without CUDA (no nvcc at configure time); use --backend host");
+      const std::string host = o.named.count("host") ? o.named.at("host") : "127.0.0.1";
+      const long long port = o.named.count("port") ? detail::parse_integer(cmd, "port", o.named.at("port")) : 8080;
+      const long long max_requests =
+          o.named.count("max-requests") ? detail::parse_integer(cmd, "max-requests", o.named.at("max-requests")) : -1;
+      if (port < 0 || port > 65535) throw error("serve: --port " + std::to_string(port) + " is outside 0..65535");
+      if (in_addr probe{}; inet_pton(AF_INET, host.c_str(), &probe) != 1)
+        throw error("serve: --host '" + host + "' is not an IPv4 address (use 127.0.0.1 or 0.0.0.0)");
+      serve::service_limits limits;
+      if (o.named.count("max-tokens")) limits.max_new_tokens = detail::parse_integer(cmd, "max-tokens", o.named.at("max-tokens"));
+      const std::string path = o.named.count("checkpoint") ? o.named.at("checkpoint") : "";
+      io::checkpoint ck = detail::open_tiny_checkpoint(path, err);
+      const auto m = model::host_model<models::tiny>::load(ck, detail::tiny_token_map());
+      const serve::generation_service service(m, backend == "cuda" ? extra.cuda : generate_fn(host_generate), backend, limits);
+      http::server srv(host, int(port), [&](const http::request& r) { return service(r); });
+      out << "dsv4 serve: model " << config << (!path.empty() ? " from " + path : std::string(" (built-in random weights, seed 42)"))
+          << ", " << backend << " backend, listening on http://" << host << ":" << srv.port()
+          << " (GET /health, GET /v1/model, POST /v1/generate)" << std::endl;
+      srv.serve(max_requests);
+      return 0;
+    }
     if (cmd == "run") {
       const auto o =
           detail::parse(args, cmd, {"config", "checkpoint", "prompt", "tokens", "temperature", "top-k", "top-p", "seed", "prefill",
@@ -288,14 +326,9 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       if (o.named.count("seed")) sp.seed = std::uint64_t(detail::parse_integer(cmd, "seed", o.named.at("seed")));
       // The built-in model: a random checkpoint from a fixed seed, held in memory.
       const std::string path = o.named.count("checkpoint") ? o.named.at("checkpoint") : "";
-      const auto schema = models::checkpoint_schema<tiny>();
-      io::checkpoint ck = path.empty() ? io::random_checkpoint_in_memory(schema, 42) : io::checkpoint(path);
-      ck.validate(schema);
-      if (!path.empty()) ck.on_progress(io::load_progress_printer(err, "loading " + path));
-      std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
-      std::iota(token_map.begin(), token_map.end(), 0);  // tiny: compressed vocabulary = vocabulary
+      io::checkpoint ck = detail::open_tiny_checkpoint(path, err);
       // --engram-tables host: the tables are read in place from `ck`, which outlives `m` here.
-      const auto m = model::host_model<tiny>::load(ck, token_map,
+      const auto m = model::host_model<tiny>::load(ck, detail::tiny_token_map(),
                                                    engram_tables == "host" ? model::engram_tables::mapped : model::engram_tables::copied);
       using clock = std::chrono::steady_clock;
       model::host_sequence seq;
@@ -315,15 +348,10 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
         generated = model::generate_speculative(m, w, seq, prompt, n_new, sp, spec,
                                                 prefill_mode == "ced" ? model::prompt_prefill::ced : model::prompt_prefill::exact);
       } else {
-        auto logits = prefill_mode == "ced" ? model::forward_ced(m, seq, prompt) : model::forward(m, seq, prompt);
-        t1 = clock::now();
-        for (long long i = 0; i < n_new; ++i) {
-          const std::int32_t next = kernels::sampling::sample_reference(logits, sp, 0, std::uint64_t(seq.length));
-          generated.push_back(next);
-          if (i + 1 < n_new) logits = model::forward(m, seq, std::span<const std::int32_t>(&next, 1));
-        }
+        const generation g = host_generate(m, {prompt, n_new, sp, prefill_mode == "ced", false});
+        generated = g.tokens, prefill_s = g.prefill_s, decode_s = g.decode_s;
       }
-      if (backend == "host") {
+      if (speculative == "dspark") {
         t2 = clock::now();
         prefill_s = std::chrono::duration<double>(t1 - t0).count();
         decode_s = std::chrono::duration<double>(t2 - t1).count();

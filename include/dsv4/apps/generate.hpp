@@ -1,0 +1,69 @@
+#pragma once
+//! \file
+//! What a front end (the `dsv4` command line, the HTTP server) asks of a backend, and the host
+//! reference backend itself: prefill a prompt (exact or CED), then draw tokens one decode step
+//! at a time with the host sampler at the position counters. Other backends (CUDA: apps/dsv4)
+//! plug in through `generate_fn`.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dsv4/kernels/sampling/reference.hpp"
+#include "dsv4/model/model_reference.hpp"
+#include "dsv4/models/tiny.hpp"
+
+namespace dsv4::cli {
+
+//! What a backend returns: the drawn tokens, the prefill and decode wall times, its name.
+struct generation {
+  std::vector<std::int32_t> tokens;
+  double prefill_s = 0, decode_s = 0;
+  std::string device;  //!< printed: "CUDA backend on <device name>"
+};
+
+//! What a front end asks of a backend besides the model.
+struct run_request {
+  std::span<const std::int32_t> prompt;
+  long long n_new = 0;                        //!< tokens to generate
+  kernels::sampling::sampling_params sampling;
+  bool ced = false;                           //!< --prefill ced
+  bool engram_host_tables = false;            //!< --engram-tables host: the tables stay in host memory
+};
+
+//! A backend: the loaded (and checked) host model and the request. Tokens are drawn with the
+//! host sampler at the same counters as the host backend's (the position), so backends differ
+//! only where their logits do. With request.engram_host_tables the model's Engram tables are read
+//! in place from the checkpoint (model::engram_tables::mapped).
+using generate_fn = std::function<generation(const model::host_model<models::tiny>&, const run_request&)>;
+
+//! The backends an app links in besides the host reference (apps/dsv4: CUDA when built with it).
+struct backends {
+  generate_fn cuda;
+};
+
+//! The host reference backend: a fresh sequence, the prompt's prefill (exact or CED), then
+//! request.n_new tokens, each later one after a decode step.
+inline generation host_generate(const model::host_model<models::tiny>& m, const run_request& r) {
+  using clock = std::chrono::steady_clock;
+  generation g;
+  g.device = "host reference backend";
+  model::host_sequence seq;
+  const auto t0 = clock::now();
+  auto logits = r.ced ? model::forward_ced(m, seq, r.prompt) : model::forward(m, seq, r.prompt);
+  const auto t1 = clock::now();
+  for (long long i = 0; i < r.n_new; ++i) {
+    const std::int32_t next = kernels::sampling::sample_reference(logits, r.sampling, 0, std::uint64_t(seq.length));
+    g.tokens.push_back(next);
+    if (i + 1 < r.n_new) logits = model::forward(m, seq, std::span<const std::int32_t>(&next, 1));
+  }
+  const auto t2 = clock::now();
+  g.prefill_s = std::chrono::duration<double>(t1 - t0).count();
+  g.decode_s = std::chrono::duration<double>(t2 - t1).count();
+  return g;
+}
+
+}  // namespace dsv4::cli

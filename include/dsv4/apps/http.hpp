@@ -1,0 +1,261 @@
+#pragma once
+//! \file
+//! A small HTTP/1.1 server for `dsv4 serve` (POSIX sockets, no dependencies): one connection at
+//! a time, one request per connection (`Connection: close`), bodies by Content-Length only. It
+//! is a front end for a single-model inference process on a trusted network, not a
+//! general-purpose web server: requests are answered in arrival order, and a slow client holds
+//! the others for at most the receive timeout.
+//!
+//! The parser is a pure function (tested on its own); every malformed request gets a status
+//! code and a message that says what was wrong, never a dropped connection without an answer.
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <string>
+#include <string_view>
+
+#include "dsv4/core/error.hpp"
+
+namespace dsv4::http {
+
+struct request {
+  std::string method, target;
+  std::map<std::string, std::string> headers;  //!< names in lower case
+  std::string body;
+};
+
+struct response {
+  int status = 200;
+  std::string body;  //!< JSON
+  std::string content_type = "application/json";
+};
+
+inline const char* reason(int status) {
+  switch (status) {
+    case 200: return "OK";
+    case 400: return "Bad Request";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 408: return "Request Timeout";
+    case 411: return "Length Required";
+    case 413: return "Content Too Large";
+    case 431: return "Request Header Fields Too Large";
+    case 500: return "Internal Server Error";
+    case 501: return "Not Implemented";
+    case 505: return "HTTP Version Not Supported";
+    default: return "Status";
+  }
+}
+
+inline std::string serialize(const response& r) {
+  return "HTTP/1.1 " + std::to_string(r.status) + " " + reason(r.status) + "\r\nContent-Type: " + r.content_type +
+         "\r\nContent-Length: " + std::to_string(r.body.size()) + "\r\nConnection: close\r\n\r\n" + r.body;
+}
+
+//! `text` as a JSON string literal (quotes, backslashes and control characters escaped).
+inline std::string json_string(std::string_view text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", unsigned(static_cast<unsigned char>(c)));
+          out += buf;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+//! An error response: {"error": message}.
+inline response error_response(int status, std::string_view message) {
+  return {status, "{\"error\": " + json_string(message) + "}"};
+}
+
+inline constexpr std::size_t max_header_bytes = 16 * 1024;
+
+struct parse_result {
+  enum class state { incomplete, complete, bad } st = state::incomplete;
+  request req;          //!< when complete
+  response error;       //!< when bad
+};
+
+//! Parses one request from the bytes received so far.
+inline parse_result parse_request(std::string_view data, std::size_t max_body) {
+  parse_result out;
+  auto bad = [&](int status, const std::string& why) {
+    out.st = parse_result::state::bad;
+    out.error = error_response(status, why);
+    return out;
+  };
+  const std::size_t head_end = data.find("\r\n\r\n");
+  if (head_end == std::string_view::npos) {
+    if (data.size() > max_header_bytes) return bad(431, "the request line and headers exceed 16 KB");
+    return out;
+  }
+  if (head_end > max_header_bytes) return bad(431, "the request line and headers exceed 16 KB");
+  const std::string_view head = data.substr(0, head_end);
+  const std::size_t line_end = std::min(head.find("\r\n"), head.size());
+  const std::string_view line = head.substr(0, line_end);
+  const std::size_t sp1 = line.find(' '), sp2 = sp1 == std::string_view::npos ? sp1 : line.find(' ', sp1 + 1);
+  if (sp1 == std::string_view::npos || sp2 == std::string_view::npos || sp1 == 0 || sp2 == sp1 + 1 ||
+      line.find(' ', sp2 + 1) != std::string_view::npos)
+    return bad(400, "malformed request line (expected 'METHOD /path HTTP/1.1')");
+  out.req.method = std::string(line.substr(0, sp1));
+  out.req.target = std::string(line.substr(sp1 + 1, sp2 - sp1 - 1));
+  if (line.substr(sp2 + 1).rfind("HTTP/1.", 0) != 0) return bad(505, "only HTTP/1.x is served");
+  for (std::size_t at = line_end + 2; at <= head.size();) {
+    const std::size_t e = std::min(head.find("\r\n", at), head.size());
+    const std::string_view h = head.substr(at, e - at);
+    const std::size_t colon = h.find(':');
+    if (colon == std::string_view::npos || colon == 0) return bad(400, "malformed header line (expected 'Name: value')");
+    std::string name(h.substr(0, colon));
+    for (auto& c : name) c = char(std::tolower(static_cast<unsigned char>(c)));
+    std::string_view value = h.substr(colon + 1);
+    while (!value.empty() && (value.front() == ' ' || value.front() == '\t')) value.remove_prefix(1);
+    while (!value.empty() && (value.back() == ' ' || value.back() == '\t')) value.remove_suffix(1);
+    out.req.headers[name] = std::string(value);
+    at = e + 2;
+  }
+  if (out.req.headers.count("transfer-encoding"))
+    return bad(501, "Transfer-Encoding is not supported: send the body with a Content-Length");
+  std::size_t length = 0;
+  if (const auto it = out.req.headers.find("content-length"); it != out.req.headers.end()) {
+    const std::string& v = it->second;
+    if (v.empty() || v.size() > 12 || v.find_first_not_of("0123456789") != std::string::npos)
+      return bad(400, "Content-Length '" + v + "' is not a byte count");
+    length = std::stoull(v);
+    if (length > max_body)
+      return bad(413, "the body has " + v + " bytes, the limit is " + std::to_string(max_body));
+  } else if (out.req.method == "POST" || out.req.method == "PUT") {
+    return bad(411, out.req.method + " needs a Content-Length header");
+  }
+  if (data.size() < head_end + 4 + length) return out;  // the body is still arriving
+  out.req.body = std::string(data.substr(head_end + 4, length));
+  out.st = parse_result::state::complete;
+  return out;
+}
+
+//! Listens on host:port (IPv4; port 0 picks a free one) and answers requests with `handler`,
+//! one connection at a time. A handler's exception becomes a 500 with its message.
+class server {
+ public:
+  using handler_fn = std::function<response(const request&)>;
+
+  server(const std::string& host, int port, handler_fn handler, std::size_t max_body = std::size_t(1) << 20,
+         int receive_timeout_s = 10)
+      : handler_(std::move(handler)), max_body_(max_body), timeout_s_(receive_timeout_s) {
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<std::uint16_t>(port));
+    if (port < 0 || port > 65535) throw error("serve: port " + std::to_string(port) + " is outside 0..65535");
+    if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1)
+      throw error("serve: host '" + host + "' is not an IPv4 address (use 127.0.0.1 or 0.0.0.0)");
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd_ < 0) throw error(std::string("serve: socket: ") + std::strerror(errno));
+    const int one = 1;
+    ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd_, 16) != 0) {
+      const std::string why = std::strerror(errno);
+      ::close(fd_);
+      throw error("serve: cannot listen on " + host + ":" + std::to_string(port) + ": " + why);
+    }
+    socklen_t len = sizeof addr;
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+  }
+  ~server() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  server(const server&) = delete;
+  server& operator=(const server&) = delete;
+
+  int port() const { return port_; }
+
+  //! Serves until `max_requests` requests were answered (< 0: no limit) or stop() is called.
+  void serve(long long max_requests = -1) {
+    for (long long answered = 0; max_requests < 0 || answered < max_requests; ++answered) {
+      const int c = ::accept(fd_, nullptr, nullptr);
+      if (c < 0) {
+        if (stopping_ || errno == EINVAL || errno == EBADF) return;  // stop() shut the socket down
+        if (errno == EINTR || errno == ECONNABORTED) {
+          --answered;
+          continue;
+        }
+        throw error(std::string("serve: accept: ") + std::strerror(errno));
+      }
+      answer(c);
+      ::close(c);
+    }
+  }
+  //! Makes serve() return (from another thread or a signal handler's flag check).
+  void stop() {
+    stopping_ = true;
+    ::shutdown(fd_, SHUT_RDWR);
+  }
+
+ private:
+  handler_fn handler_;
+  std::size_t max_body_;
+  int timeout_s_;
+  int fd_ = -1, port_ = 0;
+  std::atomic<bool> stopping_{false};
+
+  void answer(int c) {
+    timeval tv{timeout_s_, 0};
+    ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    std::string data;
+    char buf[16384];
+    response r;
+    for (;;) {
+      const parse_result p = parse_request(data, max_body_);
+      if (p.st == parse_result::state::bad) {
+        r = p.error;
+        break;
+      }
+      if (p.st == parse_result::state::complete) {
+        try {
+          r = handler_(p.req);
+        } catch (const std::exception& e) {
+          r = error_response(500, e.what());
+        }
+        break;
+      }
+      const ssize_t n = ::recv(c, buf, sizeof buf, 0);
+      if (n <= 0) {
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) r = error_response(408, "the request did not arrive in time");
+        else return;  // the client went away before sending a whole request: nobody to answer
+        break;
+      }
+      data.append(buf, std::size_t(n));
+    }
+    const std::string out = serialize(r);
+    for (std::size_t sent = 0; sent < out.size();) {
+      const ssize_t n = ::send(c, out.data() + sent, out.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) return;
+      sent += std::size_t(n);
+    }
+  }
+};
+
+}  // namespace dsv4::http

@@ -1,0 +1,142 @@
+#pragma once
+//! \file
+//! The routes of `dsv4 serve`: a JSON API over one loaded model and one backend.
+//!
+//!   GET  /health       {"status": "ok"}
+//!   GET  /v1/model     the model's name, vocabulary, position limit, backend
+//!   POST /v1/generate  {"prompt": [ids], "max_tokens": 16, "temperature": 1.0, "top_k": 0,
+//!                       "top_p": 1.0, "seed": 0, "prefill": "exact" | "ced"}
+//!                      -> {"tokens": [...], "prompt_tokens", "generated_tokens",
+//!                          "prefill_seconds", "decode_seconds", "backend"}
+//!
+//! Only "prompt" is required. Every problem with a request body is a 400 whose message names the
+//! field and what it must be; unknown fields are errors too (a misspelt "max_token" must not
+//! silently generate 16 tokens). Tokens are drawn exactly as `dsv4 run` draws them.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "dsv4/apps/generate.hpp"
+#include "dsv4/apps/http.hpp"
+#include "dsv4/io/json.hpp"
+
+namespace dsv4::serve {
+
+struct service_limits {
+  long long max_new_tokens = 4096;  //!< per request
+};
+
+class generation_service {
+ public:
+  generation_service(const model::host_model<models::tiny>& m, cli::generate_fn generate, std::string backend,
+                     service_limits limits = {})
+      : m_(m), generate_(std::move(generate)), backend_(std::move(backend)), limits_(limits) {}
+
+  http::response operator()(const http::request& r) const {
+    const std::string path = r.target.substr(0, r.target.find('?'));
+    if (path == "/health") {
+      if (r.method != "GET") return wrong_method(r, "GET");
+      return {200, "{\"status\": \"ok\"}"};
+    }
+    if (path == "/v1/model") {
+      if (r.method != "GET") return wrong_method(r, "GET");
+      constexpr auto c = models::tiny::dims;
+      return {200, "{\"model\": " + http::json_string(models::tiny::name) + ", \"vocab_size\": " + std::to_string(c.vocab_size) +
+                       ", \"max_positions\": " + std::to_string(c.rope.max_position_embeddings) +
+                       ", \"backend\": " + http::json_string(backend_) + "}"};
+    }
+    if (path == "/v1/generate") {
+      if (r.method != "POST") return wrong_method(r, "POST");
+      return generate(r.body);
+    }
+    return http::error_response(404, "no route " + r.method + " " + path +
+                                         " (routes: GET /health, GET /v1/model, POST /v1/generate)");
+  }
+
+ private:
+  const model::host_model<models::tiny>& m_;
+  cli::generate_fn generate_;
+  std::string backend_;
+  service_limits limits_;
+
+  static http::response wrong_method(const http::request& r, const char* allowed) {
+    return http::error_response(405, r.method + " " + r.target + ": this route takes " + allowed);
+  }
+
+  http::response generate(const std::string& body) const {
+    constexpr auto c = models::tiny::dims;
+    io::json j;
+    try {
+      j = io::parse_json(body, "request body");
+    } catch (const std::exception& e) {
+      return http::error_response(400, e.what());
+    }
+    if (!j.is_object()) return http::error_response(400, "the request body must be a JSON object");
+    std::vector<std::int32_t> prompt;
+    cli::run_request req;
+    long long max_tokens = 16;
+    std::string prefill = "exact";
+    auto integer = [](const io::json& v, const std::string& field, long long lo, long long hi) {
+      if (!v.is_number() || !v.integral || v.integer < lo || v.integer > hi)
+        throw error("field '" + field + "' must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+      return v.integer;
+    };
+    auto number = [](const io::json& v, const std::string& field) {
+      if (!v.is_number() || !std::isfinite(v.number())) throw error("field '" + field + "' must be a finite number");
+      return v.number();
+    };
+    try {
+      for (const auto& [key, v] : j.object()) {
+        if (key == "prompt") {
+          if (!v.is_array() || v.array().empty())
+            throw error("field 'prompt' must be a non-empty array of token ids");
+          for (std::size_t i = 0; i < v.array().size(); ++i)
+            prompt.push_back(std::int32_t(integer(v.array()[i], "prompt[" + std::to_string(i) + "]", 0, c.vocab_size - 1)));
+        } else if (key == "max_tokens") {
+          max_tokens = integer(v, key, 0, limits_.max_new_tokens);
+        } else if (key == "temperature") {
+          const double t = number(v, key);
+          if (t < 0) throw error("field 'temperature' must be >= 0 (0: greedy)");
+          req.sampling.temperature = float(t);
+        } else if (key == "top_k") {
+          req.sampling.top_k = int(integer(v, key, 0, c.vocab_size));
+        } else if (key == "top_p") {
+          const double p = number(v, key);
+          if (!(p > 0 && p <= 1)) throw error("field 'top_p' must be in (0, 1]");
+          req.sampling.top_p = float(p);
+        } else if (key == "seed") {
+          req.sampling.seed = std::uint64_t(integer(v, key, 0, (1LL << 53)));
+        } else if (key == "prefill") {
+          if (!v.is_string() || (v.string() != "exact" && v.string() != "ced"))
+            throw error("field 'prefill' must be \"exact\" or \"ced\"");
+          prefill = v.string();
+        } else {
+          throw error("unknown field '" + key +
+                      "' (fields: prompt, max_tokens, temperature, top_k, top_p, seed, prefill)");
+        }
+      }
+      if (prompt.empty()) throw error("field 'prompt' is required (an array of token ids)");
+      if (static_cast<long long>(prompt.size()) + max_tokens > c.rope.max_position_embeddings)
+        throw error("prompt (" + std::to_string(prompt.size()) + " tokens) plus max_tokens (" + std::to_string(max_tokens) +
+                    ") exceed the model's " + std::to_string(c.rope.max_position_embeddings) + " positions");
+    } catch (const std::exception& e) {
+      return http::error_response(400, e.what());
+    }
+    req.prompt = prompt;
+    req.n_new = max_tokens;
+    req.ced = prefill == "ced";
+    const cli::generation g = generate_(m_, req);
+    std::string out = "{\"tokens\": [";
+    for (std::size_t i = 0; i < g.tokens.size(); ++i) out += (i ? ", " : "") + std::to_string(g.tokens[i]);
+    char tail[256];
+    std::snprintf(tail, sizeof tail, "], \"prompt_tokens\": %zu, \"generated_tokens\": %zu, \"prefill_seconds\": %.6f, "
+                                     "\"decode_seconds\": %.6f, \"backend\": ",
+                  prompt.size(), g.tokens.size(), g.prefill_s, g.decode_s);
+    return {200, out + tail + http::json_string(g.device) + "}"};
+  }
+};
+
+}  // namespace dsv4::serve

@@ -1,0 +1,153 @@
+// `dsv4 serve`: the HTTP request parser on its own, then the server end to end over a real
+// socket on 127.0.0.1 (a free port), answering with the tokens the host backend draws.
+
+#include <boost/test/unit_test.hpp>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "dsv4/apps/serve.hpp"
+#include "dsv4/cli.hpp"
+
+using namespace dsv4;
+using http::parse_request;
+using state = http::parse_result::state;
+
+namespace {
+
+bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// One request on a fresh connection; the whole response (the server closes the connection).
+std::string exchange(int port, const std::string& raw) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<std::uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    ::close(fd);
+    return "connect failed";
+  }
+  for (std::size_t sent = 0; sent < raw.size();) {
+    const ssize_t n = ::send(fd, raw.data() + sent, raw.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) break;
+    sent += std::size_t(n);
+  }
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::recv(fd, buf, sizeof buf, 0)) > 0;) out.append(buf, std::size_t(n));
+  ::close(fd);
+  return out;
+}
+
+std::string post(const std::string& path, const std::string& body) {
+  return "POST " + path + " HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
+         std::to_string(body.size()) + "\r\n\r\n" + body;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(serve_http)
+
+BOOST_AUTO_TEST_CASE(parser_reads_requests_and_names_what_is_wrong) {
+  auto r = parse_request("GET /health HTTP/1.1\r\nHost: a\r\nX-Thing:  v  \r\n\r\n", 100);
+  BOOST_TEST((r.st == state::complete));
+  BOOST_TEST(r.req.method == "GET");
+  BOOST_TEST(r.req.target == "/health");
+  BOOST_TEST(r.req.headers["x-thing"] == "v");
+  r = parse_request("POST /v1/generate HTTP/1.1\r\nContent-Length: 5\r\n\r\nabc", 100);
+  BOOST_TEST((r.st == state::incomplete));  // the body is still arriving
+  r = parse_request("POST /v1/generate HTTP/1.1\r\nContent-Length: 5\r\n\r\nabcde", 100);
+  BOOST_TEST((r.st == state::complete && r.req.body == "abcde"));
+  BOOST_TEST((parse_request("GET /health HTTP/1.1\r\nHost: a\r\n", 100).st == state::incomplete));
+  auto bad = [](std::string_view text, int status, const std::string& why) {
+    const auto p = parse_request(text, 100);
+    BOOST_TEST((p.st == state::bad), text);
+    BOOST_TEST(p.error.status == status, text);
+    BOOST_TEST(has(p.error.body, why), p.error.body);
+  };
+  bad("GARBAGE\r\n\r\n", 400, "malformed request line");
+  bad("GET /x HTTP/2\r\n\r\n", 505, "HTTP/1.x");
+  bad("GET /x HTTP/1.1\r\nno colon here\r\n\r\n", 400, "malformed header line");
+  bad("POST /x HTTP/1.1\r\n\r\n", 411, "POST needs a Content-Length");
+  bad("POST /x HTTP/1.1\r\nContent-Length: 12x\r\n\r\n", 400, "Content-Length '12x' is not a byte count");
+  bad("POST /x HTTP/1.1\r\nContent-Length: 101\r\n\r\n", 413, "the body has 101 bytes, the limit is 100");
+  bad("POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 501, "send the body with a Content-Length");
+  bad(std::string(20000, 'a'), 431, "exceed 16 KB");
+  BOOST_TEST(http::json_string("a\"b\\c\n\x01") == "\"a\\\"b\\\\c\\n\\u0001\"");
+}
+
+// The service over a socket: health, model, a generation equal to the host backend's, and the
+// errors a client can make, each with a message that names the problem.
+BOOST_AUTO_TEST_CASE(server_answers_over_a_socket) {
+  std::ostringstream quiet;
+  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
+  const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  const serve::generation_service service(m, cli::host_generate, "host", {.max_new_tokens = 8});
+  http::server srv("127.0.0.1", 0, [&](const http::request& r) { return service(r); }, 4096);
+  BOOST_REQUIRE(srv.port() > 0);
+  constexpr int requests = 9;
+  std::thread th([&] { srv.serve(requests); });
+
+  std::string r = exchange(srv.port(), "GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+  BOOST_TEST(has(r, "HTTP/1.1 200 OK"), r);
+  BOOST_TEST(has(r, "{\"status\": \"ok\"}"), r);
+  r = exchange(srv.port(), "GET /v1/model HTTP/1.1\r\n\r\n");
+  BOOST_TEST(has(r, "\"vocab_size\": 1024"), r);
+
+  // The tokens are the host backend's for the same request.
+  const std::vector<std::int32_t> prompt{5, 6, 7, 8};
+  kernels::sampling::sampling_params sp;
+  sp.seed = 11;
+  const cli::generation want = cli::host_generate(m, {prompt, 3, sp, true, false});
+  std::string want_tokens = "\"tokens\": [";
+  for (std::size_t i = 0; i < want.tokens.size(); ++i) want_tokens += (i ? ", " : "") + std::to_string(want.tokens[i]);
+  r = exchange(srv.port(), post("/v1/generate", R"({"prompt": [5, 6, 7, 8], "max_tokens": 3, "seed": 11, "prefill": "ced"})"));
+  BOOST_TEST(has(r, "HTTP/1.1 200 OK"), r);
+  BOOST_TEST(has(r, want_tokens + "]"), r);
+  BOOST_TEST(has(r, "\"prompt_tokens\": 4, \"generated_tokens\": 3"), r);
+
+  r = exchange(srv.port(), post("/v1/generate", R"({"prompt": [1, 2], "max_tokens": 9})"));
+  BOOST_TEST((has(r, "HTTP/1.1 400") && has(r, "field 'max_tokens' must be an integer in [0, 8]")), r);
+  r = exchange(srv.port(), post("/v1/generate", R"({"prompt": [1, 5000]})"));
+  BOOST_TEST((has(r, "HTTP/1.1 400") && has(r, "field 'prompt[1]' must be an integer in [0, 1023]")), r);
+  r = exchange(srv.port(), post("/v1/generate", R"({"prompt": [1], "temprature": 0.5})"));
+  BOOST_TEST((has(r, "HTTP/1.1 400") && has(r, "unknown field 'temprature'")), r);
+  r = exchange(srv.port(), post("/v1/generate", "{\"prompt\": [1,"));
+  BOOST_TEST((has(r, "HTTP/1.1 400") && has(r, "request body: invalid JSON")), r);
+  r = exchange(srv.port(), "DELETE /v1/generate HTTP/1.1\r\n\r\n");
+  BOOST_TEST((has(r, "HTTP/1.1 405") && has(r, "this route takes POST")), r);
+  r = exchange(srv.port(), post("/v1/generate", std::string(5000, ' ')));
+  BOOST_TEST((has(r, "HTTP/1.1 413") && has(r, "the limit is 4096")), r);
+  th.join();  // nine requests answered: serve() returned
+}
+
+BOOST_AUTO_TEST_CASE(serve_command_rejects_bad_options_before_loading) {
+  auto run = [](std::vector<std::string> args) {
+    std::ostringstream out, err;
+    const int code = cli::run(args, out, err);
+    return std::pair{code, err.str()};
+  };
+  auto [code, err] = run({"serve", "--host", "localhost"});
+  BOOST_TEST((code == 2 && has(err, "--host 'localhost' is not an IPv4 address")), err);
+  std::tie(code, err) = run({"serve", "--port", "70000"});
+  BOOST_TEST((code == 2 && has(err, "--port 70000 is outside 0..65535")), err);
+  std::tie(code, err) = run({"serve", "--backend", "cuda"});
+  BOOST_TEST((code == 2 && has(err, "built without CUDA")), err);
+}
+
+BOOST_AUTO_TEST_CASE(stop_ends_serving) {
+  http::server srv("127.0.0.1", 0, [](const http::request&) { return http::response{200, "{}"}; });
+  std::thread th([&] { srv.serve(); });
+  BOOST_TEST(has(exchange(srv.port(), "GET / HTTP/1.1\r\n\r\n"), "HTTP/1.1 200 OK"));
+  srv.stop();
+  th.join();  // serve() without a request limit returned
+}
+
+BOOST_AUTO_TEST_SUITE_END()
