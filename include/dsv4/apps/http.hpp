@@ -255,6 +255,14 @@ class server {
       if (n <= 0) return;
       sent += std::size_t(n);
     }
+    // A lingering close: closing with unread input (a refused body) would reset the connection
+    // and could destroy the response before the client reads it. Signal the end of the response,
+    // then read what the client still sends until it closes (or briefly, if it does not).
+    ::shutdown(c, SHUT_WR);
+    timeval brief{0, 200 * 1000};
+    ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &brief, sizeof brief);
+    for (int i = 0; i < 64 && ::recv(c, buf, sizeof buf, 0) > 0; ++i) {
+    }
   }
 };
 
