@@ -142,6 +142,15 @@ BOOST_AUTO_TEST_CASE(serve_command_rejects_bad_options_before_loading) {
   BOOST_TEST((code == 2 && has(err, "built without CUDA")), err);
 }
 
+// Half a request and then silence: the server answers 408 when its (here 1 s) timeout ends.
+BOOST_AUTO_TEST_CASE(a_request_that_does_not_arrive_in_time_gets_408) {
+  http::server srv("127.0.0.1", 0, [](const http::request&) { return http::response{200, "{}"}; }, 1024, 1);
+  std::thread th([&] { srv.serve(1); });
+  const std::string r = exchange(srv.port(), "GET /health HTTP/1.1\r\nHo");
+  BOOST_TEST((has(r, "HTTP/1.1 408") && has(r, "did not arrive in time")), r);
+  th.join();
+}
+
 BOOST_AUTO_TEST_CASE(stop_ends_serving) {
   http::server srv("127.0.0.1", 0, [](const http::request&) { return http::response{200, "{}"}; });
   std::thread th([&] { srv.serve(); });

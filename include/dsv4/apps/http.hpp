@@ -4,7 +4,7 @@
 //! a time, one request per connection (`Connection: close`), bodies by Content-Length only. It
 //! is a front end for a single-model inference process on a trusted network, not a
 //! general-purpose web server: requests are answered in arrival order, and a slow client holds
-//! the others for at most the receive timeout.
+//! the others for at most the receive timeout (the whole request must arrive within it).
 //!
 //! The parser is a pure function (tested on its own); every malformed request gets a status
 //! code and a message that says what was wrong, never a dropped connection without an answer.
@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
@@ -224,6 +225,9 @@ class server {
   void answer(int c) {
     timeval tv{timeout_s_, 0};
     ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    // The whole request must arrive within the timeout, not each piece of it: a client that
+    // trickles bytes cannot hold the (single) connection slot longer than that.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s_);
     std::string data;
     char buf[16384];
     response r;
@@ -239,6 +243,10 @@ class server {
         } catch (const std::exception& e) {
           r = error_response(500, e.what());
         }
+        break;
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        r = error_response(408, "the request did not arrive in time");
         break;
       }
       const ssize_t n = ::recv(c, buf, sizeof buf, 0);
