@@ -208,9 +208,10 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
     for (int j = 0; j < c.k; ++j) route_diff += sel[std::size_t(t) * c.k + j] != routes[std::size_t(t)].experts[std::size_t(j)];
   BOOST_TEST(route_diff == 0u, "experts " << c.experts << ": " << route_diff << " routing slots differ");
 
-  std::size_t nan_differs = 0, nan = 0, compared = 0, bad = 0, exact = 0;
+  std::size_t nan_differs = 0, nan = 0, compared = 0, bad = 0, exact = 0, requantized_tokens = 0;
   double worst = 0;
   for (long long t = 0; t < c.tokens; ++t) {
+    bool requantized = false;
     double rms = 0;
     for (int d = 0; d < c.dim; ++d) {
       const double v = want[std::size_t(t) * c.dim + d].to_float();
@@ -231,18 +232,30 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
       // A one-ulp difference in an intermediate bf16 (g, u, h, an expert output) moves the sum by
       // about 2^-8 of one term: allow 2^-6 of the token's rms on top of one output ulp.
       const double tol = std::fabs(ref) * 0x1p-7 + rms * 0x1p-6;
-      worst = std::max(worst, std::fabs(got - ref) / tol);
-      bad += std::fabs(got - ref) > tol;
+      const double err = std::fabs(got - ref);
+      worst = std::max(worst, err / tol);
+      // cuBLAS sums g and u in another fp32 order than the reference's blocks: when the ulp it
+      // moves falls on the largest |h| of a 128-wide block, that block's FP8 scale changes and
+      // every code in it moves by up to half an E4M3 step (2^-4), i.e. one expert's contribution
+      // by ~2^-5. Such a token may differ by up to 2^-3 of its rms; few tokens may (checked below).
+      if (c.cublas && err > tol && err <= std::fabs(ref) * 0x1p-4 + rms * 0x1p-3)
+        requantized = true;
+      else
+        bad += err > tol;
       exact += got == ref;
     }
+    requantized_tokens += requantized;
   }
   BOOST_TEST_MESSAGE("moe experts " << c.experts << " top-" << c.k << " tokens " << c.tokens << ": " << exact << " of "
                                     << compared << " finite outputs bit-equal, worst error / tolerance " << worst << ", "
-                                    << nan << " NaN on the host");
+                                    << nan << " NaN on the host, " << requantized_tokens
+                                    << " tokens with a requantized FP8 block");
   BOOST_TEST(nan_differs == 0u, nan_differs << " outputs are NaN on one side only (or differ in NaN bits)");
   const bool nan_expected = c.nan_gate_row >= 0 || c.nan_token_every > 0;
   BOOST_TEST((nan > 0) == nan_expected, "the host has " << nan << " NaN outputs");
   BOOST_TEST(bad == 0u);
+  BOOST_TEST(requantized_tokens * 50 <= std::size_t(c.tokens),
+             requantized_tokens << " tokens differ by more than one requantized FP8 block explains (at most 2% may)");
   BOOST_TEST(exact * 10 >= compared * 7, "fewer than 70% of the finite outputs are bit-equal to the host");
 }
 
@@ -336,8 +349,10 @@ BOOST_AUTO_TEST_CASE(layer_matches_host, *utf::label("gpu") * utf::precondition(
 
 // The prefill path (a cuBLAS handle and >= 32 rows per expert): per-expert bf16 copies and cuBLAS
 // GEMMs in windows of the workspace's max_tokens rows (603 and 303 rows here, so windows cut
-// through experts), the shared expert through gemm::dequant_gemm. Same tolerance as the kernel
-// path: only fp32 summation order differs from the block-wise reference.
+// through experts), the shared expert through gemm::dequant_gemm. Only fp32 summation order
+// differs from the block-wise reference, but an ulp it moves can change the FP8 scale of an h
+// block (seen on the device: 3 of 6 fresh seeds had a token 1.5-2.8x beyond the kernel path's
+// tolerance); check_moe allows that in at most 2% of the tokens.
 BOOST_AUTO_TEST_CASE(prefill_path_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   check_moe({.experts = 8, .k = 2, .dim = 256, .inter = 128, .tokens = 600, .cublas = true}, 9);
   check_moe({.experts = 16, .k = 3, .dim = 256, .inter = 64, .tokens = 300, .favourite = 5, .scale_code = 128,
