@@ -93,6 +93,27 @@ struct gemm_operands {
     return runs[1];
   }
 
+  //! The MMA kernel under a chosen plan (tokens per CTA 8 x token_tiles, split-K as make_plan
+  //! decides for it): every instantiation make_plan can pick, whatever M picks by default.
+  std::vector<bf16> device_plan(int token_tiles) const {
+    const auto tiled = kernels::gemm::tile_weight(wf, s.n, s.k, w, w_s);
+    device_buffer<std::uint8_t> da{std::span<const std::uint8_t>(a)}, das{std::span<const std::uint8_t>(a_s)},
+        dw{std::span<const std::uint8_t>(tiled.codes)}, dws{std::span<const std::uint8_t>(tiled.scales)};
+    device_buffer<bf16> dc(std::size_t(s.m) * s.n);
+    dc.fill_bytes(0xFF);
+    kernels::gemm::gemm_workspace work(std::size_t(std::max(1, s.k / 128)) * s.m * s.n);
+    const auto plan = kernels::gemm::detail::make_plan(s, kernels::gemm::detail::sm_count(), work.partial_floats(),
+                                                       {token_tiles});
+    const kernels::gemm::block_scaled_gemm_args g{s, da.data(), das.data(), dw.data(), dws.data(), dc.data()};
+    if (wf == weight_format::fp8_tile32)
+      kernels::gemm::detail::launch<weight_format::fp8_tile32>(g, plan, &work, nullptr);
+    else
+      kernels::gemm::detail::launch<weight_format::fp4_row32>(g, plan, &work, nullptr);
+    DSV4_CUDA_CHECK_LAUNCH();
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    return dc.download();
+  }
+
   //! The prefill path: dequantize both operands to bf16, one cuBLAS GEMM.
   std::vector<bf16> device_dequant() const {
     const auto tiled = kernels::gemm::tile_weight(wf, s.n, s.k, w, w_s);
@@ -148,6 +169,21 @@ void check_shape(gemm_shape s, weight_format wf, std::uint64_t salt) {
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(gemm_cuda)
+
+// make_plan picks 8 tokens per CTA up to 128 tokens (bench_gemm --plans); the other tile heights
+// stay selectable (plan_options) and each must compute the same GEMM.
+BOOST_AUTO_TEST_CASE(every_plan_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32}) {
+    auto rng = test::make_rng(wf == weight_format::fp8_tile32 ? 21 : 22);
+    const gemm_operands op({37, 272, 1024}, wf, rng);
+    const auto want = op.reference(), mag = op.reference(true);
+    for (int tt : {1, 2, 4, 8})
+      expect_close(op.device_plan(tt), want, mag,
+                   ((wf == weight_format::fp8_tile32 ? "fp8" : "fp4") + std::string(" M37 N272 K1024, ") +
+                    std::to_string(8 * tt) + " tokens per CTA")
+                       .c_str());
+  }
+}
 
 BOOST_AUTO_TEST_CASE(fp8_weights_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   // Decode shapes (1..64 tokens, each token-tile variant), ragged N and M, and a prefill-like M

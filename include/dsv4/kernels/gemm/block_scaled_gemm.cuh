@@ -376,15 +376,23 @@ struct gemm_plan {
 
 using runtime::sm_count;
 
-//! 16 rows per warp; 8 tokens per CTA up to 8 tokens, 16 up to 128 (token groups run side by
-//! side and re-read the weights from L2), 64 beyond (the fallback when the dequantize + cuBLAS
-//! path is not taken). K is split until about three CTAs per SM stream weights (a sweep of the split on the
+//! 16 rows per warp; 8 tokens per CTA up to 128 tokens (token groups run side by side and re-read
+//! the weights from L2), 64 beyond (the fallback when the dequantize + cuBLAS path is not taken).
+//! bench_gemm --plans at M = 16, 32, 64 on the nine V4.1 shapes: 8 tokens per CTA was the fastest
+//! plan in 21 of 27 cases and within 12% of it in all (16 per CTA, the old default: 1.25x slower
+//! on geometric mean). More tokens per CTA cost registers and CTAs in flight, and the kernel is
+//! bound by instruction issue and latency, not by re-reading weights from L2. K is split until about three CTAs per SM stream weights (a sweep of the split on the
 //! V4.1 shapes: fewer slices lose parallelism, more pay for partials and the reduction),
 //! as far as the workspace holds the partials and the last CTA's reduction stays short.
-inline gemm_plan make_plan(const gemm_shape& s, int sms, std::size_t partial_floats) {
+//! `options` override the choices (bench_gemm sweeps them; 0 keeps the default).
+struct plan_options {
+  int token_tiles = 0;   //!< 1, 2, 4 or 8
+  int reduce_loads = 64; //!< cap on the partials one thread of the last CTA reads
+};
+inline gemm_plan make_plan(const gemm_shape& s, int sms, std::size_t partial_floats, const plan_options& o = {}) {
   gemm_plan p;
   const int kb = s.k / 32;
-  p.token_tiles = s.m <= 8 ? 1 : s.m <= 128 ? 2 : 8;
+  p.token_tiles = o.token_tiles ? o.token_tiles : s.m <= 128 ? 1 : 8;
   p.row_tiles = 1;
   p.k_split = 1;  // measured: sharing row tiles across warps (as the grouped GEMM does) was 5-30% slower here
   const int rows_per_cta = gemm_warps / p.k_split * p.row_tiles * 16, toks_per_cta = p.token_tiles * 8;
@@ -396,7 +404,7 @@ inline gemm_plan make_plan(const gemm_shape& s, int sms, std::size_t partial_flo
     slices = std::min<long long>((target + tiles - 1) / tiles, std::max(1, kb / 4));
     // The last CTA of a tile reads slices x (its outputs): keep that to ~64 loads per thread.
     const long long tile_outputs = (long long)rows_per_cta * std::min(s.m, toks_per_cta);
-    slices = std::min<long long>(slices, std::max<long long>(1, 64LL * gemm_warps * 32 / tile_outputs));
+    slices = std::min<long long>(slices, std::max<long long>(1, (long long)o.reduce_loads * gemm_warps * 32 / tile_outputs));
   }
   const std::size_t per_slice = std::size_t(s.m) * std::size_t(s.n);
   if (per_slice) slices = std::min<long long>(slices, (long long)std::max<std::size_t>(1, partial_floats / per_slice));
@@ -431,9 +439,13 @@ void launch(const block_scaled_gemm_args& g, const gemm_plan& p, gemm_workspace*
     runtime::launch_programmatic(kernel, grid, dim3(gemm_warps * 32), 0, stream, g, gemm_groups{}, p.kbps, p.slices,
                                  partials, counters);
   };
-  if (p.token_tiles == 8) return go(block_scaled_gemm_kernel<WF, 8, 1, 1, 1>);
-  if (p.token_tiles == 1) return go(block_scaled_gemm_kernel<WF, 1, 1, 4, 1>);
-  return go(block_scaled_gemm_kernel<WF, 2, 1, 4, 1>);
+  switch (p.token_tiles) {
+    case 1: return go(block_scaled_gemm_kernel<WF, 1, 1, 4, 1>);
+    case 2: return go(block_scaled_gemm_kernel<WF, 2, 1, 4, 1>);
+    case 4: return go(block_scaled_gemm_kernel<WF, 4, 1, 2, 1>);
+    case 8: return go(block_scaled_gemm_kernel<WF, 8, 1, 1, 1>);
+    default: throw error("block_scaled_gemm: a plan's token tiles must be 1, 2, 4 or 8, not " + std::to_string(p.token_tiles));
+  }
 }
 
 }  // namespace detail
