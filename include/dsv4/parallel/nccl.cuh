@@ -1,0 +1,195 @@
+#pragma once
+//! \file
+//! NCCL collectives for tensor parallelism on the GPUs of one host (issue 7): the device side of
+//! the collectives that tensor_parallel_reference.hpp simulates, with the same per-rank calls
+//! (all_reduce of fp32 and of bf16, all_gather in rank order) and the one composite model.py
+//! uses after a row-parallel linear layer and the routed experts: the ranks' bf16 partials are
+//! summed in fp32 and rounded to bf16 once (`all_reduce_partials`).
+//!
+//! One process drives every GPU: `nccl_world` creates one communicator per device
+//! (ncclCommInitAll), and each rank's work runs on its own host thread with the device set, as the
+//! host simulation runs its ranks. Calls from one thread to several ranks must be grouped
+//! (`nccl_group`), or NCCL deadlocks waiting for the other ranks' halves.
+//!
+//! Rounding. NCCL sums in an order of its own choosing (ring or tree; it may differ between
+//! elements and message sizes), so with more than two ranks the sums can differ from the host
+//! simulation's rank order by fp32 rounding; with two ranks every sum is one addition and the
+//! results equal the simulation bit for bit (tests/parallel/test_nccl_cuda.cu checks both).
+//!
+//! NVLink multicast (NVLS) stays off: on shared multi-GPU hosts a program that uses it can take the
+//! host's GPUs out of service, and these collectives gain little from it at decode sizes. The
+//! world sets NCCL_NVLS_ENABLE=0 unless the environment already says otherwise.
+//!
+//! Link with NCCL (CMake: dsv4::nccl, which finds libnccl beside the CUDA toolkit).
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/numerics/bf16.hpp"
+#include "dsv4/runtime/cuda_check.cuh"
+#include "dsv4/runtime/pdl.cuh"
+
+namespace dsv4::parallel {
+
+//! Throws dsv4::error naming the call and NCCL's reason when `r` is not success.
+inline void nccl_check(ncclResult_t r, const std::string& what) {
+  if (r != ncclSuccess) throw error("NCCL " + what + " failed: " + ncclGetErrorString(r));
+}
+
+namespace nccl_detail {
+DSV4_KERNEL void widen_kernel(const numerics::bf16* x, float* y, std::size_t n) {
+  runtime::start_after_previous_grid();
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::size_t(gridDim.x) * blockDim.x)
+    y[i] = x[i].to_float();
+}
+DSV4_KERNEL void round_kernel(const float* x, numerics::bf16* y, std::size_t n) {
+  runtime::start_after_previous_grid();
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::size_t(gridDim.x) * blockDim.x)
+    y[i] = numerics::bf16::from_float(x[i]);
+}
+inline dim3 elementwise_grid(std::size_t n) {
+  return dim3(unsigned(std::min<std::size_t>((n + 255) / 256, 4096)));
+}
+}  // namespace nccl_detail
+
+//! One rank's communicator: what a rank's thread calls. Every call is collective: all ranks make
+//! the same calls in the same order with the same element counts, each on its own stream. The
+//! calls are asynchronous on `stream` (NCCL's kernels and ours), like any kernel launch.
+class nccl_rank {
+ public:
+  nccl_rank(ncclComm_t comm, int rank, int size, int device)
+      : comm_(comm), rank_(rank), size_(size), device_(device) {}
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int device() const { return device_; }
+  ncclComm_t comm() const { return comm_; }
+
+  //! v <- the sum over ranks of v (in place), fp32.
+  void all_reduce_sum(float* v, std::size_t n, cudaStream_t stream) const {
+    check_pointer(v, n, "all_reduce_sum (fp32)");
+    nccl_check(ncclAllReduce(v, v, n, ncclFloat32, ncclSum, comm_, stream),
+               where("all_reduce_sum (fp32)", n));
+  }
+  //! v <- the sum over ranks of v (in place), bf16: each addition rounds to bf16.
+  void all_reduce_sum(numerics::bf16* v, std::size_t n, cudaStream_t stream) const {
+    check_pointer(v, n, "all_reduce_sum (bf16)");
+    nccl_check(ncclAllReduce(v, v, n, ncclBfloat16, ncclSum, comm_, stream),
+               where("all_reduce_sum (bf16)", n));
+  }
+  //! out [size() * n] <- the ranks' `part` [n] concatenated in rank order.
+  void all_gather(const float* part, std::size_t n, float* out, cudaStream_t stream) const {
+    check_pointer(part, n, "all_gather (part)");
+    check_pointer(out, n, "all_gather (out)");
+    nccl_check(ncclAllGather(part, out, n, ncclFloat32, comm_, stream), where("all_gather", n));
+  }
+  //! model.py's sum after a row-parallel layer: out <- bf16(sum over ranks of fp32(partial)),
+  //! through `scratch` [n] floats on this rank's device. `out` may be `partial`.
+  void all_reduce_partials(const numerics::bf16* partial, float* scratch, numerics::bf16* out, std::size_t n,
+                           cudaStream_t stream) const {
+    check_pointer(partial, n, "all_reduce_partials (partial)");
+    check_pointer(scratch, n, "all_reduce_partials (scratch)");
+    check_pointer(out, n, "all_reduce_partials (out)");
+    if (n == 0) return;
+    runtime::launch_programmatic(nccl_detail::widen_kernel, nccl_detail::elementwise_grid(n), dim3(256), 0,
+                                 stream, partial, scratch, n);
+    DSV4_CUDA_CHECK_LAUNCH();
+    all_reduce_sum(scratch, n, stream);
+    runtime::launch_programmatic(nccl_detail::round_kernel, nccl_detail::elementwise_grid(n), dim3(256), 0,
+                                 stream, static_cast<const float*>(scratch), out, n);
+    DSV4_CUDA_CHECK_LAUNCH();
+  }
+
+ private:
+  std::string where(const char* call, std::size_t n) const {
+    return std::string(call) + " of " + std::to_string(n) + " elements on rank " + std::to_string(rank_) +
+           " of " + std::to_string(size_) + " (device " + std::to_string(device_) + ")";
+  }
+  void check_pointer(const void* p, std::size_t n, const char* what) const {
+    if (!p && n > 0)
+      throw error(std::string("nccl_rank::") + what + ": null buffer on rank " + std::to_string(rank_));
+  }
+
+  ncclComm_t comm_;
+  int rank_, size_, device_;
+};
+
+//! The communicators of one process over a list of devices (rank i on devices[i]).
+class nccl_world {
+ public:
+  explicit nccl_world(std::vector<int> devices) : devices_(std::move(devices)) {
+    const int visible = runtime::cuda_device_count();
+    if (devices_.empty()) throw error("nccl_world: no devices given");
+    for (std::size_t i = 0; i < devices_.size(); ++i) {
+      const int d = devices_[i];
+      if (d < 0 || d >= visible)
+        throw error("nccl_world: device " + std::to_string(d) + " (rank " + std::to_string(i) +
+                    ") is not one of the " + std::to_string(visible) + " visible CUDA devices");
+      if (std::count(devices_.begin(), devices_.end(), d) > 1)
+        throw error("nccl_world: device " + std::to_string(d) + " is listed twice (one rank per device)");
+    }
+    setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);  // see the file comment
+    comms_.resize(devices_.size());
+    nccl_check(ncclCommInitAll(comms_.data(), int(devices_.size()), devices_.data()),
+               "ncclCommInitAll over " + std::to_string(devices_.size()) + " devices");
+  }
+  //! Ranks 0 .. n-1 on devices 0 .. n-1.
+  static nccl_world first(int n) {
+    std::vector<int> d(std::size_t(std::max(n, 0)));
+    for (int i = 0; i < n; ++i) d[std::size_t(i)] = i;
+    return nccl_world(std::move(d));
+  }
+  nccl_world(nccl_world&& o) noexcept : devices_(std::move(o.devices_)), comms_(std::move(o.comms_)) {
+    o.comms_.clear();
+  }
+  nccl_world(const nccl_world&) = delete;
+  nccl_world& operator=(const nccl_world&) = delete;
+  nccl_world& operator=(nccl_world&&) = delete;
+  ~nccl_world() {
+    for (auto c : comms_) ncclCommDestroy(c);
+  }
+
+  int size() const { return int(devices_.size()); }
+  int device(int rank) const { return devices_.at(std::size_t(rank)); }
+  nccl_rank rank(int r) const {
+    if (r < 0 || r >= size())
+      throw error("nccl_world: rank " + std::to_string(r) + " of " + std::to_string(size()));
+    return nccl_rank(comms_[std::size_t(r)], r, size(), devices_[std::size_t(r)]);
+  }
+
+ private:
+  std::vector<int> devices_;
+  std::vector<ncclComm_t> comms_;
+};
+
+//! ncclGroupStart / ncclGroupEnd around calls one thread makes for several ranks.
+class nccl_group {
+ public:
+  nccl_group() { nccl_check(ncclGroupStart(), "ncclGroupStart"); }
+  nccl_group(const nccl_group&) = delete;
+  nccl_group& operator=(const nccl_group&) = delete;
+  //! Ends the group; throws if NCCL reports an error (the destructor cannot).
+  void end() {
+    if (open_) {
+      open_ = false;
+      nccl_check(ncclGroupEnd(), "ncclGroupEnd");
+    }
+  }
+  ~nccl_group() {
+    if (open_) (void)ncclGroupEnd();
+  }
+
+ private:
+  bool open_ = true;
+};
+
+}  // namespace dsv4::parallel
