@@ -30,25 +30,28 @@ namespace {
 struct moe_case {
   int experts, k, dim, inter;
   long long tokens;
-  int favourite = -1;      // an expert every token picks (huge bias), or -1
-  int scale_code = 122;    // UE8M0 code of the expert weight scales (larger: the clamps engage)
-  bool images = false;     // every other token is an image token (bias_vl)
-  bool clamps = false;     // the SwiGLU clamps must engage (counted in the host composition)
-  int nan_bias = -1;       // an expert whose bias (and bias_vl) is NaN, or -1
-  int nan_gate_row = -1;   // an expert whose gate row holds a NaN (NaN logit for every token), or -1
-  int nan_token_every = 0; // tokens 0, n, 2n, ... get a NaN in x (every logit NaN), if n > 0
-  bool cublas = false;     // moe_forward gets a cuBLAS handle: the prefill path must be taken
-  bool host_sync = true;   // ... unless this is false (a decode step's call)
+  int favourite = -1;       // an expert every token picks (huge bias), or -1
+  int scale_code = 122;     // UE8M0 code of the expert weight scales (larger: the clamps engage)
+  bool images = false;      // every other token is an image token (bias_vl)
+  bool clamps = false;      // the SwiGLU clamps must engage (counted in the host composition)
+  int nan_bias = -1;        // an expert whose bias (and bias_vl) is NaN, or -1
+  int nan_gate_row = -1;    // an expert whose gate row holds a NaN (NaN logit for every token), or -1
+  int nan_token_every = 0;  // tokens 0, n, 2n, ... get a NaN in x (every logit NaN), if n > 0
+  bool cublas = false;      // moe_forward gets a cuBLAS handle: the prefill path must be taken
+  bool host_sync = true;    // ... unless this is false (a decode step's call)
 };
 
 //! How many SwiGLU inputs of one expert on one token the clamps change: g > limit, |u| > limit.
-std::size_t count_clamped(std::span<const std::uint8_t> xq, std::span<const std::uint8_t> xs, const moe::expert_weights& e,
-                          int dim, int inter, bool fp4, float limit) {
+std::size_t count_clamped(std::span<const std::uint8_t> xq, std::span<const std::uint8_t> xs,
+                          const moe::expert_weights& e, int dim, int inter, bool fp4, float limit) {
   const gemm::gemm_shape s{1, inter, dim};
-  const auto g = fp4 ? gemm::fp4_gemm_reference(s, xq, xs, e.w1, e.w1_s) : gemm::fp8_gemm_reference(s, xq, xs, e.w1, e.w1_s);
-  const auto u = fp4 ? gemm::fp4_gemm_reference(s, xq, xs, e.w3, e.w3_s) : gemm::fp8_gemm_reference(s, xq, xs, e.w3, e.w3_s);
+  const auto g = fp4 ? gemm::fp4_gemm_reference(s, xq, xs, e.w1, e.w1_s)
+                     : gemm::fp8_gemm_reference(s, xq, xs, e.w1, e.w1_s);
+  const auto u = fp4 ? gemm::fp4_gemm_reference(s, xq, xs, e.w3, e.w3_s)
+                     : gemm::fp8_gemm_reference(s, xq, xs, e.w3, e.w3_s);
   std::size_t n = 0;
-  for (int i = 0; i < inter; ++i) n += (g[std::size_t(i)].to_float() > limit) + (std::fabs(u[std::size_t(i)].to_float()) > limit);
+  for (int i = 0; i < inter; ++i)
+    n += (g[std::size_t(i)].to_float() > limit) + (std::fabs(u[std::size_t(i)].to_float()) > limit);
   return n;
 }
 
@@ -73,7 +76,8 @@ moe::expert_weights random_expert(int dim, int inter, bool fp4, int scale_code, 
   moe::expert_weights e;
   e.w1 = random_codes(up.checkpoint_code_bytes(), !fp4, rng), e.w1_s = scales(up.checkpoint_scale_bytes());
   e.w3 = random_codes(up.checkpoint_code_bytes(), !fp4, rng), e.w3_s = scales(up.checkpoint_scale_bytes());
-  e.w2 = random_codes(down.checkpoint_code_bytes(), !fp4, rng), e.w2_s = scales(down.checkpoint_scale_bytes());
+  e.w2 = random_codes(down.checkpoint_code_bytes(), !fp4, rng),
+  e.w2_s = scales(down.checkpoint_scale_bytes());
   return e;
 }
 
@@ -81,8 +85,8 @@ moe::expert_weights random_expert(int dim, int inter, bool fp4, int scale_code, 
 struct tiled_experts {
   std::vector<std::uint8_t> w1, w1_s, w3, w3_s, w2, w2_s;
   void add(const moe::expert_weights& e, gemm::weight_format wf, int dim, int inter) {
-    auto put = [&](std::vector<std::uint8_t>& codes, std::vector<std::uint8_t>& scales, const std::vector<std::uint8_t>& c,
-                   const std::vector<std::uint8_t>& s, int n, int k) {
+    auto put = [&](std::vector<std::uint8_t>& codes, std::vector<std::uint8_t>& scales,
+                   const std::vector<std::uint8_t>& c, const std::vector<std::uint8_t>& s, int n, int k) {
       const auto t = gemm::tile_weight(wf, n, k, c, s);
       codes.insert(codes.end(), t.codes.begin(), t.codes.end());
       scales.insert(scales.end(), t.scales.begin(), t.scales.end());
@@ -93,7 +97,9 @@ struct tiled_experts {
   }
 };
 
-device_buffer<std::uint8_t> up(const std::vector<std::uint8_t>& v) { return device_buffer<std::uint8_t>{std::span<const std::uint8_t>(v)}; }
+device_buffer<std::uint8_t> up(const std::vector<std::uint8_t>& v) {
+  return device_buffer<std::uint8_t>{std::span<const std::uint8_t>(v)};
+}
 
 void check_moe(const moe_case& c, std::uint64_t salt) {
   auto rng = test::make_rng(salt);
@@ -135,7 +141,8 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
   std::vector<moe::routing> routes;
   for (long long t = 0; t < c.tokens; ++t) {
     const auto xt = std::span<const bf16>(x).subspan(std::size_t(t) * c.dim, std::size_t(c.dim));
-    const auto yt = moe::moe_layer_reference(xt, is_image[std::size_t(t)] ? g_vl : g, experts, shared, c.inter, 10.0f, &routes);
+    const auto yt = moe::moe_layer_reference(xt, is_image[std::size_t(t)] ? g_vl : g, experts, shared,
+                                             c.inter, 10.0f, &routes);
     want.insert(want.end(), yt.begin(), yt.end());
   }
   // The clamps the host composition applied, on the routed experts and on the shared one. With
@@ -145,16 +152,21 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
   std::size_t clamped = 0, clamped_shared = 0, inputs = 0;
   for (long long t = 0; t < c.tokens; ++t) {
     if (nan_token[std::size_t(t)]) continue;
-    const auto [xq, xs] = gemm::act_quant_reference(std::span<const bf16>(x).subspan(std::size_t(t) * c.dim, std::size_t(c.dim)));
-    for (int e : routes[std::size_t(t)].experts) clamped += count_clamped(xq, xs, experts[std::size_t(e)], c.dim, c.inter, true, 10.0f);
+    const auto [xq, xs] = gemm::act_quant_reference(
+        std::span<const bf16>(x).subspan(std::size_t(t) * c.dim, std::size_t(c.dim)));
+    for (int e : routes[std::size_t(t)].experts)
+      clamped += count_clamped(xq, xs, experts[std::size_t(e)], c.dim, c.inter, true, 10.0f);
     clamped_shared += count_clamped(xq, xs, shared, c.dim, c.inter, false, 10.0f);
     inputs += std::size_t(2) * c.inter;
   }
-  BOOST_TEST_MESSAGE("moe experts " << c.experts << ": the SwiGLU clamps changed " << clamped << " of " << inputs * c.k
-                                    << " routed and " << clamped_shared << " of " << inputs << " shared inputs (host)");
+  BOOST_TEST_MESSAGE("moe experts " << c.experts << ": the SwiGLU clamps changed " << clamped << " of "
+                                    << inputs * c.k << " routed and " << clamped_shared << " of " << inputs
+                                    << " shared inputs (host)");
   if (c.clamps) {
-    BOOST_TEST(clamped * 2 >= inputs * c.k, "the clamps changed fewer than half of the routed experts' SwiGLU inputs");
-    BOOST_TEST(clamped_shared * 10 >= inputs, "the clamps changed fewer than 10% of the shared expert's SwiGLU inputs");
+    BOOST_TEST(clamped * 2 >= inputs * c.k,
+               "the clamps changed fewer than half of the routed experts' SwiGLU inputs");
+    BOOST_TEST(clamped_shared * 10 >= inputs,
+               "the clamps changed fewer than 10% of the shared expert's SwiGLU inputs");
   }
   // The routes follow torch.topk's order (numerics::topk_order_key): a NaN score is chosen first;
   // a token whose logits are all NaN ties everywhere and takes experts 0, 1, ..., k - 1.
@@ -177,11 +189,11 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
   device_buffer<std::uint8_t> dimg{std::span<const std::uint8_t>(is_image)};
   auto w1 = up(tiled.w1), w1s = up(tiled.w1_s), w3 = up(tiled.w3), w3s = up(tiled.w3_s), w2 = up(tiled.w2),
        w2s = up(tiled.w2_s);
-  auto s1 = up(tiled_shared.w1), s1s = up(tiled_shared.w1_s), s3 = up(tiled_shared.w3), s3s = up(tiled_shared.w3_s),
-       s2 = up(tiled_shared.w2), s2s = up(tiled_shared.w2_s);
-  const moe::moe_weights w{dgate.data(), dbias.data(), dbias_vl.data(), w1.data(), w1s.data(), w3.data(), w3s.data(),
-                           w2.data(),    w2s.data(),   s1.data(),       s1s.data(), s3.data(), s3s.data(), s2.data(),
-                           s2s.data()};
+  auto s1 = up(tiled_shared.w1), s1s = up(tiled_shared.w1_s), s3 = up(tiled_shared.w3),
+       s3s = up(tiled_shared.w3_s), s2 = up(tiled_shared.w2), s2s = up(tiled_shared.w2_s);
+  const moe::moe_weights w{dgate.data(), dbias.data(), dbias_vl.data(), w1.data(),  w1s.data(),
+                           w3.data(),    w3s.data(),   w2.data(),       w2s.data(), s1.data(),
+                           s1s.data(),   s3.data(),    s3s.data(),      s2.data(),  s2s.data()};
   moe::moe_shape shape{c.experts, c.k, c.dim, c.inter};
   moe::moe_workspace ws(shape, c.tokens + 3);  // room for more tokens than this call has
   ws.sel_expert.fill_bytes(0xFF);  // the rows past this call's tokens are downloaded below, unused
@@ -193,19 +205,22 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
   // see; NaN poison makes them initialized for it, and any row cuBLAS left unwritten would show.
   for (auto* b : {&ws.g, &ws.u, &ws.sg, &ws.su, &ws.shared_out}) b->fill_bytes(0xFF);
   ws.expert_offsets_host.data()[c.experts] = -1;  // the prefill path writes the row offsets here
-  moe::moe_forward(dx.data(), c.tokens, c.images ? dimg.data() : nullptr, w, dy.data(), ws, nullptr, blas, c.host_sync);
+  moe::moe_forward(dx.data(), c.tokens, c.images ? dimg.data() : nullptr, w, dy.data(), ws, nullptr, blas,
+                   c.host_sync);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   if (blas) cublasDestroy(blas);
   const long long offsets_end = ws.expert_offsets_host.data()[c.experts];
   const bool want_prefill_path = c.cublas && c.host_sync;
   BOOST_TEST((offsets_end == c.tokens * c.k) == want_prefill_path,
-             "the prefill path was " << (want_prefill_path ? "not " : "") << "taken (offsets end " << offsets_end << ")");
+             "the prefill path was " << (want_prefill_path ? "not " : "") << "taken (offsets end "
+                                     << offsets_end << ")");
   const auto y = dy.download();
   const auto sel = ws.sel_expert.download();
 
   std::size_t route_diff = 0;
   for (long long t = 0; t < c.tokens; ++t)
-    for (int j = 0; j < c.k; ++j) route_diff += sel[std::size_t(t) * c.k + j] != routes[std::size_t(t)].experts[std::size_t(j)];
+    for (int j = 0; j < c.k; ++j)
+      route_diff += sel[std::size_t(t) * c.k + j] != routes[std::size_t(t)].experts[std::size_t(j)];
   BOOST_TEST(route_diff == 0u, "experts " << c.experts << ": " << route_diff << " routing slots differ");
 
   std::size_t nan_differs = 0, nan = 0, compared = 0, bad = 0, exact = 0, requantized_tokens = 0;
@@ -246,8 +261,9 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
     }
     requantized_tokens += requantized;
   }
-  BOOST_TEST_MESSAGE("moe experts " << c.experts << " top-" << c.k << " tokens " << c.tokens << ": " << exact << " of "
-                                    << compared << " finite outputs bit-equal, worst error / tolerance " << worst << ", "
+  BOOST_TEST_MESSAGE("moe experts " << c.experts << " top-" << c.k << " tokens " << c.tokens << ": " << exact
+                                    << " of " << compared
+                                    << " finite outputs bit-equal, worst error / tolerance " << worst << ", "
                                     << nan << " NaN on the host, " << requantized_tokens
                                     << " tokens with a requantized FP8 block");
   BOOST_TEST(nan_differs == 0u, nan_differs << " outputs are NaN on one side only (or differ in NaN bits)");
@@ -255,7 +271,8 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
   BOOST_TEST((nan > 0) == nan_expected, "the host has " << nan << " NaN outputs");
   BOOST_TEST(bad == 0u);
   BOOST_TEST(requantized_tokens * 50 <= std::size_t(c.tokens),
-             requantized_tokens << " tokens differ by more than one requantized FP8 block explains (at most 2% may)");
+             requantized_tokens
+                 << " tokens differ by more than one requantized FP8 block explains (at most 2% may)");
   BOOST_TEST(exact * 10 >= compared * 7, "fewer than 70% of the finite outputs are bit-equal to the host");
 }
 
@@ -314,10 +331,12 @@ void check_gate_logits(int experts, int dim, long long tokens, float gate_temp, 
       const double ulp = std::fabs(std::nextafter(ref, INFINITY) - ref);
       far += std::fabs(double(g) - ref) > ulp + magnitude * 0x1p-40 / gate_temp;
     }
-  BOOST_TEST_MESSAGE("gate logits experts " << experts << " dim " << dim << " tokens " << tokens << ": " << equal_sequential
-                                            << " of " << finite << " finite logits equal to the sequential host sum");
+  BOOST_TEST_MESSAGE("gate logits experts " << experts << " dim " << dim << " tokens " << tokens << ": "
+                                            << equal_sequential << " of " << finite
+                                            << " finite logits equal to the sequential host sum");
   BOOST_TEST(nan_bad == 0u, nan_bad << " logits are NaN on one side only");
-  BOOST_TEST(order_bad == 0u, order_bad << " logits differ from the kernel's summation order mirrored on the host");
+  BOOST_TEST(order_bad == 0u,
+             order_bad << " logits differ from the kernel's summation order mirrored on the host");
   BOOST_TEST(far == 0u, far << " logits are further than an ulp from the sequential host sum");
 }
 
@@ -328,7 +347,8 @@ BOOST_AUTO_TEST_SUITE(moe_cuda)
 // The gate logits at V4.1 widths (384 experts, dim 5120) at decode batches, one token included,
 // partial token groups, DSpark's 128 experts, the bench's 16; a row so wide that fewer than 8
 // tokens fit a CTA's shared memory (12288: groups of 3).
-BOOST_AUTO_TEST_CASE(gate_logits_match_the_lane_order_sums, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+BOOST_AUTO_TEST_CASE(gate_logits_match_the_lane_order_sums,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   check_gate_logits(384, 5120, 1, 1.0f, 20);
   check_gate_logits(384, 5120, 8, 1.0f, 21);
   check_gate_logits(384, 5120, 13, 0.7f, 22);
@@ -340,11 +360,11 @@ BOOST_AUTO_TEST_CASE(gate_logits_match_the_lane_order_sums, *utf::label("gpu") *
 }
 
 BOOST_AUTO_TEST_CASE(layer_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
-  check_moe({384, 6, 256, 64, 40}, 1);                  // backbone routing, most experts idle
-  check_moe({128, 3, 512, 128, 1}, 2);                  // DSpark routing, one token
-  check_moe({8, 2, 256, 128, 100}, 3);                  // tiny: 25 rows per expert, 16-row tiles
+  check_moe({384, 6, 256, 64, 40}, 1);                      // backbone routing, most experts idle
+  check_moe({128, 3, 512, 128, 1}, 2);                      // DSpark routing, one token
+  check_moe({8, 2, 256, 128, 100}, 3);                      // tiny: 25 rows per expert, 16-row tiles
   check_moe({16, 3, 256, 64, 50, 5, 128, false, true}, 4);  // every token picks expert 5; clamps engage
-  check_moe({64, 4, 256, 64, 30, -1, 122, true}, 5);    // image tokens route with bias_vl
+  check_moe({64, 4, 256, 64, 30, -1, 122, true}, 5);        // image tokens route with bias_vl
 }
 
 // The prefill path (a cuBLAS handle and >= 32 rows per expert): per-expert bf16 copies and cuBLAS
@@ -353,24 +373,44 @@ BOOST_AUTO_TEST_CASE(layer_matches_host, *utf::label("gpu") * utf::precondition(
 // differs from the block-wise reference, but an ulp it moves can change the FP8 scale of an h
 // block (seen on the device: 3 of 6 fresh seeds had a token 1.5-2.8x beyond the kernel path's
 // tolerance); check_moe allows that in at most 2% of the tokens.
-BOOST_AUTO_TEST_CASE(prefill_path_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+BOOST_AUTO_TEST_CASE(prefill_path_matches_host,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   check_moe({.experts = 8, .k = 2, .dim = 256, .inter = 128, .tokens = 600, .cublas = true}, 9);
-  check_moe({.experts = 16, .k = 3, .dim = 256, .inter = 64, .tokens = 300, .favourite = 5, .scale_code = 128,
-             .clamps = true, .cublas = true}, 10);
+  check_moe({.experts = 16,
+             .k = 3,
+             .dim = 256,
+             .inter = 64,
+             .tokens = 300,
+             .favourite = 5,
+             .scale_code = 128,
+             .clamps = true,
+             .cublas = true},
+            10);
   // A decode step's call (no host synchronization allowed): the grouped kernels, the shared
   // expert still through cuBLAS.
-  check_moe({.experts = 8, .k = 2, .dim = 256, .inter = 128, .tokens = 600, .cublas = true, .host_sync = false}, 11);
+  check_moe(
+      {.experts = 8, .k = 2, .dim = 256, .inter = 128, .tokens = 600, .cublas = true, .host_sync = false},
+      11);
 }
 
 // NaN gate scores are ranked as torch.topk ranks them (above +inf; ties to the lower id), on the
 // host and the device alike, and every slot gets a real expert: no pair is dropped, no row unread.
-BOOST_AUTO_TEST_CASE(nan_gate_scores_route_like_torch_topk, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+BOOST_AUTO_TEST_CASE(nan_gate_scores_route_like_torch_topk,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   // A NaN bias forces its expert in with a finite weight (outputs finite and compared); every
   // 9th token has a NaN in x (all logits NaN: experts 0..3, NaN weights, NaN outputs).
-  check_moe({.experts = 32, .k = 4, .dim = 256, .inter = 64, .tokens = 40, .nan_bias = 7, .nan_token_every = 9}, 6);
+  check_moe(
+      {.experts = 32, .k = 4, .dim = 256, .inter = 64, .tokens = 40, .nan_bias = 7, .nan_token_every = 9}, 6);
   // The same with image tokens (bias_vl) and DSpark's 128 / top-3.
-  check_moe({.experts = 128, .k = 3, .dim = 256, .inter = 64, .tokens = 12, .images = true, .nan_bias = 100,
-             .nan_token_every = 5}, 7);
+  check_moe({.experts = 128,
+             .k = 3,
+             .dim = 256,
+             .inter = 64,
+             .tokens = 12,
+             .images = true,
+             .nan_bias = 100,
+             .nan_token_every = 5},
+            7);
   // A NaN in one gate row: a NaN logit for every token, so every token picks that expert first,
   // its weights are NaN and so are its outputs (as in the reference).
   check_moe({.experts = 16, .k = 3, .dim = 256, .inter = 64, .tokens = 20, .nan_gate_row = 5}, 8);
@@ -380,7 +420,8 @@ BOOST_AUTO_TEST_CASE(bad_shapes_are_errors, *utf::label("gpu") * utf::preconditi
   moe::moe_workspace ws({8, 2, 256, 64}, 4);
   moe::moe_weights w;
   device_buffer<bf16> x(256 * 8), y(256 * 8);
-  BOOST_CHECK_THROW(moe::moe_forward(x.data(), 5, nullptr, w, y.data(), ws), dsv4::error);  // more tokens than the workspace
+  BOOST_CHECK_THROW(moe::moe_forward(x.data(), 5, nullptr, w, y.data(), ws),
+                    dsv4::error);  // more tokens than the workspace
   BOOST_CHECK_THROW(moe::moe_forward(x.data(), 2, nullptr, w, y.data(), ws), dsv4::error);  // null weights
 }
 

@@ -20,10 +20,10 @@
 //!     starts at 0, then the shared expert's, one rounding (deterministic: no atomics anywhere).
 //! Works for the backbone (384 experts, top-6) and the DSpark stages (128, top-3) alike.
 
+#include <cuda_pipeline.h>  // __pipeline_memcpy_async (cp.async)
+#include <cuda_runtime.h>   // provides cudaStream_t, uint4
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
-#include <cuda_pipeline.h>  // __pipeline_memcpy_async (cp.async)
-#include <cuda_runtime.h>  // provides cudaStream_t, uint4
 
 #include <algorithm>
 #include <cstdint>
@@ -66,7 +66,8 @@ inline constexpr int dense_min_rows_per_expert = 32;
 //! m <= max_tokens and n k = dim x inter).
 inline std::size_t dense_dequant_elems(const moe_shape& s, long long max_tokens) {
   if (max_tokens < gemm::dequant_min_tokens) return 0;
-  return std::size_t(max_tokens) * std::size_t(std::max(s.dim, s.inter)) + std::size_t(s.dim) * std::size_t(s.inter);
+  return std::size_t(max_tokens) * std::size_t(std::max(s.dim, s.inter)) +
+         std::size_t(s.dim) * std::size_t(s.inter);
 }
 
 //! Device weights of one MoE layer. Expert weights are in the MMA-tile layout
@@ -87,16 +88,41 @@ struct moe_weights {
 class moe_workspace {
  public:
   moe_workspace(const moe_shape& s, long long max_tokens)
-      : shape_(s), max_tokens_(max_tokens), logits(n(s.experts)), sel_expert(n(s.k)), sel_weight(n(s.k)),
-        pair_index(n(s.k)), sorted_expert(n(s.k)), sorted_pair(n(s.k)), row_token(n(s.k)), pair_row(n(s.k)),
-        tile_group(tiles_bound()), tile_row0(tiles_bound()), tile_rows(tiles_bound()), tile_count(1),
-        xq(n(s.dim)), xs(n(s.dim / 32)), g(n(std::size_t(s.k) * s.inter)), u(g.size()), h(g.size()), hq(g.size()),
-        hs(g.size() / 32), expert_out(n(std::size_t(s.k) * s.dim)), sg(n(s.inter)), su(sg.size()), sh(sg.size()),
-        shq(sg.size()), shs(sg.size() / 32), shared_out(n(s.dim)), expert_offsets(std::size_t(s.experts) + 1),
-        expert_offsets_host(std::size_t(s.experts) + 1), gemm(std::size_t(1) << 20, dense_dequant_elems(s, max_tokens)) {
+      : shape_(s),
+        max_tokens_(max_tokens),
+        logits(n(s.experts)),
+        sel_expert(n(s.k)),
+        sel_weight(n(s.k)),
+        pair_index(n(s.k)),
+        sorted_expert(n(s.k)),
+        sorted_pair(n(s.k)),
+        row_token(n(s.k)),
+        pair_row(n(s.k)),
+        tile_group(tiles_bound()),
+        tile_row0(tiles_bound()),
+        tile_rows(tiles_bound()),
+        tile_count(1),
+        xq(n(s.dim)),
+        xs(n(s.dim / 32)),
+        g(n(std::size_t(s.k) * s.inter)),
+        u(g.size()),
+        h(g.size()),
+        hq(g.size()),
+        hs(g.size() / 32),
+        expert_out(n(std::size_t(s.k) * s.dim)),
+        sg(n(s.inter)),
+        su(sg.size()),
+        sh(sg.size()),
+        shq(sg.size()),
+        shs(sg.size() / 32),
+        shared_out(n(s.dim)),
+        expert_offsets(std::size_t(s.experts) + 1),
+        expert_offsets_host(std::size_t(s.experts) + 1),
+        gemm(std::size_t(1) << 20, dense_dequant_elems(s, max_tokens)) {
     std::size_t bytes = 0;
-    DSV4_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, sorted_expert.data(), sorted_expert.data(),
-                                                    pair_index.data(), sorted_pair.data(), int(max_tokens * s.k), 0, 10));
+    DSV4_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, sorted_expert.data(),
+                                                    sorted_expert.data(), pair_index.data(),
+                                                    sorted_pair.data(), int(max_tokens * s.k), 0, 10));
     sort_temp = runtime::device_buffer<unsigned char>(std::max<std::size_t>(1, bytes));
   }
   const moe_shape& shape() const { return shape_; }
@@ -108,19 +134,21 @@ class moe_workspace {
   }
 
  private:
-  std::size_t n(std::size_t per_token) const { return std::max<std::size_t>(1, std::size_t(max_tokens_) * per_token); }
+  std::size_t n(std::size_t per_token) const {
+    return std::max<std::size_t>(1, std::size_t(max_tokens_) * per_token);
+  }
   moe_shape shape_;
   long long max_tokens_;
 
  public:
   runtime::device_buffer<float> logits;
-  runtime::device_buffer<int> sel_expert;      //!< [T, k], descending biased score
-  runtime::device_buffer<float> sel_weight;    //!< [T, k]
-  runtime::device_buffer<int> pair_index;      //!< [T, k] = t * k + j
-  runtime::device_buffer<int> sorted_expert;   //!< the pairs' experts, ascending (stable)
-  runtime::device_buffer<int> sorted_pair;     //!< the pairs, in that order
-  runtime::device_buffer<int> row_token;       //!< [T k]: token of each sorted row
-  runtime::device_buffer<int> pair_row;        //!< [T k]: sorted row of each pair
+  runtime::device_buffer<int> sel_expert;     //!< [T, k], descending biased score
+  runtime::device_buffer<float> sel_weight;   //!< [T, k]
+  runtime::device_buffer<int> pair_index;     //!< [T, k] = t * k + j
+  runtime::device_buffer<int> sorted_expert;  //!< the pairs' experts, ascending (stable)
+  runtime::device_buffer<int> sorted_pair;    //!< the pairs, in that order
+  runtime::device_buffer<int> row_token;      //!< [T k]: token of each sorted row
+  runtime::device_buffer<int> pair_row;       //!< [T k]: sorted row of each pair
   runtime::device_buffer<int> tile_group, tile_row0, tile_rows, tile_count;
   runtime::device_buffer<std::uint8_t> xq, xs;
   runtime::device_buffer<bf16> g, u, h;
@@ -130,8 +158,8 @@ class moe_workspace {
   runtime::device_buffer<std::uint8_t> shq, shs;
   runtime::device_buffer<bf16> shared_out;
   runtime::device_buffer<unsigned char> sort_temp;
-  runtime::device_buffer<int> expert_offsets;        //!< [experts + 1]: first sorted row of each expert
-  runtime::pinned_buffer<int> expert_offsets_host;   //!< their copy for the prefill path's launches
+  runtime::device_buffer<int> expert_offsets;       //!< [experts + 1]: first sorted row of each expert
+  runtime::pinned_buffer<int> expert_offsets_host;  //!< their copy for the prefill path's launches
   gemm::gemm_workspace gemm;
 };
 
@@ -154,20 +182,22 @@ inline constexpr int gate_smem_budget = 96 * 1024;
 //! group's x rows into shared memory with asynchronous copies, all in flight at once, and the
 //! chains then read shared memory. The gate row is staged once for all the groups a CTA walks
 //! (grid y stops at 65535 groups).
-DSV4_KERNEL void __launch_bounds__(gate_threads) gate_logits_kernel(const bf16* x, long long tokens, int dim, const bf16* w,
-                                                                    int experts, int per_cta, float gate_temp,
-                                                                    float* logits) {
+DSV4_KERNEL void __launch_bounds__(gate_threads)
+    gate_logits_kernel(const bf16* x, long long tokens, int dim, const bf16* w, int experts, int per_cta,
+                       float gate_temp, float* logits) {
   runtime::start_after_previous_grid();
   extern __shared__ uint4 staged[];  // [1 + per_cta][dim / 8]: the gate row, then the group's x rows
   const int e = blockIdx.x, chunks = dim / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint4* row = reinterpret_cast<const uint4*>(w + (long long)e * dim);
-  for (int c = threadIdx.x; c < chunks; c += gate_threads) __pipeline_memcpy_async(staged + c, row + c, sizeof(uint4));
+  for (int c = threadIdx.x; c < chunks; c += gate_threads)
+    __pipeline_memcpy_async(staged + c, row + c, sizeof(uint4));
   for (long long t0 = (long long)blockIdx.y * per_cta; t0 < tokens; t0 += (long long)gridDim.y * per_cta) {
     const int n = int(min((long long)per_cta, tokens - t0));
     const uint4* xr = reinterpret_cast<const uint4*>(x + t0 * dim);  // the group's n rows, contiguous
     uint4* xs = staged + chunks;
-    for (int i = threadIdx.x; i < n * chunks; i += gate_threads) __pipeline_memcpy_async(xs + i, xr + i, sizeof(uint4));
+    for (int i = threadIdx.x; i < n * chunks; i += gate_threads)
+      __pipeline_memcpy_async(xs + i, xr + i, sizeof(uint4));
     __pipeline_commit();
     __pipeline_wait_prior(0);
     __syncthreads();
@@ -191,32 +221,37 @@ DSV4_KERNEL void __launch_bounds__(gate_threads) gate_logits_kernel(const bf16* 
 
 //! Launches gate_logits_kernel: experts x ceil(tokens / per_cta) CTAs (384 at one token for the
 //! backbone), per_cta = min(8, tokens) or fewer where the staged rows would not fit the budget.
-inline void gate_logits(const bf16* x, long long tokens, int dim, const bf16* w, int experts, float gate_temp, float* logits,
-                        cudaStream_t stream) {
+inline void gate_logits(const bf16* x, long long tokens, int dim, const bf16* w, int experts, float gate_temp,
+                        float* logits, cudaStream_t stream) {
   const long long row_bytes = (long long)dim * sizeof(bf16);
-  const int per_cta = int(std::min<long long>({tokens, gate_tokens_per_cta, gate_smem_budget / row_bytes - 1}));
+  const int per_cta =
+      int(std::min<long long>({tokens, gate_tokens_per_cta, gate_smem_budget / row_bytes - 1}));
   if (per_cta < 1)
-    throw error("moe gate logits: dim " + std::to_string(dim) + " is too wide to stage a gate row and an x row in " +
-                std::to_string(gate_smem_budget) + " bytes of shared memory");
+    throw error("moe gate logits: dim " + std::to_string(dim) +
+                " is too wide to stage a gate row and an x row in " + std::to_string(gate_smem_budget) +
+                " bytes of shared memory");
   const int smem = int((1 + per_cta) * row_bytes);
   if (smem > 48 * 1024)  // above the default limit of dynamic shared memory: opt in
-    DSV4_CUDA_CHECK(cudaFuncSetAttribute(gate_logits_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    DSV4_CUDA_CHECK(
+        cudaFuncSetAttribute(gate_logits_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(unsigned(experts), unsigned(std::min<long long>((tokens + per_cta - 1) / per_cta, 65535)));
-  runtime::launch_programmatic(gate_logits_kernel, grid, dim3(gate_threads), std::size_t(smem), stream, x, tokens, dim, w,
-                               experts, per_cta, gate_temp, logits);
+  runtime::launch_programmatic(gate_logits_kernel, grid, dim3(gate_threads), std::size_t(smem), stream, x,
+                               tokens, dim, w, experts, per_cta, gate_temp, logits);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 
-DSV4_DEVICE float softplus_torch(float s) { return s > 20.0f ? s : log1pf(expf(s)); }
+DSV4_DEVICE float softplus_torch(float s) {
+  return s > 20.0f ? s : log1pf(expf(s));
+}
 
 //! One warp per token: scores, top-k, weights; also the pair indices the sort carries.
 //! Each expert's rank is one 64-bit key: topk_order_key(biased) above, ~id below, so the largest
 //! key is the highest biased score (NaN above +inf) and, among equal scores, the lowest id; a
 //! chosen expert's key becomes 0, below every score's. Every slot thus gets a valid expert whatever
 //! the scores hold (k <= experts), NaN included: no slot is left at a sentinel.
-DSV4_KERNEL void __launch_bounds__(256) route_kernel(const float* logits, long long tokens, moe_shape s, const float* bias,
-                                                     const float* bias_vl, const std::uint8_t* is_image, int* sel_expert,
-                                                     float* sel_weight, int* pair_index) {
+DSV4_KERNEL void __launch_bounds__(256)
+    route_kernel(const float* logits, long long tokens, moe_shape s, const float* bias, const float* bias_vl,
+                 const std::uint8_t* is_image, int* sel_expert, float* sel_weight, int* pair_index) {
   runtime::start_after_previous_grid();
   constexpr int kPerLane = max_experts / 32;
   const long long t = (long long)blockIdx.x * 8 + threadIdx.x / 32;
@@ -229,9 +264,11 @@ DSV4_KERNEL void __launch_bounds__(256) route_kernel(const float* logits, long l
   for (int i = 0; i < kPerLane; ++i) {
     const int e = lane + 32 * i;
     score[i] = e < s.experts ? __fsqrt_rn(softplus_torch(logits[t * s.experts + e])) : 0.0f;
-    rank[i] = e < s.experts ? (static_cast<unsigned long long>(numerics::topk_order_key(__fadd_rn(score[i], b[e]))) << 32) |
-                                  static_cast<unsigned>(~e)
-                            : 0ull;
+    rank[i] =
+        e < s.experts
+            ? (static_cast<unsigned long long>(numerics::topk_order_key(__fadd_rn(score[i], b[e]))) << 32) |
+                  static_cast<unsigned>(~e)
+            : 0ull;
   }
   float sum = 0.0f, chosen_score = 0.0f;
   int chosen = 0;
@@ -265,9 +302,9 @@ DSV4_KERNEL void __launch_bounds__(256) route_kernel(const float* logits, long l
 }
 
 //! One CTA: each expert's run in the sorted pairs becomes tiles of at most `tile` rows.
-DSV4_KERNEL void __launch_bounds__(max_experts) tile_list_kernel(const int* sorted_expert, int pairs, int experts, int tile,
-                                                               int* tile_group, int* tile_row0, int* tile_rows,
-                                                               int* tile_count) {
+DSV4_KERNEL void __launch_bounds__(max_experts)
+    tile_list_kernel(const int* sorted_expert, int pairs, int experts, int tile, int* tile_group,
+                     int* tile_row0, int* tile_rows, int* tile_count) {
   runtime::start_after_previous_grid();
   using scan = cub::BlockScan<int, max_experts>;
   __shared__ typename scan::TempStorage temp;
@@ -276,7 +313,10 @@ DSV4_KERNEL void __launch_bounds__(max_experts) tile_list_kernel(const int* sort
     int lo = 0, hi = pairs;
     while (lo < hi) {
       const int mid = lo + (hi - lo) / 2;
-      if (sorted_expert[mid] < key) lo = mid + 1; else hi = mid;
+      if (sorted_expert[mid] < key)
+        lo = mid + 1;
+      else
+        hi = mid;
     }
     return lo;
   };
@@ -334,13 +374,14 @@ DSV4_KERNEL void combine_kernel(const bf16* expert_out, const bf16* shared_out, 
       order[b] = order[b - 1], order[b - 1] = tmp;
     }
   float acc = 0.0f;
-  for (int j = 0; j < k; ++j) acc = __fadd_rn(acc, expert_out[(long long)pair_row[t * k + order[j]] * dim + d].to_float());
+  for (int j = 0; j < k; ++j)
+    acc = __fadd_rn(acc, expert_out[(long long)pair_row[t * k + order[j]] * dim + d].to_float());
   acc = __fadd_rn(acc, shared_out[t * dim + d].to_float());
   y[t * dim + d] = bf16::from_float(acc);
 }
 
-inline void quantize_rows(const bf16* x, long long rows, int channels, std::uint8_t* codes, std::uint8_t* scales,
-                          cudaStream_t stream) {
+inline void quantize_rows(const bf16* x, long long rows, int channels, std::uint8_t* codes,
+                          std::uint8_t* scales, cudaStream_t stream) {
   numerics::quantize<numerics::fp8_act_format>(
       {x, rows, channels, channels, codes, channels, scales, channels / 32}, stream);
 }
@@ -354,8 +395,10 @@ DSV4_KERNEL void expert_offsets_kernel(const int* sorted_expert, int pairs, int 
   int lo = 0, hi = pairs;
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
-    if (sorted_expert[mid] < e) lo = mid + 1;
-    else hi = mid;
+    if (sorted_expert[mid] < e)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   offsets[e] = lo;
 }
@@ -366,9 +409,9 @@ DSV4_KERNEL void expert_offsets_kernel(const int* sorted_expert, int pairs, int 
 //! dequantized to bf16 and one cuBLAS GEMM computes its rows (fp32 accumulation; only the
 //! summation order differs from the block-wise reference, as in gemm::dequant_gemm). Needs
 //! ws.expert_offsets_host filled.
-inline void dense_expert_projection(const std::uint8_t* a, const std::uint8_t* a_s, const int* row_index, int pairs, int k,
-                                    const std::uint8_t* w, const std::uint8_t* w_s, int n, bf16* out, moe_workspace& ws,
-                                    cublasHandle_t blas, cudaStream_t stream) {
+inline void dense_expert_projection(const std::uint8_t* a, const std::uint8_t* a_s, const int* row_index,
+                                    int pairs, int k, const std::uint8_t* w, const std::uint8_t* w_s, int n,
+                                    bf16* out, moe_workspace& ws, cublasHandle_t blas, cudaStream_t stream) {
   const moe_shape& s = ws.shape();
   const gemm::weight_tile_shape shape{n, k, gemm::weight_format::fp4_row32};
   const long long window = ws.max_tokens();
@@ -385,8 +428,8 @@ inline void dense_expert_projection(const std::uint8_t* a, const std::uint8_t* a
       if (b >= end) continue;
       gemm::detail::dequantize_weight(gemm::weight_format::fp4_row32, w + e * (long long)shape.code_bytes(),
                                       w_s + e * (long long)shape.scale_bytes(), n, k, w16, stream);
-      gemm::detail::bf16_gemm_nt(blas, a16 + std::size_t(b - r0) * k, w16, out + std::size_t(b) * n, int(end - b), n, k,
-                                 "moe_forward: expert GEMM (cublasGemmEx)");
+      gemm::detail::bf16_gemm_nt(blas, a16 + std::size_t(b - r0) * k, w16, out + std::size_t(b) * n,
+                                 int(end - b), n, k, "moe_forward: expert GEMM (cublasGemmEx)");
     }
   }
 }
@@ -401,9 +444,9 @@ inline void dense_expert_projection(const std::uint8_t* a, const std::uint8_t* a
 //! counts to the host and waits for them: such a call synchronizes its stream once and cannot be
 //! captured in a CUDA graph. Decode steps pass allow_host_sync = false (device_model does).
 //! Throws dsv4::error on bad shapes.
-inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_image, const moe_weights& w, bf16* y,
-                        moe_workspace& ws, cudaStream_t stream = nullptr, cublasHandle_t blas = nullptr,
-                        bool allow_host_sync = true) {
+inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_image, const moe_weights& w,
+                        bf16* y, moe_workspace& ws, cudaStream_t stream = nullptr,
+                        cublasHandle_t blas = nullptr, bool allow_host_sync = true) {
   const moe_shape& s = ws.shape();
   const std::string where = "moe_forward (tokens " + std::to_string(tokens) + "): ";
   if (tokens < 0 || tokens > ws.max_tokens())
@@ -411,43 +454,46 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   if (s.experts < 1 || s.experts > max_experts || s.k < 1 || s.k > 16 || s.k > s.experts)
     throw error(where + "need 1 <= k <= min(16, experts) and experts <= 512");
   if (s.dim % 32 || s.inter % 32) throw error(where + "dim and inter must be multiples of 32");
-  if (!x || !y || !w.gate || !w.bias || !w.w1 || !w.w3 || !w.w2 || !w.s1 || !w.s3 || !w.s2 || !w.w1_s || !w.w3_s ||
-      !w.w2_s || !w.s1_s || !w.s3_s || !w.s2_s)
+  if (!x || !y || !w.gate || !w.bias || !w.w1 || !w.w3 || !w.w2 || !w.s1 || !w.s3 || !w.s2 || !w.w1_s ||
+      !w.w3_s || !w.w2_s || !w.s1_s || !w.s3_s || !w.s2_s)
     throw error(where + "null input, output, weight or weight scale");
   if (is_image && !w.bias_vl) throw error(where + "image tokens are flagged but the layer has no bias_vl");
   auto misaligned = [](const void* p, std::size_t a) { return reinterpret_cast<std::uintptr_t>(p) % a != 0; };
-  if (misaligned(x, 16) || misaligned(w.gate, 16)) throw error(where + "x and the gate weight must be 16-byte aligned");
-  if (misaligned(w.w1, 8) || misaligned(w.w3, 8) || misaligned(w.w2, 8) || misaligned(w.s1, 16) || misaligned(w.s3, 16) ||
-      misaligned(w.s2, 16))
+  if (misaligned(x, 16) || misaligned(w.gate, 16))
+    throw error(where + "x and the gate weight must be 16-byte aligned");
+  if (misaligned(w.w1, 8) || misaligned(w.w3, 8) || misaligned(w.w2, 8) || misaligned(w.s1, 16) ||
+      misaligned(w.s3, 16) || misaligned(w.s2, 16))
     throw error(where + "expert weights (MMA tiles) must be 8-byte (FP4) / 16-byte (FP8) aligned");
   if (tokens == 0) return;
   const int pairs = int(tokens * s.k);
 
   // 1-2. Routing.
   detail::gate_logits(x, tokens, s.dim, w.gate, s.experts, s.gate_temp, ws.logits.data(), stream);
-  runtime::launch_programmatic(detail::route_kernel, dim3(unsigned((tokens + 7) / 8)), dim3(256), 0, stream, ws.logits.data(),
-                               tokens, s, w.bias, w.bias_vl, is_image, ws.sel_expert.data(), ws.sel_weight.data(),
-                               ws.pair_index.data());
+  runtime::launch_programmatic(detail::route_kernel, dim3(unsigned((tokens + 7) / 8)), dim3(256), 0, stream,
+                               ws.logits.data(), tokens, s, w.bias, w.bias_vl, is_image, ws.sel_expert.data(),
+                               ws.sel_weight.data(), ws.pair_index.data());
   DSV4_CUDA_CHECK_LAUNCH();
   // 3. Dispatch: stable sort by expert, tile list, row maps.
   std::size_t temp_bytes = ws.sort_temp.size();
   DSV4_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws.sort_temp.data(), temp_bytes, ws.sel_expert.data(),
-                                                  ws.sorted_expert.data(), ws.pair_index.data(), ws.sorted_pair.data(),
-                                                  pairs, 0, 10, stream));
+                                                  ws.sorted_expert.data(), ws.pair_index.data(),
+                                                  ws.sorted_pair.data(), pairs, 0, 10, stream));
   const bool dense = blas && allow_host_sync && pairs >= dense_min_rows_per_expert * s.experts &&
                      dense_dequant_elems(s, ws.max_tokens()) > 0 &&
                      ws.gemm.dequant_elems() >= dense_dequant_elems(s, ws.max_tokens());
   const int tile = pairs / s.experts >= 8 ? 16 : 8;
   if (dense) {
-    runtime::launch_programmatic(detail::expert_offsets_kernel, dim3(unsigned((s.experts + 256) / 256)), dim3(256), 0, stream,
-                                 ws.sorted_expert.data(), pairs, s.experts, ws.expert_offsets.data());
+    runtime::launch_programmatic(detail::expert_offsets_kernel, dim3(unsigned((s.experts + 256) / 256)),
+                                 dim3(256), 0, stream, ws.sorted_expert.data(), pairs, s.experts,
+                                 ws.expert_offsets.data());
     DSV4_CUDA_CHECK_LAUNCH();
     DSV4_CUDA_CHECK(cudaMemcpyAsync(ws.expert_offsets_host.data(), ws.expert_offsets.data(),
-                                    sizeof(int) * (std::size_t(s.experts) + 1), cudaMemcpyDeviceToHost, stream));
+                                    sizeof(int) * (std::size_t(s.experts) + 1), cudaMemcpyDeviceToHost,
+                                    stream));
   } else {
-    runtime::launch_programmatic(detail::tile_list_kernel, dim3(1), dim3(max_experts), 0, stream, ws.sorted_expert.data(),
-                                 pairs, s.experts, tile, ws.tile_group.data(), ws.tile_row0.data(), ws.tile_rows.data(),
-                                 ws.tile_count.data());
+    runtime::launch_programmatic(detail::tile_list_kernel, dim3(1), dim3(max_experts), 0, stream,
+                                 ws.sorted_expert.data(), pairs, s.experts, tile, ws.tile_group.data(),
+                                 ws.tile_row0.data(), ws.tile_rows.data(), ws.tile_count.data());
     DSV4_CUDA_CHECK_LAUNCH();
   }
   runtime::launch_programmatic(detail::rows_kernel, dim3(unsigned((pairs + 255) / 256)), dim3(256), 0, stream,
@@ -458,26 +504,30 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   const gemm::weight_tile_shape up{s.inter, s.dim, gemm::weight_format::fp4_row32};
   const gemm::weight_tile_shape down{s.dim, s.inter, gemm::weight_format::fp4_row32};
   const long long pairs_bound = (long long)tokens * s.k;
-  const int max_tiles = int((pairs_bound + (tile - 1) * std::min<long long>(s.experts, pairs_bound)) / tile + 1);
-  gemm::gemm_groups groups{ws.tile_group.data(), ws.tile_row0.data(), ws.tile_rows.data(), ws.tile_count.data(),
-                           ws.row_token.data(), (long long)up.code_bytes(), (long long)up.scale_bytes()};
+  const int max_tiles =
+      int((pairs_bound + (tile - 1) * std::min<long long>(s.experts, pairs_bound)) / tile + 1);
+  gemm::gemm_groups groups{ws.tile_group.data(),       ws.tile_row0.data(), ws.tile_rows.data(),
+                           ws.tile_count.data(),       ws.row_token.data(), (long long)up.code_bytes(),
+                           (long long)up.scale_bytes()};
   const int token_tiles = tile / 8;
   if (dense) {
     DSV4_CUDA_CHECK(cudaStreamSynchronize(stream));  // the row counts, for the per-expert launches
-    detail::dense_expert_projection(ws.xq.data(), ws.xs.data(), ws.row_token.data(), pairs, s.dim, w.w1, w.w1_s, s.inter,
-                                    ws.g.data(), ws, blas, stream);
-    detail::dense_expert_projection(ws.xq.data(), ws.xs.data(), ws.row_token.data(), pairs, s.dim, w.w3, w.w3_s, s.inter,
-                                    ws.u.data(), ws, blas, stream);
+    detail::dense_expert_projection(ws.xq.data(), ws.xs.data(), ws.row_token.data(), pairs, s.dim, w.w1,
+                                    w.w1_s, s.inter, ws.g.data(), ws, blas, stream);
+    detail::dense_expert_projection(ws.xq.data(), ws.xs.data(), ws.row_token.data(), pairs, s.dim, w.w3,
+                                    w.w3_s, s.inter, ws.u.data(), ws, blas, stream);
   } else {
-    gemm::grouped_block_scaled_gemm({{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w1, w.w1_s, ws.g.data()},
-                                    groups, gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
-    gemm::grouped_block_scaled_gemm({{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w3, w.w3_s, ws.u.data()},
-                                    groups, gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
+    gemm::grouped_block_scaled_gemm(
+        {{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w1, w.w1_s, ws.g.data()}, groups,
+        gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
+    gemm::grouped_block_scaled_gemm(
+        {{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w3, w.w3_s, ws.u.data()}, groups,
+        gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
   }
   const long long act = (long long)pairs * s.inter;
-  runtime::launch_programmatic(detail::swiglu_kernel, dim3(unsigned((act + 255) / 256)), dim3(256), 0, stream, ws.g.data(),
-                               ws.u.data(), pairs, s.inter, s.swiglu_limit, ws.sel_weight.data(), ws.sorted_pair.data(),
-                               ws.h.data());
+  runtime::launch_programmatic(detail::swiglu_kernel, dim3(unsigned((act + 255) / 256)), dim3(256), 0, stream,
+                               ws.g.data(), ws.u.data(), pairs, s.inter, s.swiglu_limit, ws.sel_weight.data(),
+                               ws.sorted_pair.data(), ws.h.data());
   DSV4_CUDA_CHECK_LAUNCH();
   detail::quantize_rows(ws.h.data(), pairs, s.inter, ws.hq.data(), ws.hs.data(), stream);
   groups.a_row_index = nullptr;  // w2 reads the activations in sorted order
@@ -487,9 +537,9 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
     detail::dense_expert_projection(ws.hq.data(), ws.hs.data(), nullptr, pairs, s.inter, w.w2, w.w2_s, s.dim,
                                     ws.expert_out.data(), ws, blas, stream);
   else
-    gemm::grouped_block_scaled_gemm({{pairs, s.dim, s.inter}, ws.hq.data(), ws.hs.data(), w.w2, w.w2_s,
-                                     ws.expert_out.data()},
-                                    groups, gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
+    gemm::grouped_block_scaled_gemm(
+        {{pairs, s.dim, s.inter}, ws.hq.data(), ws.hs.data(), w.w2, w.w2_s, ws.expert_out.data()}, groups,
+        gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
   // 5. Shared expert (FP8), all tokens.
   const int m = int(tokens);
   // (block_scaled_linear: the dequantize + cuBLAS path from dequant_min_tokens tokens with a handle.)
@@ -498,16 +548,19 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   gemm::block_scaled_linear({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s3, w.s3_s, ws.su.data()},
                             gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
   const long long sact = tokens * s.inter;
-  runtime::launch_programmatic(detail::swiglu_kernel, dim3(unsigned((sact + 255) / 256)), dim3(256), 0, stream, ws.sg.data(),
-                               ws.su.data(), tokens, s.inter, s.swiglu_limit, nullptr, nullptr, ws.sh.data());
+  runtime::launch_programmatic(detail::swiglu_kernel, dim3(unsigned((sact + 255) / 256)), dim3(256), 0,
+                               stream, ws.sg.data(), ws.su.data(), tokens, s.inter, s.swiglu_limit, nullptr,
+                               nullptr, ws.sh.data());
   DSV4_CUDA_CHECK_LAUNCH();
   detail::quantize_rows(ws.sh.data(), tokens, s.inter, ws.shq.data(), ws.shs.data(), stream);
-  gemm::block_scaled_linear({{m, s.dim, s.inter}, ws.shq.data(), ws.shs.data(), w.s2, w.s2_s, ws.shared_out.data()},
-                            gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
+  gemm::block_scaled_linear(
+      {{m, s.dim, s.inter}, ws.shq.data(), ws.shs.data(), w.s2, w.s2_s, ws.shared_out.data()},
+      gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
   // 6. Combine.
   const dim3 combine_grid(unsigned(tokens), unsigned((s.dim + 127) / 128));
-  runtime::launch_programmatic(detail::combine_kernel, combine_grid, dim3(128), 0, stream, ws.expert_out.data(),
-                               ws.shared_out.data(), ws.sel_expert.data(), ws.pair_row.data(), tokens, s.k, s.dim, y);
+  runtime::launch_programmatic(detail::combine_kernel, combine_grid, dim3(128), 0, stream,
+                               ws.expert_out.data(), ws.shared_out.data(), ws.sel_expert.data(),
+                               ws.pair_row.data(), tokens, s.k, s.dim, y);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 
