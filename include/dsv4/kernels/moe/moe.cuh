@@ -19,6 +19,13 @@
 //!  6. per token: its experts' bf16 outputs added in ascending expert id into an fp32 sum that
 //!     starts at 0, then the shared expert's, one rounding (deterministic: no atomics anywhere).
 //! Works for the backbone (384 experts, top-6) and the DSpark stages (128, top-3) alike.
+//!
+//! Expert parallelism (issue 7; model.py's MoE on W ranks, parallel/tensor_parallel_reference.hpp):
+//! given an `expert_slice`, the rank runs only its experts [first, first + count) (the weights
+//! point at the first of them) and step 6 writes the fp32 sum of its experts' outputs (ascending
+//! id, from 0) instead of y; after the all-reduce of that sum over the ranks, `moe_add_shared`
+//! adds the shared expert's output with one rounding. Over all experts on one rank this is the
+//! unsliced layer bit for bit (the same sequence of additions).
 
 #include <cuda_pipeline.h>  // __pipeline_memcpy_async (cp.async)
 #include <cuda_runtime.h>   // provides cudaStream_t, uint4
@@ -84,6 +91,13 @@ struct moe_weights {
   const std::uint8_t *s2 = nullptr, *s2_s = nullptr;  //!< FP8 [dim, inter]
 };
 
+//! The experts one rank of an expert-parallel layer holds (see the file comment).
+struct expert_slice {
+  int first = 0;            //!< first expert held
+  int count = 0;            //!< experts held; 0: every expert (no slicing, y is written)
+  float* routed = nullptr;  //!< [tokens, dim] fp32 out when slicing: the rank's routed sum (y is not written)
+};
+
 //! Every intermediate of the layer for up to `max_tokens` tokens (allocated once).
 class moe_workspace {
  public:
@@ -124,6 +138,10 @@ class moe_workspace {
                                                     sorted_expert.data(), pair_index.data(),
                                                     sorted_pair.data(), int(max_tokens * s.k), 0, 10));
     sort_temp = runtime::device_buffer<unsigned char>(std::max<std::size_t>(1, bytes));
+    // An expert slice leaves the rows of other ranks' experts unwritten, yet the elementwise
+    // steps (SwiGLU, act_quant) run over every row: they read zeros (or an earlier call's values).
+    for (auto* b : {&g, &u, &h}) b->fill_bytes(0);
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets run on the legacy stream
   }
   const moe_shape& shape() const { return shape_; }
   long long max_tokens() const { return max_tokens_; }
@@ -302,13 +320,15 @@ DSV4_KERNEL void __launch_bounds__(256)
 }
 
 //! One CTA: each expert's run in the sorted pairs becomes tiles of at most `tile` rows.
+//! Only experts [first, first + count) get tiles; a tile's group is the expert's index in that
+//! range (its weights' position).
 DSV4_KERNEL void __launch_bounds__(max_experts)
-    tile_list_kernel(const int* sorted_expert, int pairs, int experts, int tile, int* tile_group,
+    tile_list_kernel(const int* sorted_expert, int pairs, int first, int count, int tile, int* tile_group,
                      int* tile_row0, int* tile_rows, int* tile_count) {
   runtime::start_after_previous_grid();
   using scan = cub::BlockScan<int, max_experts>;
   __shared__ typename scan::TempStorage temp;
-  const int e = threadIdx.x;
+  const int local = threadIdx.x, e = first + local;
   auto lower_bound = [&](int key) {
     int lo = 0, hi = pairs;
     while (lo < hi) {
@@ -320,14 +340,14 @@ DSV4_KERNEL void __launch_bounds__(max_experts)
     }
     return lo;
   };
-  const int begin = e < experts ? lower_bound(e) : 0, end = e < experts ? lower_bound(e + 1) : 0;
+  const int begin = local < count ? lower_bound(e) : 0, end = local < count ? lower_bound(e + 1) : 0;
   const int tiles = (end - begin + tile - 1) / tile;
-  int first = 0, total = 0;
-  scan(temp).ExclusiveSum(tiles, first, total);
+  int at = 0, total = 0;
+  scan(temp).ExclusiveSum(tiles, at, total);
   for (int i = 0; i < tiles; ++i) {
-    tile_group[first + i] = e;
-    tile_row0[first + i] = begin + i * tile;
-    tile_rows[first + i] = min(tile, end - begin - i * tile);
+    tile_group[at + i] = local;
+    tile_row0[at + i] = begin + i * tile;
+    tile_rows[at + i] = min(tile, end - begin - i * tile);
   }
   if (threadIdx.x == 0) *tile_count = total;
 }
@@ -360,8 +380,11 @@ DSV4_KERNEL void swiglu_kernel(const bf16* g, const bf16* u, long long rows, int
 //! Grid (tokens, channel blocks): each thread one channel of one token, so that a decode step's
 //! few tokens still spread over the SMs (one CTA per token walked 4,096+ channels serially: 41 us
 //! a layer at batch 1). The sum per channel is the same sequence of additions either way.
+//! With an expert slice ([first, first + count), `routed` non-null): only those experts, the fp32
+//! sum written to `routed`, no shared output, y untouched.
 DSV4_KERNEL void combine_kernel(const bf16* expert_out, const bf16* shared_out, const int* sel_expert,
-                                const int* pair_row, long long tokens, int k, int dim, bf16* y) {
+                                const int* pair_row, long long tokens, int k, int dim, int first, int count,
+                                float* routed, bf16* y) {
   runtime::start_after_previous_grid();
   const long long t = blockIdx.x;
   const int d = int(blockIdx.y) * int(blockDim.x) + int(threadIdx.x);
@@ -374,10 +397,24 @@ DSV4_KERNEL void combine_kernel(const bf16* expert_out, const bf16* shared_out, 
       order[b] = order[b - 1], order[b - 1] = tmp;
     }
   float acc = 0.0f;
-  for (int j = 0; j < k; ++j)
+  for (int j = 0; j < k; ++j) {
+    const int e = sel_expert[t * k + order[j]];
+    if (e < first || e >= first + count) continue;
     acc = __fadd_rn(acc, expert_out[(long long)pair_row[t * k + order[j]] * dim + d].to_float());
+  }
+  if (routed) {
+    routed[t * dim + d] = acc;
+    return;
+  }
   acc = __fadd_rn(acc, shared_out[t * dim + d].to_float());
   y[t * dim + d] = bf16::from_float(acc);
+}
+
+//! y = bf16(routed + shared_out): an expert-parallel layer's last step, after the all-reduce.
+DSV4_KERNEL void add_shared_kernel(const float* routed, const bf16* shared_out, long long n, bf16* y) {
+  runtime::start_after_previous_grid();
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = bf16::from_float(__fadd_rn(routed[i], shared_out[i].to_float()));
 }
 
 inline void quantize_rows(const bf16* x, long long rows, int channels, std::uint8_t* codes,
@@ -410,8 +447,9 @@ DSV4_KERNEL void expert_offsets_kernel(const int* sorted_expert, int pairs, int 
 //! summation order differs from the block-wise reference, as in gemm::dequant_gemm). Needs
 //! ws.expert_offsets_host filled.
 inline void dense_expert_projection(const std::uint8_t* a, const std::uint8_t* a_s, const int* row_index,
-                                    int pairs, int k, const std::uint8_t* w, const std::uint8_t* w_s, int n,
-                                    bf16* out, moe_workspace& ws, cublasHandle_t blas, cudaStream_t stream) {
+                                    int k, const std::uint8_t* w, const std::uint8_t* w_s, int n, bf16* out,
+                                    int first, int count, moe_workspace& ws, cublasHandle_t blas,
+                                    cudaStream_t stream) {
   const moe_shape& s = ws.shape();
   const gemm::weight_tile_shape shape{n, k, gemm::weight_format::fp4_row32};
   const long long window = ws.max_tokens();
@@ -420,14 +458,17 @@ inline void dense_expert_projection(const std::uint8_t* a, const std::uint8_t* a
   bf16* w16 = a16 + std::size_t(window) * wide;
   const int* offsets = ws.expert_offsets_host.data();
   const gemm::detail::blas_call call(blas, stream, gemm::detail::bf16_math);
-  for (long long r0 = 0; r0 < pairs; r0 += window) {
-    const long long r1 = std::min<long long>(pairs, r0 + window);
+  // Only the windows that hold the slice's rows (a contiguous run: the rows are sorted by
+  // expert), cut where an unsliced call cuts them, so each expert's GEMMs are the same calls.
+  for (long long r0 = offsets[first] / window * window; r0 < offsets[first + count]; r0 += window) {
+    const long long r1 = std::min<long long>(offsets[first + count], r0 + window);
     gemm::detail::dequantize_activation_rows(a, a_s, row_index, r0, r1 - r0, k, a16, stream);
-    for (int e = 0; e < s.experts; ++e) {
+    for (int e = first; e < first + count; ++e) {
       const long long b = std::max<long long>(r0, offsets[e]), end = std::min<long long>(r1, offsets[e + 1]);
       if (b >= end) continue;
-      gemm::detail::dequantize_weight(gemm::weight_format::fp4_row32, w + e * (long long)shape.code_bytes(),
-                                      w_s + e * (long long)shape.scale_bytes(), n, k, w16, stream);
+      gemm::detail::dequantize_weight(gemm::weight_format::fp4_row32,
+                                      w + (e - first) * (long long)shape.code_bytes(),
+                                      w_s + (e - first) * (long long)shape.scale_bytes(), n, k, w16, stream);
       gemm::detail::bf16_gemm_nt(blas, a16 + std::size_t(b - r0) * k, w16, out + std::size_t(b) * n,
                                  int(end - b), n, k, "moe_forward: expert GEMM (cublasGemmEx)");
     }
@@ -443,10 +484,12 @@ inline void dense_expert_projection(const std::uint8_t* a, const std::uint8_t* a
 //! (dense_min_rows_per_expert, see dense_expert_projection), which copies the per-expert row
 //! counts to the host and waits for them: such a call synchronizes its stream once and cannot be
 //! captured in a CUDA graph. Decode steps pass allow_host_sync = false (device_model does).
-//! Throws dsv4::error on bad shapes.
+//! With a `slice` (expert parallelism, file comment) the routed sum goes to slice.routed and y
+//! may be null. Throws dsv4::error on bad shapes.
 inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_image, const moe_weights& w,
                         bf16* y, moe_workspace& ws, cudaStream_t stream = nullptr,
-                        cublasHandle_t blas = nullptr, bool allow_host_sync = true) {
+                        cublasHandle_t blas = nullptr, bool allow_host_sync = true,
+                        const expert_slice& slice = {}) {
   const moe_shape& s = ws.shape();
   const std::string where = "moe_forward (tokens " + std::to_string(tokens) + "): ";
   if (tokens < 0 || tokens > ws.max_tokens())
@@ -454,8 +497,14 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   if (s.experts < 1 || s.experts > max_experts || s.k < 1 || s.k > 16 || s.k > s.experts)
     throw error(where + "need 1 <= k <= min(16, experts) and experts <= 512");
   if (s.dim % 32 || s.inter % 32) throw error(where + "dim and inter must be multiples of 32");
-  if (!x || !y || !w.gate || !w.bias || !w.w1 || !w.w3 || !w.w2 || !w.s1 || !w.s3 || !w.s2 || !w.w1_s ||
-      !w.w3_s || !w.w2_s || !w.s1_s || !w.s3_s || !w.s2_s)
+  if (slice.count < 0 || slice.first < 0 ||
+      (slice.count > 0 && (slice.first + slice.count > s.experts || !slice.routed)))
+    throw error(where + "the expert slice [" + std::to_string(slice.first) + ", " +
+                std::to_string(slice.first + slice.count) + ") must lie within the layer's " +
+                std::to_string(s.experts) + " experts and name an fp32 output for its routed sum");
+  const int first = slice.count ? slice.first : 0, count = slice.count ? slice.count : s.experts;
+  if (!x || (!y && !slice.routed) || !w.gate || !w.bias || !w.w1 || !w.w3 || !w.w2 || !w.s1 || !w.s3 ||
+      !w.s2 || !w.w1_s || !w.w3_s || !w.w2_s || !w.s1_s || !w.s3_s || !w.s2_s)
     throw error(where + "null input, output, weight or weight scale");
   if (is_image && !w.bias_vl) throw error(where + "image tokens are flagged but the layer has no bias_vl");
   auto misaligned = [](const void* p, std::size_t a) { return reinterpret_cast<std::uintptr_t>(p) % a != 0; };
@@ -492,7 +541,7 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
                                     stream));
   } else {
     runtime::launch_programmatic(detail::tile_list_kernel, dim3(1), dim3(max_experts), 0, stream,
-                                 ws.sorted_expert.data(), pairs, s.experts, tile, ws.tile_group.data(),
+                                 ws.sorted_expert.data(), pairs, first, count, tile, ws.tile_group.data(),
                                  ws.tile_row0.data(), ws.tile_rows.data(), ws.tile_count.data());
     DSV4_CUDA_CHECK_LAUNCH();
   }
@@ -512,10 +561,10 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   const int token_tiles = tile / 8;
   if (dense) {
     DSV4_CUDA_CHECK(cudaStreamSynchronize(stream));  // the row counts, for the per-expert launches
-    detail::dense_expert_projection(ws.xq.data(), ws.xs.data(), ws.row_token.data(), pairs, s.dim, w.w1,
-                                    w.w1_s, s.inter, ws.g.data(), ws, blas, stream);
-    detail::dense_expert_projection(ws.xq.data(), ws.xs.data(), ws.row_token.data(), pairs, s.dim, w.w3,
-                                    w.w3_s, s.inter, ws.u.data(), ws, blas, stream);
+    detail::dense_expert_projection(ws.xq.data(), ws.xs.data(), ws.row_token.data(), s.dim, w.w1, w.w1_s,
+                                    s.inter, ws.g.data(), first, count, ws, blas, stream);
+    detail::dense_expert_projection(ws.xq.data(), ws.xs.data(), ws.row_token.data(), s.dim, w.w3, w.w3_s,
+                                    s.inter, ws.u.data(), first, count, ws, blas, stream);
   } else {
     gemm::grouped_block_scaled_gemm(
         {{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w1, w.w1_s, ws.g.data()}, groups,
@@ -534,8 +583,8 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   groups.w_group_bytes = (long long)down.code_bytes();
   groups.ws_group_bytes = (long long)down.scale_bytes();
   if (dense)
-    detail::dense_expert_projection(ws.hq.data(), ws.hs.data(), nullptr, pairs, s.inter, w.w2, w.w2_s, s.dim,
-                                    ws.expert_out.data(), ws, blas, stream);
+    detail::dense_expert_projection(ws.hq.data(), ws.hs.data(), nullptr, s.inter, w.w2, w.w2_s, s.dim,
+                                    ws.expert_out.data(), first, count, ws, blas, stream);
   else
     gemm::grouped_block_scaled_gemm(
         {{pairs, s.dim, s.inter}, ws.hq.data(), ws.hs.data(), w.w2, w.w2_s, ws.expert_out.data()}, groups,
@@ -560,7 +609,23 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   const dim3 combine_grid(unsigned(tokens), unsigned((s.dim + 127) / 128));
   runtime::launch_programmatic(detail::combine_kernel, combine_grid, dim3(128), 0, stream,
                                ws.expert_out.data(), ws.shared_out.data(), ws.sel_expert.data(),
-                               ws.pair_row.data(), tokens, s.k, s.dim, y);
+                               ws.pair_row.data(), tokens, s.k, s.dim, first, count, slice.routed, y);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+
+//! The last step of an expert-parallel layer: y = bf16(routed + shared), `routed` [tokens, dim]
+//! the all-reduced sum of the ranks' routed sums and the shared expert's output the one the same
+//! rank's moe_forward left in `ws` (replicated: every rank computes it).
+inline void moe_add_shared(const float* routed, long long tokens, moe_workspace& ws, bf16* y,
+                           cudaStream_t stream = nullptr) {
+  if (tokens < 0 || tokens > ws.max_tokens())
+    throw error("moe_add_shared: " + std::to_string(tokens) + " tokens, the workspace holds " +
+                std::to_string(ws.max_tokens()));
+  if (!routed || !y) throw error("moe_add_shared: null routed sum or output");
+  const long long n = tokens * ws.shape().dim;
+  if (n == 0) return;
+  runtime::launch_programmatic(detail::add_shared_kernel, dim3(unsigned((n + 255) / 256)), dim3(256), 0,
+                               stream, routed, static_cast<const bf16*>(ws.shared_out.data()), n, y);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 
