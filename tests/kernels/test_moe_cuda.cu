@@ -274,6 +274,7 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
   moe::moe_shape shape{c.experts, c.k, c.dim, c.inter};
   moe::moe_workspace ws(shape, c.tokens + 3);  // room for more tokens than this call has
   ws.sel_expert.fill_bytes(0xFF);  // the rows past this call's tokens are downloaded below, unused
+  ws.pair_row.fill_bytes(0xFF);  // likewise (check_expert_slices downloads it whole)
   ws.expert_out.fill_bytes(0xFF);  // NaN: a combine that read a row no expert wrote would show
   dy.fill_bytes(0xFF);
   cublasHandle_t blas = nullptr;
