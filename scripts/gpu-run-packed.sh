@@ -20,6 +20,11 @@ if [ ! -d "$data" ]; then
   root=$(dirname "$(dirname "$data")")
   mkdir -p "$(dirname "$root")" && ln -sfn "$repo" "$root"
 fi
+# test_nccl_cuda needs libnccl.so.2: the loader's cache, else the copy PyTorch's wheels carry.
+if ! ldconfig -p 2>/dev/null | grep -q 'libnccl.so.2 '; then
+  nccl_lib=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null) &&
+    export LD_LIBRARY_PATH="$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 bin=$(mktemp -d)
 tar -xJf "$pack/bins.tar.xz" -C "$bin"
 cd "$bin"

@@ -40,6 +40,7 @@ struct moe_case {
   bool cublas = false;      // moe_forward gets a cuBLAS handle: the prefill path must be taken
   bool host_sync = true;    // ... unless this is false (a decode step's call)
   int ranks = 0;            // also run the layer as this many expert-parallel ranks (expert_slice)
+  bool want_empty_rank = false;  // ... and one of them must get no rows
 };
 
 //! How many SwiGLU inputs of one expert on one token the clamps change: g > limit, |u| > limit.
@@ -98,6 +99,9 @@ struct tiled_experts {
   }
 };
 
+device_buffer<std::uint8_t> up_bytes(const std::vector<std::uint8_t>& v) {
+  return device_buffer<std::uint8_t>{std::span<const std::uint8_t>(v)};
+}
 device_buffer<std::uint8_t> up(const std::vector<std::uint8_t>& v) {
   return device_buffer<std::uint8_t>{std::span<const std::uint8_t>(v)};
 }
@@ -107,47 +111,58 @@ bool same_or_both_nan(float a, float b) {
 }
 
 //! Expert parallelism, after an unsliced moe_forward into `dy` (its intermediates still in ws):
-//! the layer as c.ranks ranks, each holding experts [r n / W, (r + 1) n / W). Each rank's routed
-//! sum must be, bit for bit, its experts' outputs of the unsliced call (the same GEMMs) added in
-//! ascending id into fp32 from 0; moe_add_shared of the rank-order total must be bf16(total +
-//! shared), and with one rank the unsliced output itself.
-void check_expert_slices(const moe_case& c, const bf16* dx, const std::uint8_t* dimg,
-                         const moe::moe_weights& w, moe::moe_workspace& ws, const device_buffer<bf16>& dy,
+//! the layer as c.ranks ranks, rank r holding experts [r n / W, (r + 1) n / W) (uneven when W does
+//! not divide n; a rank may get no rows). Each rank runs on a fresh workspace with its outputs
+//! poisoned and only its own experts' weights uploaded (a tile outside its slice would read past
+//! them: memcheck). Its routed sum must be, bit for bit, its experts' outputs of the unsliced
+//! call (the same GEMMs) added in ascending id into fp32 from 0; moe_add_shared of the rank-order
+//! total must be bf16(total + shared), and with one rank the unsliced output itself.
+void check_expert_slices(const moe_case& c, const bf16* dx, const std::uint8_t* dimg, const moe::moe_weights& w,
+                         const tiled_experts& tiled, moe::moe_workspace& ws, const device_buffer<bf16>& dy,
                          cublasHandle_t blas) {
   const auto full_out = ws.expert_out.download(), shared_out = ws.shared_out.download();
   const auto full_sel = ws.sel_expert.download();
   const auto full_row = ws.pair_row.download();
   const auto y_full = dy.download();
   const std::size_t n = std::size_t(c.tokens) * c.dim;
-  const int per = c.experts / c.ranks;
-  BOOST_REQUIRE(per * c.ranks == c.experts);
   const gemm::weight_tile_shape up{c.inter, c.dim, gemm::weight_format::fp4_row32};
   const gemm::weight_tile_shape down{c.dim, c.inter, gemm::weight_format::fp4_row32};
+  auto part = [](const std::vector<std::uint8_t>& v, std::size_t per_expert, int e0, int count) {
+    return up_bytes(std::vector<std::uint8_t>(v.begin() + std::ptrdiff_t(per_expert * e0),
+                                              v.begin() + std::ptrdiff_t(per_expert * (e0 + count))));
+  };
   device_buffer<float> routed(n);
   std::vector<float> total(n, 0.0f);
+  int empty_ranks = 0;
   for (int r = 0; r < c.ranks; ++r) {
+    const int e0 = int((long long)r * c.experts / c.ranks), count = int((long long)(r + 1) * c.experts / c.ranks) - e0;
+    const auto w1 = part(tiled.w1, up.code_bytes(), e0, count), w1s = part(tiled.w1_s, up.scale_bytes(), e0, count),
+               w3 = part(tiled.w3, up.code_bytes(), e0, count), w3s = part(tiled.w3_s, up.scale_bytes(), e0, count),
+               w2 = part(tiled.w2, down.code_bytes(), e0, count), w2s = part(tiled.w2_s, down.scale_bytes(), e0, count);
     moe::moe_weights wr = w;
-    const long long e0 = (long long)r * per;
-    wr.w1 += e0 * up.code_bytes(), wr.w1_s += e0 * up.scale_bytes();
-    wr.w3 += e0 * up.code_bytes(), wr.w3_s += e0 * up.scale_bytes();
-    wr.w2 += e0 * down.code_bytes(), wr.w2_s += e0 * down.scale_bytes();
-    routed.fill_bytes(0xFF);  // NaN: every routed sum must be written
-    moe::moe_forward(dx, c.tokens, dimg, wr, nullptr, ws, nullptr, blas, c.host_sync,
-                     {int(e0), per, routed.data()});
+    wr.w1 = w1.data(), wr.w1_s = w1s.data(), wr.w3 = w3.data(), wr.w3_s = w3s.data(), wr.w2 = w2.data(), wr.w2_s = w2s.data();
+    moe::moe_workspace rank_ws(ws.shape(), ws.max_tokens());
+    rank_ws.expert_out.fill_bytes(0xFF);  // NaN: a row the rank should not read
+    routed.fill_bytes(0xFF);             // NaN: every routed sum must be written
+    moe::moe_forward(dx, c.tokens, dimg, wr, nullptr, rank_ws, nullptr, blas, c.host_sync, {e0, count, routed.data()});
     DSV4_CUDA_CHECK(cudaDeviceSynchronize());
     const auto got = routed.download();
-    std::size_t differ = 0;
+    std::size_t differ = 0, rows = 0;
     for (long long t = 0; t < c.tokens; ++t) {
       std::vector<int> slots(std::size_t(c.k));
       for (int j = 0; j < c.k; ++j) slots[std::size_t(j)] = j;
       std::stable_sort(slots.begin(), slots.end(), [&](int a, int b) {
         return full_sel[std::size_t(t * c.k + a)] < full_sel[std::size_t(t * c.k + b)];
       });
+      for (int j : slots) {
+        const int e = full_sel[std::size_t(t * c.k + j)];
+        rows += e >= e0 && e < e0 + count;
+      }
       for (int d = 0; d < c.dim; ++d) {
         float acc = 0.0f;
         for (int j : slots) {
           const int e = full_sel[std::size_t(t * c.k + j)];
-          if (e >= e0 && e < e0 + per)
+          if (e >= e0 && e < e0 + count)
             acc += full_out[std::size_t(full_row[std::size_t(t * c.k + j)]) * c.dim + d].to_float();
         }
         const std::size_t i = std::size_t(t) * c.dim + d;
@@ -155,8 +170,9 @@ void check_expert_slices(const moe_case& c, const bf16* dx, const std::uint8_t* 
         total[i] += got[i];  // the all-reduce, simulated in rank order
       }
     }
-    BOOST_TEST(differ == 0u, "rank " << r << " of " << c.ranks << ": " << differ
-                                     << " routed sums differ from its experts' outputs");
+    empty_ranks += rows == 0;
+    BOOST_TEST(differ == 0u, "rank " << r << " of " << c.ranks << " (experts " << e0 << " .. " << e0 + count - 1 << ", "
+                                     << rows << " rows): " << differ << " routed sums differ from its experts' outputs");
   }
   device_buffer<float> dtotal{std::span<const float>(total)};
   device_buffer<bf16> y_tp(n);
@@ -166,16 +182,15 @@ void check_expert_slices(const moe_case& c, const bf16* dx, const std::uint8_t* 
   const auto got_y = y_tp.download();
   std::size_t differ = 0, differ_full = 0;
   for (std::size_t i = 0; i < n; ++i) {
-    differ += !same_or_both_nan(got_y[i].to_float(),
-                                bf16::from_float(total[i] + shared_out[i].to_float()).to_float());
+    differ += !same_or_both_nan(got_y[i].to_float(), bf16::from_float(total[i] + shared_out[i].to_float()).to_float());
     differ_full += !same_or_both_nan(got_y[i].to_float(), y_full[i].to_float());
   }
-  BOOST_TEST_MESSAGE("moe experts " << c.experts << " on " << c.ranks
-                                    << " expert-parallel ranks: " << n - differ_full << " of " << n
+  BOOST_TEST_MESSAGE("moe experts " << c.experts << " on " << c.ranks << " expert-parallel ranks (" << empty_ranks
+                                    << " without rows): " << n - differ_full << " of " << n
                                     << " outputs bit-equal to the unsliced layer");
   BOOST_TEST(differ == 0u, differ << " outputs differ from bf16(routed total + shared)");
-  if (c.ranks == 1)
-    BOOST_TEST(differ_full == 0u, "one rank: " << differ_full << " outputs differ from the unsliced layer");
+  if (c.ranks == 1) BOOST_TEST(differ_full == 0u, "one rank: " << differ_full << " outputs differ from the unsliced layer");
+  if (c.want_empty_rank) BOOST_TEST(empty_ranks > 0, "no rank went without rows: the case does not test that");
 }
 
 void check_moe(const moe_case& c, std::uint64_t salt) {
@@ -286,7 +301,7 @@ void check_moe(const moe_case& c, std::uint64_t salt) {
   moe::moe_forward(dx.data(), c.tokens, c.images ? dimg.data() : nullptr, w, dy.data(), ws, nullptr, blas,
                    c.host_sync);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-  if (c.ranks > 0) check_expert_slices(c, dx.data(), c.images ? dimg.data() : nullptr, w, ws, dy, blas);
+  if (c.ranks > 0) check_expert_slices(c, dx.data(), c.images ? dimg.data() : nullptr, w, tiled, ws, dy, blas);
   if (blas) cublasDestroy(blas);
   const long long offsets_end = ws.expert_offsets_host.data()[c.experts];
   const bool want_prefill_path = c.cublas && c.host_sync;
@@ -510,6 +525,8 @@ BOOST_AUTO_TEST_CASE(bad_shapes_are_errors, *utf::label("gpu") * utf::preconditi
   BOOST_CHECK_THROW(
       moe::moe_forward(x.data(), 2, nullptr, w, y.data(), ws, nullptr, nullptr, true, {0, 4, nullptr}),
       dsv4::error);
+  BOOST_CHECK_THROW(moe::moe_forward(x.data(), 2, nullptr, w, y.data(), ws, nullptr, nullptr, true, {0, 0, routed.data()}),
+                    dsv4::error);  // count 0 (no slice) with an output
   BOOST_CHECK_THROW(moe::moe_add_shared(routed.data(), 5, ws, y.data()), dsv4::error);
 }
 
@@ -523,6 +540,9 @@ BOOST_AUTO_TEST_CASE(expert_slices_sum_to_the_layer,
   check_moe({.experts = 128, .k = 3, .dim = 256, .inter = 64, .tokens = 12, .images = true, .ranks = 2}, 23);
   check_moe({.experts = 16, .k = 3, .dim = 256, .inter = 64, .tokens = 20, .nan_gate_row = 5, .ranks = 2},
             24);
+  // Uneven slices (16 experts on 5 ranks: 3, 3, 3, 3, 4), and ranks without rows (one token).
+  check_moe({.experts = 16, .k = 3, .dim = 256, .inter = 64, .tokens = 20, .favourite = 5, .ranks = 5}, 27);
+  check_moe({.experts = 128, .k = 3, .dim = 512, .inter = 128, .tokens = 1, .ranks = 8, .want_empty_rank = true}, 28);
   // The prefill path: per-expert cuBLAS GEMMs in windows that cut through the slices.
   check_moe({.experts = 8, .k = 2, .dim = 256, .inter = 128, .tokens = 600, .cublas = true, .ranks = 2}, 25);
   check_moe({.experts = 8, .k = 2, .dim = 256, .inter = 128, .tokens = 600, .cublas = true, .ranks = 8}, 26);

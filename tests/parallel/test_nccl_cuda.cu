@@ -42,8 +42,8 @@ struct has_cuda_devices {
 };
 
 //! Runs fn(rank) on one thread per rank with that rank's device current; rethrows the first
-//! failure after every thread has ended. (A rank that throws before a collective leaves the
-//! others waiting in NCCL: the tests check their inputs before the first collective.)
+//! failure after every thread has ended. A rank that throws aborts the world, so that the others
+//! return from the collective they wait in instead of hanging.
 template <class Fn>
 void for_each_rank(const parallel::nccl_world& world, Fn fn) {
   std::vector<std::thread> threads;
@@ -55,8 +55,11 @@ void for_each_rank(const parallel::nccl_world& world, Fn fn) {
         DSV4_CUDA_CHECK(cudaSetDevice(world.device(r)));
         fn(r);
       } catch (...) {
-        std::lock_guard lock(m);
-        if (!failure) failure = std::current_exception();
+        {
+          std::lock_guard lock(m);
+          if (!failure) failure = std::current_exception();
+        }
+        world.abort();
       }
     });
   for (auto& t : threads) t.join();
@@ -254,6 +257,47 @@ void check_row_parallel_linear(const parallel::nccl_world& world, int m, int n, 
   }
 }
 
+// One thread driving every rank: collectives grouped (nccl_group), each on its rank's device
+// whatever device is current; all_reduce_partials refuses to run inside a group.
+void check_one_thread(const parallel::nccl_world& world) {
+  const int W = world.size();
+  const std::size_t n = 4099;
+  auto rng = test::make_rng(300 + W);
+  std::vector<std::vector<float>> v(W);
+  std::vector<float> want(n, 0.0f);
+  for (int r = 0; r < W; ++r) {
+    v[r] = random_floats(n, rng);
+    for (std::size_t i = 0; i < n; ++i) want[i] = r == 0 ? v[r][i] : want[i] + v[r][i];
+  }
+  std::vector<device_buffer<float>> bufs;
+  std::vector<cudaStream_t> streams(W);
+  for (int r = 0; r < W; ++r) {
+    DSV4_CUDA_CHECK(cudaSetDevice(world.device(r)));
+    bufs.emplace_back(std::span<const float>(v[r]));
+    DSV4_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
+  }
+  DSV4_CUDA_CHECK(cudaSetDevice(world.device(0)));
+  {
+    parallel::nccl_group group;
+    device_buffer<bf16> dummy(1);
+    BOOST_CHECK_THROW(
+        world.rank(0).all_reduce_partials(dummy.data(), bufs[0].data(), dummy.data(), 1, streams[0]), error);
+    for (int r = 0; r < W; ++r) world.rank(r).all_reduce_sum(bufs[r].data(), n, streams[r]);
+    group.end();
+  }
+  for (int r = 0; r < W; ++r) {
+    DSV4_CUDA_CHECK(cudaSetDevice(world.device(r)));
+    DSV4_CUDA_CHECK(cudaStreamSynchronize(streams[r]));
+    DSV4_CUDA_CHECK(cudaStreamDestroy(streams[r]));
+    const auto got = bufs[r].download();
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < n; ++i)
+      bad += W <= 2 ? got[i] != want[i] : !(std::fabs(got[i] - want[i]) <= 1e-5f * (1 + std::fabs(want[i])));
+    BOOST_TEST(bad == 0u, "one thread, rank " << r << ": " << bad << " sums differ");
+  }
+  DSV4_CUDA_CHECK(cudaSetDevice(world.device(0)));
+}
+
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(nccl_cuda)
@@ -262,6 +306,7 @@ BOOST_AUTO_TEST_CASE(world_of_one, *utf::label("gpu") * utf::precondition(test::
   const auto world = parallel::nccl_world::first(1);
   check_collectives(world);
   check_row_parallel_linear(world, 3, 160, 1024);
+  check_one_thread(world);
 }
 
 BOOST_AUTO_TEST_CASE(bad_worlds_are_refused,
@@ -273,6 +318,7 @@ BOOST_AUTO_TEST_CASE(bad_worlds_are_refused,
   const auto world = parallel::nccl_world::first(1);
   BOOST_CHECK_THROW((void)world.rank(1), error);
   BOOST_CHECK_THROW(world.rank(0).all_reduce_sum(static_cast<float*>(nullptr), 4, nullptr), error);
+  BOOST_CHECK_THROW((void)world.device(1), error);
 }
 
 BOOST_AUTO_TEST_CASE(every_gpu_multigpu, *utf::label("multigpu") * utf::precondition(has_cuda_devices{2})) {
@@ -280,8 +326,11 @@ BOOST_AUTO_TEST_CASE(every_gpu_multigpu, *utf::label("multigpu") * utf::precondi
   check_collectives(world);
   // wo_b's shape with a few tokens (5120 x 8192 would do too; smaller keeps the host reference quick).
   check_row_parallel_linear(world, 5, 640, 2048);
+  check_one_thread(world);
   // Two of the GPUs, in reverse order: rank 0 on device 1.
-  check_collectives(parallel::nccl_world(std::vector<int>{1, 0}));
+  const parallel::nccl_world reversed(std::vector<int>{1, 0});
+  check_collectives(reversed);
+  check_one_thread(reversed);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,6 +46,27 @@ inline void nccl_check(ncclResult_t r, const std::string& what) {
 }
 
 namespace nccl_detail {
+//! Open nccl_group scopes on this thread: inside one, NCCL defers the collectives to the group's
+//! end, so a call that launches its own kernels around a collective would run them too early.
+inline int& group_depth() {
+  thread_local int depth = 0;
+  return depth;
+}
+//! Makes `device` current for a scope (a thread may drive several ranks) and restores the
+//! previous one.
+class device_scope {
+ public:
+  explicit device_scope(int device) {
+    DSV4_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) DSV4_CUDA_CHECK(cudaSetDevice(device));
+  }
+  device_scope(const device_scope&) = delete;
+  device_scope& operator=(const device_scope&) = delete;
+  ~device_scope() { (void)cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
 DSV4_KERNEL void widen_kernel(const numerics::bf16* x, float* y, std::size_t n) {
   runtime::start_after_previous_grid();
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
@@ -64,7 +86,9 @@ inline dim3 elementwise_grid(std::size_t n) {
 
 //! One rank's communicator: what a rank's thread calls. Every call is collective: all ranks make
 //! the same calls in the same order with the same element counts, each on its own stream. The
-//! calls are asynchronous on `stream` (NCCL's kernels and ours), like any kernel launch.
+//! calls are asynchronous on `stream` (NCCL's kernels and ours), like any kernel launch, and run
+//! on the rank's device whatever device the calling thread has current. A view: the nccl_world
+//! it came from must outlive it.
 class nccl_rank {
  public:
   nccl_rank(ncclComm_t comm, int rank, int size, int device)
@@ -77,12 +101,14 @@ class nccl_rank {
   //! v <- the sum over ranks of v (in place), fp32.
   void all_reduce_sum(float* v, std::size_t n, cudaStream_t stream) const {
     check_pointer(v, n, "all_reduce_sum (fp32)");
+    const nccl_detail::device_scope on(device_);
     nccl_check(ncclAllReduce(v, v, n, ncclFloat32, ncclSum, comm_, stream),
                where("all_reduce_sum (fp32)", n));
   }
   //! v <- the sum over ranks of v (in place), bf16: each addition rounds to bf16.
   void all_reduce_sum(numerics::bf16* v, std::size_t n, cudaStream_t stream) const {
     check_pointer(v, n, "all_reduce_sum (bf16)");
+    const nccl_detail::device_scope on(device_);
     nccl_check(ncclAllReduce(v, v, n, ncclBfloat16, ncclSum, comm_, stream),
                where("all_reduce_sum (bf16)", n));
   }
@@ -90,16 +116,23 @@ class nccl_rank {
   void all_gather(const float* part, std::size_t n, float* out, cudaStream_t stream) const {
     check_pointer(part, n, "all_gather (part)");
     check_pointer(out, n, "all_gather (out)");
+    const nccl_detail::device_scope on(device_);
     nccl_check(ncclAllGather(part, out, n, ncclFloat32, comm_, stream), where("all_gather", n));
   }
   //! model.py's sum after a row-parallel layer: out <- bf16(sum over ranks of fp32(partial)),
-  //! through `scratch` [n] floats on this rank's device. `out` may be `partial`.
+  //! through `scratch` [n] floats on this rank's device. `out` may be `partial`. Not inside an
+  //! nccl_group (it throws there): it launches kernels before and after its collective.
   void all_reduce_partials(const numerics::bf16* partial, float* scratch, numerics::bf16* out, std::size_t n,
                            cudaStream_t stream) const {
     check_pointer(partial, n, "all_reduce_partials (partial)");
     check_pointer(scratch, n, "all_reduce_partials (scratch)");
     check_pointer(out, n, "all_reduce_partials (out)");
+    if (nccl_detail::group_depth() > 0)
+      throw error("nccl_rank::all_reduce_partials on rank " + std::to_string(rank_) +
+                  " inside an nccl_group: its kernels would run before the deferred all-reduce; call it "
+                  "from the rank's own thread, outside the group");
     if (n == 0) return;
+    const nccl_detail::device_scope on(device_);
     runtime::launch_programmatic(nccl_detail::widen_kernel, nccl_detail::elementwise_grid(n), dim3(256), 0,
                                  stream, partial, scratch, n);
     DSV4_CUDA_CHECK_LAUNCH();
@@ -137,7 +170,9 @@ class nccl_world {
       if (std::count(devices_.begin(), devices_.end(), d) > 1)
         throw error("nccl_world: device " + std::to_string(d) + " is listed twice (one rank per device)");
     }
-    setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);  // see the file comment
+    // See the file comment. setenv changes the process's environment: create worlds before
+    // starting threads that read it.
+    setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
     comms_.resize(devices_.size());
     nccl_check(ncclCommInitAll(comms_.data(), int(devices_.size()), devices_.data()),
                "ncclCommInitAll over " + std::to_string(devices_.size()) + " devices");
@@ -148,18 +183,34 @@ class nccl_world {
     for (int i = 0; i < n; ++i) d[std::size_t(i)] = i;
     return nccl_world(std::move(d));
   }
-  nccl_world(nccl_world&& o) noexcept : devices_(std::move(o.devices_)), comms_(std::move(o.comms_)) {
+  nccl_world(nccl_world&& o) noexcept
+      : devices_(std::move(o.devices_)), comms_(std::move(o.comms_)), aborted_(o.aborted_) {
     o.comms_.clear();
   }
   nccl_world(const nccl_world&) = delete;
   nccl_world& operator=(const nccl_world&) = delete;
   nccl_world& operator=(nccl_world&&) = delete;
   ~nccl_world() {
-    for (auto c : comms_) ncclCommDestroy(c);
+    if (!aborted_)  // an aborted communicator is already freed
+      for (auto c : comms_) ncclCommDestroy(c);
+  }
+
+  //! Aborts every communicator: the collectives other ranks' threads wait in return (with an
+  //! error) instead of waiting forever for a rank that failed. The world is unusable afterwards.
+  //! Safe to call from any thread, once or more.
+  void abort() const {
+    std::call_once(abort_once_, [this] {
+      aborted_ = true;
+      for (auto c : comms_) (void)ncclCommAbort(c);
+    });
   }
 
   int size() const { return int(devices_.size()); }
-  int device(int rank) const { return devices_.at(std::size_t(rank)); }
+  int device(int rank) const {
+    if (rank < 0 || rank >= size())
+      throw error("nccl_world: rank " + std::to_string(rank) + " of " + std::to_string(size()));
+    return devices_[std::size_t(rank)];
+  }
   nccl_rank rank(int r) const {
     if (r < 0 || r >= size())
       throw error("nccl_world: rank " + std::to_string(r) + " of " + std::to_string(size()));
@@ -169,23 +220,32 @@ class nccl_world {
  private:
   std::vector<int> devices_;
   std::vector<ncclComm_t> comms_;
+  mutable std::once_flag abort_once_;
+  mutable bool aborted_ = false;
 };
 
 //! ncclGroupStart / ncclGroupEnd around calls one thread makes for several ranks.
 class nccl_group {
  public:
-  nccl_group() { nccl_check(ncclGroupStart(), "ncclGroupStart"); }
+  nccl_group() {
+    nccl_check(ncclGroupStart(), "ncclGroupStart");
+    ++nccl_detail::group_depth();
+  }
   nccl_group(const nccl_group&) = delete;
   nccl_group& operator=(const nccl_group&) = delete;
   //! Ends the group; throws if NCCL reports an error (the destructor cannot).
   void end() {
     if (open_) {
       open_ = false;
+      --nccl_detail::group_depth();
       nccl_check(ncclGroupEnd(), "ncclGroupEnd");
     }
   }
   ~nccl_group() {
-    if (open_) (void)ncclGroupEnd();
+    if (open_) {
+      --nccl_detail::group_depth();
+      (void)ncclGroupEnd();
+    }
   }
 
  private:

@@ -386,10 +386,14 @@ using runtime::sm_count;
 //! as far as the workspace holds the partials and the last CTA's reduction stays short.
 //! `options` override the choices (bench_gemm sweeps them; 0 keeps the default).
 struct plan_options {
-  int token_tiles = 0;   //!< 1, 2, 4 or 8
-  int reduce_loads = 64; //!< cap on the partials one thread of the last CTA reads
+  int token_tiles = 0;   //!< 1, 2, 4 or 8; 0: make_plan's choice
+  int reduce_loads = 64; //!< cap on the partials one thread of the last CTA reads (>= 1)
 };
 inline gemm_plan make_plan(const gemm_shape& s, int sms, std::size_t partial_floats, const plan_options& o = {}) {
+  if ((o.token_tiles != 0 && o.token_tiles != 1 && o.token_tiles != 2 && o.token_tiles != 4 && o.token_tiles != 8) ||
+      o.reduce_loads < 1)
+    throw error("block_scaled_gemm: plan options need token tiles 0 (default), 1, 2, 4 or 8 and a reduction cap >= 1, not " +
+                std::to_string(o.token_tiles) + " and " + std::to_string(o.reduce_loads));
   gemm_plan p;
   const int kb = s.k / 32;
   p.token_tiles = o.token_tiles ? o.token_tiles : s.m <= 128 ? 1 : 8;

@@ -94,7 +94,7 @@ struct moe_weights {
 //! The experts one rank of an expert-parallel layer holds (see the file comment).
 struct expert_slice {
   int first = 0;            //!< first expert held
-  int count = 0;            //!< experts held; 0: every expert (no slicing, y is written)
+  int count = 0;            //!< experts held, >= 1; 0: no slice (every expert, y is written; first 0, routed null)
   float* routed = nullptr;  //!< [tokens, dim] fp32 out when slicing: the rank's routed sum (y is not written)
 };
 
@@ -457,6 +457,7 @@ inline void dense_expert_projection(const std::uint8_t* a, const std::uint8_t* a
   bf16* a16 = ws.gemm.dequant();
   bf16* w16 = a16 + std::size_t(window) * wide;
   const int* offsets = ws.expert_offsets_host.data();
+  if (offsets[first] == offsets[first + count]) return;  // no row of the slice's experts in this call
   const gemm::detail::blas_call call(blas, stream, gemm::detail::bf16_math);
   // Only the windows that hold the slice's rows (a contiguous run: the rows are sorted by
   // expert), cut where an unsliced call cuts them, so each expert's GEMMs are the same calls.
@@ -498,10 +499,11 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
     throw error(where + "need 1 <= k <= min(16, experts) and experts <= 512");
   if (s.dim % 32 || s.inter % 32) throw error(where + "dim and inter must be multiples of 32");
   if (slice.count < 0 || slice.first < 0 ||
-      (slice.count > 0 && (slice.first + slice.count > s.experts || !slice.routed)))
-    throw error(where + "the expert slice [" + std::to_string(slice.first) + ", " +
-                std::to_string(slice.first + slice.count) + ") must lie within the layer's " +
-                std::to_string(s.experts) + " experts and name an fp32 output for its routed sum");
+      (slice.count > 0 && (slice.first > s.experts - slice.count || !slice.routed)) ||
+      (slice.count == 0 && (slice.first != 0 || slice.routed)))
+    throw error(where + "the expert slice (first " + std::to_string(slice.first) + ", count " +
+                std::to_string(slice.count) + ") must lie within the layer's " + std::to_string(s.experts) +
+                " experts and name an fp32 output for its routed sum (count 0: no slice, no output)");
   const int first = slice.count ? slice.first : 0, count = slice.count ? slice.count : s.experts;
   if (!x || (!y && !slice.routed) || !w.gate || !w.bias || !w.w1 || !w.w3 || !w.w2 || !w.s1 || !w.s3 ||
       !w.s2 || !w.w1_s || !w.w3_s || !w.w2_s || !w.s1_s || !w.s3_s || !w.s2_s)
