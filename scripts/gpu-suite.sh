@@ -49,6 +49,9 @@ if [ -z "${DSV4_SKIP_BENCH:-}" ]; then
   for b in build/gpu/bench/bench_*; do
     [ -x "$b" ] || continue
     name=$(basename "$b")
+    if [ "$name" = bench_nccl ] && [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ]; then
+      log "bench_nccl: not run (it needs 2 or more GPUs)"; continue
+    fi
     "$b" --json "$out/$name.json" 2>&1 | tee "$out/$name.txt" || { fail=1; log "$name FAILED"; }
   done
 fi
