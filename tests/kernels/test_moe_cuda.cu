@@ -99,9 +99,6 @@ struct tiled_experts {
   }
 };
 
-device_buffer<std::uint8_t> up_bytes(const std::vector<std::uint8_t>& v) {
-  return device_buffer<std::uint8_t>{std::span<const std::uint8_t>(v)};
-}
 device_buffer<std::uint8_t> up(const std::vector<std::uint8_t>& v) {
   return device_buffer<std::uint8_t>{std::span<const std::uint8_t>(v)};
 }
@@ -125,10 +122,10 @@ void check_expert_slices(const moe_case& c, const bf16* dx, const std::uint8_t* 
   const auto full_row = ws.pair_row.download();
   const auto y_full = dy.download();
   const std::size_t n = std::size_t(c.tokens) * c.dim;
-  const gemm::weight_tile_shape up{c.inter, c.dim, gemm::weight_format::fp4_row32};
-  const gemm::weight_tile_shape down{c.dim, c.inter, gemm::weight_format::fp4_row32};
+  const gemm::weight_tile_shape up_shape{c.inter, c.dim, gemm::weight_format::fp4_row32};
+  const gemm::weight_tile_shape down_shape{c.dim, c.inter, gemm::weight_format::fp4_row32};
   auto part = [](const std::vector<std::uint8_t>& v, std::size_t per_expert, int e0, int count) {
-    return up_bytes(std::vector<std::uint8_t>(v.begin() + std::ptrdiff_t(per_expert * e0),
+    return up(std::vector<std::uint8_t>(v.begin() + std::ptrdiff_t(per_expert * e0),
                                               v.begin() + std::ptrdiff_t(per_expert * (e0 + count))));
   };
   device_buffer<float> routed(n);
@@ -136,9 +133,9 @@ void check_expert_slices(const moe_case& c, const bf16* dx, const std::uint8_t* 
   int empty_ranks = 0;
   for (int r = 0; r < c.ranks; ++r) {
     const int e0 = int((long long)r * c.experts / c.ranks), count = int((long long)(r + 1) * c.experts / c.ranks) - e0;
-    const auto w1 = part(tiled.w1, up.code_bytes(), e0, count), w1s = part(tiled.w1_s, up.scale_bytes(), e0, count),
-               w3 = part(tiled.w3, up.code_bytes(), e0, count), w3s = part(tiled.w3_s, up.scale_bytes(), e0, count),
-               w2 = part(tiled.w2, down.code_bytes(), e0, count), w2s = part(tiled.w2_s, down.scale_bytes(), e0, count);
+    const auto w1 = part(tiled.w1, up_shape.code_bytes(), e0, count), w1s = part(tiled.w1_s, up_shape.scale_bytes(), e0, count),
+               w3 = part(tiled.w3, up_shape.code_bytes(), e0, count), w3s = part(tiled.w3_s, up_shape.scale_bytes(), e0, count),
+               w2 = part(tiled.w2, down_shape.code_bytes(), e0, count), w2s = part(tiled.w2_s, down_shape.scale_bytes(), e0, count);
     moe::moe_weights wr = w;
     wr.w1 = w1.data(), wr.w1_s = w1s.data(), wr.w3 = w3.data(), wr.w3_s = w3s.data(), wr.w2 = w2.data(), wr.w2_s = w2s.data();
     moe::moe_workspace rank_ws(ws.shape(), ws.max_tokens());

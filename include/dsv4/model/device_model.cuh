@@ -46,6 +46,7 @@
 #include "dsv4/kernels/mhc/mhc_step.cuh"
 #include "dsv4/kernels/moe/moe.cuh"
 #include "dsv4/model/model_reference.hpp"
+#include "dsv4/numerics/convert.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "dsv4/runtime/pdl.cuh"
 #include "dsv4/runtime/pinned_buffer.cuh"
@@ -87,11 +88,6 @@ DSV4_KERNEL void embed_kernel(const bf16* table, const std::int32_t* ids, long l
   const long long t = i / (1LL * streams * dim);
   const int d = int(i % dim);
   x[i] = table[static_cast<long long>(ids[t]) * dim + d];
-}
-DSV4_KERNEL void widen_rows_kernel(const bf16* x, float* y, long long n) {
-  runtime::start_after_previous_grid();
-  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) y[i] = x[i].to_float();
 }
 }  // namespace device_detail
 
@@ -419,9 +415,7 @@ class device_model {
     boundary(R, X_, sub_.data(), f_post_.data(), f_comb_.data(), f_pre_.data(), norm_.data(), Y_, nullptr, nullptr, nullptr,
              nullptr, nullptr, nullptr);
     const long long first = last_only ? R - 1 : 0, rows = R - first;
-    runtime::launch_programmatic(widen_rows_kernel, dim3(blocks_for(rows * D)), dim3(256), 0, stream(), h_.data() + first * D,
-                                 hf_.data(), rows * D);
-    DSV4_CUDA_CHECK_LAUNCH();
+    numerics::widen_to_fp32(h_.data() + first * D, hf_.data(), rows * D, stream());
     kernels::gemm::linear_fp32(blas_, hf_.data(), head_.data(), logits_.data(), int(rows), c.vocab_size, D, stream());
     const std::size_t n = std::size_t(rows) * c.vocab_size;
     DSV4_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), n * sizeof(float), cudaMemcpyDeviceToHost, stream()));

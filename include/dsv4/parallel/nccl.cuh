@@ -35,6 +35,7 @@
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/numerics/bf16.hpp"
+#include "dsv4/numerics/convert.cuh"
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/pdl.cuh"
 
@@ -67,21 +68,6 @@ class device_scope {
  private:
   int previous_ = 0;
 };
-DSV4_KERNEL void widen_kernel(const numerics::bf16* x, float* y, std::size_t n) {
-  runtime::start_after_previous_grid();
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
-       i += std::size_t(gridDim.x) * blockDim.x)
-    y[i] = x[i].to_float();
-}
-DSV4_KERNEL void round_kernel(const float* x, numerics::bf16* y, std::size_t n) {
-  runtime::start_after_previous_grid();
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
-       i += std::size_t(gridDim.x) * blockDim.x)
-    y[i] = numerics::bf16::from_float(x[i]);
-}
-inline dim3 elementwise_grid(std::size_t n) {
-  return dim3(unsigned(std::min<std::size_t>((n + 255) / 256, 4096)));
-}
 }  // namespace nccl_detail
 
 //! One rank's communicator: what a rank's thread calls. Every call is collective: all ranks make
@@ -133,13 +119,9 @@ class nccl_rank {
                   "from the rank's own thread, outside the group");
     if (n == 0) return;
     const nccl_detail::device_scope on(device_);
-    runtime::launch_programmatic(nccl_detail::widen_kernel, nccl_detail::elementwise_grid(n), dim3(256), 0,
-                                 stream, partial, scratch, n);
-    DSV4_CUDA_CHECK_LAUNCH();
+    numerics::widen_to_fp32(partial, scratch, (long long)n, stream);
     all_reduce_sum(scratch, n, stream);
-    runtime::launch_programmatic(nccl_detail::round_kernel, nccl_detail::elementwise_grid(n), dim3(256), 0,
-                                 stream, static_cast<const float*>(scratch), out, n);
-    DSV4_CUDA_CHECK_LAUNCH();
+    numerics::narrow_to_bf16(scratch, out, (long long)n, stream);
   }
 
  private:

@@ -60,6 +60,7 @@
 #include "dsv4/kernels/norm/rmsnorm.cuh"
 #include "dsv4/kernels/output/output.cuh"
 #include "dsv4/kernels/rope/rope.cuh"
+#include "dsv4/numerics/convert.cuh"
 #include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/quantize.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
@@ -98,11 +99,6 @@ DSV4_KERNEL void scale_bf16_kernel(bf16* x, long long n, float factor) {
   runtime::start_after_previous_grid();
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) x[i] = bf16::from_float(__fmul_rn(x[i].to_float(), factor));
-}
-DSV4_KERNEL void widen_kernel(const bf16* x, float* y, long long n) {
-  runtime::start_after_previous_grid();
-  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) y[i] = x[i].to_float();
 }
 
 //! Row r's index list: the window part, then the published top-k (already offset).
@@ -594,9 +590,7 @@ class attention_stack {
       gemm::linear_bf16(blas_, x, w.comp_wkv16.data(), latents_.data(), R, HeadDim, s.dim, stream);
       norm::rmsnorm<bf16>({latents_.data(), HeadDim, w.comp_norm.data(), latents_.data(), HeadDim, R, HeadDim, s.norm_eps}, stream);
     } else {
-      runtime::launch_programmatic(widen_kernel, dim3(blocks_for(1LL * R * s.dim)), dim3(256), 0, stream, x, xf_.data(),
-                                   1LL * R * s.dim);
-      DSV4_CUDA_CHECK_LAUNCH();
+      numerics::widen_to_fp32(x, xf_.data(), 1LL * R * s.dim, stream);
       gemm::linear_fp32(blas_, xf_.data(), w.comp_wkv32.data(), ck_.data(), R, HeadDim, s.dim, stream);
       gemm::linear_fp32(blas_, xf_.data(), w.comp_wgate.data(), cz_.data(), R, HeadDim, s.dim, stream);
       compressor::compress_pool<HeadDim, bf16>({ck_.data(), cz_.data(), c.pool_seqs.at(std::size_t(r)), int(c.slots.size()),
