@@ -36,6 +36,7 @@
 #include "dsv4/core/error.hpp"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/numerics/convert.cuh"
+#include "dsv4/parallel/device_collectives.cuh"
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/pdl.cuh"
 
@@ -232,6 +233,29 @@ class nccl_group {
 
  private:
   bool open_ = true;
+};
+
+//! A rank's collectives for the device model (device_collectives.cuh) over NCCL: the world's
+//! rank `r`. abandon() aborts the whole world (every rank's communicator), which is what makes
+//! the other ranks' pending collectives return; the world must outlive this object.
+class nccl_collectives final : public device_collectives {
+ public:
+  nccl_collectives(const nccl_world& world, int r) : world_(world), rank_(world.rank(r)) {}
+  int rank() const override { return rank_.rank(); }
+  int size() const override { return rank_.size(); }
+  void all_reduce_sum(float* v, std::size_t n, cudaStream_t stream) override { rank_.all_reduce_sum(v, n, stream); }
+  void all_reduce_sum(numerics::bf16* v, std::size_t n, cudaStream_t stream) override {
+    rank_.all_reduce_sum(v, n, stream);
+  }
+  void all_gather(const float* part, std::size_t n, float* out, cudaStream_t stream) override {
+    rank_.all_gather(part, n, out, stream);
+  }
+
+ private:
+  void release_others() override { world_.abort(); }
+
+  const nccl_world& world_;
+  nccl_rank rank_;
 };
 
 }  // namespace dsv4::parallel
