@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "dsv4/core/error.hpp"
@@ -36,7 +37,11 @@ using numerics::bf16;
 //! Device view of one Engram module's weights.
 struct engram_device_weights {
   int hc = 4, dim = 0, head_dim = 0, columns = 0;
-  long long rows = 0;
+  long long rows = 0;                         //!< rows held here (a tensor-parallel rank: its part)
+  //! A tensor-parallel rank holds table rows [first_row, first_row + rows) of `table_rows`
+  //! (ParallelEngramEmbedding): ids of other ranks' rows gather zeros, to be summed over the
+  //! ranks. table_rows 0: the whole table is here (first_row 0).
+  long long first_row = 0, table_rows = 0;
   const std::uint8_t* embed = nullptr;        //!< [rows, head_dim] E4M3
   const std::uint8_t* embed_scale = nullptr;  //!< [rows, head_dim / 32] UE8M0
   const std::uint8_t* wkv = nullptr;          //!< FP8 [dim * (hc + 1), columns * head_dim], MMA tiles
@@ -67,9 +72,14 @@ DSV4_KERNEL void engram_gather_kernel(engram_device_weights w, const std::int64_
   if (i >= tokens * per_token) return;
   const long long t = i / per_token;
   const int c = int((i % per_token) / w.head_dim), d = int(i % w.head_dim);
-  const std::int64_t row = hashes[t * w.columns + c];
-  if (row < 0 || row >= w.rows) {
+  const std::int64_t id = hashes[t * w.columns + c];
+  if (id < 0 || id >= (w.table_rows > 0 ? w.table_rows : w.rows)) {
     e[i] = bf16::from_bits(0x7fc0);
+    return;
+  }
+  const std::int64_t row = id - w.first_row;
+  if (row < 0 || row >= w.rows) {  // another rank's row
+    e[i] = bf16::from_float(0.0f);
     return;
   }
   const float q = numerics::fast_decode<numerics::e4m3>(w.embed[row * w.head_dim + d]);
@@ -152,11 +162,17 @@ DSV4_KERNEL void __launch_bounds__(gate_threads) engram_gate_kernel(engram_devic
 }
 }  // namespace detail
 
+//! A tensor-parallel rank's sum of the gathered rows over the ranks (model.py's all_reduce after
+//! ParallelEngramEmbedding, bf16; each value has one nonzero term): called on the stream with
+//! the bf16 rows [n] before anything reads them.
+using gathered_row_sum = std::function<void(bf16* rows, std::size_t n, cudaStream_t stream)>;
+
 //! x [tokens, hc, dim] (device, updated in place) += per-stream gate x value; `hashes` [tokens,
-//! columns] (device); `is_image` optional, one byte per token.
+//! columns] (device); `is_image` optional, one byte per token. `sum_rows`: a tensor-parallel
+//! rank's (w.first_row / table_rows name its part of the table); empty for the whole table.
 inline void engram_forward(bf16* x, const std::int64_t* hashes, const std::uint8_t* is_image, long long tokens,
                            const engram_device_weights& w, engram_workspace& ws, cublasHandle_t blas,
-                           cudaStream_t stream = nullptr) {
+                           cudaStream_t stream = nullptr, const gathered_row_sum& sum_rows = {}) {
   const std::string where = "engram_forward (tokens " + std::to_string(tokens) + "): ";
   if (tokens < 0 || tokens > ws.max_tokens) throw error(where + "the workspace holds " + std::to_string(ws.max_tokens) + " tokens");
   if (w.hc < 1 || w.hc > 65535 || w.dim <= 0 || w.dim % 8 || w.dim > detail::gate_smem_budget / 10 || w.head_dim <= 0 ||
@@ -164,6 +180,10 @@ inline void engram_forward(bf16* x, const std::int64_t* hashes, const std::uint8
     throw error(where + "need 1 <= hc <= 65535 (grid y), dim a positive multiple of 8 up to " +
                 std::to_string(detail::gate_smem_budget / 10) +
                 ", head_dim a positive multiple of 32, columns > 0, rows > 0");
+  if (w.first_row < 0 || w.table_rows < 0 || (w.table_rows == 0 && w.first_row != 0) ||
+      (w.table_rows > 0 && w.first_row >= w.table_rows))
+    throw error(where + "the table part [" + std::to_string(w.first_row) + ", +" + std::to_string(w.rows) +
+                ") is not a part of a table of " + std::to_string(w.table_rows) + " rows");
   if (ws.e.size() < std::size_t(tokens) * w.k() || ws.kv.size() < std::size_t(tokens) * w.n())
     throw error(where + "the workspace was made for other weights");
   if (tokens == 0) return;
@@ -175,6 +195,7 @@ inline void engram_forward(bf16* x, const std::int64_t* hashes, const std::uint8
   runtime::launch_programmatic(detail::engram_gather_kernel, dim3(unsigned((gathered + 255) / 256)), dim3(256), 0, stream, w,
                                hashes, tokens, ws.e.data());
   DSV4_CUDA_CHECK_LAUNCH();
+  if (sum_rows) sum_rows(ws.e.data(), std::size_t(gathered), stream);
   numerics::quantize<numerics::fp8_act_format>(
       {ws.e.data(), tokens, w.k(), w.k(), ws.codes.data(), w.k(), ws.scales.data(), w.k() / 32}, stream);
   kernels::gemm::block_scaled_linear({{int(tokens), w.n(), w.k()}, ws.codes.data(), ws.scales.data(), w.wkv, w.wkv_scale,

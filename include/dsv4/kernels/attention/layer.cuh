@@ -43,6 +43,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -232,6 +233,7 @@ class attention_stack {
     lengths_.assign(std::size_t(lim.max_seqs), -1);
     ced_pending_.assign(std::size_t(lim.max_seqs), -1);
 
+    for (std::size_t l = 0; l < wiring_.size(); ++l) check_weights(int(l), weights[l]);
     for (std::size_t l = 0; l < wiring_.size(); ++l) {
       w_.push_back(device_layer_weights::upload(weights[l], wiring_[l]));
       rings_.emplace_back(std::size_t(lim.max_seqs) * shape.window * window_layout::bytes);
@@ -278,6 +280,14 @@ class attention_stack {
   }
   long long length(int slot) const { return lengths_.at(std::size_t(slot)); }
   long long page_bytes() const { return page_bytes_; }
+  //! A tensor-parallel rank's sum of the index scores over the ranks' index heads (model.py's
+  //! all_reduce of index_score, bf16): called on the stack's stream with an index source's bf16
+  //! scores [n] of the call's rows (a Full layer's [rows, visible width], a Reindex layer's
+  //! [rows, candidates]) before the candidate pool or the top-k reads them. Every rank computes
+  //! the same visibility and candidates, so masked scores are -inf on every rank. Empty: the
+  //! whole model on one rank.
+  using index_score_sum = std::function<void(bf16* scores, std::size_t n, cudaStream_t stream)>;
+  void set_index_score_sum(index_score_sum f) { sum_scores_ = std::move(f); }
   //! The stream every call's work runs on.
   cudaStream_t stream() const { return stream_; }
   cache::cache_usage usage() const { return alloc_->usage(); }
@@ -446,6 +456,38 @@ class attention_stack {
   std::optional<gemm::gemm_workspace> gemm_ws_;
   std::optional<output::output_workspace> out_ws_;
   std::optional<sparse_attention_workspace> attn_ws_;
+  index_score_sum sum_scores_;
+
+  //! Layer `l`'s weights against the shape (a tensor-parallel rank's shape has its local heads,
+  //! groups and index heads, so a shard of another world size fails here, by name).
+  void check_weights(int l, const layer_weights& w) const {
+    const auto& s = shape_;
+    const auto& wr = wiring_[std::size_t(l)];
+    const std::string where = "attention_stack: layer " + std::to_string(l) + ": ";
+    auto linear = [&](const fp8_linear& f, const char* name, long long n, long long k) {
+      if (f.n != n || f.k != k)
+        throw error(where + name + " is [" + std::to_string(f.n) + ", " + std::to_string(f.k) + "], the shape (" +
+                    std::to_string(s.heads) + " heads, " + std::to_string(s.groups) + " groups, " +
+                    std::to_string(s.index_heads) + " index heads) needs [" + std::to_string(n) + ", " + std::to_string(k) + "]");
+    };
+    auto sized = [&](const std::vector<float>& v, const char* name, long long n) {
+      if (static_cast<long long>(v.size()) != n)
+        throw error(where + name + " holds " + std::to_string(v.size()) + " values, the shape needs " + std::to_string(n));
+    };
+    if (s.heads <= 0 || s.groups <= 0 || s.heads % s.groups)
+      throw error(where + "the shape's heads (" + std::to_string(s.heads) + ") must be a positive multiple of its groups (" +
+                  std::to_string(s.groups) + ")");
+    linear(w.wq_a, "wq_a", s.q_lora, s.dim);
+    linear(w.wq_b, "wq_b", 1LL * s.heads * HeadDim, s.q_lora);
+    linear(w.wkv, "wkv", HeadDim, s.dim);
+    linear(w.wo_b, "wo_b", s.dim, 1LL * s.groups * s.o_lora);
+    sized(w.attn_sink, "attn_sink", s.heads);
+    sized(w.wo_a, "wo_a", 1LL * s.groups * s.o_lora * (s.heads / s.groups) * HeadDim);
+    if (wr.role == schedule::attn_role::full || wr.role == schedule::attn_role::reindex) {
+      linear(w.idx_wq_b, "indexer.wq_b", 1LL * s.index_heads * IndexDim, s.q_lora);
+      sized(w.weights_proj, "indexer.weights_proj", 1LL * s.index_heads * s.dim);
+    }
+  }
 
   long long max_keys() const { return lim_.max_tokens; }
   int candidate_width() const { return shape_.pool_blocks * shape_.pool_block; }
@@ -717,12 +759,14 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
           indexer::index_scan_args g = scan;
           g.scores = gathered_scores_.data(), g.n_keys = c.candidate_cols;
           indexer::index_scan_gathered<IndexDim>({g, cand_pos_.data()}, stream);
+          if (sum_scores_) sum_scores_(gathered_scores_.data(), std::size_t(R) * std::size_t(c.candidate_cols), stream);
           indexer::topk_args t;
           t.scores = gathered_scores_.data(), t.n = c.candidate_cols, t.rows = R, t.k = c.topk_width;
           t.visible = scan.visible, t.offset = operand_rows, t.out = topk_.data(), t.positions = cand_pos_.data();
           indexer::select_topk(t, stream);
         } else {
           indexer::index_scan<IndexDim>(scan, stream);
+          if (sum_scores_) sum_scores_(scores_.data(), std::size_t(R) * std::size_t(width), stream);
           if (wr.candidate_source) {
             indexer::candidate_args ca;
             ca.scores = scores_.data(), ca.n = width, ca.rows = R, ca.block = s.pool_block, ca.topk_blocks = s.pool_blocks;
