@@ -31,6 +31,7 @@
 #include <cuda_profiler_api.h>
 
 #include "bench_util.cuh"
+#include "bench_variants.hpp"
 #include "dsv4/io/random_checkpoint.hpp"
 #include "dsv4/model/device_model.cuh"
 #include "dsv4/models/checkpoint_schema.hpp"
@@ -40,25 +41,6 @@
 
 using namespace dsv4;
 
-namespace bench_variants {
-
-//! V4.1 Flash with 16 routed experts (8 in the DSpark stages) and small Engram tables: the
-//! per-layer shapes of attention, mHC and the MoE's GEMMs are V4.1's, the weights fit one GPU.
-struct v41_width : models::v41_flash {
-  static constexpr const char* name = "v41-width-16-experts";
-  static constexpr const char* title = "V4.1 Flash widths, 16 routed experts (benchmark variant)";
-  static constexpr models::model_config dims = [] {
-    models::model_config d = models::v41_flash::dims;
-    d.moe.n_routed_experts = 16;
-    d.dspark.dspark_n_routed_experts = 8;
-    d.engram.engram_vocab_size = 100000;
-    return d;
-  }();
-  static constexpr std::array<long long, 2> engram_num_embeddings =
-      engram::table_rows<2>(dims.engram.engram_vocab_size, dims.engram.engram_max_ngram_size, dims.engram.engram_n_heads);
-};
-
-}  // namespace bench_variants
 
 namespace {
 using bench_variants::v41_width;
@@ -266,28 +248,6 @@ int run(FILE* jf, const options& opt) {
   return 0;
 }
 
-// "8192,65535" -> {8192, 65535}; every entry a positive integer.
-std::vector<int> int_list(const std::string& flag, const std::string& text) {
-  std::vector<int> v;
-  std::size_t at = 0;
-  while (at <= text.size()) {
-    const std::size_t end = std::min(text.find(',', at), text.size());
-    const std::string item = text.substr(at, end - at);
-    std::size_t used = 0;
-    int n = 0;
-    try {
-      n = std::stoi(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (item.empty() || used != item.size() || n <= 0)
-      throw error(flag + ": '" + item + "' is not a positive integer (expected a list like 8192,65535)");
-    v.push_back(n);
-    at = end + 1;
-  }
-  return v;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -301,9 +261,9 @@ int main(int argc, char** argv) {
       const bool has_value = i + 1 < argc;
       if (a == "--json" && has_value) json = argv[++i];
       else if (a == "--v41-width") v41 = true;
-      else if (a == "--prompts" && has_value) opt.prompts = int_list(a, argv[++i]);
-      else if (a == "--batches" && has_value) opt.batches = int_list(a, argv[++i]);
-      else if (a == "--decode-context" && has_value) opt.decode_context = int_list(a, argv[++i]).at(0);
+      else if (a == "--prompts" && has_value) opt.prompts = bench::int_list(a, argv[++i]);
+      else if (a == "--batches" && has_value) opt.batches = bench::int_list(a, argv[++i]);
+      else if (a == "--decode-context" && has_value) opt.decode_context = bench::int_list(a, argv[++i]).at(0);
       else if (a == "--checkpoint" && has_value) opt.checkpoint = argv[++i];
       else if (a == "--profile-decode") opt.profile_decode = true;
       else if (a == "--profile-prefill" && has_value && (std::string(argv[i + 1]) == "exact" || std::string(argv[i + 1]) == "ced"))

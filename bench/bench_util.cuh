@@ -9,11 +9,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "dsv4/config.hpp"
+#include "dsv4/core/error.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
 
@@ -164,5 +166,28 @@ struct ceilings {
   //! Seconds of the roofline floor for a kernel of `flops` and `bytes`.
   double floor_s(double flops, double bytes) const { return std::max(flops / gemm_fps, bytes / copy_bps); }
 };
+
+//! A command-line list of positive integers: "8192,65535" -> {8192, 65535}; anything else is a
+//! dsv4::error naming the flag and the entry.
+inline std::vector<int> int_list(const std::string& flag, const std::string& text) {
+  std::vector<int> v;
+  std::size_t at = 0;
+  while (at <= text.size()) {
+    const std::size_t end = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, end - at);
+    std::size_t used = 0;
+    int n = 0;
+    try {
+      n = std::stoi(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (item.empty() || used != item.size() || n <= 0)
+      throw error(flag + ": '" + item + "' is not a positive integer (expected a list like 8192,65535)");
+    v.push_back(n);
+    at = end + 1;
+  }
+  return v;
+}
 
 }  // namespace dsv4::bench

@@ -24,6 +24,18 @@
 //! point where the host waits for the device is the end of the call, when the logits come back
 //! through a pinned buffer (cudaStreamSynchronize). The observer (parity work) also waits.
 //! Engram tables can stay in host memory (limits::engram_host_tables; V4.1's are ~100 GB each).
+//!
+//! Tensor parallelism (issue 7): built from a parallel::rank_model (one rank's checkpoint shard)
+//! and a parallel::device_collectives, the model is one rank of W and computes what model.py's
+//! rank computes, with its collectives at the same points as the host simulation
+//! (parallel/tensor_parallel_reference.hpp): the embedding's vocabulary slice (other ids give zero
+//! rows) then a bf16 all-reduce; the Engram table's row slice then a bf16 all-reduce of the
+//! gathered rows; the attention with the rank's heads, groups and index heads, the index scores
+//! all-reduced (bf16) before the candidate pool and the top-k, wo_b's bf16 partial summed in fp32
+//! and rounded once; the MoE's routed experts of the rank (an expert slice) summed in fp32 over
+//! the ranks, then the replicated shared expert, one rounding; the head's vocabulary slice, then
+//! an all-gather. Everything else is replicated: every rank computes it, with its own caches.
+//! Each rank's calls run on a thread of their own (parallel/tp_device_model.cuh drives them).
 //! Not here yet: DSpark stages, images.
 
 #include <cublas_v2.h>
@@ -47,6 +59,8 @@
 #include "dsv4/kernels/moe/moe.cuh"
 #include "dsv4/model/model_reference.hpp"
 #include "dsv4/numerics/convert.cuh"
+#include "dsv4/parallel/device_collectives.cuh"
+#include "dsv4/parallel/tensor_parallel_reference.hpp"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "dsv4/runtime/pdl.cuh"
 #include "dsv4/runtime/pinned_buffer.cuh"
@@ -81,13 +95,25 @@ struct tiled_stack {
   }
 };
 
-DSV4_KERNEL void embed_kernel(const bf16* table, const std::int32_t* ids, long long tokens, int dim, int streams, bf16* x) {
+//! x [tokens, streams, dim] <- the table rows of the ids, each copied to every stream. The table
+//! holds vocabulary rows [first, first + rows) (a tensor-parallel rank's slice): other ids give
+//! zero rows.
+DSV4_KERNEL void embed_kernel(const bf16* table, long long first, long long rows, const std::int32_t* ids, long long tokens,
+                              int dim, int streams, bf16* x) {
   runtime::start_after_previous_grid();
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= tokens * streams * dim) return;
   const long long t = i / (1LL * streams * dim);
   const int d = int(i % dim);
-  x[i] = table[static_cast<long long>(ids[t]) * dim + d];
+  const long long row = ids[t] - first;
+  x[i] = row >= 0 && row < rows ? table[row * dim + d] : bf16::from_float(0.0f);
+}
+//! x [tokens, streams, dim] <- e [tokens, dim] in every stream.
+DSV4_KERNEL void spread_kernel(const bf16* e, long long tokens, int dim, int streams, bf16* x) {
+  runtime::start_after_previous_grid();
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= tokens * streams * dim) return;
+  x[i] = e[i / (1LL * streams * dim) * dim + i % dim];
 }
 }  // namespace device_detail
 
@@ -113,11 +139,42 @@ class device_model {
     bool engram_host_tables = false;
   };
 
-  device_model(const host_model<Model>& m, const limits& lim)
-      : lim_(lim), token_map_(m.token_map), hashes_(m.hashes), stream_(runtime::owned_stream::non_blocking()) {
+  //! The whole model on the current device, from a loaded host model.
+  device_model(const host_model<Model>& m, const limits& lim) : device_model(m, lim, nullptr) {}
+  //! Rank comm.rank() of a tensor-parallel world of comm.size() ranks, on the current device, from
+  //! the rank's shard (see the file comment). `comm` must outlive the model; the rank's calls
+  //! must come from one thread at a time with this device current, and every rank must make the
+  //! same calls in the same order.
+  device_model(const parallel::rank_model<Model>& m, const limits& lim, parallel::device_collectives& comm)
+      : device_model(m, lim, &comm) {}
+
+ private:
+  template <class Weights>
+  device_model(const Weights& m, const limits& lim, parallel::device_collectives* comm)
+      : lim_(lim), token_map_(m.token_map), hashes_(m.hashes), comm_(comm), stream_(runtime::owned_stream::non_blocking()) {
     using namespace device_detail;
     namespace gm = kernels::gemm;
     const int L = sched::num_layers;
+    const int ranks = comm ? comm->size() : 1, rank_id = comm ? comm->rank() : 0;
+    if constexpr (requires { m.world; }) {
+      if (m.world != ranks || m.rank != rank_id)
+        throw error("device_model: the shard is rank " + std::to_string(m.rank) + " of " + std::to_string(m.world) +
+                    ", the collectives rank " + std::to_string(rank_id) + " of " + std::to_string(ranks));
+    }
+    if (ranks > 1 && lim.engram_host_tables && !m.engrams.empty())
+      throw error("device_model: Engram tables in host memory are not supported on a tensor-parallel rank yet "
+                  "(limits::engram_host_tables with " + std::to_string(ranks) + " ranks)");
+    vocab_part_ = c.vocab_size / ranks, vocab_first_ = rank_id * vocab_part_;
+    expert_count_ = c.moe.n_routed_experts / ranks, expert_first_ = rank_id * expert_count_;
+    if (m.embed.size() != std::size_t(vocab_part_) * c.dim || m.head.size() != std::size_t(vocab_part_) * c.dim)
+      throw error("device_model: embed / head hold " + std::to_string(m.embed.size() / c.dim) + " / " +
+                  std::to_string(m.head.size() / c.dim) + " vocabulary rows, rank " + std::to_string(rank_id) + " of " +
+                  std::to_string(ranks) + " needs " + std::to_string(vocab_part_));
+    for (int l = 0; l < L; ++l)
+      if (m.blocks[std::size_t(l)].experts.size() != std::size_t(expert_count_))
+        throw error("device_model: layer " + std::to_string(l) + " holds " + std::to_string(m.blocks[std::size_t(l)].experts.size()) +
+                    " routed experts, rank " + std::to_string(rank_id) + " of " + std::to_string(ranks) + " needs " +
+                    std::to_string(expert_count_));
     std::vector<float> local, compressed;
     std::vector<kernels::attention::layer_weights> attn;
     for (int l = 0; l < L; ++l) {
@@ -126,8 +183,10 @@ class device_model {
     }
     typename stack_t::limits sl;
     sl.max_seqs = lim.max_seqs, sl.max_rows = lim.max_rows, sl.max_tokens = lim.max_tokens, sl.page_tokens = lim.page_tokens;
-    stack_.emplace(attention_shape<Model>(), m.wiring, attn, local, compressed, sl, stream());
+    stack_.emplace(parallel::rank_attention_shape<Model>(ranks), m.wiring, attn, local, compressed, sl, stream());
     attn.clear();
+    if (comm_)  // model.py's all_reduce of the index scores, bf16
+      stack_->set_index_score_sum([comm](bf16* v, std::size_t n, cudaStream_t st) { comm->all_reduce_sum(v, n, st); });
 
     // The CUDA MoE gate and the bf16 layers take bf16 weights; a checkpoint may store some of them
     // in F32 (the schema accepts both), which the host model keeps exact: refuse rather than round.
@@ -168,7 +227,8 @@ class device_model {
       put(d.w1, w1), put(d.w3, w3), put(d.w2, w2), put(d.s1, s1), put(d.s3, s3), put(d.s2, s2);
       blocks_.push_back(std::move(d));
     }
-    for (const auto& e : m.engrams) {
+    for (std::size_t j = 0; j < m.engrams.size(); ++j) {
+      const auto& e = m.engrams[j];
       device_engram d;
       if (lim.engram_host_tables)
         d.fetch = std::make_unique<engram::host_table_fetch>(
@@ -184,6 +244,7 @@ class device_model {
       d.view.hc = e.hc, d.view.dim = e.dim, d.view.head_dim = e.head_dim, d.view.columns = e.columns, d.view.rows = e.rows;
       d.view.embed = d.embed.data(), d.view.embed_scale = d.embed_scale.data(), d.view.wkv = d.wkv.data();
       d.view.wkv_scale = d.wkv_scale.data(), d.view.qk_weight = d.qk.data(), d.view.eps = e.eps;
+      if (comm_) d.view.first_row = rank_id * e.rows, d.view.table_rows = Model::engram_num_embeddings[j];
       d.ws.emplace(d.view, lim.max_rows);
       engrams_.push_back(std::move(d));
     }
@@ -194,6 +255,7 @@ class device_model {
     // Logits are computed for one row per sequence of a call (a prefill's last row, one per decode entry).
     hf_ = device_buffer<float>(R * D);
     logits_ = device_buffer<float>(std::size_t(std::min(lim.max_rows, lim.max_seqs)) * std::size_t(c.vocab_size));
+    if (comm_) logits_part_ = device_buffer<float>(std::size_t(std::min(lim.max_rows, lim.max_seqs)) * std::size_t(vocab_part_));
     logits_host_ = runtime::pinned_buffer<float>(logits_.size());
     // A call's inputs: token ids [rows], then each Engram module's hashes [rows, columns].
     std::size_t input_bytes = runtime::upload_arena::space<std::int32_t>(R);
@@ -216,6 +278,8 @@ class device_model {
     // stream is not ordered after.
     DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   }
+
+ public:
   ~device_model() {
     cudaStreamSynchronize(stream());  // kernels of a failed call may still read the buffers freed next
     if (blas_) cublasDestroy(blas_);
@@ -240,6 +304,9 @@ class device_model {
   }
   //! The stream all of the model's work runs on.
   cudaStream_t stream() const { return stream_.get(); }
+  //! This model's rank and world size (0 and 1 without collectives).
+  int rank() const { return comm_ ? comm_->rank() : 0; }
+  int world() const { return comm_ ? comm_->size() : 1; }
   //! Calls `observe` with each block's intermediates (block_reference.hpp's stages), copied to the
   //! host after a device synchronization: for parity work only, it serializes the forward.
   void set_observer(layer_observer observe) { observe_ = std::move(observe); }
@@ -282,12 +349,15 @@ class device_model {
   limits lim_;
   std::vector<std::int64_t> token_map_;
   engram::hash_layout hashes_;
+  parallel::device_collectives* comm_ = nullptr;  //!< a tensor-parallel rank's; null: the whole model
+  long long vocab_first_ = 0, vocab_part_ = 0;    //!< the vocabulary rows of embed_ / head_
+  int expert_first_ = 0, expert_count_ = 0;        //!< the routed experts held
   runtime::owned_stream stream_;  // before everything that uses it, so it is destroyed after them
   std::optional<stack_t> stack_;
   std::vector<device_block> blocks_;
   std::vector<device_engram> engrams_;
   runtime::device_buffer<bf16> embed_, norm_, x_, y_, h_, sub_;
-  runtime::device_buffer<float> head_, hf_, logits_, entry_pre_, a_pre_, a_post_, a_comb_, f_pre_, f_post_, f_comb_;
+  runtime::device_buffer<float> head_, hf_, logits_, logits_part_, entry_pre_, a_pre_, a_post_, a_comb_, f_pre_, f_post_, f_comb_;
   runtime::pinned_buffer<float> logits_host_;  //!< the logits' way back (an asynchronous copy needs pinned memory)
   runtime::upload_arena inputs_;               //!< a call's token ids and Engram hashes
   std::optional<kernels::mhc::mhc_workspace> mhc_ws_;
@@ -349,9 +419,19 @@ class device_model {
       if (engrams_[j].fetch) engrams_[j].fetch->start(all, stream());
     }
     inputs_.upload(stream());
-    runtime::launch_programmatic(embed_kernel, dim3(blocks_for(R * hc * c.dim)), dim3(256), 0, stream(), embed_.data(), ids_d, R,
-                                 c.dim, hc, x_.data());
-    DSV4_CUDA_CHECK_LAUNCH();
+    if (!comm_) {
+      runtime::launch_programmatic(embed_kernel, dim3(blocks_for(R * hc * c.dim)), dim3(256), 0, stream(), embed_.data(), 0LL,
+                                   vocab_part_, ids_d, R, c.dim, hc, x_.data());
+      DSV4_CUDA_CHECK_LAUNCH();
+    } else {  // ParallelEmbedding: the rank's rows, zeros for other ids, summed over the ranks (bf16)
+      runtime::launch_programmatic(embed_kernel, dim3(blocks_for(R * c.dim)), dim3(256), 0, stream(), embed_.data(), vocab_first_,
+                                   vocab_part_, ids_d, R, c.dim, 1, sub_.data());
+      DSV4_CUDA_CHECK_LAUNCH();
+      comm_->all_reduce_sum(sub_.data(), std::size_t(R) * c.dim, stream());
+      runtime::launch_programmatic(spread_kernel, dim3(blocks_for(R * hc * c.dim)), dim3(256), 0, stream(),
+                                   static_cast<const bf16*>(sub_.data()), R, c.dim, hc, x_.data());
+      DSV4_CUDA_CHECK_LAUNCH();
+    }
     X_ = x_.data(), Y_ = y_.data(), engram_row0_ = 0;
   }
 
@@ -375,7 +455,9 @@ class device_model {
         engram::engram_forward(X_, e.fetch->ids() + engram_row0_ * e.view.columns, nullptr, R, e.fetch->view(e.view), *e.ws,
                                blas_, stream());
       } else {
-        engram::engram_forward(X_, e.hashes + engram_row0_ * e.view.columns, nullptr, R, e.view, *e.ws, blas_, stream());
+        engram::gathered_row_sum sum;
+        if (comm_) sum = [this](bf16* v, std::size_t n, cudaStream_t st) { comm_->all_reduce_sum(v, n, st); };
+        engram::engram_forward(X_, e.hashes + engram_row0_ * e.view.columns, nullptr, R, e.view, *e.ws, blas_, stream(), sum);
       }
     }
     if (l == 0 || engram_slot >= 0) {
@@ -393,6 +475,9 @@ class device_model {
     device_block& b = blocks_[std::size_t(l)];
     observe(l, "attn_in", h_.data(), R);
     stack_->forward(l, h_.data(), sub_.data());
+    // RowParallelLinear wo_b: the ranks' bf16 partials summed in fp32, rounded once (hf_ is free
+    // until the head).
+    if (comm_) comm_->all_reduce_partials(sub_.data(), hf_.data(), sub_.data(), std::size_t(R) * c.dim, stream());
     observe(l, "attn_out", sub_.data(), R);
     boundary(R, X_, sub_.data(), a_post_.data(), a_comb_.data(), a_pre_.data(), b.ffn_norm.data(), Y_, b.ffn_fn.data(),
              b.ffn_base.data(), b.ffn_scale.data(), f_pre_.data(), f_post_.data(), f_comb_.data());
@@ -403,7 +488,14 @@ class device_model {
     mw.w2 = b.w2[0].data(), mw.w2_s = b.w2[1].data(), mw.s1 = b.s1[0].data(), mw.s1_s = b.s1[1].data();
     mw.s3 = b.s3[0].data(), mw.s3_s = b.s3[1].data(), mw.s2 = b.s2[0].data(), mw.s2_s = b.s2[1].data();
     observe(l, "ffn_in", h_.data(), R);
-    kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_, stream(), blas_, moe_host_sync_);
+    if (!comm_) {
+      kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_, stream(), blas_, moe_host_sync_);
+    } else {  // the rank's experts into fp32 (hf_), summed over the ranks, then the shared expert
+      const kernels::moe::expert_slice slice{expert_first_, expert_count_, hf_.data()};
+      kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_, stream(), blas_, moe_host_sync_, slice);
+      comm_->all_reduce_sum(hf_.data(), std::size_t(R) * c.dim, stream());
+      kernels::moe::moe_add_shared(hf_.data(), R, *moe_ws_, sub_.data(), stream());
+    }
     observe(l, "ffn_out", sub_.data(), R);
   }
 
@@ -416,11 +508,22 @@ class device_model {
              nullptr, nullptr, nullptr);
     const long long first = last_only ? R - 1 : 0, rows = R - first;
     numerics::widen_to_fp32(h_.data() + first * D, hf_.data(), rows * D, stream());
-    kernels::gemm::linear_fp32(blas_, hf_.data(), head_.data(), logits_.data(), int(rows), c.vocab_size, D, stream());
     const std::size_t n = std::size_t(rows) * c.vocab_size;
+    if (!comm_) {
+      kernels::gemm::linear_fp32(blas_, hf_.data(), head_.data(), logits_.data(), int(rows), c.vocab_size, D, stream());
+    } else {  // ParallelHead: the rank's vocabulary rows, gathered in rank order ([ranks, rows, part])
+      kernels::gemm::linear_fp32(blas_, hf_.data(), head_.data(), logits_part_.data(), int(rows), int(vocab_part_), D, stream());
+      comm_->all_gather(logits_part_.data(), std::size_t(rows) * std::size_t(vocab_part_), logits_.data(), stream());
+    }
     DSV4_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), n * sizeof(float), cudaMemcpyDeviceToHost, stream()));
     DSV4_CUDA_CHECK(cudaStreamSynchronize(stream()));  // the call's one wait for the device
-    return std::vector<float>(logits_host_.data(), logits_host_.data() + n);
+    if (!comm_) return std::vector<float>(logits_host_.data(), logits_host_.data() + n);
+    std::vector<float> out(n);  // [ranks, rows, part] -> [rows, vocab]
+    const std::size_t part = std::size_t(vocab_part_), W = std::size_t(world());
+    for (std::size_t w = 0; w < W; ++w)
+      for (std::size_t r = 0; r < std::size_t(rows); ++r)
+        std::copy_n(logits_host_.data() + (w * std::size_t(rows) + r) * part, part, out.data() + r * std::size_t(c.vocab_size) + w * part);
+    return out;
   }
 
   //! `one_sequence`: the ids are a prefill or appended chunk of slots[0] (logits of the last row);
@@ -434,9 +537,15 @@ class device_model {
       stack_->end_call();
       return out;
     } catch (...) {
-      stack_->abort_call();
+      fail_call();
       throw;
     }
+  }
+
+  //! A call failed: the stack forgets it, and a rank releases the others from its collectives.
+  void fail_call() {
+    stack_->abort_call();
+    if (comm_) comm_->abandon();
   }
 
   //! Moves rows [first, first + rows) of a [*, width] device array to its front (through Y_'s spare room).
@@ -465,7 +574,7 @@ class device_model {
       if (sched::role(E) == schedule::attn_role::full) stack_->fill_owner_cache(E, h_.data());
       stack_->end_call();
     } catch (...) {
-      stack_->abort_call();
+      fail_call();
       throw;
     }
     const long long first = std::max<long long>(0, N - c.attn.window_size), R = N - first;
@@ -486,7 +595,7 @@ class device_model {
       stack_->end_call();
       return out;
     } catch (...) {
-      stack_->abort_call();
+      fail_call();
       throw;
     }
   }

@@ -1,0 +1,217 @@
+#pragma once
+//! \file
+//! The device model on W tensor-parallel ranks (issue 7): one model::device_model per rank, each
+//! built from its own checkpoint shard (parallel::rank_model) on its own device, and a thread per
+//! rank for every call, as model.py runs one process per GPU. The ranks' collectives are either
+//! - NCCL, one GPU per rank (`make_nccl_tp_device_model`, parallel/tp_device_model_nccl.cuh), or
+//! - staged through the host (`tp_device_model::staged`): any number of ranks on one GPU, sums in
+//!   the host simulation's rank order. A test and debugging tool: every collective waits for the
+//!   device.
+//! A call returns the full logits, which every rank holds after the head's all-gather (checked: a
+//! rank holding other bits would mean the replicated state diverged).
+//!
+//! Failures. Inputs are checked once, before any rank starts (a bad token id or slot leaves every
+//! rank as it was). A rank that fails inside a call abandons the collectives, so the others fail
+//! too instead of waiting; the model is then unusable (`broken()`, each call says so) and must be
+//! rebuilt, as after a failed NCCL communicator.
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/model/device_model.cuh"
+#include "dsv4/parallel/device_collectives.cuh"
+#include "dsv4/parallel/host_communicator.hpp"
+#include "dsv4/parallel/tensor_parallel_reference.hpp"
+#include "dsv4/runtime/cuda_check.cuh"
+
+namespace dsv4::parallel {
+
+template <class Model>
+class tp_device_model {
+ public:
+  using rank_model_t = model::device_model<Model>;
+  using limits = typename rank_model_t::limits;
+
+  //! W = m.world() ranks, all on `device`, collectives staged through the host.
+  static tp_device_model staged(const tp_model<Model>& m, const limits& lim, int device = 0) {
+    const int W = m.world();
+    if (W < 1) throw error("tp_device_model: no ranks");
+    auto comm = std::make_shared<host_communicator>(W);
+    std::vector<std::unique_ptr<device_collectives>> cs;
+    for (int r = 0; r < W; ++r) cs.push_back(std::make_unique<staged_collectives>(*comm, r));
+    return tp_device_model(m, lim, std::move(cs), std::vector<int>(std::size_t(W), device), comm);
+  }
+
+  //! Rank r on devices[r] with collectives comms[r] (comms[r]->rank() == r); `keep` holds what the
+  //! collectives need alive (an NCCL world), released after the models.
+  tp_device_model(const tp_model<Model>& m, const limits& lim, std::vector<std::unique_ptr<device_collectives>> comms,
+                  std::vector<int> devices, std::shared_ptr<const void> keep)
+      : keep_(std::move(keep)), comms_(std::move(comms)), devices_(std::move(devices)) {
+    const int W = m.world();
+    if (W < 1 || comms_.size() != std::size_t(W) || devices_.size() != std::size_t(W))
+      throw error("tp_device_model: " + std::to_string(W) + " ranks need as many collectives and devices (got " +
+                  std::to_string(comms_.size()) + " and " + std::to_string(devices_.size()) + ")");
+    for (int r = 0; r < W; ++r)
+      if (!comms_[std::size_t(r)] || comms_[std::size_t(r)]->rank() != r || comms_[std::size_t(r)]->size() != W)
+        throw error("tp_device_model: the collectives of rank " + std::to_string(r) + " are not rank " + std::to_string(r) +
+                    " of " + std::to_string(W));
+    int previous = 0;
+    DSV4_CUDA_CHECK(cudaGetDevice(&previous));
+    try {
+      for (int r = 0; r < W; ++r) {
+        DSV4_CUDA_CHECK(cudaSetDevice(devices_[std::size_t(r)]));
+        ranks_.push_back(std::make_unique<rank_model_t>(m.ranks[std::size_t(r)], lim, *comms_[std::size_t(r)]));
+      }
+    } catch (...) {
+      (void)cudaSetDevice(previous);
+      throw;
+    }
+    DSV4_CUDA_CHECK(cudaSetDevice(previous));
+  }
+  tp_device_model(tp_device_model&&) noexcept = default;
+  ~tp_device_model() {
+    ranks_.clear();  // before the collectives and what they need
+    comms_.clear();
+  }
+
+  int world() const { return int(ranks_.size()); }
+  bool broken() const { return broken_; }
+  //! Rank r's model (its stream, its attention stack: for inspection and benchmarks).
+  rank_model_t& rank(int r) { return *ranks_.at(std::size_t(r)); }
+
+  //! A new sequence on every rank; returns its slot (the same on every rank).
+  int add_sequence() {
+    check_usable();
+    const int slot = on_device(0, [&] { return ranks_[0]->add_sequence(); });
+    for (int r = 1; r < world(); ++r) {
+      const int s = on_device(r, [&] { return ranks_[std::size_t(r)]->add_sequence(); });
+      if (s != slot) {
+        broken_ = true;
+        throw error("tp_device_model: rank " + std::to_string(r) + " gave slot " + std::to_string(s) + ", rank 0 slot " +
+                    std::to_string(slot) + " (the ranks' sequences diverged)");
+      }
+    }
+    return slot;
+  }
+  void release_sequence(int slot) {
+    check_usable();
+    for (int r = 0; r < world(); ++r) on_device(r, [&] { ranks_[std::size_t(r)]->release_sequence(slot); });
+  }
+  long long length(int slot) const { return ranks_.at(0)->length(slot); }
+
+  //! Prefill of a new sequence: fp32 logits [vocab] of its last position.
+  std::vector<float> prefill(int slot, std::span<const std::int32_t> ids) {
+    check_call(ids);
+    return on_ranks([&](rank_model_t& m) { return m.prefill(slot, ids); });
+  }
+  //! A chunk appended after the prefill (exact mode): logits [vocab] of its last position.
+  std::vector<float> append(int slot, std::span<const std::int32_t> ids) {
+    check_call(ids);
+    return on_ranks([&](rank_model_t& m) { return m.append(slot, ids); });
+  }
+  //! One token for each of `slots`: logits [slots.size(), vocab].
+  std::vector<float> decode(const std::vector<int>& slots, std::span<const std::int32_t> ids) {
+    if (ids.size() != slots.size()) throw error("tp_device_model::decode: one token id per sequence");
+    check_call(ids);
+    return on_ranks([&](rank_model_t& m) { return m.decode(slots, ids); });
+  }
+  //! The CED prefill (device_model::prefill_ced) on every rank.
+  std::vector<float> prefill_ced(int slot, std::span<const std::int32_t> ids) {
+    check_call(ids);
+    return on_ranks([&](rank_model_t& m) { return m.prefill_ced(slot, ids); });
+  }
+
+ private:
+  std::shared_ptr<const void> keep_;
+  std::vector<std::unique_ptr<device_collectives>> comms_;
+  std::vector<int> devices_;
+  std::vector<std::unique_ptr<rank_model_t>> ranks_;
+  bool broken_ = false;
+
+  void check_usable() const {
+    if (broken_)
+      throw error("tp_device_model: a rank failed inside an earlier call and the collectives were abandoned; "
+                  "build the model again");
+  }
+  void check_call(std::span<const std::int32_t> ids) const {
+    check_usable();
+    if (ids.empty()) throw error("tp_device_model: no tokens");
+    for (std::int32_t id : ids)
+      if (id < 0 || id >= Model::dims.vocab_size)
+        throw error("tp_device_model: token id " + std::to_string(id) + " outside the vocabulary of " +
+                    std::to_string(Model::dims.vocab_size));
+  }
+  template <class F>
+  auto on_device(int r, F&& f) {
+    int previous = 0;
+    DSV4_CUDA_CHECK(cudaGetDevice(&previous));
+    DSV4_CUDA_CHECK(cudaSetDevice(devices_[std::size_t(r)]));
+    struct restore {
+      int d;
+      ~restore() { (void)cudaSetDevice(d); }
+    } back{previous};
+    return f();
+  }
+
+  //! Runs `call(rank model)` on every rank, rank r on a thread of its own with devices[r]
+  //! current; returns rank 0's result after checking every rank's is the same. A failure: the
+  //! first error that is a rank's own (not "another rank failed") is rethrown once every rank has
+  //! returned.
+  template <class Call>
+  std::vector<float> on_ranks(Call&& call) {
+    const int W = world();
+    std::vector<std::vector<float>> out(static_cast<std::size_t>(W));
+    std::vector<std::exception_ptr> failure(static_cast<std::size_t>(W));
+    auto run = [&](int r) {
+      try {
+        DSV4_CUDA_CHECK(cudaSetDevice(devices_[std::size_t(r)]));
+        out[std::size_t(r)] = call(*ranks_[std::size_t(r)]);
+      } catch (...) {
+        failure[std::size_t(r)] = std::current_exception();
+      }
+    };
+    {
+      std::vector<std::jthread> threads;
+      for (int r = 1; r < W; ++r) threads.emplace_back(run, r);
+      on_device(0, [&] { run(0); });
+    }
+    std::exception_ptr first;
+    bool any = false;
+    for (int r = 0; r < W && !first; ++r)
+      if (failure[std::size_t(r)]) {
+        any = true;
+        try {
+          std::rethrow_exception(failure[std::size_t(r)]);
+        } catch (const std::exception& e) {
+          if (std::string(e.what()).find("another rank failed") == std::string::npos) first = failure[std::size_t(r)];
+        } catch (...) {
+          first = failure[std::size_t(r)];
+        }
+      }
+    if (any) {
+      // Errors every rank raises before its first collective (a full page pool, a busy slot:
+      // the same replicated state) leave the model usable; a rank that failed inside a call
+      // abandoned the collectives.
+      for (const auto& c : comms_) broken_ = broken_ || c->abandoned();
+      std::rethrow_exception(first ? first : failure[0]);
+    }
+    for (int r = 1; r < W; ++r)
+      if (out[std::size_t(r)].size() != out[0].size() ||
+          std::memcmp(out[std::size_t(r)].data(), out[0].data(), out[0].size() * sizeof(float)) != 0) {
+        broken_ = true;
+        throw error("tp_device_model: rank " + std::to_string(r) + " holds other logits than rank 0 (the ranks' replicated state diverged)");
+      }
+    return std::move(out[0]);
+  }
+};
+
+}  // namespace dsv4::parallel
