@@ -50,7 +50,7 @@ class device_collectives {
 
   //! model.py's sum after a row-parallel layer: out <- bf16(sum over ranks of fp32(partial)),
   //! through `scratch` [n] floats. `out` may be `partial`.
-  void all_reduce_partials(const numerics::bf16* partial, float* scratch, numerics::bf16* out, std::size_t n,
+  virtual void all_reduce_partials(const numerics::bf16* partial, float* scratch, numerics::bf16* out, std::size_t n,
                            cudaStream_t stream) {
     if (n == 0) return;
     if (!partial || !scratch || !out) throw error("device_collectives::all_reduce_partials: null buffer");
