@@ -140,6 +140,11 @@ void check_expert_slices(const moe_case& c, const bf16* dx, const std::uint8_t* 
     wr.w1 = w1.data(), wr.w1_s = w1s.data(), wr.w3 = w3.data(), wr.w3_s = w3s.data(), wr.w2 = w2.data(), wr.w2_s = w2s.data();
     moe::moe_workspace rank_ws(ws.shape(), ws.max_tokens());
     rank_ws.expert_out.fill_bytes(0xFF);  // NaN: a row the rank should not read
+    // The shared expert's buffers, which cuBLAS writes with bulk (TMA) stores at prefill sizes:
+    // initcheck does not see those (it flagged SwiGLU's reads of sg on the H200), so poison them as
+    // check_moe does; a row left unwritten would then show as NaN in the rank's shared output,
+    // which must equal the unsliced call's (every rank computes the shared expert the same way).
+    for (auto* b : {&rank_ws.sg, &rank_ws.su, &rank_ws.shared_out}) b->fill_bytes(0xFF);
     routed.fill_bytes(0xFF);             // NaN: every routed sum must be written
     moe::moe_forward(dx, c.tokens, dimg, wr, nullptr, rank_ws, nullptr, blas, c.host_sync, {e0, count, routed.data()});
     DSV4_CUDA_CHECK(cudaDeviceSynchronize());
@@ -168,6 +173,11 @@ void check_expert_slices(const moe_case& c, const bf16* dx, const std::uint8_t* 
       }
     }
     empty_ranks += rows == 0;
+    const auto rank_shared = rank_ws.shared_out.download();
+    std::size_t shared_differ = 0;
+    for (std::size_t i = 0; i < n; ++i) shared_differ += rank_shared[i].bits != shared_out[i].bits;
+    BOOST_TEST(shared_differ == 0u, "rank " << r << " of " << c.ranks << ": " << shared_differ
+                                            << " shared-expert outputs differ from the unsliced call's");
     BOOST_TEST(differ == 0u, "rank " << r << " of " << c.ranks << " (experts " << e0 << " .. " << e0 + count - 1 << ", "
                                      << rows << " rows): " << differ << " routed sums differ from its experts' outputs");
   }
