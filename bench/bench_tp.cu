@@ -47,7 +47,8 @@ struct options {
 //! Cosine similarity of two logit vectors.
 double cosine(const std::vector<float>& a, const std::vector<float>& b) {
   double ab = 0, aa = 0, bb = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) ab += double(a[i]) * b[i], aa += double(a[i]) * a[i], bb += double(b[i]) * b[i];
+  for (std::size_t i = 0; i < a.size(); ++i)
+    ab += double(a[i]) * b[i], aa += double(a[i]) * a[i], bb += double(b[i]) * b[i];
   return ab / std::sqrt(aa * bb);
 }
 
@@ -63,9 +64,12 @@ int run(FILE* jf, const options& opt) {
     return 2;
   }
   std::vector<std::int64_t> token_map(std::size_t(c.vocab_size));
-  for (std::size_t i = 0; i < token_map.size(); ++i) token_map[i] = std::int64_t(i % std::size_t(c.engram.engram_compressed_vocab_size));
+  for (std::size_t i = 0; i < token_map.size(); ++i)
+    token_map[i] = std::int64_t(i % std::size_t(c.engram.engram_compressed_vocab_size));
   const bool tiny = std::string(Model::name) == models::tiny::name;
-  const std::vector<int> prompts = !opt.prompts.empty() ? opt.prompts : tiny ? std::vector<int>{64, 512} : std::vector<int>{8192};
+  const std::vector<int> prompts = !opt.prompts.empty() ? opt.prompts
+                                   : tiny               ? std::vector<int>{64, 512}
+                                                        : std::vector<int>{8192};
   const std::vector<int> batches = !opt.batches.empty() ? opt.batches : std::vector<int>{1, 8, 32};
   const int context = opt.decode_context > 0 ? opt.decode_context : tiny ? 256 : 4096, steps = tiny ? 8 : 16;
   typename model::device_model<Model>::limits lim;
@@ -74,7 +78,8 @@ int run(FILE* jf, const options& opt) {
   lim.max_tokens = std::max<long long>(lim.max_rows, context + steps + 1), lim.page_tokens = 256;
 
   auto t0 = clock::now();
-  io::checkpoint ck = io::random_checkpoint_in_memory(models::checkpoint_schema<Model>(), 1, io::random_init::scaled);
+  io::checkpoint ck =
+      io::random_checkpoint_in_memory(models::checkpoint_schema<Model>(), 1, io::random_init::scaled);
   std::printf("model %s: random checkpoint made in memory in %.1f s\n", Model::name, seconds_since(t0));
   t0 = clock::now();
   std::optional<model::device_model<Model>> one;
@@ -98,19 +103,22 @@ int run(FILE* jf, const options& opt) {
   (void)ceiling;
 
   std::vector<std::int32_t> ids(std::size_t(lim.max_tokens));
-  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = std::int32_t((i * 7919 + 13) % std::size_t(c.vocab_size));
-  std::printf("\n%-10s %7s %6s %12s %12s %9s %7s %9s\n", "what", "tokens", "batch", "1 GPU tok/s", "W GPUs tok/s", "speedup",
-              "ratio", "cosine");
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    ids[i] = std::int32_t((i * 7919 + 13) % std::size_t(c.vocab_size));
+  std::printf("\n%-10s %7s %6s %12s %12s %9s %7s %9s\n", "what", "tokens", "batch", "1 GPU tok/s",
+              "W GPUs tok/s", "speedup", "ratio", "cosine");
   bool first_row = true;
-  auto row = [&](const char* what, long long tokens, int batch, double s1, double sw, long long work, double cos) {
+  auto row = [&](const char* what, long long tokens, int batch, double s1, double sw, long long work,
+                 double cos) {
     const double speedup = s1 / sw;
-    std::printf("%-10s %7lld %6d %12.1f %12.1f %8.2fx %6.1f%% %9.6f\n", what, tokens, batch, work / s1, work / sw, speedup,
-                100 * speedup / W, cos);
+    std::printf("%-10s %7lld %6d %12.1f %12.1f %8.2fx %6.1f%% %9.6f\n", what, tokens, batch, work / s1,
+                work / sw, speedup, 100 * speedup / W, cos);
     if (jf)
-      std::fprintf(jf,
-                   "%s{\"model\": \"%s\", \"what\": \"%s\", \"world\": %d, \"tokens\": %lld, \"batch\": %d, "
-                   "\"one_gpu_seconds\": %.6f, \"tp_seconds\": %.6f, \"speedup\": %.4f, \"logits_cosine\": %.6f}",
-                   first_row ? "" : ",\n", Model::name, what, W, tokens, batch, s1, sw, speedup, cos);
+      std::fprintf(
+          jf,
+          "%s{\"model\": \"%s\", \"what\": \"%s\", \"world\": %d, \"tokens\": %lld, \"batch\": %d, "
+          "\"one_gpu_seconds\": %.6f, \"tp_seconds\": %.6f, \"speedup\": %.4f, \"logits_cosine\": %.6f}",
+          first_row ? "" : ",\n", Model::name, what, W, tokens, batch, s1, sw, speedup, cos);
     first_row = false;
   };
   // Prefill (exact), one sequence; the first call of each model warms up.
@@ -167,15 +175,22 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       const bool has_value = i + 1 < argc;
-      if (a == "--json" && has_value) json = argv[++i];
-      else if (a == "--v41-width") v41 = true;
-      else if (a == "--world" && has_value) opt.world = bench::int_list(a, argv[++i]).at(0);
-      else if (a == "--prompts" && has_value) opt.prompts = bench::int_list(a, argv[++i]);
-      else if (a == "--batches" && has_value) opt.batches = bench::int_list(a, argv[++i]);
-      else if (a == "--decode-context" && has_value) opt.decode_context = bench::int_list(a, argv[++i]).at(0);
+      if (a == "--json" && has_value)
+        json = argv[++i];
+      else if (a == "--v41-width")
+        v41 = true;
+      else if (a == "--world" && has_value)
+        opt.world = bench::int_list(a, argv[++i]).at(0);
+      else if (a == "--prompts" && has_value)
+        opt.prompts = bench::int_list(a, argv[++i]);
+      else if (a == "--batches" && has_value)
+        opt.batches = bench::int_list(a, argv[++i]);
+      else if (a == "--decode-context" && has_value)
+        opt.decode_context = bench::int_list(a, argv[++i]).at(0);
       else {
-        std::fprintf(stderr, "usage: bench_tp [--v41-width] [--world W] [--prompts N,N..] [--batches B,B..] "
-                             "[--decode-context N] [--json FILE]\n");
+        std::fprintf(stderr,
+                     "usage: bench_tp [--v41-width] [--world W] [--prompts N,N..] [--batches B,B..] "
+                     "[--decode-context N] [--json FILE]\n");
         return 2;
       }
     }

@@ -21,8 +21,8 @@ struct v41_width : dsv4::models::v41_flash {
     d.engram.engram_vocab_size = 100000;
     return d;
   }();
-  static constexpr std::array<long long, 2> engram_num_embeddings =
-      dsv4::engram::table_rows<2>(dims.engram.engram_vocab_size, dims.engram.engram_max_ngram_size, dims.engram.engram_n_heads);
+  static constexpr std::array<long long, 2> engram_num_embeddings = dsv4::engram::table_rows<2>(
+      dims.engram.engram_vocab_size, dims.engram.engram_max_ngram_size, dims.engram.engram_n_heads);
 };
 
 }  // namespace bench_variants

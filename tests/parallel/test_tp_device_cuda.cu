@@ -119,14 +119,16 @@ std::vector<std::vector<float>> simulate_calls(const parallel::tp_model<tiny>& t
   return out;
 }
 
-logit_stats compare_calls(const std::vector<std::vector<float>>& got, const std::vector<std::vector<float>>& want) {
+logit_stats compare_calls(const std::vector<std::vector<float>>& got,
+                          const std::vector<std::vector<float>>& want) {
   const std::size_t V = std::size_t(tiny::dims.vocab_size);
   logit_stats st;
   BOOST_REQUIRE_EQUAL(got.size(), want.size());
   for (std::size_t c = 0; c < got.size(); ++c) {
     BOOST_REQUIRE_EQUAL(got[c].size(), want[c].size());
     for (std::size_t r = 0; r < got[c].size() / V; ++r)
-      st.add(std::span<const float>(got[c]).subspan(r * V, V), std::span<const float>(want[c]).subspan(r * V, V));
+      st.add(std::span<const float>(got[c]).subspan(r * V, V),
+             std::span<const float>(want[c]).subspan(r * V, V));
   }
   return st;
 }
@@ -138,12 +140,19 @@ io::checkpoint tiny_checkpoint(std::uint64_t seed) {
 //! Staged collectives that fail on their `fail_at`-th call (a rank's CUDA or NCCL error, simulated).
 class failing_collectives final : public parallel::device_collectives {
  public:
-  failing_collectives(parallel::host_communicator& comm, int rank, int fail_at) : inner_(comm, rank), left_(fail_at) {}
+  failing_collectives(parallel::host_communicator& comm, int rank, int fail_at)
+      : inner_(comm, rank), left_(fail_at) {}
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
-  void all_reduce_sum(float* v, std::size_t n, cudaStream_t s) override { tick(), inner_.all_reduce_sum(v, n, s); }
-  void all_reduce_sum(numerics::bf16* v, std::size_t n, cudaStream_t s) override { tick(), inner_.all_reduce_sum(v, n, s); }
-  void all_gather(const float* p, std::size_t n, float* o, cudaStream_t s) override { tick(), inner_.all_gather(p, n, o, s); }
+  void all_reduce_sum(float* v, std::size_t n, cudaStream_t s) override {
+    tick(), inner_.all_reduce_sum(v, n, s);
+  }
+  void all_reduce_sum(numerics::bf16* v, std::size_t n, cudaStream_t s) override {
+    tick(), inner_.all_reduce_sum(v, n, s);
+  }
+  void all_gather(const float* p, std::size_t n, float* o, cudaStream_t s) override {
+    tick(), inner_.all_gather(p, n, o, s);
+  }
 
  private:
   void release_others() override { inner_.abandon(); }
@@ -158,7 +167,8 @@ class failing_collectives final : public parallel::device_collectives {
 
 BOOST_AUTO_TEST_SUITE(tp_device_cuda)
 
-BOOST_AUTO_TEST_CASE(world_of_one_equals_the_device_model, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+BOOST_AUTO_TEST_CASE(world_of_one_equals_the_device_model,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   io::checkpoint full = tiny_checkpoint(81);
   const auto map = identity_map();
   const auto hm = model::host_model<tiny>::load(full, map);
@@ -170,7 +180,8 @@ BOOST_AUTO_TEST_CASE(world_of_one_equals_the_device_model, *utf::label("gpu") * 
   for (std::size_t c = 0; c < got.size(); ++c) BOOST_TEST(bits_differ(got[c], want[c]) == 0u, "call " << c);
 }
 
-BOOST_AUTO_TEST_CASE(two_ranks_on_one_gpu_follow_the_simulation, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+BOOST_AUTO_TEST_CASE(two_ranks_on_one_gpu_follow_the_simulation,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   io::checkpoint full = tiny_checkpoint(82);
   const auto map = identity_map();
   const auto tp = parallel::tp_model<tiny>::load(full, map, 2);
@@ -182,10 +193,11 @@ BOOST_AUTO_TEST_CASE(two_ranks_on_one_gpu_follow_the_simulation, *utf::label("gp
     const auto got = run_calls(two, salt);
     const auto sim = compare_calls(got, simulate_calls(tp, salt));
     const auto single = compare_calls(got, run_calls(dm, salt));
-    BOOST_TEST_MESSAGE("2 ranks on one GPU, salt " << salt << ": vs the host simulation worst " << sim.worst << ", cosine >= "
-                                                   << sim.min_cosine << ", argmax " << sim.argmax_same << "/" << sim.rows
-                                                   << "; vs the one-GPU device model worst " << single.worst << ", cosine >= "
-                                                   << single.min_cosine << ", argmax " << single.argmax_same << "/" << single.rows);
+    BOOST_TEST_MESSAGE("2 ranks on one GPU, salt "
+                       << salt << ": vs the host simulation worst " << sim.worst
+                       << ", cosine >= " << sim.min_cosine << ", argmax " << sim.argmax_same << "/"
+                       << sim.rows << "; vs the one-GPU device model worst " << single.worst << ", cosine >= "
+                       << single.min_cosine << ", argmax " << single.argmax_same << "/" << single.rows);
     // test_device_model_cuda's bounds for the CUDA model against the host model.
     BOOST_TEST(sim.min_cosine > 0.95);
     BOOST_TEST(sim.argmax_same * 10 >= sim.rows * 6);
@@ -196,7 +208,8 @@ BOOST_AUTO_TEST_CASE(two_ranks_on_one_gpu_follow_the_simulation, *utf::label("gp
   }
 }
 
-BOOST_AUTO_TEST_CASE(a_failing_rank_releases_the_other, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+BOOST_AUTO_TEST_CASE(a_failing_rank_releases_the_other,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   io::checkpoint full = tiny_checkpoint(83);
   const auto tp = parallel::tp_model<tiny>::load(full, identity_map(), 2);
   auto comm = std::make_shared<parallel::host_communicator>(2);
@@ -211,7 +224,8 @@ BOOST_AUTO_TEST_CASE(a_failing_rank_releases_the_other, *utf::label("gpu") * utf
   BOOST_TEST(test::throws_with([&] { two.prefill(slot, ids); }, "build the model again"));
 }
 
-BOOST_AUTO_TEST_CASE(bad_inputs_are_refused, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+BOOST_AUTO_TEST_CASE(bad_inputs_are_refused,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   io::checkpoint full = tiny_checkpoint(84);
   const auto tp = parallel::tp_model<tiny>::load(full, identity_map(), 2);
   auto two = parallel::tp_device_model<tiny>::staged(tp, tiny_limits());
@@ -222,16 +236,19 @@ BOOST_AUTO_TEST_CASE(bad_inputs_are_refused, *utf::label("gpu") * utf::precondit
   BOOST_TEST(!two.broken());
   const auto ids = random_ids(4, 10);
   BOOST_TEST(two.prefill(slot, ids).size() == std::size_t(tiny::dims.vocab_size));  // still usable
-  BOOST_TEST(test::throws_with([&] { two.prefill(slot, ids); }, "already holds"));  // every rank refuses alike
+  BOOST_TEST(
+      test::throws_with([&] { two.prefill(slot, ids); }, "already holds"));  // every rank refuses alike
   BOOST_TEST(!two.broken());
   // A shard of another world, and collectives of another rank.
   parallel::host_communicator one(1);
   parallel::staged_collectives c1(one, 0);
-  BOOST_TEST(test::throws_with([&] { model::device_model<tiny>(tp.ranks[0], tiny_limits(), c1); }, "rank 0 of 2"));
+  BOOST_TEST(
+      test::throws_with([&] { model::device_model<tiny>(tp.ranks[0], tiny_limits(), c1); }, "rank 0 of 2"));
   const auto tp1 = parallel::tp_model<tiny>::load(full, identity_map(), 1);
   parallel::host_communicator pair(2);
   parallel::staged_collectives c2(pair, 0);
-  BOOST_TEST(test::throws_with([&] { model::device_model<tiny>(tp1.ranks[0], tiny_limits(), c2); }, "rank 0 of 1"));
+  BOOST_TEST(
+      test::throws_with([&] { model::device_model<tiny>(tp1.ranks[0], tiny_limits(), c2); }, "rank 0 of 1"));
 }
 
 #if DSV4_TEST_NCCL
@@ -247,7 +264,8 @@ struct has_cuda_devices {
 };
 }  // namespace
 
-BOOST_AUTO_TEST_CASE(nccl_equals_staged_multigpu, *utf::label("multigpu") * utf::precondition(has_cuda_devices{2})) {
+BOOST_AUTO_TEST_CASE(nccl_equals_staged_multigpu,
+                     *utf::label("multigpu") * utf::precondition(has_cuda_devices{2})) {
   io::checkpoint full = tiny_checkpoint(85);
   const auto tp = parallel::tp_model<tiny>::load(full, identity_map(), 2);
   auto staged = parallel::tp_device_model<tiny>::staged(tp, tiny_limits());
@@ -256,9 +274,10 @@ BOOST_AUTO_TEST_CASE(nccl_equals_staged_multigpu, *utf::label("multigpu") * utf:
     const auto want = run_calls(staged, salt), got = run_calls(nccl, salt);
     BOOST_REQUIRE_EQUAL(got.size(), want.size());
     std::size_t differ = 0, total = 0;
-    for (std::size_t c = 0; c < got.size(); ++c) differ += bits_differ(got[c], want[c]), total += got[c].size();
-    BOOST_TEST_MESSAGE("2 ranks over NCCL vs staged on one GPU, salt " << salt << ": " << differ << " of " << total
-                                                                       << " logits differ");
+    for (std::size_t c = 0; c < got.size(); ++c)
+      differ += bits_differ(got[c], want[c]), total += got[c].size();
+    BOOST_TEST_MESSAGE("2 ranks over NCCL vs staged on one GPU, salt " << salt << ": " << differ << " of "
+                                                                       << total << " logits differ");
     BOOST_TEST(differ == 0u);
   }
 }

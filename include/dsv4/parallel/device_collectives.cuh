@@ -50,8 +50,8 @@ class device_collectives {
 
   //! model.py's sum after a row-parallel layer: out <- bf16(sum over ranks of fp32(partial)),
   //! through `scratch` [n] floats. `out` may be `partial`.
-  virtual void all_reduce_partials(const numerics::bf16* partial, float* scratch, numerics::bf16* out, std::size_t n,
-                           cudaStream_t stream) {
+  virtual void all_reduce_partials(const numerics::bf16* partial, float* scratch, numerics::bf16* out,
+                                   std::size_t n, cudaStream_t stream) {
     if (n == 0) return;
     if (!partial || !scratch || !out) throw error("device_collectives::all_reduce_partials: null buffer");
     numerics::widen_to_fp32(partial, scratch, static_cast<long long>(n), stream);
@@ -75,7 +75,8 @@ class staged_collectives final : public device_collectives {
  public:
   staged_collectives(host_communicator& comm, int rank) : comm_(comm), rank_(rank) {
     if (rank < 0 || rank >= comm.world())
-      throw error("staged_collectives: rank " + std::to_string(rank) + " of world size " + std::to_string(comm.world()));
+      throw error("staged_collectives: rank " + std::to_string(rank) + " of world size " +
+                  std::to_string(comm.world()));
   }
   int rank() const override { return rank_; }
   int size() const override { return comm_.world(); }
@@ -91,7 +92,8 @@ class staged_collectives final : public device_collectives {
     up(v, host.data(), host.size(), stream);
   }
   void all_gather(const float* part, std::size_t n, float* out, cudaStream_t stream) override {
-    if (!out && n) throw error("staged_collectives::all_gather: null output on rank " + std::to_string(rank_));
+    if (!out && n)
+      throw error("staged_collectives::all_gather: null output on rank " + std::to_string(rank_));
     auto host = down(part, n, stream, "all_gather");
     const auto all = comm_.all_gather(rank_, host);
     up(out, all.data(), all.size(), stream);
@@ -103,7 +105,9 @@ class staged_collectives final : public device_collectives {
   //! The device values [n], copied into the staging buffer once the stream has reached this point.
   template <class T>
   std::span<T> down(const T* v, std::size_t n, cudaStream_t stream, const char* what) {
-    if (!v && n) throw error(std::string("staged_collectives::") + what + ": null buffer on rank " + std::to_string(rank_));
+    if (!v && n)
+      throw error(std::string("staged_collectives::") + what + ": null buffer on rank " +
+                  std::to_string(rank_));
     reserve(n * sizeof(T) * std::size_t(size()));
     T* h = reinterpret_cast<T*>(staging_.data());
     if (n) DSV4_CUDA_CHECK(cudaMemcpyAsync(h, v, n * sizeof(T), cudaMemcpyDeviceToHost, stream));

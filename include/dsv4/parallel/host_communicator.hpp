@@ -36,7 +36,8 @@ class host_communicator {
 
   //! bf16 sum: v <- bf16(...bf16(v_0 + v_1) + ... + v_{W-1}), each addition in fp32 rounded to bf16.
   void all_reduce_bf16(int rank, std::span<bf16> v) {
-    sum_in_rank_order(rank, v, [](bf16 acc, bf16 x) { return bf16::from_float(acc.to_float() + x.to_float()); });
+    sum_in_rank_order(rank, v,
+                      [](bf16 acc, bf16 x) { return bf16::from_float(acc.to_float() + x.to_float()); });
   }
 
   //! bf16 scores kept as floats (every value a bf16 value, -inf allowed): the bf16 sum above.

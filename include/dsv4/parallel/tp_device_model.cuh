@@ -53,23 +53,27 @@ class tp_device_model {
 
   //! Rank r on devices[r] with collectives comms[r] (comms[r]->rank() == r); `keep` holds what the
   //! collectives need alive (an NCCL world), released after the models.
-  tp_device_model(const tp_model<Model>& m, const limits& lim, std::vector<std::unique_ptr<device_collectives>> comms,
-                  std::vector<int> devices, std::shared_ptr<const void> keep)
+  tp_device_model(const tp_model<Model>& m, const limits& lim,
+                  std::vector<std::unique_ptr<device_collectives>> comms, std::vector<int> devices,
+                  std::shared_ptr<const void> keep)
       : keep_(std::move(keep)), comms_(std::move(comms)), devices_(std::move(devices)) {
     const int W = m.world();
     if (W < 1 || comms_.size() != std::size_t(W) || devices_.size() != std::size_t(W))
-      throw error("tp_device_model: " + std::to_string(W) + " ranks need as many collectives and devices (got " +
-                  std::to_string(comms_.size()) + " and " + std::to_string(devices_.size()) + ")");
+      throw error("tp_device_model: " + std::to_string(W) +
+                  " ranks need as many collectives and devices (got " + std::to_string(comms_.size()) +
+                  " and " + std::to_string(devices_.size()) + ")");
     for (int r = 0; r < W; ++r)
-      if (!comms_[std::size_t(r)] || comms_[std::size_t(r)]->rank() != r || comms_[std::size_t(r)]->size() != W)
-        throw error("tp_device_model: the collectives of rank " + std::to_string(r) + " are not rank " + std::to_string(r) +
-                    " of " + std::to_string(W));
+      if (!comms_[std::size_t(r)] || comms_[std::size_t(r)]->rank() != r ||
+          comms_[std::size_t(r)]->size() != W)
+        throw error("tp_device_model: the collectives of rank " + std::to_string(r) + " are not rank " +
+                    std::to_string(r) + " of " + std::to_string(W));
     int previous = 0;
     DSV4_CUDA_CHECK(cudaGetDevice(&previous));
     try {
       for (int r = 0; r < W; ++r) {
         DSV4_CUDA_CHECK(cudaSetDevice(devices_[std::size_t(r)]));
-        ranks_.push_back(std::make_unique<rank_model_t>(m.ranks[std::size_t(r)], lim, *comms_[std::size_t(r)]));
+        ranks_.push_back(
+            std::make_unique<rank_model_t>(m.ranks[std::size_t(r)], lim, *comms_[std::size_t(r)]));
       }
     } catch (...) {
       (void)cudaSetDevice(previous);
@@ -96,8 +100,8 @@ class tp_device_model {
       const int s = on_device(r, [&] { return ranks_[std::size_t(r)]->add_sequence(); });
       if (s != slot) {
         broken_ = true;
-        throw error("tp_device_model: rank " + std::to_string(r) + " gave slot " + std::to_string(s) + ", rank 0 slot " +
-                    std::to_string(slot) + " (the ranks' sequences diverged)");
+        throw error("tp_device_model: rank " + std::to_string(r) + " gave slot " + std::to_string(s) +
+                    ", rank 0 slot " + std::to_string(slot) + " (the ranks' sequences diverged)");
       }
     }
     return slot;
@@ -139,8 +143,9 @@ class tp_device_model {
 
   void check_usable() const {
     if (broken_)
-      throw error("tp_device_model: a rank failed inside an earlier call and the collectives were abandoned; "
-                  "build the model again");
+      throw error(
+          "tp_device_model: a rank failed inside an earlier call and the collectives were abandoned; "
+          "build the model again");
   }
   void check_call(std::span<const std::int32_t> ids) const {
     check_usable();
@@ -192,7 +197,8 @@ class tp_device_model {
         try {
           std::rethrow_exception(failure[std::size_t(r)]);
         } catch (const std::exception& e) {
-          if (std::string(e.what()).find("another rank failed") == std::string::npos) first = failure[std::size_t(r)];
+          if (std::string(e.what()).find("another rank failed") == std::string::npos)
+            first = failure[std::size_t(r)];
         } catch (...) {
           first = failure[std::size_t(r)];
         }
@@ -208,7 +214,8 @@ class tp_device_model {
       if (out[std::size_t(r)].size() != out[0].size() ||
           std::memcmp(out[std::size_t(r)].data(), out[0].data(), out[0].size() * sizeof(float)) != 0) {
         broken_ = true;
-        throw error("tp_device_model: rank " + std::to_string(r) + " holds other logits than rank 0 (the ranks' replicated state diverged)");
+        throw error("tp_device_model: rank " + std::to_string(r) +
+                    " holds other logits than rank 0 (the ranks' replicated state diverged)");
       }
     return std::move(out[0]);
   }
