@@ -7,8 +7,9 @@
 //    per-rank rounding, so they differ only as the CUDA model differs from the host model
 //    (test_device_model_cuda's bounds), and against the one-GPU device model (model.py's split
 //    rounding: the simulation's bounds, docs/parallel.md);
-//  - a rank that fails inside a call releases the other (no hang), and the model says it is
-//    broken; bad inputs are refused before any rank starts, and leave the model usable;
+//  - a rank that fails inside a call releases the other (no hang), a call that one rank refuses
+//    is cancelled on the other before any collective, and the model says it is broken either
+//    way; inputs every rank refuses alike (bad ids, a busy slot) leave the model usable;
 //  - (NCCL builds, `multigpu`) two ranks on two GPUs over NCCL equal the staged two ranks on one
 //    GPU bit for bit: every sum has two terms, so NCCL's order cannot change it.
 // Decoding is teacher-forced (the same random ids on every side).
@@ -222,6 +223,21 @@ BOOST_AUTO_TEST_CASE(a_failing_rank_releases_the_other,
   BOOST_TEST(test::throws_with([&] { two.prefill(slot, ids); }, "injected failure on rank 1"));
   BOOST_TEST(two.broken());
   BOOST_TEST(test::throws_with([&] { two.prefill(slot, ids); }, "build the model again"));
+}
+
+BOOST_AUTO_TEST_CASE(a_call_one_rank_refuses_is_cancelled,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  io::checkpoint full = tiny_checkpoint(86);
+  const auto tp = parallel::tp_model<tiny>::load(full, identity_map(), 2);
+  auto two = parallel::tp_device_model<tiny>::staged(tp, tiny_limits());
+  const int slot = two.add_sequence();
+  two.rank(1).release_sequence(slot);  // the ranks' state diverges behind the driver's back
+  const auto ids = random_ids(5, 12);
+  // Rank 1 refuses the call while rank 0 has begun it: rank 0 must cancel, not wait in the
+  // embedding's all-reduce for a rank that never comes.
+  BOOST_TEST(test::throws_with([&] { two.prefill(slot, ids); }, "no live sequence in slot"));
+  BOOST_TEST(two.broken());
+  BOOST_TEST(test::throws_with([&] { two.decode({slot}, std::span<const std::int32_t>(ids).first(1)); }, "build the model again"));
 }
 
 BOOST_AUTO_TEST_CASE(bad_inputs_are_refused,

@@ -313,22 +313,65 @@ class device_model {
 
   //! Prefill of a new sequence: fp32 logits [vocab] of its last position.
   std::vector<float> prefill(int slot, std::span<const std::int32_t> ids) {
-    check_ids(ids);
-    stack_->begin_prefill(slot, int(ids.size()));
-    return run({slot}, ids, true);
+    begin_prefill(slot, ids);
+    return finish_call();
   }
   //! A chunk appended to a sequence after its prefill (exact mode): logits [vocab] of its last position.
   std::vector<float> append(int slot, std::span<const std::int32_t> ids) {
-    check_ids(ids);
-    stack_->begin_append(slot, int(ids.size()));
-    return run({slot}, ids, true);
+    begin_append(slot, ids);
+    return finish_call();
   }
   //! One token for each of `slots`: logits [slots.size(), vocab], in the order given.
   std::vector<float> decode(const std::vector<int>& slots, std::span<const std::int32_t> ids) {
+    begin_decode(slots, ids);
+    return finish_call();
+  }
+
+  //! A call in two steps, for tensor-parallel drivers (parallel/tp_device_model.cuh): begin_*
+  //! makes every check of the call and sets up the attention stack's metadata, but joins no
+  //! collective and launches no kernel of the forward; finish_call runs it. The driver lets
+  //! every rank begin, and only if all did, lets them finish (otherwise cancel_call): a call that
+  //! one rank refuses (a full page pool, a bad slot) then never leaves another rank waiting in
+  //! a collective. prefill(slot, ids) == begin_prefill(slot, ids) + finish_call().
+  void begin_prefill(int slot, std::span<const std::int32_t> ids) {
+    check_idle();
+    check_ids(ids);
+    stack_->begin_prefill(slot, int(ids.size()));
+    pending_ = pending_call{pending_call::kind::normal, {slot}, {ids.begin(), ids.end()}, true};
+  }
+  void begin_append(int slot, std::span<const std::int32_t> ids) {
+    check_idle();
+    check_ids(ids);
+    stack_->begin_append(slot, int(ids.size()));
+    pending_ = pending_call{pending_call::kind::normal, {slot}, {ids.begin(), ids.end()}, true};
+  }
+  void begin_decode(const std::vector<int>& slots, std::span<const std::int32_t> ids) {
+    check_idle();
     if (ids.size() != slots.size()) throw error("device_model::decode: one token id per sequence");
     check_ids(ids);
     stack_->begin_decode(slots);
-    return run(slots, ids, false);
+    pending_ = pending_call{pending_call::kind::normal, slots, {ids.begin(), ids.end()}, false};
+  }
+  void begin_prefill_ced(int slot, std::span<const std::int32_t> ids) {
+    static_assert(ced_prefill_possible<sched>(), "device_model::prefill_ced: every decoder KV owner must be the first decoder layer");
+    check_idle();
+    check_ids(ids);
+    stack_->begin_prefill(slot, int(ids.size()));
+    pending_ = pending_call{pending_call::kind::ced, {slot}, {ids.begin(), ids.end()}, true};
+  }
+  //! Runs the begun call: its logits, as prefill / append / decode / prefill_ced return them.
+  std::vector<float> finish_call() {
+    if (!pending_) throw error("device_model::finish_call: no call was begun");
+    const pending_call p = std::move(*pending_);
+    pending_.reset();
+    if (p.what == pending_call::kind::ced) return run_ced(p.slots[0], p.ids);
+    return run(p.slots, p.ids, p.one_sequence);
+  }
+  //! Drops a begun call (its sequences become unusable, as after a failed call: release them).
+  void cancel_call() {
+    if (!pending_) return;
+    pending_.reset();
+    stack_->abort_call();
   }
 
  private:
@@ -364,9 +407,20 @@ class device_model {
   std::optional<kernels::moe::moe_workspace> moe_ws_;
   cublasHandle_t blas_ = nullptr;
   bool moe_host_sync_ = false;  //!< the MoE may synchronize (prefill / append calls, not decode; start())
+  //! A call begun (begin_*) and not yet finished.
+  struct pending_call {
+    enum class kind { normal, ced } what = kind::normal;
+    std::vector<int> slots;
+    std::vector<std::int32_t> ids;
+    bool one_sequence = true;
+  };
+  std::optional<pending_call> pending_;
   layer_observer observe_;
   std::vector<std::vector<std::vector<std::int64_t>>> histories_;  //!< [slot][engram] compressed-id history
 
+  void check_idle() const {
+    if (pending_) throw error("device_model: a begun call was neither finished nor cancelled");
+  }
   void check_ids(std::span<const std::int32_t> ids) const {
     if (ids.empty()) throw error("device_model: no tokens");
     for (std::int32_t id : ids)
@@ -562,11 +616,15 @@ class device_model {
   //! layers over the last `window` tokens (a replay whose windows start there). Logits [vocab] of
   //! the last position.
   std::vector<float> prefill_ced(int slot, std::span<const std::int32_t> ids) {
-    static_assert(ced_prefill_possible<sched>(), "device_model::prefill_ced: every decoder KV owner must be the first decoder layer");
+    begin_prefill_ced(slot, ids);
+    return finish_call();
+  }
+
+ private:
+  //! The CED prefill after begin_prefill_ced.
+  std::vector<float> run_ced(int slot, std::span<const std::int32_t> ids) {
     constexpr int E = sched::encoder_layers;
-    check_ids(ids);
     const long long N = static_cast<long long>(ids.size());
-    stack_->begin_prefill(slot, int(N));
     try {
       start({slot}, ids, true);
       for (int l = 0; l < E; ++l) enter_block(l, N), finish_block(l, N);

@@ -8,7 +8,9 @@
 //!   collective), but it needs no NCCL and lets W ranks share one GPU, so the per-rank device
 //!   model is testable on a one-GPU machine, and its sums are the host simulation's bit for bit.
 //! Every call is collective (all ranks, same order, same counts) and is issued on the rank's
-//! stream; the caller's thread must have the rank's device current (device_model's are).
+//! stream; the caller's thread must have the rank's device current (device_model's are). All
+//! ranks of a world use the same implementation (nccl_collectives picks a different but
+//! bit-equal sum for the partials at two ranks, which every rank must pick alike).
 
 #include <cuda_runtime.h>
 
@@ -42,6 +44,7 @@ class device_collectives {
   //! Called by a rank whose call failed, before it returns: the other ranks' collectives, now or
   //! next, fail instead of waiting for it. The collectives are unusable afterwards.
   void abandon() {
+    if (abandoned_) return;  // once: a second barrier drop would release a rank twice
     abandoned_ = true;
     release_others();
   }

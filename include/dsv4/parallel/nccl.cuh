@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -54,6 +55,13 @@ inline int& group_depth() {
   thread_local int depth = 0;
   return depth;
 }
+//! Serializes a rank's NCCL calls with the world's abort (nccl_world::abort, from another rank's
+//! thread): ncclCommAbort frees the communicator, so no call may be inside NCCL with it then, and
+//! none may start after (it throws instead).
+struct rank_guard {
+  std::mutex m;
+  bool aborted = false;  //!< under m
+};
 //! Makes `device` current for a scope (a thread may drive several ranks) and restores the
 //! previous one.
 class device_scope {
@@ -78,8 +86,8 @@ class device_scope {
 //! it came from must outlive it.
 class nccl_rank {
  public:
-  nccl_rank(ncclComm_t comm, int rank, int size, int device)
-      : comm_(comm), rank_(rank), size_(size), device_(device) {}
+  nccl_rank(ncclComm_t comm, int rank, int size, int device, nccl_detail::rank_guard* guard = nullptr)
+      : comm_(comm), rank_(rank), size_(size), device_(device), guard_(guard) {}
   int rank() const { return rank_; }
   int size() const { return size_; }
   int device() const { return device_; }
@@ -88,6 +96,7 @@ class nccl_rank {
   //! v <- the sum over ranks of v (in place), fp32.
   void all_reduce_sum(float* v, std::size_t n, cudaStream_t stream) const {
     check_pointer(v, n, "all_reduce_sum (fp32)");
+    const auto held = hold("all_reduce_sum (fp32)");
     const nccl_detail::device_scope on(device_);
     nccl_check(ncclAllReduce(v, v, n, ncclFloat32, ncclSum, comm_, stream),
                where("all_reduce_sum (fp32)", n));
@@ -95,6 +104,7 @@ class nccl_rank {
   //! v <- the sum over ranks of v (in place), bf16: each addition rounds to bf16.
   void all_reduce_sum(numerics::bf16* v, std::size_t n, cudaStream_t stream) const {
     check_pointer(v, n, "all_reduce_sum (bf16)");
+    const auto held = hold("all_reduce_sum (bf16)");
     const nccl_detail::device_scope on(device_);
     nccl_check(ncclAllReduce(v, v, n, ncclBfloat16, ncclSum, comm_, stream),
                where("all_reduce_sum (bf16)", n));
@@ -103,6 +113,7 @@ class nccl_rank {
   void all_gather(const float* part, std::size_t n, float* out, cudaStream_t stream) const {
     check_pointer(part, n, "all_gather (part)");
     check_pointer(out, n, "all_gather (out)");
+    const auto held = hold("all_gather");
     const nccl_detail::device_scope on(device_);
     nccl_check(ncclAllGather(part, out, n, ncclFloat32, comm_, stream), where("all_gather", n));
   }
@@ -130,6 +141,15 @@ class nccl_rank {
     return std::string(call) + " of " + std::to_string(n) + " elements on rank " + std::to_string(rank_) +
            " of " + std::to_string(size_) + " (device " + std::to_string(device_) + ")";
   }
+  //! The rank's guard, held for one NCCL call; throws if the world was aborted.
+  std::unique_lock<std::mutex> hold(const char* call) const {
+    if (!guard_) return {};
+    std::unique_lock<std::mutex> lock(guard_->m);
+    if (guard_->aborted)
+      throw error(std::string("NCCL ") + call + " on rank " + std::to_string(rank_) +
+                  ": another rank failed and the world was aborted");
+    return lock;
+  }
   void check_pointer(const void* p, std::size_t n, const char* what) const {
     if (!p && n > 0)
       throw error(std::string("nccl_rank::") + what + ": null buffer on rank " + std::to_string(rank_));
@@ -137,6 +157,7 @@ class nccl_rank {
 
   ncclComm_t comm_;
   int rank_, size_, device_;
+  nccl_detail::rank_guard* guard_;
 };
 
 //! The communicators of one process over a list of devices (rank i on devices[i]).
@@ -156,7 +177,11 @@ class nccl_world {
     // See the file comment. setenv changes the process's environment: create worlds before
     // starting threads that read it.
     setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
+    // Connections made at init, not lazily at a first collective: a rank's enqueue then never
+    // waits for a peer while holding its guard, so abort() cannot wait behind a failed rank.
+    setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
     comms_.resize(devices_.size());
+    for (std::size_t i = 0; i < devices_.size(); ++i) guards_.push_back(std::make_unique<nccl_detail::rank_guard>());
     nccl_check(ncclCommInitAll(comms_.data(), int(devices_.size()), devices_.data()),
                "ncclCommInitAll over " + std::to_string(devices_.size()) + " devices");
   }
@@ -167,7 +192,7 @@ class nccl_world {
     return nccl_world(std::move(d));
   }
   nccl_world(nccl_world&& o) noexcept
-      : devices_(std::move(o.devices_)), comms_(std::move(o.comms_)), aborted_(o.aborted_) {
+      : devices_(std::move(o.devices_)), comms_(std::move(o.comms_)), guards_(std::move(o.guards_)), aborted_(o.aborted_) {
     o.comms_.clear();
   }
   nccl_world(const nccl_world&) = delete;
@@ -181,10 +206,16 @@ class nccl_world {
   //! Aborts every communicator: the collectives other ranks' threads wait in return (with an
   //! error) instead of waiting forever for a rank that failed. The world is unusable afterwards.
   //! Safe to call from any thread, once or more.
+  //! Each rank's communicator is aborted under its guard: a call in progress on another thread
+  //! finishes its enqueue first, later calls throw ("another rank failed").
   void abort() const {
     std::call_once(abort_once_, [this] {
       aborted_ = true;
-      for (auto c : comms_) (void)ncclCommAbort(c);
+      for (std::size_t i = 0; i < comms_.size(); ++i) {
+        const std::lock_guard lock(guards_[i]->m);
+        guards_[i]->aborted = true;
+        (void)ncclCommAbort(comms_[i]);
+      }
     });
   }
 
@@ -197,12 +228,13 @@ class nccl_world {
   nccl_rank rank(int r) const {
     if (r < 0 || r >= size())
       throw error("nccl_world: rank " + std::to_string(r) + " of " + std::to_string(size()));
-    return nccl_rank(comms_[std::size_t(r)], r, size(), devices_[std::size_t(r)]);
+    return nccl_rank(comms_[std::size_t(r)], r, size(), devices_[std::size_t(r)], guards_[std::size_t(r)].get());
   }
 
  private:
   std::vector<int> devices_;
   std::vector<ncclComm_t> comms_;
+  std::vector<std::unique_ptr<nccl_detail::rank_guard>> guards_;  //!< stable addresses: nccl_rank keeps one
   mutable std::once_flag abort_once_;
   mutable bool aborted_ = false;
 };

@@ -10,14 +10,19 @@
 //! A call returns the full logits, which every rank holds after the head's all-gather (checked: a
 //! rank holding other bits would mean the replicated state diverged).
 //!
-//! Failures. Inputs are checked once, before any rank starts (a bad token id or slot leaves every
-//! rank as it was). A rank that fails inside a call abandons the collectives, so the others fail
-//! too instead of waiting; the model is then unusable (`broken()`, each call says so) and must be
-//! rebuilt, as after a failed NCCL communicator.
+//! Failures. Token ids are checked once, before any rank starts. Every rank then begins the call
+//! (device_model::begin_*: its checks, no collective); a call that every rank refuses alike (a
+//! busy slot, a full page pool) is refused and the model stays usable; one that only some ranks
+//! refuse is cancelled on the others. A rank that fails while running a call abandons the
+//! collectives, so the others fail too instead of waiting. After either, the model is unusable
+//! (`broken()`, each call says so) and must be rebuilt, as after a failed NCCL communicator.
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <exception>
 #include <memory>
 #include <span>
@@ -83,7 +88,16 @@ class tp_device_model {
   }
   tp_device_model(tp_device_model&&) noexcept = default;
   ~tp_device_model() {
-    ranks_.clear();  // before the collectives and what they need
+    // The rank models before the collectives and what they need, each with its device current
+    // (its streams, cuBLAS handles and buffers belong to that device).
+    int previous = 0;
+    const bool known = cudaGetDevice(&previous) == cudaSuccess;
+    for (std::size_t r = 0; r < ranks_.size(); ++r) {
+      (void)cudaSetDevice(devices_[r]);
+      ranks_[r].reset();
+    }
+    if (known) (void)cudaSetDevice(previous);
+    ranks_.clear();
     comms_.clear();
   }
 
@@ -97,7 +111,13 @@ class tp_device_model {
     check_usable();
     const int slot = on_device(0, [&] { return ranks_[0]->add_sequence(); });
     for (int r = 1; r < world(); ++r) {
-      const int s = on_device(r, [&] { return ranks_[std::size_t(r)]->add_sequence(); });
+      int s = -1;
+      try {
+        s = on_device(r, [&] { return ranks_[std::size_t(r)]->add_sequence(); });
+      } catch (...) {
+        broken_ = true;  // ranks 0 .. r - 1 hold a sequence that this one does not
+        throw;
+      }
       if (s != slot) {
         broken_ = true;
         throw error("tp_device_model: rank " + std::to_string(r) + " gave slot " + std::to_string(s) +
@@ -115,23 +135,23 @@ class tp_device_model {
   //! Prefill of a new sequence: fp32 logits [vocab] of its last position.
   std::vector<float> prefill(int slot, std::span<const std::int32_t> ids) {
     check_call(ids);
-    return on_ranks([&](rank_model_t& m) { return m.prefill(slot, ids); });
+    return on_ranks([&](rank_model_t& m) { m.begin_prefill(slot, ids); });
   }
   //! A chunk appended after the prefill (exact mode): logits [vocab] of its last position.
   std::vector<float> append(int slot, std::span<const std::int32_t> ids) {
     check_call(ids);
-    return on_ranks([&](rank_model_t& m) { return m.append(slot, ids); });
+    return on_ranks([&](rank_model_t& m) { m.begin_append(slot, ids); });
   }
   //! One token for each of `slots`: logits [slots.size(), vocab].
   std::vector<float> decode(const std::vector<int>& slots, std::span<const std::int32_t> ids) {
     if (ids.size() != slots.size()) throw error("tp_device_model::decode: one token id per sequence");
     check_call(ids);
-    return on_ranks([&](rank_model_t& m) { return m.decode(slots, ids); });
+    return on_ranks([&](rank_model_t& m) { m.begin_decode(slots, ids); });
   }
   //! The CED prefill (device_model::prefill_ced) on every rank.
   std::vector<float> prefill_ced(int slot, std::span<const std::int32_t> ids) {
     check_call(ids);
-    return on_ranks([&](rank_model_t& m) { return m.prefill_ced(slot, ids); });
+    return on_ranks([&](rank_model_t& m) { m.begin_prefill_ced(slot, ids); });
   }
 
  private:
@@ -142,6 +162,7 @@ class tp_device_model {
   bool broken_ = false;
 
   void check_usable() const {
+    if (ranks_.empty()) throw error("tp_device_model: this model was moved from");
     if (broken_)
       throw error(
           "tp_device_model: a rank failed inside an earlier call and the collectives were abandoned; "
@@ -167,48 +188,94 @@ class tp_device_model {
     return f();
   }
 
-  //! Runs `call(rank model)` on every rank, rank r on a thread of its own with devices[r]
-  //! current; returns rank 0's result after checking every rank's is the same. A failure: the
-  //! first error that is a rank's own (not "another rank failed") is rethrown once every rank has
-  //! returned.
-  template <class Call>
-  std::vector<float> on_ranks(Call&& call) {
+  //! Waits until all `n` threads have arrived, or the wait is cancelled (then false).
+  class rendezvous {
+   public:
+    explicit rendezvous(int n) : left_(n) {}
+    bool arrive_and_wait() {
+      std::unique_lock lock(m_);
+      if (--left_ == 0) cv_.notify_all();
+      cv_.wait(lock, [&] { return left_ <= 0 || cancelled_; });
+      return left_ <= 0;
+    }
+    void cancel() {
+      const std::lock_guard lock(m_);
+      cancelled_ = true;
+      cv_.notify_all();
+    }
+
+   private:
+    std::mutex m_;
+    std::condition_variable cv_;
+    int left_;
+    bool cancelled_ = false;
+  };
+
+  //! One call on every rank, rank r on a thread of its own with devices[r] current (rank 0 on the
+  //! caller's): each rank begins it (`begin(rank model)`: device_model::begin_*, every check, no
+  //! collective); only if every rank began does any finish it (device_model::finish_call), so a
+  //! call that one rank refuses never leaves another waiting in a collective. Returns rank 0's
+  //! logits after checking every rank holds the same bits.
+  //! Failures: refused by every rank with the same message -> rethrown, the model stays usable
+  //! (the ranks' replicated state refuses alike: a busy slot, a full page pool). Refused by some
+  //! ranks only -> the others cancel their begun call, the model is broken. A rank failing while
+  //! it runs the call abandons the collectives (device_model does; here too, for anything else),
+  //! so the others fail instead of waiting; the model is broken; the first error that is a rank's
+  //! own (not "another rank failed") is rethrown once every rank has returned.
+  template <class Begin>
+  std::vector<float> on_ranks(Begin&& begin) {
     const int W = world();
-    std::vector<std::vector<float>> out(static_cast<std::size_t>(W));
-    std::vector<std::exception_ptr> failure(static_cast<std::size_t>(W));
+    const std::size_t n = static_cast<std::size_t>(W);
+    std::vector<std::vector<float>> out(n);
+    std::vector<std::exception_ptr> refused(n), failure(n);
+    rendezvous begun(W);
     auto run = [&](int r) {
+      const std::size_t i = std::size_t(r);
+      rank_model_t& m = *ranks_[i];
       try {
-        DSV4_CUDA_CHECK(cudaSetDevice(devices_[std::size_t(r)]));
-        out[std::size_t(r)] = call(*ranks_[std::size_t(r)]);
+        DSV4_CUDA_CHECK(cudaSetDevice(devices_[i]));
+        begin(m);
       } catch (...) {
-        failure[std::size_t(r)] = std::current_exception();
+        refused[i] = std::current_exception();
+      }
+      if (!begun.arrive_and_wait()) {  // cancelled: not every rank was started
+        if (!refused[i]) m.cancel_call();
+        return;
+      }
+      // Every rank's `refused` is written and visible from here.
+      if (std::any_of(refused.begin(), refused.end(), [](const auto& e) { return bool(e); })) {
+        if (!refused[i]) m.cancel_call();
+        return;
+      }
+      try {
+        out[i] = m.finish_call();
+      } catch (...) {
+        failure[i] = std::current_exception();
+        if (!comms_[i]->abandoned()) comms_[i]->abandon();
       }
     };
     {
       std::vector<std::jthread> threads;
-      for (int r = 1; r < W; ++r) threads.emplace_back(run, r);
+      try {
+        for (int r = 1; r < W; ++r) threads.emplace_back(run, r);
+      } catch (...) {
+        begun.cancel();  // the started ranks cancel their begun call and return
+        broken_ = true;
+        throw;
+      }
       on_device(0, [&] { run(0); });
     }
-    std::exception_ptr first;
-    bool any = false;
-    for (int r = 0; r < W && !first; ++r)
-      if (failure[std::size_t(r)]) {
-        any = true;
-        try {
-          std::rethrow_exception(failure[std::size_t(r)]);
-        } catch (const std::exception& e) {
-          if (std::string(e.what()).find("another rank failed") == std::string::npos)
-            first = failure[std::size_t(r)];
-        } catch (...) {
-          first = failure[std::size_t(r)];
-        }
-      }
-    if (any) {
-      // Errors every rank raises before its first collective (a full page pool, a busy slot:
-      // the same replicated state) leave the model usable; a rank that failed inside a call
-      // abandoned the collectives.
-      for (const auto& c : comms_) broken_ = broken_ || c->abandoned();
-      std::rethrow_exception(first ? first : failure[0]);
+    if (std::any_of(refused.begin(), refused.end(), [](const auto& e) { return bool(e); })) {
+      const std::string first = message(*std::find_if(refused.begin(), refused.end(), [](const auto& e) { return bool(e); }));
+      for (const auto& e : refused)
+        if (!e || message(e) != first) broken_ = true;  // a rank began (and cancelled) or refused otherwise
+      std::rethrow_exception(*std::find_if(refused.begin(), refused.end(), [](const auto& e) { return bool(e); }));
+    }
+    if (std::any_of(failure.begin(), failure.end(), [](const auto& e) { return bool(e); })) {
+      broken_ = true;
+      for (const auto& e : failure)
+        if (e && message(e).find("another rank failed") == std::string::npos) std::rethrow_exception(e);
+      std::rethrow_exception(*std::find_if(failure.begin(), failure.end(), [](const auto& e) { return bool(e); }));
     }
     for (int r = 1; r < W; ++r)
       if (out[std::size_t(r)].size() != out[0].size() ||
@@ -218,6 +285,15 @@ class tp_device_model {
                     " holds other logits than rank 0 (the ranks' replicated state diverged)");
       }
     return std::move(out[0]);
+  }
+  static std::string message(const std::exception_ptr& e) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      return x.what();
+    } catch (...) {
+      return "unknown exception";
+    }
   }
 };
 
