@@ -333,36 +333,41 @@ class device_model {
   //! every rank begin, and only if all did, lets them finish (otherwise cancel_call): a call that
   //! one rank refuses (a full page pool, a bad slot) then never leaves another rank waiting in
   //! a collective. prefill(slot, ids) == begin_prefill(slot, ids) + finish_call().
+  // (Each begin_* copies the call first, so that once the stack has begun, nothing can throw.)
   void begin_prefill(int slot, std::span<const std::int32_t> ids) {
     check_idle();
     check_ids(ids);
+    pending_call p{pending_call::kind::normal, {slot}, {ids.begin(), ids.end()}, true};
     stack_->begin_prefill(slot, int(ids.size()));
-    pending_ = pending_call{pending_call::kind::normal, {slot}, {ids.begin(), ids.end()}, true};
+    pending_ = std::move(p);
   }
   void begin_append(int slot, std::span<const std::int32_t> ids) {
     check_idle();
     check_ids(ids);
+    pending_call p{pending_call::kind::normal, {slot}, {ids.begin(), ids.end()}, true};
     stack_->begin_append(slot, int(ids.size()));
-    pending_ = pending_call{pending_call::kind::normal, {slot}, {ids.begin(), ids.end()}, true};
+    pending_ = std::move(p);
   }
   void begin_decode(const std::vector<int>& slots, std::span<const std::int32_t> ids) {
     check_idle();
     if (ids.size() != slots.size()) throw error("device_model::decode: one token id per sequence");
     check_ids(ids);
+    pending_call p{pending_call::kind::normal, slots, {ids.begin(), ids.end()}, false};
     stack_->begin_decode(slots);
-    pending_ = pending_call{pending_call::kind::normal, slots, {ids.begin(), ids.end()}, false};
+    pending_ = std::move(p);
   }
   void begin_prefill_ced(int slot, std::span<const std::int32_t> ids) {
     static_assert(ced_prefill_possible<sched>(), "device_model::prefill_ced: every decoder KV owner must be the first decoder layer");
     check_idle();
     check_ids(ids);
+    pending_call p{pending_call::kind::ced, {slot}, {ids.begin(), ids.end()}, true};
     stack_->begin_prefill(slot, int(ids.size()));
-    pending_ = pending_call{pending_call::kind::ced, {slot}, {ids.begin(), ids.end()}, true};
+    pending_ = std::move(p);
   }
   //! Runs the begun call: its logits, as prefill / append / decode / prefill_ced return them.
   std::vector<float> finish_call() {
     if (!pending_) throw error("device_model::finish_call: no call was begun");
-    const pending_call p = std::move(*pending_);
+    pending_call p = std::move(*pending_);
     pending_.reset();
     if (p.what == pending_call::kind::ced) return run_ced(p.slots[0], p.ids);
     return run(p.slots, p.ids, p.one_sequence);
