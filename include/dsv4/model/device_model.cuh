@@ -369,7 +369,8 @@ class device_model {
     if (!pending_) throw error("device_model::finish_call: no call was begun");
     pending_call p = std::move(*pending_);
     pending_.reset();
-    if (p.what == pending_call::kind::ced) return run_ced(p.slots[0], p.ids);
+    if constexpr (ced_prefill_possible<sched>())  // (begin_prefill_ced refuses other schedules at compile time)
+      if (p.what == pending_call::kind::ced) return run_ced(p.slots[0], p.ids);
     return run(p.slots, p.ids, p.one_sequence);
   }
   //! Drops a begun call (its sequences become unusable, as after a failed call: release them).

@@ -26,6 +26,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdlib>
 #include <memory>
@@ -55,12 +56,14 @@ inline int& group_depth() {
   thread_local int depth = 0;
   return depth;
 }
-//! Serializes a rank's NCCL calls with the world's abort (nccl_world::abort, from another rank's
-//! thread): ncclCommAbort frees the communicator, so no call may be inside NCCL with it then, and
-//! none may start after (it throws instead).
+//! Set by the world's abort (nccl_world::abort, from a failing rank's thread) before it aborts the
+//! communicators: a rank's later calls throw instead of using an aborted communicator.
+//! (A call already inside NCCL when another thread aborts its communicator is not excluded: a
+//! lock held across the call would let abort() wait forever behind an enqueue that only the
+//! abort can release, as NCCL's host-side waits for a full work queue are. Frameworks that
+//! recover from a failed rank, e.g. a watchdog thread calling ncclCommAbort, accept the same.)
 struct rank_guard {
-  std::mutex m;
-  bool aborted = false;  //!< under m
+  std::atomic<bool> aborted{false};
 };
 //! Makes `device` current for a scope (a thread may drive several ranks) and restores the
 //! previous one.
@@ -96,7 +99,7 @@ class nccl_rank {
   //! v <- the sum over ranks of v (in place), fp32.
   void all_reduce_sum(float* v, std::size_t n, cudaStream_t stream) const {
     check_pointer(v, n, "all_reduce_sum (fp32)");
-    const auto held = hold("all_reduce_sum (fp32)");
+    check_not_aborted("all_reduce_sum (fp32)");
     const nccl_detail::device_scope on(device_);
     nccl_check(ncclAllReduce(v, v, n, ncclFloat32, ncclSum, comm_, stream),
                where("all_reduce_sum (fp32)", n));
@@ -104,7 +107,7 @@ class nccl_rank {
   //! v <- the sum over ranks of v (in place), bf16: each addition rounds to bf16.
   void all_reduce_sum(numerics::bf16* v, std::size_t n, cudaStream_t stream) const {
     check_pointer(v, n, "all_reduce_sum (bf16)");
-    const auto held = hold("all_reduce_sum (bf16)");
+    check_not_aborted("all_reduce_sum (bf16)");
     const nccl_detail::device_scope on(device_);
     nccl_check(ncclAllReduce(v, v, n, ncclBfloat16, ncclSum, comm_, stream),
                where("all_reduce_sum (bf16)", n));
@@ -113,7 +116,7 @@ class nccl_rank {
   void all_gather(const float* part, std::size_t n, float* out, cudaStream_t stream) const {
     check_pointer(part, n, "all_gather (part)");
     check_pointer(out, n, "all_gather (out)");
-    const auto held = hold("all_gather");
+    check_not_aborted("all_gather");
     const nccl_detail::device_scope on(device_);
     nccl_check(ncclAllGather(part, out, n, ncclFloat32, comm_, stream), where("all_gather", n));
   }
@@ -141,14 +144,11 @@ class nccl_rank {
     return std::string(call) + " of " + std::to_string(n) + " elements on rank " + std::to_string(rank_) +
            " of " + std::to_string(size_) + " (device " + std::to_string(device_) + ")";
   }
-  //! The rank's guard, held for one NCCL call; throws if the world was aborted.
-  std::unique_lock<std::mutex> hold(const char* call) const {
-    if (!guard_) return {};
-    std::unique_lock<std::mutex> lock(guard_->m);
-    if (guard_->aborted)
+  //! Throws if the world was aborted (before the call touches the communicator).
+  void check_not_aborted(const char* call) const {
+    if (guard_ && guard_->aborted.load())
       throw error(std::string("NCCL ") + call + " on rank " + std::to_string(rank_) +
                   ": another rank failed and the world was aborted");
-    return lock;
   }
   void check_pointer(const void* p, std::size_t n, const char* what) const {
     if (!p && n > 0)
@@ -177,9 +177,6 @@ class nccl_world {
     // See the file comment. setenv changes the process's environment: create worlds before
     // starting threads that read it.
     setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
-    // Connections made at init, not lazily at a first collective: a rank's enqueue then never
-    // waits for a peer while holding its guard, so abort() cannot wait behind a failed rank.
-    setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
     comms_.resize(devices_.size());
     for (std::size_t i = 0; i < devices_.size(); ++i) guards_.push_back(std::make_unique<nccl_detail::rank_guard>());
     nccl_check(ncclCommInitAll(comms_.data(), int(devices_.size()), devices_.data()),
@@ -206,16 +203,13 @@ class nccl_world {
   //! Aborts every communicator: the collectives other ranks' threads wait in return (with an
   //! error) instead of waiting forever for a rank that failed. The world is unusable afterwards.
   //! Safe to call from any thread, once or more.
-  //! Each rank's communicator is aborted under its guard: a call in progress on another thread
-  //! finishes its enqueue first, later calls throw ("another rank failed").
+  //! Every rank is marked aborted first (its later calls throw "another rank failed"), then
+  //! every communicator is aborted, which also releases NCCL work and host waits in progress.
   void abort() const {
     std::call_once(abort_once_, [this] {
       aborted_ = true;
-      for (std::size_t i = 0; i < comms_.size(); ++i) {
-        const std::lock_guard lock(guards_[i]->m);
-        guards_[i]->aborted = true;
-        (void)ncclCommAbort(comms_[i]);
-      }
+      for (const auto& g : guards_) g->aborted.store(true);
+      for (auto c : comms_) (void)ncclCommAbort(c);
     });
   }
 

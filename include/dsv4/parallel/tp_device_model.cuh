@@ -251,7 +251,10 @@ class tp_device_model {
         out[i] = m.finish_call();
       } catch (...) {
         failure[i] = std::current_exception();
-        if (!comms_[i]->abandoned()) comms_[i]->abandon();
+        try {
+          if (!comms_[i]->abandoned()) comms_[i]->abandon();
+        } catch (...) {  // nothing more to do: the rank's own error is reported
+        }
       }
     };
     {
@@ -263,7 +266,12 @@ class tp_device_model {
         broken_ = true;
         throw;
       }
-      on_device(0, [&] { run(0); });
+      // Rank 0 on this thread: run() sets its device and never throws, so it always reaches the
+      // rendezvous the other ranks wait in; the caller's device is restored after.
+      int previous = 0;
+      const bool known = cudaGetDevice(&previous) == cudaSuccess;
+      run(0);
+      if (known) (void)cudaSetDevice(previous);
     }
     if (std::any_of(refused.begin(), refused.end(), [](const auto& e) { return bool(e); })) {
       const std::string first = message(*std::find_if(refused.begin(), refused.end(), [](const auto& e) { return bool(e); }));
