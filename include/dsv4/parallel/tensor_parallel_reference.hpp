@@ -32,9 +32,10 @@
 //! the MoE's fp32 partials, the indexer's bf16 partial scores, so logits agree with W = 1 only to
 //! a tolerance (measured in tests/parallel/test_tensor_parallel.cpp and docs/parallel.md).
 //!
-//! Scope: prefill from position 0 and one-token decode steps, text tokens (what model.py's
-//! Transformer.forward runs); appended chunks, the CED prefill, the DSpark drafter and the
-//! upstream index-key quirk stay with the one-process host model. Every rank checks its own
+//! Scope: prefill from position 0, one-token decode steps (what model.py's Transformer.forward
+//! runs) and chunks appended after them in exact mode (each row as its decode step would compute
+//! it, as model::forward does), text tokens; the CED prefill, the DSpark drafter and the upstream
+//! index-key quirk stay with the one-process host model. Every rank checks its own
 //! inputs; a rank that fails makes the others fail at their next collective (no deadlock).
 // clang-format on
 
@@ -214,10 +215,6 @@ inline std::vector<bf16> attention_rank(const rank_context& ctx, int layer,
   const std::string where = "tensor parallel attention (layer " + std::to_string(layer) + ", rank " +
                             std::to_string(ctx.rank) + "): ";
   if (x.size() % std::size_t(sh.dim) || x.empty()) throw error(where + "x must be [s, dim] with s >= 1");
-  if (start_pos != 0 && x.size() != std::size_t(sh.dim))
-    throw error(
-        where +
-        "the simulation runs a prefill from position 0 or one-token decode steps, not an appended chunk");
   kernels::attention::layer_collectives coll;
   // Masked positions are -inf on every rank (model.py masks after the sum: the same).
   coll.sum_index_scores = [&](std::vector<float>& scores) { ctx.comm->all_reduce_bf16_values(ctx.rank, scores); };
@@ -304,8 +301,6 @@ std::vector<float> forward_rank(const rank_context& ctx, const rank_model<Model>
   const std::size_t dim = std::size_t(c.dim), width = hc * dim, s = ids.size();
   const long long start = seq.length;
   if (s == 0) throw error("forward: no tokens");
-  if (start > 0 && s != 1)
-    throw error("tensor parallel forward: after the prefill the simulation runs one token per call");
   for (std::int32_t id : ids)
     if (id < 0 || id >= c.vocab_size)
       throw error("forward: token id " + std::to_string(id) + " outside the vocabulary of " +
