@@ -7,7 +7,7 @@
 #   bash scripts/gpu-run-packed.sh [PACKDIR]            # default devbin/pack
 #   MEMCHECK="test_gemm_cuda test_moe_cuda" ...         # memcheck on these (all: MEMCHECK=all)
 #   INITCHECK=...  BENCH=1  MC_LIMIT=seconds-per-binary (default 200)
-# On a host with several GPUs, also: tests/test_nccl_cuda --run_test=@multigpu (not run here).
+# On a host with several GPUs, also: scripts/gpu-run-multigpu.sh (the multigpu cases, bench_tp).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 pack=$(cd "${1:-$repo/devbin/pack}" && pwd)
