@@ -13,20 +13,8 @@ pack=$(cd "${1:-$repo/devbin/pack}" && pwd)
 out=${OUT:-$repo/build/gpu-run}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0  # see parallel/nccl.cuh: NVLink multicast stays off on shared hosts
-data=$(cat "$pack/data_path.txt")
-if [ ! -d "$data" ]; then
-  root=$(dirname "$(dirname "$data")")
-  mkdir -p "$(dirname "$root")" && ln -sfn "$repo" "$root"
-fi
-if ! ldconfig -p 2>/dev/null | grep -q 'libnccl.so.2 '; then
-  nccl_lib=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null) &&
-    export LD_LIBRARY_PATH="$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-fi
-bin=$(mktemp -d)
-tar -xJf "$pack/bins.tar.xz" -C "$bin"
-cd "$bin"
-log() { echo "$*" | tee -a "$out/summary.txt"; }
-log "pack: $(tr '\n' ' ' < "$pack/commit.txt")"
+# shellcheck source=scripts/gpu-pack-env.sh
+source "$repo/scripts/gpu-pack-env.sh"
 log "gpus: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>&1 | tr '\n' ' ')"
 fail=0
 for t in test_tp_device_cuda test_nccl_cuda; do

@@ -13,23 +13,8 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 pack=$(cd "${1:-$repo/devbin/pack}" && pwd)
 out=${OUT:-$repo/build/gpu-run}
 mkdir -p "$out"
-# The binaries name their test data by the absolute path of the build machine's checkout
-# (data_path.txt): make that path lead to this checkout if it does not exist here.
-data=$(cat "$pack/data_path.txt")
-if [ ! -d "$data" ]; then
-  root=$(dirname "$(dirname "$data")")
-  mkdir -p "$(dirname "$root")" && ln -sfn "$repo" "$root"
-fi
-# test_nccl_cuda needs libnccl.so.2: the loader's cache, else the copy PyTorch's wheels carry.
-if ! ldconfig -p 2>/dev/null | grep -q 'libnccl.so.2 '; then
-  nccl_lib=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null) &&
-    export LD_LIBRARY_PATH="$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-fi
-bin=$(mktemp -d)
-tar -xJf "$pack/bins.tar.xz" -C "$bin"
-cd "$bin"
-log() { echo "$*" | tee -a "$out/summary.txt"; }
-log "pack: $(tr '\n' ' ' < "$pack/commit.txt")"
+# shellcheck source=scripts/gpu-pack-env.sh
+source "$repo/scripts/gpu-pack-env.sh"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 || true; } | sed 's/^/gpu: /' | tee -a "$out/summary.txt"
 fail=0
 for t in tests/test_*_cuda; do

@@ -22,6 +22,7 @@
 #include "support/checkpoints.hpp"
 #include "support/errors.hpp"
 #include "support/gpu.hpp"
+#include "support/logit_stats.hpp"
 #include "support/random.hpp"
 
 namespace utf = boost::unit_test;
@@ -31,24 +32,6 @@ using numerics::bf16;
 
 namespace {
 
-struct logit_stats {
-  std::size_t rows = 0, argmax_same = 0;
-  double worst = 0;         // largest |device - host| relative to the row's largest |host logit|
-  double min_cosine = 1.0;  // smallest cosine similarity of a device row with the host's
-  void add(std::span<const float> got, std::span<const float> want) {
-    double d = 0, peak = 0, gg = 0, ww = 0, gw = 0;
-    for (std::size_t i = 0; i < got.size(); ++i) {
-      BOOST_REQUIRE_MESSAGE(std::isfinite(got[i]), "non-finite device logit");
-      d = std::max(d, double(std::fabs(got[i] - want[i])));
-      peak = std::max(peak, double(std::fabs(want[i])));
-      gg += double(got[i]) * got[i], ww += double(want[i]) * want[i], gw += double(got[i]) * want[i];
-    }
-    ++rows;
-    worst = std::max(worst, d / peak);
-    min_cosine = std::min(min_cosine, gw / std::sqrt(gg * ww));
-    argmax_same += std::max_element(got.begin(), got.end()) - got.begin() == std::max_element(want.begin(), want.end()) - want.begin();
-  }
-};
 
 // The tiny host model from a random checkpoint (written to a temporary folder, then removed).
 model::host_model<tiny> load_tiny(const std::string& name, std::uint64_t seed) {
@@ -83,7 +66,7 @@ BOOST_AUTO_TEST_CASE(tiny_logits_match_host, *utf::label("gpu") * utf::precondit
   }
   std::vector<model::host_sequence> host(prompt.size());
   std::vector<int> slots;
-  logit_stats prefill_stats, decode_stats;
+  test::logit_stats prefill_stats, decode_stats;
   for (std::size_t s = 0; s < prompt.size(); ++s) {
     const auto p = std::span<const std::int32_t>(ids[s]).first(std::size_t(prompt[s]));
     slots.push_back(dm.add_sequence());
@@ -104,7 +87,7 @@ BOOST_AUTO_TEST_CASE(tiny_logits_match_host, *utf::label("gpu") * utf::precondit
   // An appended chunk (exact mode) on the shorter sequence.
   std::vector<std::int32_t> chunk(20);
   for (auto& id : chunk) id = std::int32_t(rng() % std::uint64_t(V));
-  logit_stats append_stats;
+  test::logit_stats append_stats;
   append_stats.add(dm.append(slots[1], chunk), model::forward(hm, host[1], chunk));
   BOOST_TEST(dm.length(slots[1]) == prompt[1] + steps + 20);
   BOOST_TEST_MESSAGE("appended chunk: worst " << append_stats.worst << ", cosine " << append_stats.min_cosine);
@@ -164,7 +147,7 @@ BOOST_AUTO_TEST_CASE(ced_prefill, *utf::label("gpu") * utf::precondition(test::h
   });
   const int c = dm.add_sequence();
   model::host_sequence hs;
-  logit_stats st;
+  test::logit_stats st;
   const auto device_ced = dm.prefill_ced(c, prompt);
   dm.set_observer({});
   for (int l = 0; l < sched::num_layers; ++l)
@@ -262,7 +245,7 @@ BOOST_AUTO_TEST_CASE(layer_by_layer_prefill, *utf::label("gpu") * utf::precondit
   }
   BOOST_TEST_MESSAGE(table.str());
   BOOST_TEST_MESSAGE("first layer with a stage beyond 1% of its peak: " << first_bad);
-  logit_stats ls;
+  test::logit_stats ls;
   ls.add(got, want);
   BOOST_TEST_MESSAGE("logits: worst " << ls.worst << ", cosine " << ls.min_cosine);
 }

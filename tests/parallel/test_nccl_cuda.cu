@@ -31,15 +31,6 @@ using runtime::device_buffer;
 
 namespace {
 
-struct has_cuda_devices {
-  int n;
-  boost::test_tools::assertion_result operator()(utf::test_unit_id) const {
-    const int visible = runtime::cuda_device_count();
-    boost::test_tools::assertion_result r(visible >= n);
-    if (!r) r.message() << "needs " << n << " CUDA devices, " << visible << " visible";
-    return r;
-  }
-};
 
 //! Runs fn(rank) on one thread per rank with that rank's device current; rethrows the first
 //! failure after every thread has ended. A rank that throws aborts the world, so that the others
@@ -321,7 +312,7 @@ BOOST_AUTO_TEST_CASE(bad_worlds_are_refused,
   BOOST_CHECK_THROW((void)world.device(1), error);
 }
 
-BOOST_AUTO_TEST_CASE(every_gpu_multigpu, *utf::label("multigpu") * utf::precondition(has_cuda_devices{2})) {
+BOOST_AUTO_TEST_CASE(every_gpu_multigpu, *utf::label("multigpu") * utf::precondition(test::has_cuda_devices{2})) {
   const auto world = parallel::nccl_world::first(runtime::cuda_device_count());
   check_collectives(world);
   // wo_b's shape with a few tokens (5120 x 8192 would do too; smaller keeps the host reference quick).

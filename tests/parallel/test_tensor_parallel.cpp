@@ -35,6 +35,7 @@
 #include "dsv4/models/tiny.hpp"
 #include "dsv4/parallel/tensor_parallel_reference.hpp"
 #include "support/errors.hpp"
+#include "support/tiny_inputs.hpp"
 #include "support/random.hpp"
 
 using namespace dsv4;
@@ -57,20 +58,7 @@ static_assert(parallel::world_size_fits<tiny_w4>(4) && !parallel::world_size_fit
 constexpr int prompt = 40;  // past the window (16) and the ratio-2 sources' top-k (16 of 20 groups)
 constexpr int steps = 4;    // decode steps after the prefill
 
-std::vector<std::int64_t> identity_map() {
-  std::vector<std::int64_t> m(std::size_t(tiny::dims.vocab_size));
-  std::iota(m.begin(), m.end(), 0);  // tiny: compressed vocabulary = vocabulary
-  return m;
-}
 
-//! Fixed prompts (not DSV4_TEST_SEED's): the end-to-end bounds below are measured on random
-//! weights, whose 40 layers carry a rounding difference on chaotically (see the file comment).
-std::vector<std::int32_t> random_ids(std::uint64_t salt, int n) {
-  std::mt19937_64 rng(salt);
-  std::vector<std::int32_t> ids(static_cast<std::size_t>(n));
-  for (auto& id : ids) id = std::int32_t(rng() % std::uint64_t(tiny::dims.vocab_size));
-  return ids;
-}
 
 std::size_t bits_differ(const std::vector<float>& a, const std::vector<float>& b) {
   std::size_t n = 0;
@@ -109,12 +97,12 @@ struct run_logits {
 template <class Model = tiny>
 run_logits run_both(io::checkpoint& full, int world, std::uint64_t salt, int decode_steps = steps,
                     int prompt_length = prompt, int append = 0) {
-  const auto map = identity_map();
+  const auto map = test::tiny_identity_map();
   const auto host = model::host_model<Model>::load(full, map);
   const auto tp = parallel::tp_model<Model>::load(full, map, world);
   model::host_sequence hs;
   parallel::tp_sequence ts;
-  const auto ids = random_ids(salt, prompt_length);
+  const auto ids = test::tiny_random_ids(salt, prompt_length);
   run_logits r;
   auto keep = [](auto& into) {
     return model::layer_observer(
@@ -132,7 +120,7 @@ run_logits run_both(io::checkpoint& full, int world, std::uint64_t salt, int dec
     r.tp.push_back(parallel::forward(tp, ts, next));
   }
   if (append > 0) {
-    const auto chunk = random_ids(salt + 1000, append);
+    const auto chunk = test::tiny_random_ids(salt + 1000, append);
     r.host.push_back(model::forward(host, hs, chunk));
     r.tp.push_back(parallel::forward(tp, ts, chunk));
   }
@@ -260,7 +248,7 @@ BOOST_AUTO_TEST_CASE(sublayers_on_equal_inputs) {
   static_assert(c.moe.n_activated_experts == 2, "the bit-for-bit MoE check needs k = 2");
   io::checkpoint full =
       io::random_checkpoint_in_memory(models::checkpoint_schema<tiny>(), 75, io::random_init::scaled);
-  const auto map = identity_map();
+  const auto map = test::tiny_identity_map();
   const auto host = model::host_model<tiny>::load(full, map);
   const auto tp = parallel::tp_model<tiny>::load(full, map, W);
   auto rng = test::make_rng(9);
@@ -368,7 +356,7 @@ BOOST_AUTO_TEST_CASE(each_rank_holds_only_its_shard) {
     BOOST_TEST_MESSAGE("rank " << r << " of " << W << ": " << bytes << " bytes of " << full_bytes);
     BOOST_TEST(bytes < full_bytes);
     sum += bytes;
-    const auto m = parallel::rank_model<tiny>::load(shard, identity_map(), W, r);
+    const auto m = parallel::rank_model<tiny>::load(shard, test::tiny_identity_map(), W, r);
     BOOST_TEST(m.embed.size() == std::size_t(c.vocab_size / W) * c.dim);
     BOOST_TEST(m.head.size() == std::size_t(c.vocab_size / W) * c.dim);
     for (const auto& b : m.blocks) {
@@ -385,14 +373,14 @@ BOOST_AUTO_TEST_CASE(each_rank_holds_only_its_shard) {
   // The shards add up to the checkpoint, plus W - 1 more copies of what is replicated, plus padding.
   BOOST_TEST(sum == full_bytes + (W - 1) * replicated + padding);
   // A full (unsplit) checkpoint is not a rank's shard: loading it as rank 0 of 2 names a tensor.
-  BOOST_TEST(test::throws_with([&] { parallel::rank_model<tiny>::load(full, identity_map(), W, 0); },
+  BOOST_TEST(test::throws_with([&] { parallel::rank_model<tiny>::load(full, test::tiny_identity_map(), W, 0); },
                                "embed.weight"));
 }
 
 BOOST_AUTO_TEST_CASE(a_world_size_that_does_not_divide_is_rejected) {
   io::checkpoint full =
       io::random_checkpoint_in_memory(models::checkpoint_schema<tiny>(), 74, io::random_init::scaled);
-  const auto map = identity_map();
+  const auto map = test::tiny_identity_map();
   static_assert(!parallel::world_size_fits<tiny>(3) && !parallel::world_size_fits<tiny>(4));
   BOOST_TEST(test::throws_with([&] { parallel::tp_model<tiny>::load(full, map, 3); }, "vocab_size"));
   BOOST_TEST(test::throws_with([&] { parallel::tp_model<tiny>::load(full, map, 3); }, "n_heads"));

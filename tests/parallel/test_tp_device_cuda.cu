@@ -35,6 +35,8 @@
 #endif
 #include "support/errors.hpp"
 #include "support/gpu.hpp"
+#include "support/logit_stats.hpp"
+#include "support/tiny_inputs.hpp"
 
 namespace utf = boost::unit_test;
 using namespace dsv4;
@@ -45,17 +47,6 @@ namespace {
 constexpr int prompt = 40;  // past the window (16) and the ratio-2 sources' top-k (16 of 20 groups)
 constexpr int steps = 6;
 
-std::vector<std::int64_t> identity_map() {
-  std::vector<std::int64_t> m(std::size_t(tiny::dims.vocab_size));
-  std::iota(m.begin(), m.end(), 0);
-  return m;
-}
-std::vector<std::int32_t> random_ids(std::uint64_t salt, int n) {
-  std::mt19937_64 rng(salt);
-  std::vector<std::int32_t> ids(static_cast<std::size_t>(n));
-  for (auto& id : ids) id = std::int32_t(rng() % std::uint64_t(tiny::dims.vocab_size));
-  return ids;
-}
 model::device_model<tiny>::limits tiny_limits() {
   model::device_model<tiny>::limits lim;
   lim.max_seqs = 2, lim.max_rows = 64, lim.max_tokens = 128, lim.page_tokens = 16;
@@ -68,30 +59,12 @@ std::size_t bits_differ(const std::vector<float>& a, const std::vector<float>& b
   return n;
 }
 
-struct logit_stats {
-  std::size_t rows = 0, argmax_same = 0;
-  double worst = 0, min_cosine = 1.0;
-  void add(std::span<const float> got, std::span<const float> want) {
-    double d = 0, peak = 0, gg = 0, ww = 0, gw = 0;
-    for (std::size_t i = 0; i < got.size(); ++i) {
-      BOOST_REQUIRE_MESSAGE(std::isfinite(got[i]), "non-finite logit");
-      d = std::max(d, double(std::fabs(got[i] - want[i])));
-      peak = std::max(peak, double(std::fabs(want[i])));
-      gg += double(got[i]) * got[i], ww += double(want[i]) * want[i], gw += double(got[i]) * want[i];
-    }
-    ++rows;
-    worst = std::max(worst, d / peak);
-    min_cosine = std::min(min_cosine, gw / std::sqrt(gg * ww));
-    argmax_same += std::max_element(got.begin(), got.end()) - got.begin() ==
-                   std::max_element(want.begin(), want.end()) - want.begin();
-  }
-};
 
 //! Two sequences (prompts of `prompt` and 12 tokens), each prefilled, then `steps` decode steps
 //! as one batch; every call's logits, in order ([vocab] per prefill, [2, vocab] per step).
 template <class M>
 std::vector<std::vector<float>> run_calls(M& m, std::uint64_t salt) {
-  const auto a = random_ids(salt, prompt + steps), b = random_ids(salt + 1, 12 + steps);
+  const auto a = test::tiny_random_ids(salt, prompt + steps), b = test::tiny_random_ids(salt + 1, 12 + steps);
   std::vector<std::vector<float>> out;
   const int sa = m.add_sequence(), sb = m.add_sequence();
   out.push_back(m.prefill(sa, std::span<const std::int32_t>(a).first(prompt)));
@@ -106,7 +79,7 @@ std::vector<std::vector<float>> run_calls(M& m, std::uint64_t salt) {
 
 //! What the host simulation gives for run_calls's sequences (one sequence per call there).
 std::vector<std::vector<float>> simulate_calls(const parallel::tp_model<tiny>& tp, std::uint64_t salt) {
-  const auto a = random_ids(salt, prompt + steps), b = random_ids(salt + 1, 12 + steps);
+  const auto a = test::tiny_random_ids(salt, prompt + steps), b = test::tiny_random_ids(salt + 1, 12 + steps);
   parallel::tp_sequence ta, tb;
   std::vector<std::vector<float>> out;
   out.push_back(parallel::forward(tp, ta, std::span<const std::int32_t>(a).first(prompt)));
@@ -120,10 +93,10 @@ std::vector<std::vector<float>> simulate_calls(const parallel::tp_model<tiny>& t
   return out;
 }
 
-logit_stats compare_calls(const std::vector<std::vector<float>>& got,
+test::logit_stats compare_calls(const std::vector<std::vector<float>>& got,
                           const std::vector<std::vector<float>>& want) {
   const std::size_t V = std::size_t(tiny::dims.vocab_size);
-  logit_stats st;
+  test::logit_stats st;
   BOOST_REQUIRE_EQUAL(got.size(), want.size());
   for (std::size_t c = 0; c < got.size(); ++c) {
     BOOST_REQUIRE_EQUAL(got[c].size(), want[c].size());
@@ -171,7 +144,7 @@ BOOST_AUTO_TEST_SUITE(tp_device_cuda)
 BOOST_AUTO_TEST_CASE(world_of_one_equals_the_device_model,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   io::checkpoint full = tiny_checkpoint(81);
-  const auto map = identity_map();
+  const auto map = test::tiny_identity_map();
   const auto hm = model::host_model<tiny>::load(full, map);
   model::device_model<tiny> dm(hm, tiny_limits());
   const auto tp = parallel::tp_model<tiny>::load(full, map, 1);
@@ -184,7 +157,7 @@ BOOST_AUTO_TEST_CASE(world_of_one_equals_the_device_model,
 BOOST_AUTO_TEST_CASE(two_ranks_on_one_gpu_follow_the_simulation,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   io::checkpoint full = tiny_checkpoint(82);
-  const auto map = identity_map();
+  const auto map = test::tiny_identity_map();
   const auto tp = parallel::tp_model<tiny>::load(full, map, 2);
   auto two = parallel::tp_device_model<tiny>::staged(tp, tiny_limits());
   BOOST_TEST(two.world() == 2);
@@ -212,14 +185,14 @@ BOOST_AUTO_TEST_CASE(two_ranks_on_one_gpu_follow_the_simulation,
 BOOST_AUTO_TEST_CASE(a_failing_rank_releases_the_other,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   io::checkpoint full = tiny_checkpoint(83);
-  const auto tp = parallel::tp_model<tiny>::load(full, identity_map(), 2);
+  const auto tp = parallel::tp_model<tiny>::load(full, test::tiny_identity_map(), 2);
   auto comm = std::make_shared<parallel::host_communicator>(2);
   std::vector<std::unique_ptr<parallel::device_collectives>> cs;
   cs.push_back(std::make_unique<parallel::staged_collectives>(*comm, 0));
   cs.push_back(std::make_unique<failing_collectives>(*comm, 1, 5));  // inside the first layers
   parallel::tp_device_model<tiny> two(tp, tiny_limits(), std::move(cs), {0, 0}, comm);
   const int slot = two.add_sequence();
-  const auto ids = random_ids(3, 20);
+  const auto ids = test::tiny_random_ids(3, 20);
   BOOST_TEST(test::throws_with([&] { two.prefill(slot, ids); }, "injected failure on rank 1"));
   BOOST_TEST(two.broken());
   BOOST_TEST(test::throws_with([&] { two.prefill(slot, ids); }, "build the model again"));
@@ -228,11 +201,11 @@ BOOST_AUTO_TEST_CASE(a_failing_rank_releases_the_other,
 BOOST_AUTO_TEST_CASE(a_call_one_rank_refuses_is_cancelled,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   io::checkpoint full = tiny_checkpoint(86);
-  const auto tp = parallel::tp_model<tiny>::load(full, identity_map(), 2);
+  const auto tp = parallel::tp_model<tiny>::load(full, test::tiny_identity_map(), 2);
   auto two = parallel::tp_device_model<tiny>::staged(tp, tiny_limits());
   const int slot = two.add_sequence();
   two.rank(1).release_sequence(slot);  // the ranks' state diverges behind the driver's back
-  const auto ids = random_ids(5, 12);
+  const auto ids = test::tiny_random_ids(5, 12);
   // Rank 1 refuses the call while rank 0 has begun it: rank 0 must cancel, not wait in the
   // embedding's all-reduce for a rank that never comes.
   BOOST_TEST(test::throws_with([&] { two.prefill(slot, ids); }, "no live sequence in slot"));
@@ -243,14 +216,14 @@ BOOST_AUTO_TEST_CASE(a_call_one_rank_refuses_is_cancelled,
 BOOST_AUTO_TEST_CASE(bad_inputs_are_refused,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   io::checkpoint full = tiny_checkpoint(84);
-  const auto tp = parallel::tp_model<tiny>::load(full, identity_map(), 2);
+  const auto tp = parallel::tp_model<tiny>::load(full, test::tiny_identity_map(), 2);
   auto two = parallel::tp_device_model<tiny>::staged(tp, tiny_limits());
   const int slot = two.add_sequence();
   const std::int32_t bad[2] = {1, tiny::dims.vocab_size};
   BOOST_TEST(test::throws_with([&] { two.prefill(slot, bad); }, "outside the vocabulary"));
   BOOST_TEST(test::throws_with([&] { two.decode({slot}, bad); }, "one token id per sequence"));
   BOOST_TEST(!two.broken());
-  const auto ids = random_ids(4, 10);
+  const auto ids = test::tiny_random_ids(4, 10);
   BOOST_TEST(two.prefill(slot, ids).size() == std::size_t(tiny::dims.vocab_size));  // still usable
   BOOST_TEST(
       test::throws_with([&] { two.prefill(slot, ids); }, "already holds"));  // every rank refuses alike
@@ -260,7 +233,7 @@ BOOST_AUTO_TEST_CASE(bad_inputs_are_refused,
   parallel::staged_collectives c1(one, 0);
   BOOST_TEST(
       test::throws_with([&] { model::device_model<tiny>(tp.ranks[0], tiny_limits(), c1); }, "rank 0 of 2"));
-  const auto tp1 = parallel::tp_model<tiny>::load(full, identity_map(), 1);
+  const auto tp1 = parallel::tp_model<tiny>::load(full, test::tiny_identity_map(), 1);
   parallel::host_communicator pair(2);
   parallel::staged_collectives c2(pair, 0);
   BOOST_TEST(
@@ -268,22 +241,10 @@ BOOST_AUTO_TEST_CASE(bad_inputs_are_refused,
 }
 
 #if DSV4_TEST_NCCL
-namespace {
-struct has_cuda_devices {
-  int n;
-  boost::test_tools::assertion_result operator()(utf::test_unit_id) const {
-    const int visible = runtime::cuda_device_count();
-    boost::test_tools::assertion_result r(visible >= n);
-    if (!r) r.message() << "needs " << n << " CUDA devices, " << visible << " visible";
-    return r;
-  }
-};
-}  // namespace
-
 BOOST_AUTO_TEST_CASE(nccl_equals_staged_multigpu,
-                     *utf::label("multigpu") * utf::precondition(has_cuda_devices{2})) {
+                     *utf::label("multigpu") * utf::precondition(test::has_cuda_devices{2})) {
   io::checkpoint full = tiny_checkpoint(85);
-  const auto tp = parallel::tp_model<tiny>::load(full, identity_map(), 2);
+  const auto tp = parallel::tp_model<tiny>::load(full, test::tiny_identity_map(), 2);
   auto staged = parallel::tp_device_model<tiny>::staged(tp, tiny_limits());
   auto nccl = parallel::make_nccl_tp_device_model(tp, tiny_limits(), {0, 1});
   for (std::uint64_t salt : {11u, 12u}) {

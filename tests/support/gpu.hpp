@@ -14,4 +14,14 @@ struct has_cuda_device {
     return r;
   }
 };
+//! Cases that need `n` GPUs (label multigpu): skipped with this message where fewer are visible.
+struct has_cuda_devices {
+  int n;
+  boost::test_tools::assertion_result operator()(boost::unit_test::test_unit_id) const {
+    const int visible = runtime::cuda_device_count();
+    boost::test_tools::assertion_result r(visible >= n);
+    if (!r) r.message() << "needs " << n << " CUDA devices, " << visible << " visible";
+    return r;
+  }
+};
 }  // namespace dsv4::test
