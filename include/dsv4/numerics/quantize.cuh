@@ -98,14 +98,43 @@ struct device_block_encoder {
   }
 };
 
+//! One thread's share of a block quantization: its 8 consecutive values `v` of a row, `chunk`
+//! (= element index / 8) in that row. Every lane of the warp must call it (the block's amax is
+//! agreed by shuffles); an inactive lane passes zeros and writes nothing. Kernels that make the
+//! values themselves (moe's fused SwiGLU) quantize them here without a round trip through memory.
+template <class F>
+DSV4_DEVICE void quantize_chunk8(const bf16 (&v)[quant_elems_per_thread], bool active, std::uint8_t* codes_row,
+                                 std::uint8_t* scales_row, long long chunk) {
+  constexpr int kElems = quant_elems_per_thread;
+  constexpr int kLanes = F::block_size / kElems;
+  using Elem = typename F::element;
+  std::uint32_t amax = 0;
+  for (int i = 0; i < kElems; ++i) amax = max(amax, abs_bits(v[i]));
+  // Every lane of the warp takes part (inactive ones with amax 0), so the full mask is valid.
+  for (int off = kLanes / 2; off > 0; off >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+
+  const std::uint8_t sc = F::scale_code(bits_to_float(amax));
+  const device_block_encoder<F> enc(sc);
+  if (!active) return;
+  if constexpr (Elem::storage_bits == 8) {
+    std::uint32_t lo = 0, hi = 0;
+    for (int i = 0; i < 4; ++i) lo |= std::uint32_t(enc(v[i].to_float())) << (8 * i);
+    for (int i = 0; i < 4; ++i) hi |= std::uint32_t(enc(v[4 + i].to_float())) << (8 * i);
+    *reinterpret_cast<uint2*>(codes_row + chunk * 8) = make_uint2(lo, hi);
+  } else {
+    std::uint32_t packed = 0;  // element 2k in the low nibble of byte k (little-endian word)
+    for (int i = 0; i < kElems; ++i) packed |= std::uint32_t(enc(v[i].to_float())) << (4 * i);
+    *reinterpret_cast<std::uint32_t*>(codes_row + chunk * 4) = packed;
+  }
+  if (chunk % kLanes == 0) scales_row[chunk / kLanes] = sc;
+}
+
 template <class F>
 DSV4_KERNEL void quantize_kernel(quantize_args a) {
   // Wait for the producer of x first, then let the GEMM that consumes the codes start streaming
   // its weights (runtime/pdl.cuh).
   runtime::start_after_previous_grid();
   constexpr int kElems = quant_elems_per_thread;
-  constexpr int kLanes = F::block_size / kElems;
-  using Elem = typename F::element;
   const long long chunks_per_row = a.channels / kElems;
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool active = t < a.rows * chunks_per_row;
@@ -117,27 +146,7 @@ DSV4_KERNEL void quantize_kernel(quantize_args a) {
   const std::uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
   bf16 v[kElems];
   for (int i = 0; i < kElems; ++i) v[i] = bf16::from_bits(std::uint16_t(words[i / 2] >> (16 * (i % 2))));
-
-  std::uint32_t amax = 0;
-  for (int i = 0; i < kElems; ++i) amax = max(amax, abs_bits(v[i]));
-  // Every lane of the warp takes part (inactive ones with amax 0), so the full mask is valid.
-  for (int off = kLanes / 2; off > 0; off >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-
-  const std::uint8_t sc = F::scale_code(bits_to_float(amax));
-  const device_block_encoder<F> enc(sc);
-  if (!active) return;
-  std::uint8_t* codes = a.codes + row * a.codes_row_stride;
-  if constexpr (Elem::storage_bits == 8) {
-    std::uint32_t lo = 0, hi = 0;
-    for (int i = 0; i < 4; ++i) lo |= std::uint32_t(enc(v[i].to_float())) << (8 * i);
-    for (int i = 0; i < 4; ++i) hi |= std::uint32_t(enc(v[4 + i].to_float())) << (8 * i);
-    *reinterpret_cast<uint2*>(codes + chunk * 8) = make_uint2(lo, hi);
-  } else {
-    std::uint32_t packed = 0;  // element 2k in the low nibble of byte k (little-endian word)
-    for (int i = 0; i < kElems; ++i) packed |= std::uint32_t(enc(v[i].to_float())) << (4 * i);
-    *reinterpret_cast<std::uint32_t*>(codes + chunk * 4) = packed;
-  }
-  if (chunk % kLanes == 0) a.scales[row * a.scales_row_stride + chunk / kLanes] = sc;
+  quantize_chunk8<F>(v, active, a.codes + row * a.codes_row_stride, a.scales + row * a.scales_row_stride, chunk);
 }
 
 template <class F>

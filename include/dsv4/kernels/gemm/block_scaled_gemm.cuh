@@ -129,7 +129,7 @@ DSV4_DEVICE float ue8m0_value(std::uint32_t code) {
 template <weight_format WF, int TokenTiles, int RowTiles, int Unroll, int KSplit>
 DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
     block_scaled_gemm_kernel(block_scaled_gemm_args g, gemm_groups groups, int kbps, int slices, float* partials,
-                             unsigned* counters) {
+                             unsigned* counters, block_scaled_gemm_args g_second, unsigned second_z) {
   constexpr bool kFp8 = WF == weight_format::fp8_tile32;
   // KSplit warps share each row tile, each taking a contiguous part of the CTA's K range; their
   // sums are added in part order at the end (more warps per weight byte in flight at decode).
@@ -139,7 +139,11 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
   const int M = g.shape.m, N = g.shape.n, KB = g.shape.k / 32;
   const int row_tiles = (N + 15) / 16;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, quad = lane % 4;
-  const int rt_base = (blockIdx.z * kRowsPerCta) / 16 + (warp / KSplit) * RowTiles;
+  // A pair of GEMMs in one launch (second_z > 0: the MoE's w1 and w3, one input, one tile list):
+  // row groups from second_z on compute the second one.
+  unsigned z = blockIdx.z;
+  if (second_z != 0 && z >= second_z) g.w = g_second.w, g.w_s = g_second.w_s, g.c = g_second.c, z -= second_z;
+  const int rt_base = int(z * kRowsPerCta) / 16 + (warp / KSplit) * RowTiles;
   // Grouped (MoE): token group x is entry x of the tile list: one group's weights, a run of
   // rows of A and C (A's rows possibly through an index).
   int tok_base = blockIdx.x * kToksPerCta, tok_end = M;
@@ -339,12 +343,12 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
   __threadfence();
   __syncthreads();
   __shared__ unsigned ticket;
-  unsigned* counter = counters + blockIdx.z * gridDim.x + blockIdx.x;
+  unsigned* counter = counters + z * gridDim.x + blockIdx.x;  // (split K: never a pair)
   if (threadIdx.x == 0) ticket = atomicAdd(counter, 1u);
   __syncthreads();
   if (ticket != unsigned(slices - 1)) return;
   __threadfence();
-  const int row0 = blockIdx.z * kRowsPerCta;
+  const int row0 = int(z) * kRowsPerCta;
   const int rows = min(kRowsPerCta, N - row0), toks = min(kToksPerCta, M - tok_base);
   for (int idx = threadIdx.x; idx < rows * toks; idx += blockDim.x) {
     const int row = row0 + idx % rows, tok = tok_base + idx / rows;
@@ -441,7 +445,7 @@ void launch(const block_scaled_gemm_args& g, const gemm_plan& p, gemm_workspace*
   unsigned* counters = ws ? ws->counters() : nullptr;
   auto go = [&](auto kernel) {
     runtime::launch_programmatic(kernel, grid, dim3(gemm_warps * 32), 0, stream, g, gemm_groups{}, p.kbps, p.slices,
-                                 partials, counters);
+                                 partials, counters, block_scaled_gemm_args{}, 0u);
   };
   switch (p.token_tiles) {
     case 1: return go(block_scaled_gemm_kernel<WF, 1, 1, 4, 1>);
@@ -458,24 +462,39 @@ void launch(const block_scaled_gemm_args& g, const gemm_plan& p, gemm_workspace*
 //! bounds the list's length (the grid), `token_tiles` (1 or 2) is the list's tile height / 8.
 //! One 16-row weight tile per CTA, its K range split over the four warps (a tile list has few
 //! entries at decode: one token touches 6 experts), partial sums added in warp order.
+//! With `second` (same shape and activations, its own weights and output: the MoE's w3 beside
+//! w1), both GEMMs run in one launch over one tile list, each CTA computing what it would alone
+//! (one launch and one tail instead of two at decode).
 inline void grouped_block_scaled_gemm(const block_scaled_gemm_args& g, const gemm_groups& groups, weight_format wf,
-                                      int max_tiles, int token_tiles, cudaStream_t stream = nullptr) {
+                                      int max_tiles, int token_tiles, cudaStream_t stream = nullptr,
+                                      const block_scaled_gemm_args* second = nullptr) {
   if (auto why = detail::check_args(g, wf); !why.empty()) throw error("grouped_block_scaled_gemm: " + why);
+  if (second) {
+    if (auto why = detail::check_args(*second, wf); !why.empty())
+      throw error("grouped_block_scaled_gemm (second GEMM): " + why);
+    const auto &a = g.shape, &b = second->shape;
+    if (a.m != b.m || a.n != b.n || a.k != b.k || g.a != second->a || g.a_s != second->a_s)
+      throw error("grouped_block_scaled_gemm: a pair of GEMMs must share the shape and the activations");
+  }
   if (!groups.tile_group || !groups.tile_row0 || !groups.tile_rows || !groups.tile_count)
     throw error("grouped_block_scaled_gemm: the tile list is incomplete");
   if (token_tiles != 1 && token_tiles != 2) throw error("grouped_block_scaled_gemm: tiles are 8 or 16 rows");
-  if (g.shape.n > 65535LL * 16) throw error("grouped_block_scaled_gemm: N " + std::to_string(g.shape.n) + " exceeds 65535 x 16");
+  const long long n_bound = second ? 65535LL / 2 * 16 : 65535LL * 16;
+  if (g.shape.n > n_bound)
+    throw error("grouped_block_scaled_gemm: N " + std::to_string(g.shape.n) + " exceeds " + std::to_string(n_bound) +
+                (second ? " (a pair of GEMMs)" : ""));
   const long long align = wf == weight_format::fp8_tile32 ? 16 : 8;
   if (groups.w_group_bytes % align != 0 || groups.w_group_bytes < 0 || groups.ws_group_bytes < 0)
     throw error("grouped_block_scaled_gemm: the weight stride between groups (" + std::to_string(groups.w_group_bytes) +
                 " bytes) must be a non-negative multiple of " + std::to_string(align));
   if (max_tiles <= 0 || g.shape.n == 0) return;
   const unsigned row_groups = unsigned((g.shape.n + 15) / 16);  // one 16-row tile per CTA, K over the warps
-  const dim3 grid(unsigned(max_tiles), 1, row_groups);
+  const dim3 grid(unsigned(max_tiles), 1, second ? 2 * row_groups : row_groups);
   const int kb = g.shape.k / 32;
   auto go = [&](auto kernel) {
     runtime::launch_programmatic(kernel, grid, dim3(detail::gemm_warps * 32), 0, stream, g, groups, kb, 1,
-                                 static_cast<float*>(nullptr), static_cast<unsigned*>(nullptr));
+                                 static_cast<float*>(nullptr), static_cast<unsigned*>(nullptr),
+                                 second ? *second : block_scaled_gemm_args{}, second ? row_groups : 0u);
   };
   if (wf == weight_format::fp8_tile32)
     token_tiles == 1 ? go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 1, 1, 4, detail::gemm_warps>)
@@ -485,7 +504,6 @@ inline void grouped_block_scaled_gemm(const block_scaled_gemm_args& g, const gem
                      : go(detail::block_scaled_gemm_kernel<weight_format::fp4_row32, 2, 1, 4, detail::gemm_warps>);
   DSV4_CUDA_CHECK_LAUNCH();
 }
-
 
 //! Partial floats a workspace needs for this shape's full split (0: it never splits).
 inline std::size_t gemm_partial_floats(const gemm_shape& s) {

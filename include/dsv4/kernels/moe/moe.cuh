@@ -120,13 +120,11 @@ class moe_workspace {
         xs(n(s.dim / 32)),
         g(n(std::size_t(s.k) * s.inter)),
         u(g.size()),
-        h(g.size()),
         hq(g.size()),
         hs(g.size() / 32),
         expert_out(n(std::size_t(s.k) * s.dim)),
         sg(n(s.inter)),
         su(sg.size()),
-        sh(sg.size()),
         shq(sg.size()),
         shs(sg.size() / 32),
         shared_out(n(s.dim)),
@@ -140,7 +138,7 @@ class moe_workspace {
     sort_temp = runtime::device_buffer<unsigned char>(std::max<std::size_t>(1, bytes));
     // An expert slice leaves the rows of other ranks' experts unwritten, yet the elementwise
     // steps (SwiGLU, act_quant) run over every row: they read zeros (or an earlier call's values).
-    for (auto* b : {&g, &u, &h}) b->fill_bytes(0);
+    for (auto* b : {&g, &u}) b->fill_bytes(0);
     DSV4_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets run on the legacy stream
   }
   const moe_shape& shape() const { return shape_; }
@@ -169,10 +167,10 @@ class moe_workspace {
   runtime::device_buffer<int> pair_row;       //!< [T k]: sorted row of each pair
   runtime::device_buffer<int> tile_group, tile_row0, tile_rows, tile_count;
   runtime::device_buffer<std::uint8_t> xq, xs;
-  runtime::device_buffer<bf16> g, u, h;
+  runtime::device_buffer<bf16> g, u;
   runtime::device_buffer<std::uint8_t> hq, hs;
   runtime::device_buffer<bf16> expert_out;
-  runtime::device_buffer<bf16> sg, su, sh;
+  runtime::device_buffer<bf16> sg, su;
   runtime::device_buffer<std::uint8_t> shq, shs;
   runtime::device_buffer<bf16> shared_out;
   runtime::device_buffer<unsigned char> sort_temp;
@@ -362,18 +360,102 @@ DSV4_KERNEL void rows_kernel(const int* sorted_pair, int pairs, int k, int* row_
   pair_row[p] = r;
 }
 
-//! h = bf16(weight * (silu(min(g, L)) * clamp(u, -L, L))), weight from the row's pair (1 if null).
-DSV4_KERNEL void swiglu_kernel(const bf16* g, const bf16* u, long long rows, int inter, float limit,
-                               const float* sel_weight, const int* sorted_pair, bf16* h) {
+//! Pairs up to which a call dispatches in one CTA (dispatch_kernel) instead of CUB's sort, the
+//! tile list and the row maps (three launches): every decode batch up to 85 tokens at k = 6.
+inline constexpr int dispatch_max_pairs = max_experts;
+
+//! The dispatch of a small call in one CTA of max_experts threads: the pairs' stable order by
+//! expert (a pair's sorted row is its expert's first row, a scan of the per-expert counts, plus
+//! the number of earlier pairs with the same expert: the order of the stable radix sort), the
+//! row maps of rows_kernel and the tile list of tile_list_kernel, the same values as those
+//! three. Needs pairs <= dispatch_max_pairs and experts <= max_experts (every expert id below it).
+DSV4_KERNEL void __launch_bounds__(max_experts)
+    dispatch_kernel(const int* sel_expert, int pairs, int k, int first, int count, int tile, int* sorted_expert,
+                    int* sorted_pair, int* row_token, int* pair_row, int* tile_group, int* tile_row0, int* tile_rows,
+                    int* tile_count) {
   runtime::start_after_previous_grid();
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= rows * inter) return;
-  const long long r = i / inter;
-  const float w = sel_weight ? sel_weight[sorted_pair[r]] : 1.0f;
-  const float gv = fminf(g[i].to_float(), limit);
-  const float uv = fminf(fmaxf(u[i].to_float(), -limit), limit);
+  using scan = cub::BlockScan<int, max_experts>;
+  __shared__ typename scan::TempStorage temp;
+  __shared__ int expert_of[dispatch_max_pairs], rows_of[max_experts], begin_of[max_experts];
+  const int tid = threadIdx.x;
+  rows_of[tid] = 0;
+  if (tid < pairs) expert_of[tid] = sel_expert[tid];
+  __syncthreads();
+  if (tid < pairs) atomicAdd(&rows_of[expert_of[tid]], 1);
+  __syncthreads();
+  int begin = 0;
+  scan(temp).ExclusiveSum(rows_of[tid], begin);
+  begin_of[tid] = begin;
+  __syncthreads();
+  if (tid < pairs) {
+    const int e = expert_of[tid];
+    int r = begin_of[e];
+    for (int q = 0; q < tid; ++q) r += expert_of[q] == e;
+    sorted_expert[r] = e;
+    sorted_pair[r] = tid;
+    row_token[r] = tid / k;
+    pair_row[tid] = r;
+  }
+  // Tiles of the slice's experts [first, first + count), in expert order.
+  const int rows = tid < count ? rows_of[first + tid] : 0, row0 = tid < count ? begin_of[first + tid] : 0;
+  const int tiles = (rows + tile - 1) / tile;
+  int at = 0, total = 0;
+  __syncthreads();  // temp is reused
+  scan(temp).ExclusiveSum(tiles, at, total);
+  for (int i = 0; i < tiles; ++i) {
+    tile_group[at + i] = tid;
+    tile_row0[at + i] = row0 + i * tile;
+    tile_rows[at + i] = min(tile, rows - i * tile);
+  }
+  if (tid == 0) *tile_count = total;
+}
+
+//! weight * (silu(min(g, L)) * clamp(u, -L, L)) in fp32, the value SwiGLU rounds to bf16.
+DSV4_DEVICE float swiglu_value(float g, float u, float limit, float weight) {
+  const float gv = fminf(g, limit);
+  const float uv = fminf(fmaxf(u, -limit), limit);
   const float silu = __fdiv_rn(gv, __fadd_rn(1.0f, expf(-gv)));
-  h[i] = bf16::from_float(__fmul_rn(w, __fmul_rn(silu, uv)));
+  return __fmul_rn(weight, __fmul_rn(silu, uv));
+}
+
+//! h = bf16(swiglu_value(g, u)) with the row's route weight (1 if `sel_weight` is null), then
+//! act_quant of h (E4M3, UE8M0 per 32) into `hq` / `hs`: 8 values per thread, the quantizer's own
+//! per-thread step (numerics quantize_chunk8), so the bytes are those of quantizing a stored h,
+//! without storing it or a second launch.
+DSV4_KERNEL void swiglu_quantize_kernel(const bf16* g, const bf16* u, long long rows, int inter, float limit,
+                                        const float* sel_weight, const int* sorted_pair, std::uint8_t* hq,
+                                        std::uint8_t* hs) {
+  runtime::start_after_previous_grid();
+  constexpr int kElems = numerics::detail::quant_elems_per_thread;
+  const long long chunks_per_row = inter / kElems;  // inter % 32 == 0: a scale block never spans rows
+  const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const bool active = t < rows * chunks_per_row;
+  const long long r = active ? t / chunks_per_row : 0, chunk = active ? t % chunks_per_row : 0;
+  bf16 h[kElems];
+  if (active) {
+    const float w = sel_weight ? sel_weight[sorted_pair[r]] : 1.0f;
+    const uint4 graw = *reinterpret_cast<const uint4*>(g + r * inter + chunk * kElems);
+    const uint4 uraw = *reinterpret_cast<const uint4*>(u + r * inter + chunk * kElems);
+    const std::uint32_t gw[4] = {graw.x, graw.y, graw.z, graw.w}, uw[4] = {uraw.x, uraw.y, uraw.z, uraw.w};
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) {
+      const float gv = __uint_as_float((gw[e / 2] >> (16 * (e % 2))) << 16);
+      const float uv = __uint_as_float((uw[e / 2] >> (16 * (e % 2))) << 16);
+      h[e] = bf16::from_float(swiglu_value(gv, uv, limit, w));
+    }
+  }
+  numerics::detail::quantize_chunk8<numerics::fp8_act_format>(h, active, hq + r * inter, hs + r * (inter / 32), chunk);
+}
+
+//! SwiGLU + act_quant of `rows` rows (swiglu_quantize_kernel).
+inline void swiglu_quantize(const bf16* g, const bf16* u, long long rows, int inter, float limit,
+                            const float* sel_weight, const int* sorted_pair, std::uint8_t* hq, std::uint8_t* hs,
+                            cudaStream_t stream) {
+  const long long threads = rows * (inter / numerics::detail::quant_elems_per_thread);
+  if (threads == 0) return;
+  runtime::launch_programmatic(swiglu_quantize_kernel, dim3(unsigned((threads + 255) / 256)), dim3(256), 0, stream,
+                               g, u, rows, inter, limit, sel_weight, sorted_pair, hq, hs);
+  DSV4_CUDA_CHECK_LAUNCH();
 }
 
 //! Per token: experts' outputs in ascending expert id into fp32 from 0, then the shared output.
@@ -525,31 +607,41 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
                                ws.sel_weight.data(), ws.pair_index.data());
   DSV4_CUDA_CHECK_LAUNCH();
   // 3. Dispatch: stable sort by expert, tile list, row maps.
-  std::size_t temp_bytes = ws.sort_temp.size();
-  DSV4_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws.sort_temp.data(), temp_bytes, ws.sel_expert.data(),
-                                                  ws.sorted_expert.data(), ws.pair_index.data(),
-                                                  ws.sorted_pair.data(), pairs, 0, 10, stream));
   const bool dense = blas && allow_host_sync && pairs >= dense_min_rows_per_expert * s.experts &&
                      dense_dequant_elems(s, ws.max_tokens()) > 0 &&
                      ws.gemm.dequant_elems() >= dense_dequant_elems(s, ws.max_tokens());
   const int tile = pairs / s.experts >= 8 ? 16 : 8;
-  if (dense) {
-    runtime::launch_programmatic(detail::expert_offsets_kernel, dim3(unsigned((s.experts + 256) / 256)),
-                                 dim3(256), 0, stream, ws.sorted_expert.data(), pairs, s.experts,
-                                 ws.expert_offsets.data());
+  const bool small = !dense && pairs <= detail::dispatch_max_pairs;
+  if (small) {  // decode: all of it in one launch
+    runtime::launch_programmatic(detail::dispatch_kernel, dim3(1), dim3(max_experts), 0, stream,
+                                 ws.sel_expert.data(), pairs, s.k, first, count, tile, ws.sorted_expert.data(),
+                                 ws.sorted_pair.data(), ws.row_token.data(), ws.pair_row.data(),
+                                 ws.tile_group.data(), ws.tile_row0.data(), ws.tile_rows.data(),
+                                 ws.tile_count.data());
     DSV4_CUDA_CHECK_LAUNCH();
-    DSV4_CUDA_CHECK(cudaMemcpyAsync(ws.expert_offsets_host.data(), ws.expert_offsets.data(),
-                                    sizeof(int) * (std::size_t(s.experts) + 1), cudaMemcpyDeviceToHost,
-                                    stream));
   } else {
-    runtime::launch_programmatic(detail::tile_list_kernel, dim3(1), dim3(max_experts), 0, stream,
-                                 ws.sorted_expert.data(), pairs, first, count, tile, ws.tile_group.data(),
-                                 ws.tile_row0.data(), ws.tile_rows.data(), ws.tile_count.data());
+    std::size_t temp_bytes = ws.sort_temp.size();
+    DSV4_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws.sort_temp.data(), temp_bytes, ws.sel_expert.data(),
+                                                    ws.sorted_expert.data(), ws.pair_index.data(),
+                                                    ws.sorted_pair.data(), pairs, 0, 10, stream));
+    if (dense) {
+      runtime::launch_programmatic(detail::expert_offsets_kernel, dim3(unsigned((s.experts + 256) / 256)),
+                                   dim3(256), 0, stream, ws.sorted_expert.data(), pairs, s.experts,
+                                   ws.expert_offsets.data());
+      DSV4_CUDA_CHECK_LAUNCH();
+      DSV4_CUDA_CHECK(cudaMemcpyAsync(ws.expert_offsets_host.data(), ws.expert_offsets.data(),
+                                      sizeof(int) * (std::size_t(s.experts) + 1), cudaMemcpyDeviceToHost,
+                                      stream));
+    } else {
+      runtime::launch_programmatic(detail::tile_list_kernel, dim3(1), dim3(max_experts), 0, stream,
+                                   ws.sorted_expert.data(), pairs, first, count, tile, ws.tile_group.data(),
+                                   ws.tile_row0.data(), ws.tile_rows.data(), ws.tile_count.data());
+      DSV4_CUDA_CHECK_LAUNCH();
+    }
+    runtime::launch_programmatic(detail::rows_kernel, dim3(unsigned((pairs + 255) / 256)), dim3(256), 0, stream,
+                                 ws.sorted_pair.data(), pairs, s.k, ws.row_token.data(), ws.pair_row.data());
     DSV4_CUDA_CHECK_LAUNCH();
   }
-  runtime::launch_programmatic(detail::rows_kernel, dim3(unsigned((pairs + 255) / 256)), dim3(256), 0, stream,
-                               ws.sorted_pair.data(), pairs, s.k, ws.row_token.data(), ws.pair_row.data());
-  DSV4_CUDA_CHECK_LAUNCH();
   // 4. Routed experts.
   detail::quantize_rows(x, tokens, s.dim, ws.xq.data(), ws.xs.data(), stream);
   const gemm::weight_tile_shape up{s.inter, s.dim, gemm::weight_format::fp4_row32};
@@ -568,19 +660,13 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
     detail::dense_expert_projection(ws.xq.data(), ws.xs.data(), ws.row_token.data(), s.dim, w.w3, w.w3_s,
                                     s.inter, ws.u.data(), first, count, ws, blas, stream);
   } else {
+    const gemm::block_scaled_gemm_args up3{{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w3, w.w3_s, ws.u.data()};
     gemm::grouped_block_scaled_gemm(
         {{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w1, w.w1_s, ws.g.data()}, groups,
-        gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
-    gemm::grouped_block_scaled_gemm(
-        {{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w3, w.w3_s, ws.u.data()}, groups,
-        gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
+        gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream, &up3);  // w1 and w3 in one launch
   }
-  const long long act = (long long)pairs * s.inter;
-  runtime::launch_programmatic(detail::swiglu_kernel, dim3(unsigned((act + 255) / 256)), dim3(256), 0, stream,
-                               ws.g.data(), ws.u.data(), pairs, s.inter, s.swiglu_limit, ws.sel_weight.data(),
-                               ws.sorted_pair.data(), ws.h.data());
-  DSV4_CUDA_CHECK_LAUNCH();
-  detail::quantize_rows(ws.h.data(), pairs, s.inter, ws.hq.data(), ws.hs.data(), stream);
+  detail::swiglu_quantize(ws.g.data(), ws.u.data(), pairs, s.inter, s.swiglu_limit, ws.sel_weight.data(),
+                          ws.sorted_pair.data(), ws.hq.data(), ws.hs.data(), stream);
   groups.a_row_index = nullptr;  // w2 reads the activations in sorted order
   groups.w_group_bytes = (long long)down.code_bytes();
   groups.ws_group_bytes = (long long)down.scale_bytes();
@@ -598,12 +684,8 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
                             gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
   gemm::block_scaled_linear({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s3, w.s3_s, ws.su.data()},
                             gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
-  const long long sact = tokens * s.inter;
-  runtime::launch_programmatic(detail::swiglu_kernel, dim3(unsigned((sact + 255) / 256)), dim3(256), 0,
-                               stream, ws.sg.data(), ws.su.data(), tokens, s.inter, s.swiglu_limit, nullptr,
-                               nullptr, ws.sh.data());
-  DSV4_CUDA_CHECK_LAUNCH();
-  detail::quantize_rows(ws.sh.data(), tokens, s.inter, ws.shq.data(), ws.shs.data(), stream);
+  detail::swiglu_quantize(ws.sg.data(), ws.su.data(), tokens, s.inter, s.swiglu_limit, nullptr, nullptr,
+                          ws.shq.data(), ws.shs.data(), stream);
   gemm::block_scaled_linear(
       {{m, s.dim, s.inter}, ws.shq.data(), ws.shs.data(), w.s2, w.s2_s, ws.shared_out.data()},
       gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
