@@ -29,19 +29,23 @@ inline std::u32string decode_utf8_lossy(std::string_view s) {
       ++i;
       continue;
     }
-    int need = 0;           // continuation bytes after b0
+    int need = 0;                   // continuation bytes after b0
     unsigned lo = 0x80, hi = 0xBF;  // range of the second byte (table 3-7)
     char32_t cp = 0;
-    if (b0 >= 0xC2 && b0 <= 0xDF) { need = 1; cp = b0 & 0x1F; }
-    else if (b0 >= 0xE0 && b0 <= 0xEF) {
-      need = 2; cp = b0 & 0x0F;
+    if (b0 >= 0xC2 && b0 <= 0xDF) {
+      need = 1;
+      cp = b0 & 0x1F;
+    } else if (b0 >= 0xE0 && b0 <= 0xEF) {
+      need = 2;
+      cp = b0 & 0x0F;
       if (b0 == 0xE0) lo = 0xA0;
       if (b0 == 0xED) hi = 0x9F;
     } else if (b0 >= 0xF0 && b0 <= 0xF4) {
-      need = 3; cp = b0 & 0x07;
+      need = 3;
+      cp = b0 & 0x07;
       if (b0 == 0xF0) lo = 0x90;
       if (b0 == 0xF4) hi = 0x8F;
-    } else {                // 80..C1, F5..FF: never a lead byte
+    } else {  // 80..C1, F5..FF: never a lead byte
       out += replacement_character;
       ++i;
       continue;
@@ -50,7 +54,10 @@ inline std::u32string decode_utf8_lossy(std::string_view s) {
     bool ok = true;
     for (int k = 0; k < need; ++k, ++j) {
       const unsigned lo_k = k == 0 ? lo : 0x80u, hi_k = k == 0 ? hi : 0xBFu;
-      if (j >= s.size() || byte(j) < lo_k || byte(j) > hi_k) { ok = false; break; }
+      if (j >= s.size() || byte(j) < lo_k || byte(j) > hi_k) {
+        ok = false;
+        break;
+      }
       cp = (cp << 6) | (byte(j) & 0x3F);
     }
     out += ok ? cp : replacement_character;  // not ok: bytes i .. j-1 are the maximal subpart
@@ -90,7 +97,8 @@ inline std::size_t well_formed_length(std::string_view s) {
   const std::size_t end = s.size() < 4 ? s.size() : 4;
   const std::u32string first = decode_utf8_lossy(s.substr(0, end));
   if (first.empty()) return 0;
-  if (first[0] == replacement_character && s.substr(0, 3) != "\xEF\xBF\xBD") return 0;  // ill-formed (not U+FFFD itself)
+  if (first[0] == replacement_character && s.substr(0, 3) != "\xEF\xBF\xBD")
+    return 0;  // ill-formed (not U+FFFD itself)
   const char32_t c = first[0];
   return c < 0x80 ? 1 : c < 0x800 ? 2 : c < 0x10000 ? 3 : 4;
 }
