@@ -171,7 +171,6 @@ class json_parser {
       }
     }
   }
-  static void append_utf8(std::string& out, std::uint32_t cp) { out += text::encode_utf8(std::u32string(1, char32_t(cp))); }
   std::uint32_t parse_hex4() {
     if (pos_ + 4 > s_.size()) fail("truncated \\u escape");
     std::uint32_t cp = 0;
@@ -222,7 +221,7 @@ class json_parser {
             if (lo < 0xDC00 || lo > 0xDFFF) fail("bad low surrogate");
             cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
           }
-          append_utf8(out, cp);
+          text::append_utf8(out, char32_t(cp));
           break;
         }
         default: fail(std::string("unknown escape \\") + e);
