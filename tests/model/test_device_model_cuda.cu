@@ -235,8 +235,15 @@ BOOST_AUTO_TEST_CASE(layer_by_layer_prefill, *utf::label("gpu") * utf::precondit
         same += h[i].bits == d[i].bits;
       }
       table << " " << st << " " << diff / peak << " (" << same * 100 / h.size() << "% equal)";
-      if (l == 0) {  // the first block, before anything is carried on: nearly bit-equal
-        BOOST_TEST(same * 100 >= h.size() * 95, "layer 0 " << st << ": " << same << " of " << h.size() << " equal");
+      // The first block, before anything is carried on. Its input is bit-equal; the attention sums
+      // in another order than the host (tensor cores), so some values round the other way and the
+      // FFN (routing included) carries that on. Seen on an H200 (2026-11-30): attn_out 84-93%
+      // equal, ffn_out 70-81%, at most 2.2% of the stage's peak apart (seeds 6311496072820088410,
+      // 3218828488569035150); the closeness bound is the real check, the shares catch wholesale
+      // disagreement.
+      if (l == 0) {
+        const int min_share = std::string_view(st) == "attn_in" ? 99 : std::string_view(st) == "attn_out" ? 75 : 50;
+        BOOST_TEST(same * 100 >= h.size() * min_share, "layer 0 " << st << ": " << same << " of " << h.size() << " equal");
         BOOST_TEST(diff / peak < 0.05, "layer 0 " << st << ": " << diff / peak);
       }
       if (first_bad < 0 && diff / peak > 0.01) first_bad = l;
