@@ -441,6 +441,83 @@ void check_gate_logits(int experts, int dim, long long tokens, float gate_temp, 
   BOOST_TEST(far == 0u, far << " logits are further than an ulp from the sequential host sum");
 }
 
+
+//! The one-CTA dispatch of a small call (moe::detail::dispatch_kernel) against the stable sort it
+//! replaces, computed here: pairs ordered by expert then pair index, each sorted row's token, each
+//! pair's row, and the tile list of the slice's experts [first, first + count) (tiles of `tile`
+//! rows in expert order, a tile's group its expert's index in the slice). Outputs are poisoned
+//! first; entries past the tile count must stay untouched.
+void check_dispatch(int experts, int k, int tokens, int first, int count, int tile, bool skewed,
+                    std::uint64_t salt) {
+  auto rng = test::make_rng(salt);
+  const int pairs = tokens * k;
+  std::vector<int> sel(static_cast<std::size_t>(pairs));
+  std::uniform_int_distribution<int> any(0, experts - 1), few(0, std::min(experts, 3) - 1);
+  for (int t = 0; t < tokens; ++t) {  // k distinct experts per token, as routing gives
+    std::vector<int> chosen;
+    while (int(chosen.size()) < k) {
+      const int e = skewed && chosen.size() < 2 ? few(rng) : any(rng);
+      if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+    }
+    std::copy(chosen.begin(), chosen.end(), sel.begin() + std::ptrdiff_t(t) * k);
+  }
+  std::vector<int> order(static_cast<std::size_t>(pairs));
+  for (int p = 0; p < pairs; ++p) order[std::size_t(p)] = p;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return sel[std::size_t(a)] < sel[std::size_t(b)]; });
+  std::vector<int> want_expert, want_row_token, want_pair_row(static_cast<std::size_t>(pairs));
+  for (int r = 0; r < pairs; ++r) {
+    want_expert.push_back(sel[std::size_t(order[std::size_t(r)])]);
+    want_row_token.push_back(order[std::size_t(r)] / k);
+    want_pair_row[std::size_t(order[std::size_t(r)])] = r;
+  }
+  std::vector<int> want_group, want_row0, want_rows;
+  for (int e = first; e < first + count; ++e) {
+    const int begin = int(std::lower_bound(want_expert.begin(), want_expert.end(), e) - want_expert.begin());
+    const int end = int(std::upper_bound(want_expert.begin(), want_expert.end(), e) - want_expert.begin());
+    for (int r = begin; r < end; r += tile) {
+      want_group.push_back(e - first);
+      want_row0.push_back(r);
+      want_rows.push_back(std::min(tile, end - r));
+    }
+  }
+
+  const std::size_t tile_slots = want_group.size() + 8;
+  device_buffer<int> d_sel{std::span<const int>(sel)};
+  const auto n_pairs = static_cast<std::size_t>(pairs);
+  device_buffer<int> sorted_expert(n_pairs), sorted_pair(n_pairs), row_token(n_pairs), pair_row(n_pairs),
+      tile_group(tile_slots), tile_row0(tile_slots), tile_rows(tile_slots), tile_count(1);
+  for (auto* b : {&sorted_expert, &sorted_pair, &row_token, &pair_row, &tile_group, &tile_row0, &tile_rows,
+                  &tile_count})
+    b->fill_bytes(0xFF);  // -1 everywhere
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  moe::detail::dispatch_kernel<<<1, moe::max_experts>>>(
+      d_sel.data(), pairs, k, first, count, tile, sorted_expert.data(), sorted_pair.data(), row_token.data(),
+      pair_row.data(), tile_group.data(), tile_row0.data(), tile_rows.data(), tile_count.data());
+  DSV4_CUDA_CHECK(cudaGetLastError());
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::string what = std::to_string(experts) + " experts, k " + std::to_string(k) + ", " +
+                           std::to_string(tokens) + " tokens, slice [" + std::to_string(first) + ", " +
+                           std::to_string(first + count) + "), tiles of " + std::to_string(tile);
+  BOOST_TEST(sorted_expert.download() == want_expert, what);
+  BOOST_TEST(sorted_pair.download() == order, what);
+  BOOST_TEST(row_token.download() == want_row_token, what);
+  BOOST_TEST(pair_row.download() == want_pair_row, what);
+  BOOST_TEST(tile_count.download()[0] == int(want_group.size()), what);
+  auto head = [&](const device_buffer<int>& b) {
+    auto v = b.download();
+    const bool tail_untouched =
+        std::all_of(v.begin() + std::ptrdiff_t(want_group.size()), v.end(), [](int x) { return x == -1; });
+    v.resize(want_group.size());
+    return std::make_pair(v, tail_untouched);
+  };
+  for (auto [got, want] :
+       {std::make_pair(head(tile_group), want_group), std::make_pair(head(tile_row0), want_row0),
+        std::make_pair(head(tile_rows), want_rows)}) {
+    BOOST_TEST(got.first == want, what);
+    BOOST_TEST(got.second, what << ": a tile entry past the count was written");
+  }
+}
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(moe_cuda)
@@ -458,6 +535,25 @@ BOOST_AUTO_TEST_CASE(gate_logits_match_the_lane_order_sums,
   check_gate_logits(16, 5120, 1, 1.0f, 25);
   check_gate_logits(16, 12288, 7, 1.0f, 26);
   check_gate_logits(8, 256, 100, 1.0f, 27);
+}
+
+// The one-CTA dispatch of decode-sized calls (up to moe::detail::dispatch_max_pairs pairs) equals
+// the stable sort by expert and the tile list it replaced: one token, a decode batch at 384 / top-6,
+// the largest call it takes, skewed routing (16-row tiles, an expert with most pairs), DSpark's
+// 128 / top-3, expert slices (a rank's part, including one no pair reaches), the most experts.
+BOOST_AUTO_TEST_CASE(dispatch_matches_the_stable_sort,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  static_assert(moe::detail::dispatch_max_pairs == moe::max_experts,
+                "one pair per thread of the dispatch CTA");
+  check_dispatch(384, 6, 1, 0, 384, 8, false, 40);
+  check_dispatch(384, 6, 64, 0, 384, 8, false, 41);
+  check_dispatch(384, 6, 85, 0, 384, 8, false, 42);
+  check_dispatch(16, 6, 80, 0, 16, 16, true, 43);
+  check_dispatch(128, 3, 7, 0, 128, 8, false, 44);
+  check_dispatch(384, 6, 32, 96, 96, 8, false, 45);
+  check_dispatch(384, 6, 1, 300, 84, 8, false, 46);
+  check_dispatch(8, 2, 256, 4, 4, 16, true, 47);
+  check_dispatch(512, 16, 32, 0, 512, 8, false, 48);
 }
 
 BOOST_AUTO_TEST_CASE(layer_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {

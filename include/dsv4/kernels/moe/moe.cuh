@@ -6,11 +6,14 @@
 //!  2. per token, one warp: sqrtsoftplus, top-k on score + bias (bias_vl for image tokens) in
 //!     torch.topk's order (NaN above +inf; ties to the lower expert id: `numerics::topk_order_key`,
 //!     shared with the host), weights from the unbiased scores, normalized, x route_scale;
-//!  3. dispatch: a stable radix sort of the (token, slot) pairs by expert (CUB), then a tile list
-//!     (runs of at most 8 or 16 rows of one expert) for the grouped GEMMs, or, on the prefill
-//!     path of step 4, each expert's first sorted row (copied to the host);
-//!  4. act_quant of x once; w1 and w3 as grouped FP4 GEMMs that read x's rows through the sort
-//!     (no gather copy); the clamped SwiGLU times the routing weight, act_quant; w2 grouped.
+//!  3. dispatch: the (token, slot) pairs in a stable order by expert, then a tile list (runs of
+//!     at most 8 or 16 rows of one expert) for the grouped GEMMs, or, on the prefill path of
+//!     step 4, each expert's first sorted row (copied to the host). Up to dispatch_max_pairs
+//!     pairs (decode) one CTA does all of it (dispatch_kernel); larger calls sort with CUB's
+//!     radix sort, then build the tile list and the row maps;
+//!  4. act_quant of x once; w1 and w3 as one launch of grouped FP4 GEMMs that read x's rows
+//!     through the sort (no gather copy); the clamped SwiGLU times the routing weight, fused
+//!     with act_quant (h is not stored); w2 grouped.
 //!     Prefill-sized calls given a cuBLAS handle (>= dense_min_rows_per_expert rows per expert)
 //!     instead run each expert's rows through bf16 copies and one cuBLAS GEMM per expert and
 //!     projection (dense_expert_projection), tensor-core GEMMs at full tile height;
