@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/gemm/reference.hpp"
@@ -197,13 +198,16 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
     }
   }
   const int ws_step = kFp8 ? 1 : 16;  // bytes between consecutive K blocks' scales of one row
+  // An FP8 weight has one scale per 32 x 32 tile: rows g and g + 8 of a 16-row tile share it (16-row
+  // tiles never straddle a 32-row tile), so it is loaded and decoded once. FP4: one per row.
+  constexpr int kWScales = kFp8 ? 1 : 2;
 
   // The loads of Unroll blocks (codes and scales) form a stage; two stages alternate so that the
   // next stage's loads are in flight while the current one is multiplied.
   struct stage {
     std::uint32_t wf[Unroll][RowTiles][4];
     uint2 af[Unroll][TokenTiles];
-    std::uint32_t wsc[Unroll][RowTiles][2], asc[Unroll][TokenTiles][2];
+    std::uint32_t wsc[Unroll][RowTiles][kWScales], asc[Unroll][TokenTiles][2];
   };
   // Weight codes and scales do not depend on the kernel before; activations and their scales do.
   auto load_weights = [&](stage& st, int kb0) {
@@ -225,13 +229,16 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
           st.wf[u][r][0] = v.x, st.wf[u][r][1] = v.y;
         }
 #pragma unroll
-        for (int h = 0; h < 2; ++h) st.wsc[u][r][h] = go ? __ldg(ws_row[r][h] + kb * ws_step) : 127u;
+        for (int h = 0; h < kWScales; ++h) st.wsc[u][r][h] = go ? __ldg(ws_row[r][h] + kb * ws_step) : 127u;
       }
     }
   };
   // The activations and their scales come from the kernel before: read only after waiting for it
   // (ordinary loads, as for any data another grid wrote while this one was resident).
-  auto load_activations = [&](stage& st, int kb0) {
+  // `lean` (a CTA with one token, so only the fragments' even token columns matter; see below)
+  // skips the odd columns' scales.
+  auto load_activations = [&](stage& st, int kb0, auto lean) {
+    constexpr int kTokScales = decltype(lean)::value ? 1 : 2;
 #pragma unroll
     for (int u = 0; u < Unroll; ++u) {
       const int kb = kb0 + u;
@@ -240,22 +247,24 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
       for (int t = 0; t < TokenTiles; ++t) {
         st.af[u][t] = ok && tok_ok[t] ? *reinterpret_cast<const uint2*>(a_row[t] + kb * 32) : make_uint2(0, 0);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) st.asc[u][t][h] = ok ? *(as_row[t][h] + kb) : 127u;
+        for (int h = 0; h < kTokScales; ++h) st.asc[u][t][h] = ok ? *(as_row[t][h] + kb) : 127u;
       }
     }
   };
-  auto load = [&](stage& st, int kb0) {
+  auto load = [&](stage& st, int kb0, auto lean) {
     load_weights(st, kb0);
-    load_activations(st, kb0);
+    load_activations(st, kb0, lean);
   };
   float acc[RowTiles][TokenTiles][4] = {};
-  auto multiply = [&](const stage& st, int kb0) {
+  auto multiply = [&](const stage& st, int kb0, auto lean) {
+    constexpr bool kLean = decltype(lean)::value;
 #pragma unroll
     for (int u = 0; u < Unroll; ++u) {
       if (kb0 + u >= kb_end) break;
       float as[TokenTiles][2];
 #pragma unroll
-      for (int t = 0; t < TokenTiles; ++t) as[t][0] = ue8m0_value(st.asc[u][t][0]), as[t][1] = ue8m0_value(st.asc[u][t][1]);
+      for (int t = 0; t < TokenTiles; ++t)
+        as[t][0] = ue8m0_value(st.asc[u][t][0]), as[t][1] = kLean ? 0.0f : ue8m0_value(st.asc[u][t][kLean ? 0 : 1]);
 #pragma unroll
       for (int r = 0; r < RowTiles; ++r) {
         std::uint32_t frag[4];
@@ -267,7 +276,7 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
           frag[0] = e2m1x4_to_e4m3x4(st.wf[u][r][0] & 0xFFFFu), frag[2] = e2m1x4_to_e4m3x4(st.wf[u][r][0] >> 16);
           frag[1] = e2m1x4_to_e4m3x4(st.wf[u][r][1] & 0xFFFFu), frag[3] = e2m1x4_to_e4m3x4(st.wf[u][r][1] >> 16);
         }
-        const float ws0 = ue8m0_value(st.wsc[u][r][0]), ws1 = ue8m0_value(st.wsc[u][r][1]);
+        const float ws0 = ue8m0_value(st.wsc[u][r][0]), ws1 = kFp8 ? ws0 : ue8m0_value(st.wsc[u][r][kWScales - 1]);
 #pragma unroll
         for (int t = 0; t < TokenTiles; ++t) {
           float d[4];
@@ -276,9 +285,11 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
           // two power-of-two scales: d * s is exact, so the FMA rounds once like the reference's
           // add (the same value unless the scales' product leaves the normal fp32 range).
           acc[r][t][0] = __fmaf_rn(d[0], __fmul_rn(as[t][0], ws0), acc[r][t][0]);
-          acc[r][t][1] = __fmaf_rn(d[1], __fmul_rn(as[t][1], ws0), acc[r][t][1]);
           acc[r][t][2] = __fmaf_rn(d[2], __fmul_rn(as[t][0], ws1), acc[r][t][2]);
-          acc[r][t][3] = __fmaf_rn(d[3], __fmul_rn(as[t][1], ws1), acc[r][t][3]);
+          if constexpr (!kLean) {
+            acc[r][t][1] = __fmaf_rn(d[1], __fmul_rn(as[t][1], ws0), acc[r][t][1]);
+            acc[r][t][3] = __fmaf_rn(d[3], __fmul_rn(as[t][1], ws1), acc[r][t][3]);
+          }
         }
       }
     }
@@ -290,17 +301,26 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
   if (kb_begin < kb_end) load_weights(even, kb_begin);
   if (kb_begin + Unroll < kb_end) load_weights(odd, kb_begin + Unroll);
   if (!grouped) runtime::start_after_previous_grid();
-  if (kb_begin < kb_end) load_activations(even, kb_begin);
-  if (kb_begin + Unroll < kb_end) load_activations(odd, kb_begin + Unroll);
-  for (int kb0 = kb_begin; kb0 < kb_end;) {
-    multiply(even, kb0);
-    if (kb0 + 2 * Unroll < kb_end) load(even, kb0 + 2 * Unroll);
-    kb0 += Unroll;
-    if (kb0 >= kb_end) break;
-    multiply(odd, kb0);
-    if (kb0 + 2 * Unroll < kb_end) load(odd, kb0 + 2 * Unroll);
-    kb0 += Unroll;
-  }
+  auto run = [&](auto lean) {
+    if (kb_begin < kb_end) load_activations(even, kb_begin, lean);
+    if (kb_begin + Unroll < kb_end) load_activations(odd, kb_begin + Unroll, lean);
+    for (int kb0 = kb_begin; kb0 < kb_end;) {
+      multiply(even, kb0, lean);
+      if (kb0 + 2 * Unroll < kb_end) load(even, kb0 + 2 * Unroll, lean);
+      kb0 += Unroll;
+      if (kb0 >= kb_end) break;
+      multiply(odd, kb0, lean);
+      if (kb0 + 2 * Unroll < kb_end) load(odd, kb0 + 2 * Unroll, lean);
+      kb0 += Unroll;
+    }
+  };
+  // A CTA with one token (a decode step at batch 1; an expert's tile with one row) needs only the
+  // C fragment's even token columns (column 0 holds its token; columns 2, 4, 6 hold nothing and are
+  // not written): half the scale products and accumulations, the same values for that token.
+  if (TokenTiles == 1 && tok_end - tok_base <= 1)
+    run(std::true_type{});
+  else
+    run(std::false_type{});
 
   if constexpr (KSplit > 1) {
     __shared__ float parts[gemm_warps][RowTiles * TokenTiles * 4][32];
