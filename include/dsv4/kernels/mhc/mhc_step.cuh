@@ -248,8 +248,14 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads) mhc_step_kernel(mhc_step_args a,
     const float mean_h = float(total[t][1] / double(dim));
     inv_rms_h[t] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_h, a.norm_eps)));
   }
-  if (has_next)
-    for (int t = warp; t < toks; t += kWarps) {  // one warp per token: the Sinkhorn split
+  __syncthreads();
+  // One warp per token runs the Sinkhorn split (a long dependent chain); the warps left over
+  // normalize h meanwhile. With as many tokens as warps, every warp splits first, then all
+  // normalize. (Each value is computed as before; only which thread does what changes.)
+  const int sinkhorn_warps = has_next ? min(toks, kWarps) : 0;
+  const bool overlap = sinkhorn_warps < kWarps;
+  if (warp < sinkhorn_warps)
+    for (int t = warp; t < toks; t += sinkhorn_warps) {
       const long long tok = tok0 + t;
       const float mean_y = float(total[t][0] / double(4 * dim));
       const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_y, a.mix_norm_eps)));
@@ -260,14 +266,16 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads) mhc_step_kernel(mhc_step_args a,
                           a.next_comb + tok * hc * hc);
     }
   if (threadIdx.x == 0) counters[group] = 0;  // ready for the next step
-  __syncthreads();
+  if (!overlap) __syncthreads();
+  const int first = overlap ? sinkhorn_warps * 32 : 0, workers = mhc_threads - first;
+  if (int(threadIdx.x) < first) return;
   const int chunks = dim / 8;
   constexpr int kBatch = 8;  // chunks per thread whose loads are issued together
-  for (int idx0 = threadIdx.x; idx0 < toks * chunks; idx0 += kBatch * mhc_threads) {
+  for (int idx0 = int(threadIdx.x) - first; idx0 < toks * chunks; idx0 += kBatch * workers) {
     uint4 raw[kBatch], wraw[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const int idx = idx0 + u * mhc_threads;
+      const int idx = idx0 + u * workers;
       if (idx >= toks * chunks) break;
       const int t = idx / chunks, c = idx % chunks;
       const unsigned* src = reinterpret_cast<const unsigned*>(a.h + (tok0 + t) * dim + c * 8);
@@ -276,7 +284,7 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads) mhc_step_kernel(mhc_step_args a,
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const int idx = idx0 + u * mhc_threads;
+      const int idx = idx0 + u * workers;
       if (idx >= toks * chunks) break;
       const int t = idx / chunks, c = idx % chunks;
       float hv[8], wv[8];
