@@ -2,9 +2,10 @@
 //! \file
 //! CUDA lightning-indexer scan and top-k selection (spec §7), same results as reference.hpp.
 //!
-//! Scan: one thread per (query row, key). The row's QDQ'd queries [heads, dim] sit in shared
-//! memory as fp32; each thread dequantizes its MXFP4 key one 32-channel block at a time and keeps
-//! one fp32 dot product per head. Scores are stored as bf16 (-inf where not visible).
+//! Scan: one CTA per 64 keys and 4 query rows. The keys are dequantized (MXFP4 -> bf16, exact)
+//! into shared memory once for the rows that read them; per row, q [heads, dim] times the keys on
+//! the tensor cores (bf16 MMA, fp32 accumulation), then per (head, key) bf16(relu(bf16(dot)) * w)
+//! and a head-ordered fp32 sum per key. Scores are stored as bf16 (-inf where not visible).
 //!
 //! Top-k: one CTA per row, in torch.topk's order (numerics/order_key.hpp: -0 below +0, NaN above
 //! +inf, NaNs tied). Two histogram passes over the orderable 16-bit keys (per-warp bins,
@@ -21,6 +22,7 @@
 #include <string>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/kernels/tensor_core.cuh"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/numerics/fast_codec.cuh"
 #include "dsv4/numerics/order_key.hpp"
@@ -91,56 +93,139 @@ struct candidate_args {
 };
 
 namespace detail {
-inline constexpr int scan_threads = 128;
+inline constexpr int scan_threads = 128;  // four warps
+inline constexpr int scan_keys = 64;      // keys per CTA: 16 per warp, two MMA n-tiles
+inline constexpr int scan_rows = 4;       // query rows per CTA: they share its dequantized keys
 inline constexpr int max_index_heads = 64;
 
+//! Shared memory of a scan CTA: the dequantized keys [scan_keys][Dim + 8] and the current row's
+//! queries [head tiles x 16][Dim + 8] in bf16 (rows padded by 16 bytes for ldmatrix), the row's
+//! weights [64] and each (key, head) term [scan_keys][heads + 1] in fp32.
+template <int Dim>
+struct scan_smem {
+  static constexpr int row = Dim + 8;
+  static constexpr int keys_elems = scan_keys * row;
+  DSV4_HOST_DEVICE static int q_elems(int heads) { return (heads + 15) / 16 * 16 * row; }
+  static int bytes(int heads) {
+    return (keys_elems + q_elems(heads)) * int(sizeof(bf16)) + (max_index_heads + scan_keys * (heads + 1)) * int(sizeof(float));
+  }
+};
+
+//! One CTA: keys [64 blockIdx.x, + 64) for query rows [4 blockIdx.y, + 4). The keys are dequantized
+//! once into shared memory (again only when a row reads other keys: another sequence's pages, or
+//! its own gathered positions); per row, every warp multiplies all head tiles by its 16 keys on
+//! the tensor cores (QK^T as an m16n8k16 bf16 MMA with fp32 accumulation), then each (head, key)
+//! term bf16(relu(bf16(dot)) * w_h) goes to shared memory and one thread per key adds the heads'
+//! terms in head order. MXFP4 products are exact in fp32 and their sums too in practice (see
+//! reference.hpp), so the tensor core's summation order gives the reference's dot products.
 template <int Dim>
 DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_args a, const std::int32_t* positions) {
-  runtime::start_after_previous_grid();
   using F = numerics::index_key_format;
-  using layout = numerics::packed_vector<F, Dim>;
-  extern __shared__ float qs[];  // [heads][Dim] then w[heads]
-  const int row = blockIdx.y;
-  for (int i = threadIdx.x; i < a.heads * Dim; i += blockDim.x)
-    qs[i] = a.q[static_cast<long long>(row) * a.heads * Dim + i].to_float();
-  float* ws = qs + a.heads * Dim;
-  for (int i = threadIdx.x; i < a.heads; i += blockDim.x) ws[i] = a.w[static_cast<long long>(row) * a.heads + i].to_float();
-  __syncthreads();
-  const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= a.n_keys) return;
-  bf16* out = a.scores + static_cast<long long>(row) * a.n_keys + t;
-  const long long key_pos = positions ? positions[static_cast<long long>(row) * a.n_keys + t] : t;
-  if (key_pos < 0 || key_pos >= a.visible[row]) {
-    *out = bf16::from_bits(0xFF80);  // -inf
-    return;
-  }
-  float dot[max_index_heads];
-  for (int h = 0; h < max_index_heads; ++h) dot[h] = 0.0f;
-  const std::uint8_t* key = a.key(row, key_pos);
-#pragma unroll 1
-  for (int c0 = 0; c0 < Dim; c0 += 8) {
-    bf16 k8[8];
-    numerics::dequantize8<F, Dim>(key, c0, k8);
-    float kf[8];
-    for (int i = 0; i < 8; ++i) kf[i] = k8[i].to_float();
+  using layout = scan_smem<Dim>;
+  constexpr int kRow = layout::row, kChunks = Dim / 8;
+  runtime::start_after_previous_grid();
+  extern __shared__ __align__(16) unsigned char scan_smem_raw[];
+  bf16* keys_s = reinterpret_cast<bf16*>(scan_smem_raw);
+  bf16* q_s = keys_s + layout::keys_elems;
+  float* w_s = reinterpret_cast<float*>(q_s + layout::q_elems(a.heads));
+  float* terms = w_s + max_index_heads;
+  const int heads = a.heads, head_tiles = (heads + 15) / 16, tstride = heads + 1;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, quad = lane % 4;
+  const long long key0 = static_cast<long long>(blockIdx.x) * scan_keys;
+  const int row0 = int(blockIdx.y) * scan_rows, row_end = min(a.rows, row0 + scan_rows);
+
+  // Which key list a row reads: gathered rows each their own, paged rows their sequence's.
+  auto key_source = [&](int row) -> long long {
+    if (positions) return row;
+    return a.block_tables && a.row_batch ? a.row_batch[row] : -1;
+  };
+  auto position = [&](int row, long long t) -> long long {
+    return positions ? positions[static_cast<long long>(row) * a.n_keys + t] : t;
+  };
+  // Dequantizes the keys of rows [row, until) (one source) that any of them can see; the others
+  // are zero (their scores are -inf whatever the product).
+  auto load_keys = [&](int row, int until) {
+    long long visible = 0;
+    for (int r = row; r < until; ++r) visible = max(visible, a.visible[r]);
+    for (int i = threadIdx.x; i < scan_keys * kChunks; i += scan_threads) {
+      const int k = i / kChunks, c0 = (i % kChunks) * 8;
+      const long long t = key0 + k;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      const long long pos = t < a.n_keys ? position(row, t) : -1;
+      if (pos >= 0 && pos < visible) {
+        bf16 k8[8];
+        numerics::dequantize8<F, Dim>(a.key(row, pos), c0, k8);
+        v = make_uint4(std::uint32_t(k8[0].bits) | std::uint32_t(k8[1].bits) << 16,
+                       std::uint32_t(k8[2].bits) | std::uint32_t(k8[3].bits) << 16,
+                       std::uint32_t(k8[4].bits) | std::uint32_t(k8[5].bits) << 16,
+                       std::uint32_t(k8[6].bits) | std::uint32_t(k8[7].bits) << 16);
+      }
+      *reinterpret_cast<uint4*>(keys_s + k * kRow + c0) = v;
+    }
+  };
+
+  long long loaded = -2;  // the key source in shared memory (-2: none yet)
+  for (int row = row0; row < row_end; ++row) {
+    __syncthreads();  // the previous row's MMAs and sums are done with shared memory
+    if (key_source(row) != loaded || positions) {
+      int until = row + 1;
+      while (!positions && until < row_end && key_source(until) == key_source(row)) ++until;
+      load_keys(row, until);
+      loaded = key_source(row);
+    }
+    // The row's queries (padding head rows zero) and weights.
+    const bf16* q = a.q + static_cast<long long>(row) * heads * Dim;
+    for (int i = threadIdx.x; i < head_tiles * 16 * kChunks; i += scan_threads) {
+      const int h = i / kChunks, c0 = (i % kChunks) * 8;
+      *reinterpret_cast<uint4*>(q_s + h * kRow + c0) =
+          h < heads ? *reinterpret_cast<const uint4*>(q + h * Dim + c0) : make_uint4(0, 0, 0, 0);
+    }
+    for (int h = threadIdx.x; h < heads; h += scan_threads) w_s[h] = a.w[static_cast<long long>(row) * heads + h].to_float();
+    __syncthreads();
+
+    float acc[max_index_heads / 16][2][4] = {};
 #pragma unroll
-    for (int h = 0; h < max_index_heads; ++h) {
-      if (h >= a.heads) break;
-      const float4* qh = reinterpret_cast<const float4*>(qs + h * Dim + c0);
-      const float4 qa = qh[0], qb = qh[1];
-      float d = dot[h];
-      d = fmaf(qa.x, kf[0], d); d = fmaf(qa.y, kf[1], d); d = fmaf(qa.z, kf[2], d); d = fmaf(qa.w, kf[3], d);
-      d = fmaf(qb.x, kf[4], d); d = fmaf(qb.y, kf[5], d); d = fmaf(qb.z, kf[6], d); d = fmaf(qb.w, kf[7], d);
-      dot[h] = d;
+    for (int k = 0; k < Dim; k += 16) {
+      std::uint32_t kb[4];
+      tensor_core::ldmatrix_x4<false>(kb, keys_s + ((2 * warp + lane / 16) * 8 + lane % 8) * kRow + k + ((lane / 8) % 2) * 8);
+#pragma unroll
+      for (int ht = 0; ht < max_index_heads / 16; ++ht) {
+        if (ht >= head_tiles) break;
+        std::uint32_t qa[4];
+        tensor_core::ldmatrix_x4<false>(qa, q_s + (ht * 16 + lane % 16) * kRow + k + (lane / 16) * 8);
+        tensor_core::mma_bf16(acc[ht][0], qa, kb[0], kb[1]);
+        tensor_core::mma_bf16(acc[ht][1], qa, kb[2], kb[3]);
+      }
+    }
+#pragma unroll
+    for (int ht = 0; ht < max_index_heads / 16; ++ht) {
+      if (ht >= head_tiles) break;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = ht * 16 + gid + 8 * (i / 2), key = warp * 16 + nt * 8 + quad * 2 + i % 2;
+          if (h >= heads) continue;
+          const float d = numerics::round_to_bf16(acc[ht][nt][i]);
+          terms[key * tstride + h] = numerics::round_to_bf16(__fmul_rn(fmaxf(d, 0.0f), w_s[h]));
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < scan_keys) {
+      const long long t = key0 + threadIdx.x;
+      if (t < a.n_keys) {
+        const long long pos = position(row, t);
+        bf16* out = a.scores + static_cast<long long>(row) * a.n_keys + t;
+        if (pos < 0 || pos >= a.visible[row]) {
+          *out = bf16::from_bits(0xFF80);  // -inf
+        } else {
+          float sum = 0.0f;  // fp32, heads in order (as the host reference)
+          for (int h = 0; h < heads; ++h) sum += terms[threadIdx.x * tstride + h];
+          *out = bf16::from_float(sum);
+        }
+      }
     }
   }
-  float sum = 0.0f;
-  for (int h = 0; h < a.heads; ++h) {
-    const float d = numerics::round_to_bf16(dot[h]);
-    sum += numerics::round_to_bf16(__fmul_rn(fmaxf(d, 0.0f), ws[h]));
-  }
-  *out = bf16::from_float(sum);
-  (void)layout::bytes;
 }
 
 //! bf16 bits -> 16-bit key in torch.topk's order (`numerics::topk_order_key_bf16`, shared with the
@@ -302,10 +387,12 @@ void launch_index_scan(const char* op, const index_scan_args& a, const std::int3
     throw error(name + ": keys must be 4-byte aligned with a stride that is a multiple of 4 bytes");
   if (a.block_tables && (a.max_pages <= 0 || a.entries_per_page <= 0 || a.page_bytes % 4))
     throw error(name + ": paged keys need max_pages > 0, entries_per_page > 0 and page_bytes a multiple of 4");
-  const int smem = (a.heads * Dim + a.heads) * int(sizeof(float));
+  if ((a.n_keys + scan_keys - 1) / scan_keys > 0x7FFFFFFFLL)
+    throw error(name + ": too many keys for one launch (grid x)");
+  const int smem = scan_smem<Dim>::bytes(a.heads);
   auto kernel = index_scan_kernel<Dim>;
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(unsigned((a.n_keys + scan_threads - 1) / scan_threads), unsigned(a.rows));
+  const dim3 grid(unsigned((a.n_keys + scan_keys - 1) / scan_keys), unsigned((a.rows + scan_rows - 1) / scan_rows));
   runtime::launch_programmatic(kernel, grid, dim3(scan_threads), std::size_t(smem), stream, a, positions);
   DSV4_CUDA_CHECK_LAUNCH();
 }
