@@ -2,6 +2,7 @@
 
 #include <boost/test/unit_test.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <span>
@@ -32,8 +33,23 @@ std::vector<bf16> qdq_rows(std::mt19937_64& rng, std::size_t rows, int dim, floa
   return x;
 }
 
+//! select_topk's output: one CTA per row, or (split) several CTAs per row of topk_split_min_n
+//! scores and more, through scratch (the same selection either way).
+std::vector<std::int32_t> run_select(topk_args t, bool split) {
+  device_buffer<std::int32_t> out(std::size_t(t.rows) * std::size_t(t.k));
+  out.fill_bytes(0x7F);
+  const std::size_t words = split ? topk_scratch_words(t.rows, t.n) : 0;
+  device_buffer<unsigned> scratch(std::max<std::size_t>(1, words));
+  scratch.fill_bytes(0xFF);  // every word the split path reads, it writes first
+  t.out = out.data();
+  if (split) t.scratch = scratch.data(), t.scratch_words = words;
+  select_topk(t);
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  return out.download();
+}
+
+template <int dim>
 void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std::uint64_t salt) {
-  constexpr int dim = 128;
   using layout = numerics::packed_vector<numerics::index_key_format, dim>;
   auto rng = test::make_rng(salt);
   const auto q = qdq_rows(rng, std::size_t(rows) * heads, dim, 1.0f);
@@ -54,12 +70,11 @@ void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std:
   dscores.fill_bytes(0xFF);
   index_scan<dim>({dq.data(), dw.data(), dkeys.data(), layout::bytes, dscores.data(), dvis.data(), rows, heads, n_keys});
   const int k = int(std::min<long long>(topk, n_keys));
-  device_buffer<std::int32_t> dout(std::size_t(rows) * k);
-  dout.fill_bytes(0x7F);
-  select_topk({dscores.data(), n_keys, rows, k, dvis.data(), 128, dout.data()});
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   const auto got_scores = dscores.download();
-  const auto got_idx = dout.download();
+  const topk_args t{dscores.data(), n_keys, rows, k, dvis.data(), 128, nullptr};
+  const auto got_idx = run_select(t, false);
+  BOOST_TEST(run_select(t, true) == got_idx, "several CTAs per row select otherwise than one");
 
   std::size_t score_mismatch = 0;
   for (int r = 0; r < rows; ++r) {
@@ -84,9 +99,70 @@ void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std:
 BOOST_AUTO_TEST_SUITE(indexer_cuda)
 
 BOOST_AUTO_TEST_CASE(scan_and_select_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
-  check_scan_and_select(3, 32, 5000, 512, 1);     // decode-like, V4.1 heads and top-k
-  check_scan_and_select(9, 32, 300, 512, 2);      // fewer keys than top-k: k = n, -1 tails
-  check_scan_and_select(2, 4, 70001, 16, 3);      // tiny heads and top-k, many tiles
+  check_scan_and_select<128>(3, 32, 5000, 512, 1);   // decode-like, V4.1 heads and top-k
+  check_scan_and_select<128>(9, 32, 300, 512, 2);    // fewer keys than top-k: k = n, -1 tails
+  check_scan_and_select<128>(2, 4, 70001, 16, 3);    // tiny heads and top-k, many tiles
+  check_scan_and_select<64>(5, 4, 3001, 16, 4);      // tiny's index dim and heads
+  check_scan_and_select<128>(6, 64, 1500, 512, 5);   // the most heads: four MMA head tiles
+  check_scan_and_select<128>(7, 48, 999, 64, 6);     // three head tiles
+  check_scan_and_select<64>(1, 20, 200, 16, 7);      // a partial second head tile
+}
+
+// Paged keys of two sequences in one call, their rows interleaved so that CTAs' groups of four
+// rows switch sequence (the keys are dequantized again for each switch): pages shuffled in a
+// pool, each row against its own sequence's keys on the host.
+BOOST_AUTO_TEST_CASE(paged_scan_of_mixed_sequences_matches_host,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  constexpr int dim = 128, heads = 32, epp = 64;
+  using layout = numerics::packed_vector<numerics::index_key_format, dim>;
+  const long long page_bytes = epp * layout::bytes + 16;  // a page holds more than the keys
+  auto rng = test::make_rng(70);
+  const long long n = 333;  // keys per sequence (a partial last page)
+  const int pages_per_seq = int((n + epp - 1) / epp), seqs = 2, rows = 7;
+  std::vector<int> phys(std::size_t(seqs) * pages_per_seq);
+  for (std::size_t i = 0; i < phys.size(); ++i) phys[i] = int(i);
+  std::shuffle(phys.begin(), phys.end(), rng);
+  std::vector<std::uint8_t> pool(phys.size() * std::size_t(page_bytes), 0xEE);
+  std::vector<std::vector<bf16>> kq(seqs);
+  for (int b = 0; b < seqs; ++b) {
+    std::vector<bf16> kx(std::size_t(n) * dim);
+    std::normal_distribution<float> nk(0.0f, 1.0f);
+    for (auto& v : kx) v = bf16::from_float(nk(rng));
+    const auto packed = test::pack_index_keys<dim>(kx);
+    kq[std::size_t(b)] = packed.qdq;
+    for (long long t = 0; t < n; ++t)
+      std::copy_n(packed.cache.begin() + std::ptrdiff_t(t * layout::bytes), layout::bytes,
+                  pool.begin() + std::ptrdiff_t(phys[std::size_t(b * pages_per_seq + t / epp)] * page_bytes +
+                                                (t % epp) * layout::bytes));
+  }
+  const std::vector<std::int32_t> row_batch = {0, 1, 0, 0, 1, 1, 0};
+  std::vector<long long> visible(rows);
+  for (int r = 0; r < rows; ++r) visible[std::size_t(r)] = r == 0 ? n : (long long)(rng() % std::uint64_t(n + 1));
+  const auto q = qdq_rows(rng, std::size_t(rows) * heads, dim, 1.0f);
+  std::vector<bf16> w(std::size_t(rows) * heads);
+  std::normal_distribution<float> nw(0.0f, 1.0f);
+  for (auto& v : w) v = bf16::from_float(numerics::round_to_bf16(nw(rng)) * 0.015625f);
+
+  device_buffer<bf16> dq{std::span<const bf16>(q)}, dw{std::span<const bf16>(w)}, dscores(std::size_t(rows) * n);
+  device_buffer<std::uint8_t> dpool{std::span<const std::uint8_t>(pool)};
+  device_buffer<std::int32_t> dtables{std::span<const std::int32_t>(phys)}, dbatch{std::span<const std::int32_t>(row_batch)};
+  device_buffer<long long> dvis{std::span<const long long>(visible)};
+  dscores.fill_bytes(0xFF);
+  index_scan_args a{dq.data(), dw.data(), dpool.data(), layout::bytes, dscores.data(), dvis.data(), rows, heads, n};
+  a.block_tables = dtables.data(), a.row_batch = dbatch.data(), a.max_pages = pages_per_seq, a.entries_per_page = epp;
+  a.page_bytes = page_bytes;
+  index_scan<dim>(a);
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got = dscores.download();
+  std::size_t mismatch = 0;
+  for (int r = 0; r < rows; ++r) {
+    const auto want = index_scores_reference(std::span(q).subspan(std::size_t(r) * heads * dim, std::size_t(heads) * dim),
+                                             std::span(w).subspan(std::size_t(r) * heads, heads),
+                                             kq[std::size_t(row_batch[std::size_t(r)])], heads, dim, visible[std::size_t(r)]);
+    for (long long t = 0; t < n; ++t)
+      mismatch += bf16::from_float(want[std::size_t(t)]).bits != got[std::size_t(r) * n + t].bits;
+  }
+  BOOST_TEST(mismatch == 0u, mismatch << " of " << rows * n << " paged scores differ from the host");
 }
 
 // Heavy ties: scores from a handful of values; lowest indices must win at the threshold.
@@ -101,16 +177,15 @@ BOOST_AUTO_TEST_CASE(select_breaks_ties_toward_lowest_index, *utf::label("gpu") 
     visible[1] = n / 3;
     device_buffer<bf16> ds{std::span<const bf16>(s)};
     device_buffer<long long> dv{std::span<const long long>(visible)};
-    device_buffer<std::int32_t> dout(std::size_t(rows) * k);
-    select_topk({ds.data(), n, rows, k, dv.data(), 0, dout.data()});
-    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-    const auto got = dout.download();
-    for (int r = 0; r < rows; ++r) {
-      std::vector<float> row(static_cast<std::size_t>(n));
-      for (long long t = 0; t < n; ++t) row[std::size_t(t)] = s[std::size_t(r) * n + t].to_float();
-      const auto want = select_reference(row, k, visible[r], 0);
-      BOOST_TEST(std::vector<std::int32_t>(got.begin() + std::ptrdiff_t(r) * k, got.begin() + std::ptrdiff_t(r + 1) * k) == want,
-                 "n " << n << " row " << r);
+    for (const bool split : {false, true}) {
+      const auto got = run_select({ds.data(), n, rows, k, dv.data(), 0, nullptr}, split);
+      for (int r = 0; r < rows; ++r) {
+        std::vector<float> row(static_cast<std::size_t>(n));
+        for (long long t = 0; t < n; ++t) row[std::size_t(t)] = s[std::size_t(r) * n + t].to_float();
+        const auto want = select_reference(row, k, visible[r], 0);
+        BOOST_TEST(std::vector<std::int32_t>(got.begin() + std::ptrdiff_t(r) * k, got.begin() + std::ptrdiff_t(r + 1) * k) == want,
+                   "n " << n << " row " << r << (split ? " (several CTAs per row)" : ""));
+      }
     }
   }
 }
@@ -144,15 +219,13 @@ BOOST_AUTO_TEST_CASE(select_follows_torch_order_for_signed_zeros_nan_and_inf,
     device_buffer<long long> dv{std::span<const long long>(visible)};
     for (int topk : {1, 16, 512}) {
       const int k = int(std::min<long long>(topk, n));
-      device_buffer<std::int32_t> dout(std::size_t(rows) * k);
-      dout.fill_bytes(0x7F);
-      select_topk({ds.data(), n, rows, k, dv.data(), 128, dout.data()});
-      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto got = dout.download();
-      for (int r = 0; r < rows; ++r) {
-        const auto want = select_reference(host_rows[r], topk, visible[r], 128);
-        BOOST_TEST(std::vector<std::int32_t>(got.begin() + std::ptrdiff_t(r) * k, got.begin() + std::ptrdiff_t(r + 1) * k) == want,
-                   "n " << n << " k " << k << " row " << r << " selection differs");
+      for (const bool split : {false, true}) {
+        const auto got = run_select({ds.data(), n, rows, k, dv.data(), 128, nullptr}, split);
+        for (int r = 0; r < rows; ++r) {
+          const auto want = select_reference(host_rows[r], topk, visible[r], 128);
+          BOOST_TEST(std::vector<std::int32_t>(got.begin() + std::ptrdiff_t(r) * k, got.begin() + std::ptrdiff_t(r + 1) * k) == want,
+                     "n " << n << " k " << k << " row " << r << " selection differs" << (split ? " (several CTAs per row)" : ""));
+        }
       }
     }
     // Candidate pool over the same scores: block maxima in the same order (a NaN block first).
