@@ -6,6 +6,7 @@
 #include <cmath>
 #include <random>
 #include <span>
+#include <tuple>
 #include <vector>
 
 #include "dsv4/kernels/indexer/indexer.cuh"
@@ -13,6 +14,7 @@
 #include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/quantize.hpp"
 #include "dsv4/runtime/device_buffer.cuh"
+#include "dsv4/runtime/device_info.cuh"
 #include "support/gpu.hpp"
 #include "support/numerics.hpp"
 #include "support/random.hpp"
@@ -186,6 +188,54 @@ BOOST_AUTO_TEST_CASE(select_breaks_ties_toward_lowest_index, *utf::label("gpu") 
         BOOST_TEST(std::vector<std::int32_t>(got.begin() + std::ptrdiff_t(r) * k, got.begin() + std::ptrdiff_t(r + 1) * k) == want,
                    "n " << n << " row " << r << (split ? " (several CTAs per row)" : ""));
       }
+    }
+  }
+}
+
+// The split top-k's bookkeeping across slices: T's high byte is shared by values above T (2.5,
+// 3.0, 5.0: counted through the earlier slices' low-byte bins) and one above it (8.0: through
+// their high-byte counts), and the equal keys taken (2.0) start past the first slices, so ranks
+// among equal keys carry over slices. Two shapes run through one scratch buffer, one after the
+// other. Every selection must equal the host's and the one-CTA kernel's.
+BOOST_AUTO_TEST_CASE(split_select_carries_counts_across_slices,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  auto rng = test::make_rng(66);
+  const std::size_t words = std::max(topk_scratch_words(3, 200000), topk_scratch_words(1, 65536));
+  device_buffer<unsigned> scratch(words);
+  scratch.fill_bytes(0xFF);
+  for (const auto& [rows, n, k] : {std::tuple{3, 200000LL, 512}, std::tuple{1, 65536LL, 2048}, std::tuple{3, 200000LL, 64}}) {
+    BOOST_TEST_MESSAGE("split top-k: " << rows << " rows of " << n << ", k " << k << ", "
+                                       << detail::plan_topk_split(rows, n, runtime::sm_count()).slices << " slices");
+    std::vector<bf16> s(std::size_t(rows) * std::size_t(n));
+    for (int r = 0; r < rows; ++r)
+      for (long long t = 0; t < n; ++t) {
+        const unsigned u = unsigned(rng() % 1000);
+        float v = t < n * 2 / 5 ? 1.0f : 2.0f;  // the 2.0s (T) begin past the first slices
+        if (u < 2) v = 8.0f;
+        else if (u < 4) v = 5.0f;
+        else if (u < 6) v = 3.0f;
+        else if (u < 8) v = 2.5f;
+        s[std::size_t(r) * std::size_t(n) + std::size_t(t)] = bf16::from_float(v);
+      }
+    std::vector<long long> visible(std::size_t(rows), n);
+    visible[0] = n - 1000;
+    device_buffer<bf16> ds{std::span<const bf16>(s)};
+    device_buffer<long long> dv{std::span<const long long>(visible)};
+    device_buffer<std::int32_t> dout(std::size_t(rows) * std::size_t(k));
+    dout.fill_bytes(0x7F);
+    topk_args t{ds.data(), n, rows, k, dv.data(), 128, dout.data()};
+    t.scratch = scratch.data(), t.scratch_words = words;
+    select_topk(t);
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got = dout.download();
+    const auto one_cta = run_select({ds.data(), n, rows, k, dv.data(), 128, nullptr}, false);
+    BOOST_TEST(got == one_cta, "rows " << rows << " n " << n << " k " << k << ": split and one-CTA selections differ");
+    for (int r = 0; r < rows; ++r) {
+      std::vector<float> row(static_cast<std::size_t>(n));
+      for (long long i = 0; i < n; ++i) row[std::size_t(i)] = s[std::size_t(r) * std::size_t(n) + std::size_t(i)].to_float();
+      const auto want = select_reference(row, k, visible[std::size_t(r)], 128);
+      BOOST_TEST(std::vector<std::int32_t>(got.begin() + std::ptrdiff_t(r) * k, got.begin() + std::ptrdiff_t(r + 1) * k) == want,
+                 "rows " << rows << " n " << n << " k " << k << " row " << r);
     }
   }
 }

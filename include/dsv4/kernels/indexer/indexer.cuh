@@ -364,7 +364,7 @@ DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
 }
 
 //! Several CTAs per row (rows of topk_split_min_n scores and more, with scratch): the row is cut
-//! into `slices` runs of whole 4,096-score tiles, one CTA each, and three launches compute what
+//! into `slices` runs of whole 4,096-score tiles (as even as the tiles allow), one CTA each, and three launches compute what
 //! topk_kernel computes: (1) each slice's histogram of high bytes; (2) every CTA of the row adds
 //! them up in slice order and finds the high byte of the k-th largest key (topk_kernel's first
 //! pass), then histograms its slice's low bytes under that high byte and counts its keys above
@@ -379,16 +379,15 @@ inline constexpr int topk_max_slices = 64;  // each CTA re-reads every slice's b
 
 struct topk_split {
   int slices = 1;
-  long long slice_len = 0;
+  long long tiles = 0;  // 4,096-score tiles of a row; slice j takes tiles [tiles j / slices, tiles (j + 1) / slices)
+  DSV4_HOST_DEVICE long long begin(int j) const { return tiles * j / slices * topk_tile; }
 };
 
-//! About two CTAs per SM over all rows, at most topk_max_slices per row.
+//! About two CTAs per SM over all rows, at most topk_max_slices per row and one tile per slice.
 inline topk_split plan_topk_split(int rows, long long n, int sms) {
   const long long tiles = (n + topk_tile - 1) / topk_tile;
   const long long want = std::max<long long>(1, 2LL * sms / std::max(rows, 1));
-  const long long slices = std::max<long long>(1, std::min<long long>({tiles, want, topk_max_slices}));
-  const long long len = (tiles + slices - 1) / slices * topk_tile;
-  return {int((n + len - 1) / len), len};
+  return {int(std::max<long long>(1, std::min<long long>({tiles, want, topk_max_slices}))), tiles};
 }
 
 struct topk_split_scratch {
@@ -416,7 +415,7 @@ DSV4_KERNEL void __launch_bounds__(topk_slice_threads) topk_hi_kernel(topk_args 
   const int row = blockIdx.y, slice = blockIdx.x;
   const topk_split_scratch scr(a.scratch, a.rows, sp.slices);
   const std::uint16_t* sc = reinterpret_cast<const std::uint16_t*>(a.scores) + static_cast<long long>(row) * a.n;
-  const long long begin = slice * sp.slice_len, end = min(a.n, begin + sp.slice_len);
+  const long long begin = sp.begin(slice), end = min(a.n, sp.begin(slice + 1));
   for (int i = threadIdx.x; i < warps * 256; i += blockDim.x) warp_hist[i / 256][i % 256] = 0;
   __syncthreads();
   histogram_keys<topk_slice_threads>(sc, begin, end, false, 0u, warp_hist);
@@ -436,7 +435,7 @@ DSV4_KERNEL void __launch_bounds__(topk_slice_threads) topk_lo_kernel(topk_args 
   const int row = blockIdx.y, slice = blockIdx.x;
   const topk_split_scratch scr(a.scratch, a.rows, sp.slices);
   const std::uint16_t* sc = reinterpret_cast<const std::uint16_t*>(a.scores) + static_cast<long long>(row) * a.n;
-  const long long begin = slice * sp.slice_len, end = min(a.n, begin + sp.slice_len);
+  const long long begin = sp.begin(slice), end = min(a.n, sp.begin(slice + 1));
   sum_slice_bins(scr.hi_bins + std::size_t(row) * sp.slices * 256, sp.slices, hist);
   for (int i = threadIdx.x; i < warps * 256; i += blockDim.x) warp_hist[i / 256][i % 256] = 0;
   if (threadIdx.x == 0) s_above = 0;
@@ -466,7 +465,7 @@ DSV4_KERNEL void __launch_bounds__(topk_slice_threads) topk_take_kernel(topk_arg
   const int row = blockIdx.y, slice = blockIdx.x;
   const topk_split_scratch scr(a.scratch, a.rows, sp.slices);
   const std::uint16_t* sc = reinterpret_cast<const std::uint16_t*>(a.scores) + static_cast<long long>(row) * a.n;
-  const long long begin = slice * sp.slice_len, end = min(a.n, begin + sp.slice_len);
+  const long long begin = sp.begin(slice), end = min(a.n, sp.begin(slice + 1));
   sum_slice_bins(scr.hi_bins + std::size_t(row) * sp.slices * 256, sp.slices, hist);
   __syncthreads();
   __shared__ unsigned s_hi, s_need_hi;
