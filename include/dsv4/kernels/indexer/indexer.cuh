@@ -279,6 +279,16 @@ DSV4_DEVICE unsigned histogram_keys(const std::uint16_t* sc, long long begin, lo
   return above;
 }
 
+//! out[b] = the per-warp bins' sum for bin b (thread b of the block, strided).
+template <int Warps>
+DSV4_DEVICE void sum_warp_bins(const unsigned (*warp_hist)[256], unsigned* out) {
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+    unsigned total = 0;
+    for (int w = 0; w < Warps; ++w) total += warp_hist[w][b];
+    out[b] = total;
+  }
+}
+
 //! The ordered pass over sc[begin, end): keeps every key > T and the keys == T whose rank among
 //! equal keys (from `eq_base` at `begin`) is below need_eq, writing them in ascending index order
 //! from out[base]. Each thread owns `items` consecutive indices of a tile, so a block prefix sum
@@ -344,11 +354,7 @@ DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
     __syncthreads();
     histogram_keys<topk_threads>(sc, 0, a.n, pass == 1, pass == 0 ? 0u : s_hi, warp_hist);
     __syncthreads();
-    for (int b = threadIdx.x; b < 256; b += blockDim.x) {
-      unsigned total = 0;
-      for (int w = 0; w < warps; ++w) total += warp_hist[w][b];
-      hist[b] = total;
-    }
+    sum_warp_bins<warps>(warp_hist, hist);
     __syncthreads();
     if (threadIdx.x == 0) {
       unsigned bucket, rest;
@@ -420,12 +426,7 @@ DSV4_KERNEL void __launch_bounds__(topk_slice_threads) topk_hi_kernel(topk_args 
   __syncthreads();
   histogram_keys<topk_slice_threads>(sc, begin, end, false, 0u, warp_hist);
   __syncthreads();
-  unsigned* bins = scr.hi_bins + (std::size_t(row) * sp.slices + slice) * 256;
-  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
-    unsigned total = 0;
-    for (int w = 0; w < warps; ++w) total += warp_hist[w][b];
-    bins[b] = total;
-  }
+  sum_warp_bins<warps>(warp_hist, scr.hi_bins + (std::size_t(row) * sp.slices + slice) * 256);
 }
 
 DSV4_KERNEL void __launch_bounds__(topk_slice_threads) topk_lo_kernel(topk_args a, topk_split sp) {
@@ -448,12 +449,7 @@ DSV4_KERNEL void __launch_bounds__(topk_slice_threads) topk_lo_kernel(topk_args 
   const unsigned above = histogram_keys<topk_slice_threads>(sc, begin, end, true, s_hi, warp_hist);
   atomicAdd(&s_above, above);  // an integer count: the order of the additions does not matter
   __syncthreads();
-  unsigned* bins = scr.lo_bins + (std::size_t(row) * sp.slices + slice) * 256;
-  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
-    unsigned total = 0;
-    for (int w = 0; w < warps; ++w) total += warp_hist[w][b];
-    bins[b] = total;
-  }
+  sum_warp_bins<warps>(warp_hist, scr.lo_bins + (std::size_t(row) * sp.slices + slice) * 256);
   if (threadIdx.x == 0) scr.above_hi[std::size_t(row) * sp.slices + slice] = s_above;
 }
 
