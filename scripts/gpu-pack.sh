@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-devbin/pack}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # absolute: the archive is written from inside build/gpu
 cmake --preset gpu >/dev/null
 targets=$(sed -n 's/^ *dsv4_add_test(\(test_[a-z_]*_cuda\) .*LABELS gpu.*/\1/p' tests/CMakeLists.txt | sort -u)
 # shellcheck disable=SC2086
@@ -17,7 +18,7 @@ benches="bench_model ${BENCHES:-}"
 # shellcheck disable=SC2086
 cmake --build build/gpu -j "$(nproc)" --target $targets dsv4_cli $benches
 # shellcheck disable=SC2046
-(cd build/gpu && tar -cJf "$OLDPWD/$out/bins.tar.xz" tests/test_*_cuda apps/dsv4 $(printf 'bench/%s ' $benches))
+(cd build/gpu && tar -cJf "$out/bins.tar.xz" tests/test_*_cuda apps/dsv4 $(printf 'bench/%s ' $benches))
 echo "$PWD/tests/data" > "$out/data_path.txt"  # DSV4_TEST_DATA, compiled into the test binaries
 git rev-parse --short HEAD > "$out/commit.txt"
 git status --short --untracked-files=no | sed 's/^/changed: /' >> "$out/commit.txt"

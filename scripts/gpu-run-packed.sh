@@ -7,6 +7,7 @@
 #   bash scripts/gpu-run-packed.sh [PACKDIR]            # default devbin/pack
 #   MEMCHECK="test_gemm_cuda test_moe_cuda" ...         # memcheck on these (all: MEMCHECK=all)
 #   INITCHECK=...  BENCH=1  MC_LIMIT=seconds-per-binary (default 200)
+#   RUN_BENCHES="bench_gemm bench_moe"  # also run these packed benchmarks (output kept loose: $OUT/bench_*.txt)
 # On a host with several GPUs, also: scripts/gpu-run-multigpu.sh (the multigpu cases, bench_tp).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -45,12 +46,16 @@ sanitize() {
 }
 [ -n "${MEMCHECK:-}" ] && sanitize memcheck "$MEMCHECK"
 [ -n "${INITCHECK:-}" ] && sanitize initcheck "$INITCHECK"
+for b in ${RUN_BENCHES:-}; do
+  if [ ! -x "bench/$b" ]; then log "$b: not packed"; fail=1; continue; fi
+  if timeout "${BENCH_LIMIT:-240}" "bench/$b" > "$out/$b.txt" 2>&1; then log "$b: done"; else log "$b: FAILED"; fail=1; fi
+done
 if [ -n "${BENCH:-}" ]; then
   bench/bench_model > "$out/bench_model.txt" 2>&1 || fail=1
   grep -E "^(prefill|decode)" "$out/bench_model.txt" | tee -a "$out/summary.txt"
 fi
 log "$([ "$fail" = 0 ] && echo 'ALL PASSED' || echo 'SOMETHING FAILED')"
-# The device tool returns a few files: keep summary.txt loose, pack the rest.
-tar -czf "$out/logs.tar.gz" -C "$out" --exclude summary.txt --exclude logs.tar.gz . 2>/dev/null
-find "$out" -maxdepth 1 -type f ! -name summary.txt ! -name logs.tar.gz -delete
+# The device tool returns a few files: keep summary.txt and the benchmarks loose, pack the rest.
+tar -czf "$out/logs.tar.gz" -C "$out" --exclude summary.txt --exclude logs.tar.gz --exclude 'bench_*.txt' . 2>/dev/null
+find "$out" -maxdepth 1 -type f ! -name summary.txt ! -name logs.tar.gz ! -name 'bench_*.txt' -delete
 exit "$fail"

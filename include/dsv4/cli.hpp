@@ -62,13 +62,15 @@ inline void usage(std::ostream& os) {
         "                       the drafts against the backbone's tokens: the same tokens, plus\n"
         "                       the drafts' acceptance counts\n"
         "  serve [--config tiny] [--checkpoint PATH] [--host ADDR] [--port N] [--backend host|cuda]\n"
-        "        [--max-tokens N] [--max-requests N]\n"
+        "        [--max-tokens N] [--max-prompt-tokens N] [--max-requests N]\n"
         "                       an HTTP/1.1 JSON server over the model (default 127.0.0.1:8080;\n"
         "                       --port 0 picks a free port and prints it): GET /health, GET\n"
         "                       /v1/model, POST /v1/generate {\"prompt\": [ids], \"max_tokens\": N,\n"
         "                       \"temperature\", \"top_k\", \"top_p\", \"seed\", \"prefill\": \"exact\"|\"ced\"}\n"
         "                       answered with the tokens `run` would draw; one request at a time;\n"
-        "                       --max-requests N exits after N answers\n"
+        "                       --max-tokens / --max-prompt-tokens cap a request's generated\n"
+        "                       and prompt tokens (defaults 4096 / 4096); --max-requests N exits\n"
+        "                       after N answers\n"
         "  logits --checkpoint PATH [--config tiny] --prompt IDS [--decode IDS] --out FILE\n"
         "         [--index-keys ownership|upstream]\n"
         "                       exact prefill of the prompt, then the decode ids fed one at a\n"
@@ -248,7 +250,8 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       return 0;
     }
     if (cmd == "serve") {
-      const auto o = detail::parse(args, cmd, {"config", "checkpoint", "host", "port", "backend", "max-requests", "max-tokens"});
+      const auto o = detail::parse(args, cmd,
+                                   {"config", "checkpoint", "host", "port", "backend", "max-requests", "max-tokens", "max-prompt-tokens"});
       if (!o.positional.empty()) throw error("serve: unexpected argument '" + o.positional[0] + "'");
       const std::string config = detail::host_config(cmd, o);
       const std::string backend = o.named.count("backend") ? o.named.at("backend") : "host";
@@ -265,6 +268,10 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
         throw error("serve: --host '" + host + "' is not an IPv4 address (use 127.0.0.1 or 0.0.0.0)");
       serve::service_limits limits;
       if (o.named.count("max-tokens")) limits.max_new_tokens = detail::parse_integer(cmd, "max-tokens", o.named.at("max-tokens"));
+      if (o.named.count("max-prompt-tokens"))
+        limits.max_prompt_tokens = detail::parse_integer(cmd, "max-prompt-tokens", o.named.at("max-prompt-tokens"));
+      if (limits.max_prompt_tokens < 1)
+        throw error("serve: --max-prompt-tokens must be >= 1, got " + std::to_string(limits.max_prompt_tokens));
       const std::string path = o.named.count("checkpoint") ? o.named.at("checkpoint") : "";
       io::checkpoint ck = detail::open_tiny_checkpoint(path, err);
       const auto m = model::host_model<models::tiny>::load(ck, detail::tiny_token_map());

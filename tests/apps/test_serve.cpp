@@ -8,6 +8,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -24,7 +26,8 @@ namespace {
 bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 // One request on a fresh connection; the whole response (the server closes the connection).
-std::string exchange(int port, const std::string& raw) {
+// `close_write`: the client then closes its sending side (it will send nothing more).
+std::string exchange(int port, const std::string& raw, bool close_write = false) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -39,6 +42,7 @@ std::string exchange(int port, const std::string& raw) {
     if (n <= 0) break;
     sent += std::size_t(n);
   }
+  if (close_write) ::shutdown(fd, SHUT_WR);
   std::string out;
   char buf[4096];
   for (ssize_t n; (n = ::recv(fd, buf, sizeof buf, 0)) > 0;) out.append(buf, std::size_t(n));
@@ -73,7 +77,13 @@ BOOST_AUTO_TEST_CASE(parser_reads_requests_and_names_what_is_wrong) {
     BOOST_TEST(has(p.error.body, why), p.error.body);
   };
   bad("GARBAGE\r\n\r\n", 400, "malformed request line");
-  bad("GET /x HTTP/2\r\n\r\n", 505, "HTTP/1.x");
+  bad("GET /x HTTP/2\r\n\r\n", 505, "HTTP/1.0 and HTTP/1.1");
+  bad("GET /x HTTP/1.zzz\r\n\r\n", 505, "HTTP/1.0 and HTTP/1.1");
+  bad("GET /x HTTP/1.1\nHost: a\n\n", 400, "must end with CRLF");  // bare LF: answered at once, no timeout
+  bad("GET /x HTTP/1.1\r\nContent-Length : 5\r\n\r\n", 400, "malformed header name 'Content-Length '");
+  bad("GET /x HTTP/1.1\r\nX-A: 1\r\n folded: on\r\n\r\n", 400, "continuation lines are not accepted");
+  bad("POST /x HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 5\r\n\r\nabcde", 400,
+      "'content-length' appears more than once");
   bad("GET /x HTTP/1.1\r\nno colon here\r\n\r\n", 400, "malformed header line");
   bad("POST /x HTTP/1.1\r\n\r\n", 411, "POST needs a Content-Length");
   bad("POST /x HTTP/1.1\r\nContent-Length: 12x\r\n\r\n", 400, "Content-Length '12x' is not a byte count");
@@ -81,6 +91,8 @@ BOOST_AUTO_TEST_CASE(parser_reads_requests_and_names_what_is_wrong) {
   bad("POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 501, "send the body with a Content-Length");
   bad(std::string(20000, 'a'), 431, "exceed 16 KB");
   BOOST_TEST(http::json_string("a\"b\\c\n\x01") == "\"a\\\"b\\\\c\\n\\u0001\"");
+  // Bytes that are not UTF-8 (a client's target, echoed in an error) become U+FFFD escapes.
+  BOOST_TEST(http::json_string("/\xff\xc3\xa9/") == "\"/\\ufffd\xc3\xa9/\"");
 }
 
 // The service over a socket: health, model, a generation equal to the host backend's, and the
@@ -89,10 +101,10 @@ BOOST_AUTO_TEST_CASE(server_answers_over_a_socket) {
   std::ostringstream quiet;
   io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
   const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
-  const serve::generation_service service(m, cli::host_generate, "host", {.max_new_tokens = 8});
+  const serve::generation_service service(m, cli::host_generate, "host", {.max_new_tokens = 8, .max_prompt_tokens = 6});
   http::server srv("127.0.0.1", 0, [&](const http::request& r) { return service(r); }, 4096);
   BOOST_REQUIRE(srv.port() > 0);
-  constexpr int requests = 9;
+  constexpr int requests = 15;
   std::thread th([&] { srv.serve(requests); });
 
   std::string r = exchange(srv.port(), "GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
@@ -113,19 +125,31 @@ BOOST_AUTO_TEST_CASE(server_answers_over_a_socket) {
   BOOST_TEST(has(r, want_tokens + "]"), r);
   BOOST_TEST(has(r, "\"prompt_tokens\": 4, \"generated_tokens\": 3"), r);
 
-  r = exchange(srv.port(), post("/v1/generate", R"({"prompt": [1, 2], "max_tokens": 9})"));
-  BOOST_TEST((has(r, "HTTP/1.1 400") && has(r, "field 'max_tokens' must be an integer in [0, 8]")), r);
-  r = exchange(srv.port(), post("/v1/generate", R"({"prompt": [1, 5000]})"));
-  BOOST_TEST((has(r, "HTTP/1.1 400") && has(r, "field 'prompt[1]' must be an integer in [0, 1023]")), r);
-  r = exchange(srv.port(), post("/v1/generate", R"({"prompt": [1], "temprature": 0.5})"));
-  BOOST_TEST((has(r, "HTTP/1.1 400") && has(r, "unknown field 'temprature'")), r);
-  r = exchange(srv.port(), post("/v1/generate", "{\"prompt\": [1,"));
-  BOOST_TEST((has(r, "HTTP/1.1 400") && has(r, "request body: invalid JSON")), r);
-  r = exchange(srv.port(), "DELETE /v1/generate HTTP/1.1\r\n\r\n");
-  BOOST_TEST((has(r, "HTTP/1.1 405") && has(r, "this route takes POST")), r);
-  r = exchange(srv.port(), post("/v1/generate", std::string(5000, ' ')));
-  BOOST_TEST((has(r, "HTTP/1.1 413") && has(r, "the limit is 4096")), r);
-  th.join();  // nine requests answered: serve() returned
+  // Every other request: its status and a message that names the problem.
+  auto expect = [&](const std::string& raw, const std::string& status, const std::string& message,
+                    bool close_write = false) {
+    const std::string got = exchange(srv.port(), raw, close_write);
+    BOOST_TEST((has(got, "HTTP/1.1 " + status) && has(got, message)), got);
+  };
+  expect(post("/v1/generate", R"({"prompt": [1, 2], "max_tokens": 9})"), "400",
+         "field 'max_tokens' must be an integer in [0, 8]");
+  expect(post("/v1/generate", R"({"prompt": [1, 5000]})"), "400", "field 'prompt[1]' must be an integer in [0, 1023]");
+  expect(post("/v1/generate", R"({"prompt": [1], "temprature": 0.5})"), "400", "unknown field 'temprature'");
+  expect(post("/v1/generate", "{\"prompt\": [1,"), "400", "request body: invalid JSON");
+  expect("DELETE /v1/generate HTTP/1.1\r\n\r\n", "405", "this route takes POST");
+  expect(post("/v1/generate", std::string(5000, ' ')), "413", "the limit is 4096");
+  // Without max_tokens a request gets the default of 16 only within the server's limit (8).
+  expect(post("/v1/generate", R"({"prompt": [1, 2], "temperature": 0})"), "200", "\"generated_tokens\": 8");
+  expect(post("/v1/generate", R"({"prompt": [1, 2, 3, 4, 5, 6, 7]})"), "400",
+         "field 'prompt' has 7 tokens, this server takes at most 6");
+  // Numbers that JSON allows but the fields cannot hold: named 400s, before any work.
+  expect(post("/v1/generate", R"({"prompt": [1], "temperature": 1e39})"), "400", "field 'temperature' is too large");
+  expect(post("/v1/generate", R"({"prompt": [1], "top_p": 1e-50})"), "400", "field 'top_p' must be in (0, 1]");
+  expect(post("/v1/generate", R"({"prompt": [1], "temperature": 1e999})"), "400", "number 1e999 is out of range");
+  // A client that stops sending half-way (closes its side) still gets an answer.
+  expect("POST /v1/generate HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"prompt\": [1]}", "400",
+         "closed after 66 bytes, before the request was complete", true);
+  th.join();  // fifteen requests answered: serve() returned
 }
 
 BOOST_AUTO_TEST_CASE(serve_command_rejects_bad_options_before_loading) {
@@ -138,6 +162,10 @@ BOOST_AUTO_TEST_CASE(serve_command_rejects_bad_options_before_loading) {
   BOOST_TEST((code == 2 && has(err, "--host 'localhost' is not an IPv4 address")), err);
   std::tie(code, err) = run({"serve", "--port", "70000"});
   BOOST_TEST((code == 2 && has(err, "--port 70000 is outside 0..65535")), err);
+  std::tie(code, err) = run({"serve", "--max-tokens", "-1"});
+  BOOST_TEST((code == 2 && has(err, "--max-tokens needs a non-negative integer")), err);
+  std::tie(code, err) = run({"serve", "--max-prompt-tokens", "0"});
+  BOOST_TEST((code == 2 && has(err, "--max-prompt-tokens must be >= 1")), err);
   std::tie(code, err) = run({"serve", "--backend", "cuda"});
   BOOST_TEST((code == 2 && has(err, "built without CUDA")), err);
 }
@@ -149,6 +177,39 @@ BOOST_AUTO_TEST_CASE(a_request_that_does_not_arrive_in_time_gets_408) {
   const std::string r = exchange(srv.port(), "GET /health HTTP/1.1\r\nHo");
   BOOST_TEST((has(r, "HTTP/1.1 408") && has(r, "did not arrive in time")), r);
   th.join();
+}
+
+// A client that trickles a byte now and then cannot stretch the timeout (2 s here): each wait
+// for input ends at the request's deadline, not a full timeout after the last byte. (Waits of a
+// full timeout per read would answer at about 3 s; the bound below leaves room for a slow host.)
+BOOST_AUTO_TEST_CASE(a_trickling_client_gets_408_at_the_deadline) {
+  http::server srv("127.0.0.1", 0, [](const http::request&) { return http::response{200, "{}"}; }, 1024, 2);
+  std::thread th([&] { srv.serve(1); });
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<std::uint16_t>(srv.port()));
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  BOOST_REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  const auto start = std::chrono::steady_clock::now();
+  std::atomic<bool> done{false};
+  std::thread trickle([&] {
+    const std::string text = "GET /health HTTP/1.1\r\nHost: x";
+    for (std::size_t i = 0; i < text.size() && !done; ++i) {
+      ::send(fd, text.data() + i, 1, MSG_NOSIGNAL);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    }
+  });
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::recv(fd, buf, sizeof buf, 0)) > 0;) out.append(buf, std::size_t(n));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  done = true;
+  trickle.join();
+  ::close(fd);
+  th.join();
+  BOOST_TEST((has(out, "HTTP/1.1 408") && has(out, "did not arrive in time")), out);
+  BOOST_TEST(seconds < 2.7, "answered after " << seconds << " s");
 }
 
 BOOST_AUTO_TEST_CASE(stop_ends_serving) {

@@ -56,6 +56,21 @@ BOOST_AUTO_TEST_CASE(json_errors_name_source_and_offset) {
   BOOST_TEST(throws_with([] { io::parse_json("\"abc", "cfg.json"); }, "unterminated string"));
   BOOST_TEST(throws_with([] { io::parse_json("[1,", "cfg.json"); }, "unexpected end of input"));
   BOOST_TEST(throws_with([] { io::parse_json("99999999999999999999", "cfg.json"); }, "does not fit in 64 bits"));
+  // JSON's number grammar, and double's range (a value below it is a subnormal or zero, as strtod
+  // gives; one above it is an error that names the number).
+  BOOST_TEST(throws_with([] { io::parse_json("01", "cfg.json"); }, "must not have leading zeros"));
+  BOOST_TEST(throws_with([] { io::parse_json("[1.]", "cfg.json"); }, "expected digits after the decimal point"));
+  BOOST_TEST(throws_with([] { io::parse_json("[1e]", "cfg.json"); }, "expected digits in the exponent"));
+  BOOST_TEST(throws_with([] { io::parse_json("-1e999", "cfg.json"); }, "number -1e999 is out of range"));
+  BOOST_TEST(io::parse_json("1e-310", "cfg.json").number() == 1e-310);
+  BOOST_TEST(io::parse_json("1e-999", "cfg.json").number() == 0.0);
+  BOOST_TEST(io::parse_json("0.5", "cfg.json").number() == 0.5);
+  // Strings must be well-formed UTF-8; a \u escape must not leave a lone surrogate.
+  BOOST_TEST(throws_with([] { io::parse_json("\"a\xff\"", "cfg.json"); }, "invalid UTF-8 in string"));
+  BOOST_TEST(throws_with([] { io::parse_json("\"\xc0\xaf\"", "cfg.json"); }, "invalid UTF-8 in string"));  // overlong '/'
+  BOOST_TEST(throws_with([] { io::parse_json("\"\xed\xa0\x80\"", "cfg.json"); }, "invalid UTF-8 in string"));  // a surrogate
+  BOOST_TEST(throws_with([] { io::parse_json(R"("\udc00")", "cfg.json"); }, "unpaired low surrogate"));
+  BOOST_TEST(io::parse_json("\"\xef\xbf\xbd\xf0\x9f\x98\x80\"", "cfg.json").string() == "\xef\xbf\xbd\xf0\x9f\x98\x80");
 }
 
 BOOST_AUTO_TEST_CASE(safetensors_reads_the_reference_vectors) {

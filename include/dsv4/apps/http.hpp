@@ -4,15 +4,17 @@
 //! a time, one request per connection (`Connection: close`), bodies by Content-Length only. It
 //! is a front end for a single-model inference process on a trusted network, not a
 //! general-purpose web server: requests are answered in arrival order, and a slow client holds
-//! the others for at most the receive timeout (the whole request must arrive within it).
+//! the others for at most the timeout twice over (the whole request must arrive within it, the
+//! whole response must leave within it) plus a second of lingering close.
 //!
 //! The parser is a pure function (tested on its own); every malformed request gets a status
-//! code and a message that says what was wrong, never a dropped connection without an answer.
+//! code and a message that says what was wrong, also when the client stops sending half-way;
+//! only a connection that sends nothing gets no answer.
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,8 +28,10 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <thread>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/core/utf8.hpp"
 
 namespace dsv4::http {
 
@@ -65,10 +69,22 @@ inline std::string serialize(const response& r) {
          "\r\nContent-Length: " + std::to_string(r.body.size()) + "\r\nConnection: close\r\n\r\n" + r.body;
 }
 
-//! `text` as a JSON string literal (quotes, backslashes and control characters escaped).
+//! `text` as a JSON string literal (quotes, backslashes and control characters escaped; bytes
+//! that are not well-formed UTF-8, as a client's target may hold, become \ufffd).
 inline std::string json_string(std::string_view text) {
   std::string out = "\"";
-  for (const char c : text) {
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (static_cast<unsigned char>(c) >= 0x80) {
+      const std::size_t n = dsv4::text::well_formed_length(text.substr(i));
+      if (n == 0) {
+        out += "\\ufffd";
+      } else {
+        out += text.substr(i, n);
+        i += n - 1;
+      }
+      continue;
+    }
     switch (c) {
       case '"': out += "\\\""; break;
       case '\\': out += "\\\\"; break;
@@ -110,6 +126,10 @@ inline parse_result parse_request(std::string_view data, std::size_t max_body) {
     return out;
   };
   const std::size_t head_end = data.find("\r\n\r\n");
+  // A bare LF (nc without -C, a hand-written client) would otherwise wait out the timeout.
+  const std::string_view head_so_far = data.substr(0, head_end == std::string_view::npos ? data.size() : head_end);
+  for (std::size_t lf = head_so_far.find('\n'); lf != std::string_view::npos; lf = head_so_far.find('\n', lf + 1))
+    if (lf == 0 || head_so_far[lf - 1] != '\r') return bad(400, "the request line and header lines must end with CRLF");
   if (head_end == std::string_view::npos) {
     if (data.size() > max_header_bytes) return bad(431, "the request line and headers exceed 16 KB");
     return out;
@@ -124,17 +144,31 @@ inline parse_result parse_request(std::string_view data, std::size_t max_body) {
     return bad(400, "malformed request line (expected 'METHOD /path HTTP/1.1')");
   out.req.method = std::string(line.substr(0, sp1));
   out.req.target = std::string(line.substr(sp1 + 1, sp2 - sp1 - 1));
-  if (line.substr(sp2 + 1).rfind("HTTP/1.", 0) != 0) return bad(505, "only HTTP/1.x is served");
+  const std::string_view version = line.substr(sp2 + 1);
+  if (version != "HTTP/1.1" && version != "HTTP/1.0") {
+    if (version.rfind("HTTP/", 0) == 0) return bad(505, "only HTTP/1.0 and HTTP/1.1 are served");
+    return bad(400, "malformed request line (expected 'METHOD /path HTTP/1.1')");
+  }
+  // RFC 9110 token characters: a header name with anything else (a space before the colon, a
+  // folded continuation line) is refused rather than guessed at.
+  auto token_char = [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) != 0 || std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
+  };
   for (std::size_t at = line_end + 2; at <= head.size();) {
     const std::size_t e = std::min(head.find("\r\n", at), head.size());
     const std::string_view h = head.substr(at, e - at);
     const std::size_t colon = h.find(':');
     if (colon == std::string_view::npos || colon == 0) return bad(400, "malformed header line (expected 'Name: value')");
+    if (!std::all_of(h.begin(), h.begin() + std::ptrdiff_t(colon), token_char))
+      return bad(400, "malformed header name '" + std::string(h.substr(0, std::min<std::size_t>(colon, 64))) +
+                          "' (no spaces before the colon; continuation lines are not accepted)");
     std::string name(h.substr(0, colon));
     for (auto& c : name) c = char(std::tolower(static_cast<unsigned char>(c)));
     std::string_view value = h.substr(colon + 1);
     while (!value.empty() && (value.front() == ' ' || value.front() == '\t')) value.remove_prefix(1);
     while (!value.empty() && (value.back() == ' ' || value.back() == '\t')) value.remove_suffix(1);
+    const bool once = name == "content-length" || name == "transfer-encoding" || name == "host";
+    if (once && out.req.headers.count(name)) return bad(400, "the header '" + name + "' appears more than once");
     out.req.headers[name] = std::string(value);
     at = e + 2;
   }
@@ -199,11 +233,14 @@ class server {
       const int c = ::accept(fd_, nullptr, nullptr);
       if (c < 0) {
         if (stopping_ || errno == EINVAL || errno == EBADF) return;  // stop() shut the socket down
-        if (errno == EINTR || errno == ECONNABORTED) {
-          --answered;
-          continue;
+        --answered;
+        // Out of descriptors or buffers: wait for some to come back. A connection that failed
+        // on its way in (ECONNABORTED, EPROTO, network errors Linux passes on): the next one.
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          std::fprintf(stderr, "serve: accept: %s (retrying)\n", std::strerror(errno));
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
         }
-        throw error(std::string("serve: accept: ") + std::strerror(errno));
+        continue;
       }
       answer(c);
       ::close(c);
@@ -222,9 +259,19 @@ class server {
   int fd_ = -1, port_ = 0;
   std::atomic<bool> stopping_{false};
 
+  //! Waits until `c` is readable (POLLIN) or writable (POLLOUT) or `deadline` passes.
+  static bool wait_for(int c, short events, std::chrono::steady_clock::time_point deadline) {
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return false;
+      pollfd p{c, events, 0};
+      const int n = ::poll(&p, 1, int(std::min<long long>(left.count(), 60'000)));
+      if (n > 0) return true;
+      if (n < 0 && errno != EINTR) return false;
+    }
+  }
+
   void answer(int c) {
-    timeval tv{timeout_s_, 0};
-    ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     // The whole request must arrive within the timeout, not each piece of it: a client that
     // trickles bytes cannot hold the (single) connection slot longer than that.
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s_);
@@ -245,31 +292,40 @@ class server {
         }
         break;
       }
-      if (std::chrono::steady_clock::now() > deadline) {
+      if (!wait_for(c, POLLIN, deadline)) {
         r = error_response(408, "the request did not arrive in time");
         break;
       }
       const ssize_t n = ::recv(c, buf, sizeof buf, 0);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
       if (n <= 0) {
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) r = error_response(408, "the request did not arrive in time");
-        else return;  // the client went away before sending a whole request: nobody to answer
+        if (data.empty()) return;  // the client went away without a word: nobody to answer
+        r = error_response(400, "the connection was closed after " + std::to_string(data.size()) +
+                                     " bytes, before the request was complete");
         break;
       }
       data.append(buf, std::size_t(n));
     }
+    // The response, within its own timeout: a client that stops reading cannot hold the slot.
     const std::string out = serialize(r);
+    const auto send_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s_);
     for (std::size_t sent = 0; sent < out.size();) {
-      const ssize_t n = ::send(c, out.data() + sent, out.size() - sent, MSG_NOSIGNAL);
+      if (!wait_for(c, POLLOUT, send_deadline)) return;
+      const ssize_t n = ::send(c, out.data() + sent, out.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
       if (n <= 0) return;
       sent += std::size_t(n);
     }
     // A lingering close: closing with unread input (a refused body) would reset the connection
     // and could destroy the response before the client reads it. Signal the end of the response,
-    // then read what the client still sends until it closes (or briefly, if it does not).
+    // then read what the client still sends until it closes, for at most a second and 1 MiB.
     ::shutdown(c, SHUT_WR);
-    timeval brief{0, 200 * 1000};
-    ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &brief, sizeof brief);
-    for (int i = 0; i < 64 && ::recv(c, buf, sizeof buf, 0) > 0; ++i) {
+    const auto linger_end = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    for (std::size_t drained = 0; drained < (std::size_t(1) << 20) && wait_for(c, POLLIN, linger_end);) {
+      const ssize_t n = ::recv(c, buf, sizeof buf, MSG_DONTWAIT);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+      if (n <= 0) break;
+      drained += std::size_t(n);
     }
   }
 };

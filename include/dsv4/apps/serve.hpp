@@ -13,6 +13,7 @@
 //! field and what it must be; unknown fields are errors too (a misspelt "max_token" must not
 //! silently generate 16 tokens). Tokens are drawn exactly as `dsv4 run` draws them.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -26,7 +27,8 @@
 namespace dsv4::serve {
 
 struct service_limits {
-  long long max_new_tokens = 4096;  //!< per request
+  long long max_new_tokens = 4096;     //!< generated tokens per request (also caps the default of 16)
+  long long max_prompt_tokens = 4096;  //!< prompt tokens per request (a request holds the only slot)
 };
 
 class generation_service {
@@ -77,7 +79,7 @@ class generation_service {
     if (!j.is_object()) return http::error_response(400, "the request body must be a JSON object");
     std::vector<std::int32_t> prompt;
     cli::run_request req;
-    long long max_tokens = 16;
+    long long max_tokens = std::min<long long>(16, limits_.max_new_tokens);  // the default, within the limit
     std::string prefill = "exact";
     auto integer = [](const io::json& v, const std::string& field, long long lo, long long hi) {
       if (!v.is_number() || !v.integral || v.integer < lo || v.integer > hi)
@@ -100,12 +102,13 @@ class generation_service {
         } else if (key == "temperature") {
           const double t = number(v, key);
           if (t < 0) throw error("field 'temperature' must be >= 0 (0: greedy)");
+          if (!std::isfinite(float(t))) throw error("field 'temperature' is too large (beyond float's range)");
           req.sampling.temperature = float(t);
         } else if (key == "top_k") {
           req.sampling.top_k = int(integer(v, key, 0, c.vocab_size));
         } else if (key == "top_p") {
           const double p = number(v, key);
-          if (!(p > 0 && p <= 1)) throw error("field 'top_p' must be in (0, 1]");
+          if (!(p > 0 && p <= 1) || !(float(p) > 0)) throw error("field 'top_p' must be in (0, 1] (and at least float's smallest value)");
           req.sampling.top_p = float(p);
         } else if (key == "seed") {
           req.sampling.seed = std::uint64_t(integer(v, key, 0, (1LL << 53)));
@@ -119,6 +122,9 @@ class generation_service {
         }
       }
       if (prompt.empty()) throw error("field 'prompt' is required (an array of token ids)");
+      if (static_cast<long long>(prompt.size()) > limits_.max_prompt_tokens)
+        throw error("field 'prompt' has " + std::to_string(prompt.size()) + " tokens, this server takes at most " +
+                    std::to_string(limits_.max_prompt_tokens));
       if (static_cast<long long>(prompt.size()) + max_tokens > c.rope.max_position_embeddings)
         throw error("prompt (" + std::to_string(prompt.size()) + " tokens) plus max_tokens (" + std::to_string(max_tokens) +
                     ") exceed the model's " + std::to_string(c.rope.max_position_embeddings) + " positions");

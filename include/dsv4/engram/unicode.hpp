@@ -25,85 +25,14 @@
 #include <utility>
 #include <vector>
 
+#include "dsv4/core/utf8.hpp"
 #include "dsv4/engram/unicode_data.hpp"
 
 namespace dsv4::engram::unicode {
 
-inline constexpr char32_t replacement_character = U'\uFFFD';
-
-// ----------------------------------------------------------------------------------------------
-// UTF-8
-
-//! Decode UTF-8; each maximal subpart of an ill-formed sequence becomes one U+FFFD (Unicode
-//! §3.9, "U+FFFD substitution of maximal subparts"): a lead byte followed by fewer continuation
-//! bytes than it needs is one replacement; a byte that can start nothing is one replacement.
-//! Overlong forms, surrogates (ED A0..BF) and code points above U+10FFFF are ill-formed at their
-//! second byte, as the well-formed byte table (Unicode table 3-7) says.
-inline std::u32string decode_utf8_lossy(std::string_view s) {
-  std::u32string out;
-  out.reserve(s.size());
-  const auto byte = [&](std::size_t i) { return static_cast<unsigned char>(s[i]); };
-  std::size_t i = 0;
-  while (i < s.size()) {
-    const unsigned b0 = byte(i);
-    if (b0 < 0x80) {
-      out += char32_t(b0);
-      ++i;
-      continue;
-    }
-    int need = 0;           // continuation bytes after b0
-    unsigned lo = 0x80, hi = 0xBF;  // range of the second byte (table 3-7)
-    char32_t cp = 0;
-    if (b0 >= 0xC2 && b0 <= 0xDF) { need = 1; cp = b0 & 0x1F; }
-    else if (b0 >= 0xE0 && b0 <= 0xEF) {
-      need = 2; cp = b0 & 0x0F;
-      if (b0 == 0xE0) lo = 0xA0;
-      if (b0 == 0xED) hi = 0x9F;
-    } else if (b0 >= 0xF0 && b0 <= 0xF4) {
-      need = 3; cp = b0 & 0x07;
-      if (b0 == 0xF0) lo = 0x90;
-      if (b0 == 0xF4) hi = 0x8F;
-    } else {                // 80..C1, F5..FF: never a lead byte
-      out += replacement_character;
-      ++i;
-      continue;
-    }
-    std::size_t j = i + 1;
-    bool ok = true;
-    for (int k = 0; k < need; ++k, ++j) {
-      const unsigned lo_k = k == 0 ? lo : 0x80u, hi_k = k == 0 ? hi : 0xBFu;
-      if (j >= s.size() || byte(j) < lo_k || byte(j) > hi_k) { ok = false; break; }
-      cp = (cp << 6) | (byte(j) & 0x3F);
-    }
-    out += ok ? cp : replacement_character;  // not ok: bytes i .. j-1 are the maximal subpart
-    i = j;
-  }
-  return out;
-}
-
-//! Encode code points as UTF-8 (the input must hold Unicode scalar values).
-inline std::string encode_utf8(std::u32string_view s) {
-  std::string out;
-  out.reserve(s.size());
-  for (const char32_t c : s) {
-    if (c < 0x80) {
-      out += char(c);
-    } else if (c < 0x800) {
-      out += char(0xC0 | (c >> 6));
-      out += char(0x80 | (c & 0x3F));
-    } else if (c < 0x10000) {
-      out += char(0xE0 | (c >> 12));
-      out += char(0x80 | ((c >> 6) & 0x3F));
-      out += char(0x80 | (c & 0x3F));
-    } else {
-      out += char(0xF0 | (c >> 18));
-      out += char(0x80 | ((c >> 12) & 0x3F));
-      out += char(0x80 | ((c >> 6) & 0x3F));
-      out += char(0x80 | (c & 0x3F));
-    }
-  }
-  return out;
-}
+using text::replacement_character;
+using text::decode_utf8_lossy;
+using text::encode_utf8;
 
 // ----------------------------------------------------------------------------------------------
 // Character properties

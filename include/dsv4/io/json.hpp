@@ -3,7 +3,10 @@
 //! A small, strict JSON reader for the files dsv4 reads: safetensors headers, config.json,
 //! model.safetensors.index.json. Errors name the source and the byte offset.
 
+#include <cerrno>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -14,6 +17,7 @@
 #include <vector>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/core/utf8.hpp"
 
 namespace dsv4::io {
 
@@ -126,25 +130,37 @@ class json_parser {
     }
     return v;
   }
+  //! A number in JSON's grammar (no leading zeros, digits after '.' and in an exponent). Values
+  //! beyond double's range are errors; values below it round to subnormals or zero, as strtod does.
   void parse_number(json& v) {
     const std::size_t start = pos_;
+    auto digit = [&] { return pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9'; };
+    auto digits = [&] {
+      const std::size_t from = pos_;
+      while (digit()) ++pos_;
+      return pos_ > from;
+    };
     if (pos_ < s_.size() && s_[pos_] == '-') ++pos_;
-    bool digits = false, integral = true;
-    while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') { ++pos_; digits = true; }
+    const std::size_t int_start = pos_;
+    if (!digits()) { pos_ = start; fail("expected a value"); }
+    if (s_[int_start] == '0' && pos_ - int_start > 1) { pos_ = start; fail("a number must not have leading zeros"); }
+    bool integral = true;
     if (pos_ < s_.size() && s_[pos_] == '.') {
       integral = false;
       ++pos_;
-      while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
+      if (!digits()) fail("expected digits after the decimal point");
     }
     if (pos_ < s_.size() && (s_[pos_] == 'e' || s_[pos_] == 'E')) {
       integral = false;
       ++pos_;
       if (pos_ < s_.size() && (s_[pos_] == '+' || s_[pos_] == '-')) ++pos_;
-      while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
+      if (!digits()) fail("expected digits in the exponent");
     }
-    if (!digits) { pos_ = start; fail("expected a value"); }
     const std::string text(s_.substr(start, pos_ - start));
-    v.value = std::stod(text);
+    errno = 0;
+    const double d = std::strtod(text.c_str(), nullptr);
+    if (errno == ERANGE && std::fabs(d) > 1.0) { pos_ = start; fail("number " + text.substr(0, 40) + " is out of range"); }
+    v.value = d;
     v.integral = integral;
     if (integral) {
       try {
@@ -153,23 +169,6 @@ class json_parser {
         pos_ = start;
         fail("integer " + text + " does not fit in 64 bits");
       }
-    }
-  }
-  static void append_utf8(std::string& out, std::uint32_t cp) {
-    if (cp < 0x80) {
-      out += char(cp);
-    } else if (cp < 0x800) {
-      out += char(0xC0 | (cp >> 6));
-      out += char(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += char(0xE0 | (cp >> 12));
-      out += char(0x80 | ((cp >> 6) & 0x3F));
-      out += char(0x80 | (cp & 0x3F));
-    } else {
-      out += char(0xF0 | (cp >> 18));
-      out += char(0x80 | ((cp >> 12) & 0x3F));
-      out += char(0x80 | ((cp >> 6) & 0x3F));
-      out += char(0x80 | (cp & 0x3F));
     }
   }
   std::uint32_t parse_hex4() {
@@ -193,6 +192,14 @@ class json_parser {
       const char c = s_[pos_++];
       if (c == '"') return out;
       if (static_cast<unsigned char>(c) < 0x20) fail("control character in string");
+      if (static_cast<unsigned char>(c) >= 0x80) {  // a UTF-8 sequence: copied whole if it is valid
+        --pos_;
+        const std::size_t n = text::well_formed_length(s_.substr(pos_));
+        if (n == 0) fail("invalid UTF-8 in string");
+        out.append(s_.substr(pos_, n));
+        pos_ += n;
+        continue;
+      }
       if (c != '\\') { out += c; continue; }
       if (pos_ >= s_.size()) fail("unterminated escape");
       const char e = s_[pos_++];
@@ -207,13 +214,14 @@ class json_parser {
         case 't': out += '\t'; break;
         case 'u': {
           std::uint32_t cp = parse_hex4();
+          if (cp >= 0xDC00 && cp <= 0xDFFF) fail("unpaired low surrogate");
           if (cp >= 0xD800 && cp < 0xDC00) {
             if (!consume_literal("\\u")) fail("unpaired surrogate");
             const std::uint32_t lo = parse_hex4();
             if (lo < 0xDC00 || lo > 0xDFFF) fail("bad low surrogate");
             cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
           }
-          append_utf8(out, cp);
+          text::append_utf8(out, char32_t(cp));
           break;
         }
         default: fail(std::string("unknown escape \\") + e);
