@@ -27,10 +27,17 @@ using runtime::device_buffer;
 
 namespace {
 
-std::vector<bf16> qdq_rows(std::mt19937_64& rng, std::size_t rows, int dim, float sigma) {
+//! `spread` > 0 scales each 32-channel block by 2^u, u uniform in [-spread, spread]: blocks whose
+//! MXFP4 scales lie far apart, so a dot product's partial sums span many binary orders.
+std::vector<bf16> qdq_rows(std::mt19937_64& rng, std::size_t rows, int dim, float sigma, int spread = 0) {
   std::normal_distribution<float> n(0.0f, sigma);
+  std::uniform_int_distribution<int> u(-spread, spread);
   std::vector<bf16> x(rows * std::size_t(dim));
-  for (auto& v : x) v = bf16::from_float(n(rng));
+  float block_scale = 1.0f;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    if (i % 32 == 0) block_scale = std::ldexp(1.0f, u(rng));
+    x[i] = bf16::from_float(n(rng) * block_scale);
+  }
   for (std::size_t r = 0; r < rows; ++r) numerics::qdq_vector<numerics::index_key_format>(std::span(x).subspan(r * dim, dim));
   return x;
 }
@@ -51,18 +58,26 @@ std::vector<std::int32_t> run_select(topk_args t, bool split) {
 }
 
 template <int dim>
-void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std::uint64_t salt) {
+void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std::uint64_t salt, int spread = 0) {
   using layout = numerics::packed_vector<numerics::index_key_format, dim>;
   auto rng = test::make_rng(salt);
-  const auto q = qdq_rows(rng, std::size_t(rows) * heads, dim, 1.0f);
+  const auto q = qdq_rows(rng, std::size_t(rows) * heads, dim, 1.0f, spread);
   std::normal_distribution<float> nw(0.0f, 1.0f);
   std::vector<bf16> w(std::size_t(rows) * heads);
   for (auto& v : w) v = bf16::from_float(numerics::round_to_bf16(nw(rng)) * 0.015625f);
   // Keys: quantized into the packed cache, and their QDQ values for the host.
   std::vector<bf16> kx(std::size_t(n_keys) * dim);
   std::normal_distribution<float> nk(0.0f, 1.0f);
-  for (auto& v : kx) v = bf16::from_float(nk(rng));
-  const auto [cache, kq] = test::pack_index_keys<dim>(kx);
+  std::uniform_int_distribution<int> uk(-spread, spread);
+  float block_scale = 1.0f;
+  for (std::size_t i = 0; i < kx.size(); ++i) {
+    if (i % 32 == 0) block_scale = std::ldexp(1.0f, uk(rng));
+    kx[i] = bf16::from_float(nk(rng) * block_scale);
+  }
+  // Entries padded to a multiple of 4 bytes, as the attention stack stores them (tiny's 64-channel
+  // key is 34 bytes; the scan reads keys 4 bytes at a time).
+  const long long stride = (layout::bytes + 3) / 4 * 4;
+  const auto [cache, kq] = test::pack_index_keys<dim>(kx, std::size_t(stride));
   std::vector<long long> visible(static_cast<std::size_t>(rows));
   for (int r = 0; r < rows; ++r) visible[r] = r == 0 ? n_keys : (long long)(rng() % std::uint64_t(n_keys + 1));
 
@@ -70,7 +85,7 @@ void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std:
   device_buffer<std::uint8_t> dkeys{std::span<const std::uint8_t>(cache)};
   device_buffer<long long> dvis{std::span<const long long>(visible)};
   dscores.fill_bytes(0xFF);
-  index_scan<dim>({dq.data(), dw.data(), dkeys.data(), layout::bytes, dscores.data(), dvis.data(), rows, heads, n_keys});
+  index_scan<dim>({dq.data(), dw.data(), dkeys.data(), stride, dscores.data(), dvis.data(), rows, heads, n_keys});
   const int k = int(std::min<long long>(topk, n_keys));
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   const auto got_scores = dscores.download();
@@ -108,6 +123,16 @@ BOOST_AUTO_TEST_CASE(scan_and_select_match_host, *utf::label("gpu") * utf::preco
   check_scan_and_select<128>(6, 64, 1500, 512, 5);   // the most heads: four MMA head tiles
   check_scan_and_select<128>(7, 48, 999, 64, 6);     // three head tiles
   check_scan_and_select<64>(1, 20, 200, 16, 7);      // a partial second head tile
+}
+
+// Blocks of q and of the keys scaled by 2^-8 .. 2^8: a dot product's blocks then differ by up to
+// 2^32, beyond fp32's 24 bits (within double's 53). The host sums in double; the scan must round
+// the same exact dot product (each block on its own tensor-core accumulator, added in double).
+BOOST_AUTO_TEST_CASE(scan_is_exact_for_far_apart_block_scales,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  check_scan_and_select<128>(5, 32, 2000, 512, 11, 8);
+  check_scan_and_select<64>(5, 4, 2000, 16, 12, 8);
+  check_scan_and_select<128>(3, 64, 700, 64, 13, 8);
 }
 
 // Paged keys of two sequences in one call, their rows interleaved so that CTAs' groups of four

@@ -4,7 +4,8 @@
 //!
 //! Scan: one CTA per 64 keys and 4 query rows. The keys are dequantized (MXFP4 -> bf16, exact)
 //! into shared memory once for the rows that read them; per row, q [heads, dim] times the keys on
-//! the tensor cores (bf16 MMA, fp32 accumulation), then per (head, key) bf16(relu(bf16(dot)) * w)
+//! the tensor cores (bf16 MMA, one fp32 accumulator per 32-channel block, the blocks added in
+//! double: the exact dot product, as the host's), then per (head, key) bf16(relu(bf16(dot)) * w)
 //! and a head-ordered fp32 sum per key. Scores are stored as bf16 (-inf where not visible).
 //!
 //! Top-k: one CTA per row (several for long rows given scratch), in torch.topk's order
@@ -122,8 +123,10 @@ struct scan_smem {
 //! its own gathered positions); per row, every warp multiplies all head tiles by its 16 keys on
 //! the tensor cores (QK^T as an m16n8k16 bf16 MMA with fp32 accumulation), then each (head, key)
 //! term bf16(relu(bf16(dot)) * w_h) goes to shared memory and one thread per key adds the heads'
-//! terms in head order. MXFP4 products are exact in fp32 and their sums too in practice (see
-//! reference.hpp), so the tensor core's summation order gives the reference's dot products.
+//! terms in head order. A block's MXFP4 products are exact and so is their tensor-core sum; the
+//! blocks' sums in double give the exact dot product while the blocks' products lie within 2^40 of
+//! each other (test: scan_is_exact_for_far_apart_block_scales; fp32 accumulation across blocks
+//! differed from the host at 2^32), so scores equal the host reference's bit for bit.
 template <int Dim>
 DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_args a, const std::int32_t* positions) {
   using F = numerics::index_key_format;
@@ -189,18 +192,35 @@ DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_ar
     for (int h = threadIdx.x; h < heads; h += scan_threads) w_s[h] = a.w[static_cast<long long>(row) * heads + h].to_float();
     __syncthreads();
 
-    float acc[max_index_heads / 16][2][4] = {};
+    // Each 32-channel block (one MXFP4 scale of q and one of the key) on its own accumulator: its
+    // products are multiples of a quarter of the two scales' product and its sum stays within 13
+    // bits of them, so the tensor core's sum is exact whatever its internal alignment and rounding.
+    // The blocks' sums are added in double: exact as the host reference's double sum is, so both
+    // round the same dot product to fp32 and bf16 even when the blocks' scales are far apart.
+    double acc[max_index_heads / 16][2][4] = {};
 #pragma unroll
-    for (int k = 0; k < Dim; k += 16) {
-      std::uint32_t kb[4];
-      tensor_core::ldmatrix_x4<false>(kb, keys_s + ((2 * warp + lane / 16) * 8 + lane % 8) * kRow + k + ((lane / 8) % 2) * 8);
+    for (int kb = 0; kb < Dim; kb += 32) {
+      float part[max_index_heads / 16][2][4] = {};
+#pragma unroll
+      for (int k = kb; k < kb + 32; k += 16) {
+        std::uint32_t kf[4];
+        tensor_core::ldmatrix_x4<false>(kf, keys_s + ((2 * warp + lane / 16) * 8 + lane % 8) * kRow + k + ((lane / 8) % 2) * 8);
+#pragma unroll
+        for (int ht = 0; ht < max_index_heads / 16; ++ht) {
+          if (ht >= head_tiles) break;
+          std::uint32_t qa[4];
+          tensor_core::ldmatrix_x4<false>(qa, q_s + (ht * 16 + lane % 16) * kRow + k + (lane / 16) * 8);
+          tensor_core::mma_bf16(part[ht][0], qa, kf[0], kf[1]);
+          tensor_core::mma_bf16(part[ht][1], qa, kf[2], kf[3]);
+        }
+      }
 #pragma unroll
       for (int ht = 0; ht < max_index_heads / 16; ++ht) {
         if (ht >= head_tiles) break;
-        std::uint32_t qa[4];
-        tensor_core::ldmatrix_x4<false>(qa, q_s + (ht * 16 + lane % 16) * kRow + k + (lane / 16) * 8);
-        tensor_core::mma_bf16(acc[ht][0], qa, kb[0], kb[1]);
-        tensor_core::mma_bf16(acc[ht][1], qa, kb[2], kb[3]);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[ht][nt][i] += double(part[ht][nt][i]);
       }
     }
 #pragma unroll
@@ -212,7 +232,7 @@ DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_ar
         for (int i = 0; i < 4; ++i) {
           const int h = ht * 16 + gid + 8 * (i / 2), key = warp * 16 + nt * 8 + quad * 2 + i % 2;
           if (h >= heads) continue;
-          const float d = numerics::round_to_bf16(acc[ht][nt][i]);
+          const float d = numerics::round_to_bf16(__double2float_rn(acc[ht][nt][i]));
           terms[key * tstride + h] = numerics::round_to_bf16(__fmul_rn(fmaxf(d, 0.0f), w_s[h]));
         }
     }
