@@ -2,7 +2,8 @@
 //! Usage: bench_indexer [--json FILE]
 //!
 //! Scan: FLOPs = rows x keys x heads x 128 x 2; bytes = keys x 68 (read) + rows x keys x 2 (scores).
-//! Top-k: bytes = rows x keys x 2 (one read of the scores; the kernel reads them three times).
+//! Top-k: bytes = rows x keys x 2 (one read of the scores; the kernel reads them three times);
+//! "top-k/N" is the same selection given scratch, several CTAs per row when the rows are long.
 //! Reindex: a gathered scan of the 16,384 pool positions plus top-512 among them, per row.
 //! Ratios are to max(FLOPs / bf16 GEMM rate, bytes / copy bandwidth), both measured in this run.
 
@@ -48,6 +49,11 @@ int main(int argc, char** argv) {
         const topk_args ta{ds.data(), keys, rows, topk, dv.data(), 128, dout.data()};
         const double ms_scan = bench::median_ms([&] { index_scan<dim>(sa); }, 3, 15);
         const double ms_topk = bench::median_ms([&] { select_topk(ta); }, 3, 15);
+        // The same selection with scratch: several CTAs per row where the rows are long and few.
+        runtime::device_buffer<unsigned> scratch(std::max<std::size_t>(1, topk_scratch_words(rows, keys)));
+        topk_args tsplit = ta;
+        tsplit.scratch = scratch.data(), tsplit.scratch_words = topk_scratch_words(rows, keys);
+        const double ms_split = bench::median_ms([&] { select_topk(tsplit); }, 3, 15);
         // A Reindex layer: score only 16,384 candidate positions (2048 blocks of 8), then select.
         constexpr int cand = 16384;
         std::vector<std::int32_t> pos(std::size_t(rows) * cand);
@@ -68,8 +74,9 @@ int main(int argc, char** argv) {
         const double topk_bytes = 2.0 * rows * double(keys);
         const double re_flops = 2.0 * rows * double(cand) * heads * dim;
         const double re_bytes = double(rows) * cand * (entry + 4.0 + 2.0 * 2);
-        struct { const char* name; double ms, flops, bytes; } res[3] = {{"scan", ms_scan, flops, scan_bytes},
+        struct { const char* name; double ms, flops, bytes; } res[4] = {{"scan", ms_scan, flops, scan_bytes},
                                                                          {"top-k", ms_topk, 0.0, topk_bytes},
+                                                                         {"top-k/N", ms_split, 0.0, topk_bytes},
                                                                          {"reindex", ms_reindex, re_flops, re_bytes}};
         for (auto& r : res) {
           const double floor_s = ceil.floor_s(r.flops, r.bytes);

@@ -2,9 +2,11 @@
 
 #include <boost/test/unit_test.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <span>
+#include <tuple>
 #include <vector>
 
 #include "dsv4/kernels/indexer/indexer.cuh"
@@ -12,6 +14,7 @@
 #include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/quantize.hpp"
 #include "dsv4/runtime/device_buffer.cuh"
+#include "dsv4/runtime/device_info.cuh"
 #include "support/gpu.hpp"
 #include "support/numerics.hpp"
 #include "support/random.hpp"
@@ -24,27 +27,57 @@ using runtime::device_buffer;
 
 namespace {
 
-std::vector<bf16> qdq_rows(std::mt19937_64& rng, std::size_t rows, int dim, float sigma) {
+//! `spread` > 0 scales each 32-channel block by 2^u, u uniform in [-spread, spread]: blocks whose
+//! MXFP4 scales lie far apart, so a dot product's partial sums span many binary orders.
+std::vector<bf16> qdq_rows(std::mt19937_64& rng, std::size_t rows, int dim, float sigma, int spread = 0) {
   std::normal_distribution<float> n(0.0f, sigma);
+  std::uniform_int_distribution<int> u(-spread, spread);
   std::vector<bf16> x(rows * std::size_t(dim));
-  for (auto& v : x) v = bf16::from_float(n(rng));
+  float block_scale = 1.0f;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    if (i % 32 == 0) block_scale = std::ldexp(1.0f, u(rng));
+    x[i] = bf16::from_float(n(rng) * block_scale);
+  }
   for (std::size_t r = 0; r < rows; ++r) numerics::qdq_vector<numerics::index_key_format>(std::span(x).subspan(r * dim, dim));
   return x;
 }
 
-void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std::uint64_t salt) {
-  constexpr int dim = 128;
+//! select_topk's output: one CTA per row, or (split) several CTAs per row of topk_split_min_n
+//! scores and more, through scratch (the same selection either way).
+std::vector<std::int32_t> run_select(topk_args t, bool split) {
+  device_buffer<std::int32_t> out(std::size_t(t.rows) * std::size_t(t.k));
+  out.fill_bytes(0x7F);
+  const std::size_t words = split ? topk_scratch_words(t.rows, t.n) : 0;
+  device_buffer<unsigned> scratch(std::max<std::size_t>(1, words));
+  scratch.fill_bytes(0xFF);  // every word the split path reads, it writes first
+  t.out = out.data();
+  if (split) t.scratch = scratch.data(), t.scratch_words = words;
+  select_topk(t);
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  return out.download();
+}
+
+template <int dim>
+void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std::uint64_t salt, int spread = 0) {
   using layout = numerics::packed_vector<numerics::index_key_format, dim>;
   auto rng = test::make_rng(salt);
-  const auto q = qdq_rows(rng, std::size_t(rows) * heads, dim, 1.0f);
+  const auto q = qdq_rows(rng, std::size_t(rows) * heads, dim, 1.0f, spread);
   std::normal_distribution<float> nw(0.0f, 1.0f);
   std::vector<bf16> w(std::size_t(rows) * heads);
   for (auto& v : w) v = bf16::from_float(numerics::round_to_bf16(nw(rng)) * 0.015625f);
   // Keys: quantized into the packed cache, and their QDQ values for the host.
   std::vector<bf16> kx(std::size_t(n_keys) * dim);
   std::normal_distribution<float> nk(0.0f, 1.0f);
-  for (auto& v : kx) v = bf16::from_float(nk(rng));
-  const auto [cache, kq] = test::pack_index_keys<dim>(kx);
+  std::uniform_int_distribution<int> uk(-spread, spread);
+  float block_scale = 1.0f;
+  for (std::size_t i = 0; i < kx.size(); ++i) {
+    if (i % 32 == 0) block_scale = std::ldexp(1.0f, uk(rng));
+    kx[i] = bf16::from_float(nk(rng) * block_scale);
+  }
+  // Entries padded to a multiple of 4 bytes, as the attention stack stores them (tiny's 64-channel
+  // key is 34 bytes; the scan reads keys 4 bytes at a time).
+  const long long stride = (layout::bytes + 3) / 4 * 4;
+  const auto [cache, kq] = test::pack_index_keys<dim>(kx, std::size_t(stride));
   std::vector<long long> visible(static_cast<std::size_t>(rows));
   for (int r = 0; r < rows; ++r) visible[r] = r == 0 ? n_keys : (long long)(rng() % std::uint64_t(n_keys + 1));
 
@@ -52,14 +85,13 @@ void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std:
   device_buffer<std::uint8_t> dkeys{std::span<const std::uint8_t>(cache)};
   device_buffer<long long> dvis{std::span<const long long>(visible)};
   dscores.fill_bytes(0xFF);
-  index_scan<dim>({dq.data(), dw.data(), dkeys.data(), layout::bytes, dscores.data(), dvis.data(), rows, heads, n_keys});
+  index_scan<dim>({dq.data(), dw.data(), dkeys.data(), stride, dscores.data(), dvis.data(), rows, heads, n_keys});
   const int k = int(std::min<long long>(topk, n_keys));
-  device_buffer<std::int32_t> dout(std::size_t(rows) * k);
-  dout.fill_bytes(0x7F);
-  select_topk({dscores.data(), n_keys, rows, k, dvis.data(), 128, dout.data()});
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   const auto got_scores = dscores.download();
-  const auto got_idx = dout.download();
+  const topk_args t{dscores.data(), n_keys, rows, k, dvis.data(), 128, nullptr};
+  const auto got_idx = run_select(t, false);
+  BOOST_TEST(run_select(t, true) == got_idx, "several CTAs per row select otherwise than one");
 
   std::size_t score_mismatch = 0;
   for (int r = 0; r < rows; ++r) {
@@ -84,9 +116,80 @@ void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std:
 BOOST_AUTO_TEST_SUITE(indexer_cuda)
 
 BOOST_AUTO_TEST_CASE(scan_and_select_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
-  check_scan_and_select(3, 32, 5000, 512, 1);     // decode-like, V4.1 heads and top-k
-  check_scan_and_select(9, 32, 300, 512, 2);      // fewer keys than top-k: k = n, -1 tails
-  check_scan_and_select(2, 4, 70001, 16, 3);      // tiny heads and top-k, many tiles
+  check_scan_and_select<128>(3, 32, 5000, 512, 1);   // decode-like, V4.1 heads and top-k
+  check_scan_and_select<128>(9, 32, 300, 512, 2);    // fewer keys than top-k: k = n, -1 tails
+  check_scan_and_select<128>(2, 4, 70001, 16, 3);    // tiny heads and top-k, many tiles
+  check_scan_and_select<64>(5, 4, 3001, 16, 4);      // tiny's index dim and heads
+  check_scan_and_select<128>(6, 64, 1500, 512, 5);   // the most heads: four MMA head tiles
+  check_scan_and_select<128>(7, 48, 999, 64, 6);     // three head tiles
+  check_scan_and_select<64>(1, 20, 200, 16, 7);      // a partial second head tile
+}
+
+// Blocks of q and of the keys scaled by 2^-8 .. 2^8: a dot product's blocks then differ by up to
+// 2^32, beyond fp32's 24 bits (within double's 53). The host sums in double; the scan must round
+// the same exact dot product (each block on its own tensor-core accumulator, added in double).
+BOOST_AUTO_TEST_CASE(scan_is_exact_for_far_apart_block_scales,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  check_scan_and_select<128>(5, 32, 2000, 512, 11, 8);
+  check_scan_and_select<64>(5, 4, 2000, 16, 12, 8);
+  check_scan_and_select<128>(3, 64, 700, 64, 13, 8);
+}
+
+// Paged keys of two sequences in one call, their rows interleaved so that CTAs' groups of four
+// rows switch sequence (the keys are dequantized again for each switch): pages shuffled in a
+// pool, each row against its own sequence's keys on the host.
+BOOST_AUTO_TEST_CASE(paged_scan_of_mixed_sequences_matches_host,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  constexpr int dim = 128, heads = 32, epp = 64;
+  using layout = numerics::packed_vector<numerics::index_key_format, dim>;
+  const long long page_bytes = epp * layout::bytes + 16;  // a page holds more than the keys
+  auto rng = test::make_rng(70);
+  const long long n = 333;  // keys per sequence (a partial last page)
+  const int pages_per_seq = int((n + epp - 1) / epp), seqs = 2, rows = 7;
+  std::vector<int> phys(std::size_t(seqs) * pages_per_seq);
+  for (std::size_t i = 0; i < phys.size(); ++i) phys[i] = int(i);
+  std::shuffle(phys.begin(), phys.end(), rng);
+  std::vector<std::uint8_t> pool(phys.size() * std::size_t(page_bytes), 0xEE);
+  std::vector<std::vector<bf16>> kq(seqs);
+  for (int b = 0; b < seqs; ++b) {
+    std::vector<bf16> kx(std::size_t(n) * dim);
+    std::normal_distribution<float> nk(0.0f, 1.0f);
+    for (auto& v : kx) v = bf16::from_float(nk(rng));
+    const auto packed = test::pack_index_keys<dim>(kx);
+    kq[std::size_t(b)] = packed.qdq;
+    for (long long t = 0; t < n; ++t)
+      std::copy_n(packed.cache.begin() + std::ptrdiff_t(t * layout::bytes), layout::bytes,
+                  pool.begin() + std::ptrdiff_t(phys[std::size_t(b * pages_per_seq + t / epp)] * page_bytes +
+                                                (t % epp) * layout::bytes));
+  }
+  const std::vector<std::int32_t> row_batch = {0, 1, 0, 0, 1, 1, 0};
+  std::vector<long long> visible(rows);
+  for (int r = 0; r < rows; ++r) visible[std::size_t(r)] = r == 0 ? n : (long long)(rng() % std::uint64_t(n + 1));
+  const auto q = qdq_rows(rng, std::size_t(rows) * heads, dim, 1.0f);
+  std::vector<bf16> w(std::size_t(rows) * heads);
+  std::normal_distribution<float> nw(0.0f, 1.0f);
+  for (auto& v : w) v = bf16::from_float(numerics::round_to_bf16(nw(rng)) * 0.015625f);
+
+  device_buffer<bf16> dq{std::span<const bf16>(q)}, dw{std::span<const bf16>(w)}, dscores(std::size_t(rows) * n);
+  device_buffer<std::uint8_t> dpool{std::span<const std::uint8_t>(pool)};
+  device_buffer<std::int32_t> dtables{std::span<const std::int32_t>(phys)}, dbatch{std::span<const std::int32_t>(row_batch)};
+  device_buffer<long long> dvis{std::span<const long long>(visible)};
+  dscores.fill_bytes(0xFF);
+  index_scan_args a{dq.data(), dw.data(), dpool.data(), layout::bytes, dscores.data(), dvis.data(), rows, heads, n};
+  a.block_tables = dtables.data(), a.row_batch = dbatch.data(), a.max_pages = pages_per_seq, a.entries_per_page = epp;
+  a.page_bytes = page_bytes;
+  index_scan<dim>(a);
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got = dscores.download();
+  std::size_t mismatch = 0;
+  for (int r = 0; r < rows; ++r) {
+    const auto want = index_scores_reference(std::span(q).subspan(std::size_t(r) * heads * dim, std::size_t(heads) * dim),
+                                             std::span(w).subspan(std::size_t(r) * heads, heads),
+                                             kq[std::size_t(row_batch[std::size_t(r)])], heads, dim, visible[std::size_t(r)]);
+    for (long long t = 0; t < n; ++t)
+      mismatch += bf16::from_float(want[std::size_t(t)]).bits != got[std::size_t(r) * n + t].bits;
+  }
+  BOOST_TEST(mismatch == 0u, mismatch << " of " << rows * n << " paged scores differ from the host");
 }
 
 // Heavy ties: scores from a handful of values; lowest indices must win at the threshold.
@@ -101,16 +204,63 @@ BOOST_AUTO_TEST_CASE(select_breaks_ties_toward_lowest_index, *utf::label("gpu") 
     visible[1] = n / 3;
     device_buffer<bf16> ds{std::span<const bf16>(s)};
     device_buffer<long long> dv{std::span<const long long>(visible)};
-    device_buffer<std::int32_t> dout(std::size_t(rows) * k);
-    select_topk({ds.data(), n, rows, k, dv.data(), 0, dout.data()});
+    for (const bool split : {false, true}) {
+      const auto got = run_select({ds.data(), n, rows, k, dv.data(), 0, nullptr}, split);
+      for (int r = 0; r < rows; ++r) {
+        std::vector<float> row(static_cast<std::size_t>(n));
+        for (long long t = 0; t < n; ++t) row[std::size_t(t)] = s[std::size_t(r) * n + t].to_float();
+        const auto want = select_reference(row, k, visible[r], 0);
+        BOOST_TEST(std::vector<std::int32_t>(got.begin() + std::ptrdiff_t(r) * k, got.begin() + std::ptrdiff_t(r + 1) * k) == want,
+                   "n " << n << " row " << r << (split ? " (several CTAs per row)" : ""));
+      }
+    }
+  }
+}
+
+// The split top-k's bookkeeping across slices: T's high byte is shared by values above T (2.5,
+// 3.0, 5.0: counted through the earlier slices' low-byte bins) and one above it (8.0: through
+// their high-byte counts), and the equal keys taken (2.0) start past the first slices, so ranks
+// among equal keys carry over slices. Two shapes run through one scratch buffer, one after the
+// other. Every selection must equal the host's and the one-CTA kernel's.
+BOOST_AUTO_TEST_CASE(split_select_carries_counts_across_slices,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  auto rng = test::make_rng(66);
+  const std::size_t words = std::max(topk_scratch_words(3, 200000), topk_scratch_words(1, 65536));
+  device_buffer<unsigned> scratch(words);
+  scratch.fill_bytes(0xFF);
+  for (const auto& [rows, n, k] : {std::tuple{3, 200000LL, 512}, std::tuple{1, 65536LL, 2048}, std::tuple{3, 200000LL, 64}}) {
+    BOOST_TEST_MESSAGE("split top-k: " << rows << " rows of " << n << ", k " << k << ", "
+                                       << detail::plan_topk_split(rows, n, runtime::sm_count()).slices << " slices");
+    std::vector<bf16> s(std::size_t(rows) * std::size_t(n));
+    for (int r = 0; r < rows; ++r)
+      for (long long t = 0; t < n; ++t) {
+        const unsigned u = unsigned(rng() % 1000);
+        float v = t < n * 2 / 5 ? 1.0f : 2.0f;  // the 2.0s (T) begin past the first slices
+        if (u < 2) v = 8.0f;
+        else if (u < 4) v = 5.0f;
+        else if (u < 6) v = 3.0f;
+        else if (u < 8) v = 2.5f;
+        s[std::size_t(r) * std::size_t(n) + std::size_t(t)] = bf16::from_float(v);
+      }
+    std::vector<long long> visible(std::size_t(rows), n);
+    visible[0] = n - 1000;
+    device_buffer<bf16> ds{std::span<const bf16>(s)};
+    device_buffer<long long> dv{std::span<const long long>(visible)};
+    device_buffer<std::int32_t> dout(std::size_t(rows) * std::size_t(k));
+    dout.fill_bytes(0x7F);
+    topk_args t{ds.data(), n, rows, k, dv.data(), 128, dout.data()};
+    t.scratch = scratch.data(), t.scratch_words = words;
+    select_topk(t);
     DSV4_CUDA_CHECK(cudaDeviceSynchronize());
     const auto got = dout.download();
+    const auto one_cta = run_select({ds.data(), n, rows, k, dv.data(), 128, nullptr}, false);
+    BOOST_TEST(got == one_cta, "rows " << rows << " n " << n << " k " << k << ": split and one-CTA selections differ");
     for (int r = 0; r < rows; ++r) {
       std::vector<float> row(static_cast<std::size_t>(n));
-      for (long long t = 0; t < n; ++t) row[std::size_t(t)] = s[std::size_t(r) * n + t].to_float();
-      const auto want = select_reference(row, k, visible[r], 0);
+      for (long long i = 0; i < n; ++i) row[std::size_t(i)] = s[std::size_t(r) * std::size_t(n) + std::size_t(i)].to_float();
+      const auto want = select_reference(row, k, visible[std::size_t(r)], 128);
       BOOST_TEST(std::vector<std::int32_t>(got.begin() + std::ptrdiff_t(r) * k, got.begin() + std::ptrdiff_t(r + 1) * k) == want,
-                 "n " << n << " row " << r);
+                 "rows " << rows << " n " << n << " k " << k << " row " << r);
     }
   }
 }
@@ -144,15 +294,13 @@ BOOST_AUTO_TEST_CASE(select_follows_torch_order_for_signed_zeros_nan_and_inf,
     device_buffer<long long> dv{std::span<const long long>(visible)};
     for (int topk : {1, 16, 512}) {
       const int k = int(std::min<long long>(topk, n));
-      device_buffer<std::int32_t> dout(std::size_t(rows) * k);
-      dout.fill_bytes(0x7F);
-      select_topk({ds.data(), n, rows, k, dv.data(), 128, dout.data()});
-      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto got = dout.download();
-      for (int r = 0; r < rows; ++r) {
-        const auto want = select_reference(host_rows[r], topk, visible[r], 128);
-        BOOST_TEST(std::vector<std::int32_t>(got.begin() + std::ptrdiff_t(r) * k, got.begin() + std::ptrdiff_t(r + 1) * k) == want,
-                   "n " << n << " k " << k << " row " << r << " selection differs");
+      for (const bool split : {false, true}) {
+        const auto got = run_select({ds.data(), n, rows, k, dv.data(), 128, nullptr}, split);
+        for (int r = 0; r < rows; ++r) {
+          const auto want = select_reference(host_rows[r], topk, visible[r], 128);
+          BOOST_TEST(std::vector<std::int32_t>(got.begin() + std::ptrdiff_t(r) * k, got.begin() + std::ptrdiff_t(r + 1) * k) == want,
+                     "n " << n << " k " << k << " row " << r << " selection differs" << (split ? " (several CTAs per row)" : ""));
+        }
       }
     }
     // Candidate pool over the same scores: block maxima in the same order (a NaN block first).

@@ -39,21 +39,22 @@ void pack_entry(std::span<const numerics::bf16> x, std::uint8_t* entry, std::spa
                                  {entry + layout::scale_offset, std::size_t(layout::scale_bytes)}, qdq);
 }
 
-//! MXFP4 index keys packed one after another (key t at t * layout::bytes) and their decoded values.
+//! MXFP4 index keys packed one after another (key t at t * stride) and their decoded values.
 struct packed_keys {
   std::vector<std::uint8_t> cache;
   std::vector<numerics::bf16> qdq;
 };
 
-//! Packs keys [n, Dim] (row-major) as index keys (numerics::index_key_format).
+//! Packs keys [n, Dim] (row-major) as index keys (numerics::index_key_format), `stride` bytes
+//! apart (at least the entry's bytes; the attention stack pads entries to a multiple of 4).
 template <int Dim>
-packed_keys pack_index_keys(std::span<const numerics::bf16> keys) {
+packed_keys pack_index_keys(std::span<const numerics::bf16> keys,
+                            std::size_t stride = numerics::packed_vector<numerics::index_key_format, Dim>::bytes) {
   using F = numerics::index_key_format;
-  using layout = numerics::packed_vector<F, Dim>;
   const std::size_t n = keys.size() / Dim;
-  packed_keys p{std::vector<std::uint8_t>(n * layout::bytes), std::vector<numerics::bf16>(keys.size())};
+  packed_keys p{std::vector<std::uint8_t>(n * stride, 0xEE), std::vector<numerics::bf16>(keys.size())};
   for (std::size_t t = 0; t < n; ++t)
-    pack_entry<F, Dim>(keys.subspan(t * Dim, Dim), p.cache.data() + t * layout::bytes,
+    pack_entry<F, Dim>(keys.subspan(t * Dim, Dim), p.cache.data() + t * stride,
                        std::span(p.qdq).subspan(t * Dim, Dim));
   return p;
 }

@@ -453,6 +453,7 @@ class attention_stack {
   runtime::device_buffer<float> xf_, ck_, cz_;
   runtime::device_buffer<std::int32_t> topk_, idx_, cand_pos_, block_ids_;
   runtime::device_buffer<bf16> scores_, gathered_scores_, block_scores_;
+  runtime::device_buffer<unsigned> topk_scratch_;  // long rows' top-k over several CTAs
   std::optional<gemm::gemm_workspace> gemm_ws_;
   std::optional<output::output_workspace> out_ws_;
   std::optional<sparse_attention_workspace> attn_ws_;
@@ -515,6 +516,10 @@ class attention_stack {
     topk_ = decltype(topk_)(R * std::max(s.topk, 1));
     idx_ = decltype(idx_)(R * std::size_t(std::max(s.window, lim_.max_rows) + s.topk));
     scores_ = decltype(scores_)(R * std::size_t(max_keys()));
+    // Several CTAs per row pay off for decode-sized calls (few long rows); a prefill's many rows
+    // keep one CTA each, so the scratch covers 64 rows (8.4 MB at V4.1's longest rows).
+    topk_scratch_ = decltype(topk_scratch_)(
+        std::max<std::size_t>(1, indexer::topk_scratch_words(int(std::min<std::size_t>(R, 64)), max_keys())));
     gathered_scores_ = decltype(gathered_scores_)(R * std::size_t(candidate_width()));
     cand_pos_ = decltype(cand_pos_)(R * std::size_t(candidate_width()));
     const long long blocks = (max_keys() + s.pool_block - 1) / std::max(s.pool_block, 1);
@@ -777,6 +782,7 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
           indexer::topk_args t;
           t.scores = scores_.data(), t.n = width, t.rows = R, t.k = c.topk_width;
           t.visible = scan.visible, t.offset = operand_rows, t.out = topk_.data();
+          t.scratch = topk_scratch_.data(), t.scratch_words = topk_scratch_.size();
           indexer::select_topk(t, stream);
         }
       }

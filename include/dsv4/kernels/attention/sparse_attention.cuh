@@ -30,6 +30,7 @@
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/attention/reference.hpp"
+#include "dsv4/kernels/tensor_core.cuh"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/numerics/fast_codec.cuh"
 #include "dsv4/runtime/cuda_check.cuh"
@@ -228,30 +229,8 @@ struct kv_split {
   bool max_pass = false;       //!< this launch only writes chunk_max (grid z = the chunks before the last split)
 };
 
-//! Four 8 x 8 bf16 matrices from shared memory (`row` is this lane's row address), as MMA fragments;
-//! `Trans` transposes each matrix (the value operand, stored entry-major).
-template <bool Trans>
-DSV4_DEVICE void ldmatrix_x4(std::uint32_t (&r)[4], const bf16* row) {
-#if DSV4_DEVICE_PASS
-  const auto addr = static_cast<std::uint32_t>(__cvta_generic_to_shared(row));
-  if constexpr (Trans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-#endif
-}
-
-//! d = a b + c on the tensor cores: bf16 16 x 16 times 16 x 8, fp32 accumulation.
-DSV4_DEVICE void mma_bf16(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
-#if DSV4_DEVICE_PASS
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
+using tensor_core::ldmatrix_x4;
+using tensor_core::mma_bf16;
 
 DSV4_DEVICE std::uint32_t bf16x2_bits(float lo, float hi) {
   return std::uint32_t(bf16::from_float(lo).bits) | (std::uint32_t(bf16::from_float(hi).bits) << 16);

@@ -2,12 +2,14 @@
 //! \file
 //! CUDA lightning-indexer scan and top-k selection (spec §7), same results as reference.hpp.
 //!
-//! Scan: one thread per (query row, key). The row's QDQ'd queries [heads, dim] sit in shared
-//! memory as fp32; each thread dequantizes its MXFP4 key one 32-channel block at a time and keeps
-//! one fp32 dot product per head. Scores are stored as bf16 (-inf where not visible).
+//! Scan: one CTA per 64 keys and 4 query rows. The keys are dequantized (MXFP4 -> bf16, exact)
+//! into shared memory once for the rows that read them; per row, q [heads, dim] times the keys on
+//! the tensor cores (bf16 MMA, one fp32 accumulator per 32-channel block, the blocks added in
+//! double: the exact dot product, as the host's), then per (head, key) bf16(relu(bf16(dot)) * w)
+//! and a head-ordered fp32 sum per key. Scores are stored as bf16 (-inf where not visible).
 //!
-//! Top-k: one CTA per row, in torch.topk's order (numerics/order_key.hpp: -0 below +0, NaN above
-//! +inf, NaNs tied). Two histogram passes over the orderable 16-bit keys (per-warp bins,
+//! Top-k: one CTA per row (several for long rows given scratch), in torch.topk's order
+//! (numerics/order_key.hpp: -0 below +0, NaN above +inf, NaNs tied). Two histogram passes over the orderable 16-bit keys (per-warp bins,
 //! 16-byte reads) find the k-th largest score T and how many scores exceed it; an ordered pass
 //! then keeps every score > T and the lowest-index scores == T, each thread owning 16 consecutive
 //! indices and a block prefix sum placing them, so the output comes out in ascending index order
@@ -21,10 +23,12 @@
 #include <string>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/kernels/tensor_core.cuh"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/numerics/fast_codec.cuh"
 #include "dsv4/numerics/order_key.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
+#include "dsv4/runtime/device_info.cuh"
 #include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::kernels::indexer {
@@ -67,6 +71,11 @@ struct topk_args {
   //! Optional [rows, n]: score column i stands for position positions[i] (ascending, -1 = hole),
   //! as in a gathered candidate scan; the output then holds positions, not columns.
   const std::int32_t* positions = nullptr;
+  //! Optional device scratch of topk_scratch_words(rows, n) words: with it, rows of
+  //! topk_split_min_n scores and more are selected by several CTAs each (the same result, less
+  //! latency when a few long rows would leave most SMs idle).
+  unsigned* scratch = nullptr;
+  std::size_t scratch_words = 0;
 };
 
 //! Scan of a gathered list of key positions (a Reindex layer scoring only its candidate pool):
@@ -91,56 +100,158 @@ struct candidate_args {
 };
 
 namespace detail {
-inline constexpr int scan_threads = 128;
+inline constexpr int scan_threads = 128;  // four warps
+inline constexpr int scan_keys = 64;      // keys per CTA: 16 per warp, two MMA n-tiles
+inline constexpr int scan_rows = 4;       // query rows per CTA: they share its dequantized keys
 inline constexpr int max_index_heads = 64;
 
+//! Shared memory of a scan CTA: the dequantized keys [scan_keys][Dim + 8] and the current row's
+//! queries [head tiles x 16][Dim + 8] in bf16 (rows padded by 16 bytes for ldmatrix), the row's
+//! weights [64] and each (key, head) term [scan_keys][heads + 1] in fp32.
+template <int Dim>
+struct scan_smem {
+  static constexpr int row = Dim + 8;
+  static constexpr int keys_elems = scan_keys * row;
+  DSV4_HOST_DEVICE static int q_elems(int heads) { return (heads + 15) / 16 * 16 * row; }
+  static int bytes(int heads) {
+    return (keys_elems + q_elems(heads)) * int(sizeof(bf16)) + (max_index_heads + scan_keys * (heads + 1)) * int(sizeof(float));
+  }
+};
+
+//! One CTA: keys [64 blockIdx.x, + 64) for query rows [4 blockIdx.y, + 4). The keys are dequantized
+//! once into shared memory (again only when a row reads other keys: another sequence's pages, or
+//! its own gathered positions); per row, every warp multiplies all head tiles by its 16 keys on
+//! the tensor cores (QK^T as an m16n8k16 bf16 MMA with fp32 accumulation), then each (head, key)
+//! term bf16(relu(bf16(dot)) * w_h) goes to shared memory and one thread per key adds the heads'
+//! terms in head order. A block's MXFP4 products are exact and so is their tensor-core sum; the
+//! blocks' sums in double give the exact dot product while the blocks' products lie within 2^40 of
+//! each other (test: scan_is_exact_for_far_apart_block_scales; fp32 accumulation across blocks
+//! differed from the host at 2^32), so scores equal the host reference's bit for bit.
 template <int Dim>
 DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_args a, const std::int32_t* positions) {
-  runtime::start_after_previous_grid();
   using F = numerics::index_key_format;
-  using layout = numerics::packed_vector<F, Dim>;
-  extern __shared__ float qs[];  // [heads][Dim] then w[heads]
-  const int row = blockIdx.y;
-  for (int i = threadIdx.x; i < a.heads * Dim; i += blockDim.x)
-    qs[i] = a.q[static_cast<long long>(row) * a.heads * Dim + i].to_float();
-  float* ws = qs + a.heads * Dim;
-  for (int i = threadIdx.x; i < a.heads; i += blockDim.x) ws[i] = a.w[static_cast<long long>(row) * a.heads + i].to_float();
-  __syncthreads();
-  const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= a.n_keys) return;
-  bf16* out = a.scores + static_cast<long long>(row) * a.n_keys + t;
-  const long long key_pos = positions ? positions[static_cast<long long>(row) * a.n_keys + t] : t;
-  if (key_pos < 0 || key_pos >= a.visible[row]) {
-    *out = bf16::from_bits(0xFF80);  // -inf
-    return;
-  }
-  float dot[max_index_heads];
-  for (int h = 0; h < max_index_heads; ++h) dot[h] = 0.0f;
-  const std::uint8_t* key = a.key(row, key_pos);
-#pragma unroll 1
-  for (int c0 = 0; c0 < Dim; c0 += 8) {
-    bf16 k8[8];
-    numerics::dequantize8<F, Dim>(key, c0, k8);
-    float kf[8];
-    for (int i = 0; i < 8; ++i) kf[i] = k8[i].to_float();
+  using layout = scan_smem<Dim>;
+  constexpr int kRow = layout::row, kChunks = Dim / 8;
+  runtime::start_after_previous_grid();
+  extern __shared__ __align__(16) unsigned char scan_smem_raw[];
+  bf16* keys_s = reinterpret_cast<bf16*>(scan_smem_raw);
+  bf16* q_s = keys_s + layout::keys_elems;
+  float* w_s = reinterpret_cast<float*>(q_s + layout::q_elems(a.heads));
+  float* terms = w_s + max_index_heads;
+  const int heads = a.heads, head_tiles = (heads + 15) / 16, tstride = heads + 1;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, quad = lane % 4;
+  const long long key0 = static_cast<long long>(blockIdx.x) * scan_keys;
+  const int row0 = int(blockIdx.y) * scan_rows, row_end = min(a.rows, row0 + scan_rows);
+
+  // Which key list a row reads: gathered rows each their own, paged rows their sequence's.
+  auto key_source = [&](int row) -> long long {
+    if (positions) return row;
+    return a.block_tables && a.row_batch ? a.row_batch[row] : -1;
+  };
+  auto position = [&](int row, long long t) -> long long {
+    return positions ? positions[static_cast<long long>(row) * a.n_keys + t] : t;
+  };
+  // Dequantizes the keys of rows [row, until) (one source) that any of them can see; the others
+  // are zero (their scores are -inf whatever the product).
+  auto load_keys = [&](int row, int until) {
+    long long visible = 0;
+    for (int r = row; r < until; ++r) visible = max(visible, a.visible[r]);
+    for (int i = threadIdx.x; i < scan_keys * kChunks; i += scan_threads) {
+      const int k = i / kChunks, c0 = (i % kChunks) * 8;
+      const long long t = key0 + k;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      const long long pos = t < a.n_keys ? position(row, t) : -1;
+      if (pos >= 0 && pos < visible) {
+        bf16 k8[8];
+        numerics::dequantize8<F, Dim>(a.key(row, pos), c0, k8);
+        v = make_uint4(std::uint32_t(k8[0].bits) | std::uint32_t(k8[1].bits) << 16,
+                       std::uint32_t(k8[2].bits) | std::uint32_t(k8[3].bits) << 16,
+                       std::uint32_t(k8[4].bits) | std::uint32_t(k8[5].bits) << 16,
+                       std::uint32_t(k8[6].bits) | std::uint32_t(k8[7].bits) << 16);
+      }
+      *reinterpret_cast<uint4*>(keys_s + k * kRow + c0) = v;
+    }
+  };
+
+  long long loaded = -2;  // the key source in shared memory (-2: none yet)
+  for (int row = row0; row < row_end; ++row) {
+    __syncthreads();  // the previous row's MMAs and sums are done with shared memory
+    if (key_source(row) != loaded || positions) {
+      int until = row + 1;
+      while (!positions && until < row_end && key_source(until) == key_source(row)) ++until;
+      load_keys(row, until);
+      loaded = key_source(row);
+    }
+    // The row's queries (padding head rows zero) and weights.
+    const bf16* q = a.q + static_cast<long long>(row) * heads * Dim;
+    for (int i = threadIdx.x; i < head_tiles * 16 * kChunks; i += scan_threads) {
+      const int h = i / kChunks, c0 = (i % kChunks) * 8;
+      *reinterpret_cast<uint4*>(q_s + h * kRow + c0) =
+          h < heads ? *reinterpret_cast<const uint4*>(q + h * Dim + c0) : make_uint4(0, 0, 0, 0);
+    }
+    for (int h = threadIdx.x; h < heads; h += scan_threads) w_s[h] = a.w[static_cast<long long>(row) * heads + h].to_float();
+    __syncthreads();
+
+    // Each 32-channel block (one MXFP4 scale of q and one of the key) on its own accumulator: its
+    // products are multiples of a quarter of the two scales' product and its sum stays within 13
+    // bits of them, so the tensor core's sum is exact whatever its internal alignment and rounding.
+    // The blocks' sums are added in double: exact as the host reference's double sum is, so both
+    // round the same dot product to fp32 and bf16 even when the blocks' scales are far apart.
+    double acc[max_index_heads / 16][2][4] = {};
 #pragma unroll
-    for (int h = 0; h < max_index_heads; ++h) {
-      if (h >= a.heads) break;
-      const float4* qh = reinterpret_cast<const float4*>(qs + h * Dim + c0);
-      const float4 qa = qh[0], qb = qh[1];
-      float d = dot[h];
-      d = fmaf(qa.x, kf[0], d); d = fmaf(qa.y, kf[1], d); d = fmaf(qa.z, kf[2], d); d = fmaf(qa.w, kf[3], d);
-      d = fmaf(qb.x, kf[4], d); d = fmaf(qb.y, kf[5], d); d = fmaf(qb.z, kf[6], d); d = fmaf(qb.w, kf[7], d);
-      dot[h] = d;
+    for (int kb = 0; kb < Dim; kb += 32) {
+      float part[max_index_heads / 16][2][4] = {};
+#pragma unroll
+      for (int k = kb; k < kb + 32; k += 16) {
+        std::uint32_t kf[4];
+        tensor_core::ldmatrix_x4<false>(kf, keys_s + ((2 * warp + lane / 16) * 8 + lane % 8) * kRow + k + ((lane / 8) % 2) * 8);
+#pragma unroll
+        for (int ht = 0; ht < max_index_heads / 16; ++ht) {
+          if (ht >= head_tiles) break;
+          std::uint32_t qa[4];
+          tensor_core::ldmatrix_x4<false>(qa, q_s + (ht * 16 + lane % 16) * kRow + k + (lane / 16) * 8);
+          tensor_core::mma_bf16(part[ht][0], qa, kf[0], kf[1]);
+          tensor_core::mma_bf16(part[ht][1], qa, kf[2], kf[3]);
+        }
+      }
+#pragma unroll
+      for (int ht = 0; ht < max_index_heads / 16; ++ht) {
+        if (ht >= head_tiles) break;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[ht][nt][i] += double(part[ht][nt][i]);
+      }
+    }
+#pragma unroll
+    for (int ht = 0; ht < max_index_heads / 16; ++ht) {
+      if (ht >= head_tiles) break;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = ht * 16 + gid + 8 * (i / 2), key = warp * 16 + nt * 8 + quad * 2 + i % 2;
+          if (h >= heads) continue;
+          const float d = numerics::round_to_bf16(__double2float_rn(acc[ht][nt][i]));
+          terms[key * tstride + h] = numerics::round_to_bf16(__fmul_rn(fmaxf(d, 0.0f), w_s[h]));
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < scan_keys) {
+      const long long t = key0 + threadIdx.x;
+      if (t < a.n_keys) {
+        const long long pos = position(row, t);
+        bf16* out = a.scores + static_cast<long long>(row) * a.n_keys + t;
+        if (pos < 0 || pos >= a.visible[row]) {
+          *out = bf16::from_bits(0xFF80);  // -inf
+        } else {
+          float sum = 0.0f;  // fp32, heads in order (as the host reference)
+          for (int h = 0; h < heads; ++h) sum += terms[threadIdx.x * tstride + h];
+          *out = bf16::from_float(sum);
+        }
+      }
     }
   }
-  float sum = 0.0f;
-  for (int h = 0; h < a.heads; ++h) {
-    const float d = numerics::round_to_bf16(dot[h]);
-    sum += numerics::round_to_bf16(__fmul_rn(fmaxf(d, 0.0f), ws[h]));
-  }
-  *out = bf16::from_float(sum);
-  (void)layout::bytes;
 }
 
 //! bf16 bits -> 16-bit key in torch.topk's order (`numerics::topk_order_key_bf16`, shared with the
@@ -150,77 +261,74 @@ DSV4_DEVICE unsigned order_key(std::uint16_t b) { return numerics::topk_order_ke
 
 inline constexpr int topk_threads = 512;
 
-DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
-  runtime::start_after_previous_grid();
-  using scan_t = cub::BlockScan<int, topk_threads>;
-  __shared__ typename scan_t::TempStorage scan_storage;
-  constexpr int warps = topk_threads / 32;
-  __shared__ unsigned hist[256];
-  __shared__ unsigned warp_hist[warps][256];  // per-warp bins: ties pile into one bin otherwise
-  __shared__ unsigned s_hi, s_need_hi, s_threshold, s_need_eq;
-  const int row = blockIdx.x;
-  const std::uint16_t* sc = reinterpret_cast<const std::uint16_t*>(a.scores) + static_cast<long long>(row) * a.n;
-  const int k = a.k;
-
-  // Pass 1 and 2: find the k-th largest key T (high byte, then low byte). Reads are 8 scores
-  // (16 bytes) per thread per step where the row is 16-byte aligned.
-  const int warp = threadIdx.x / 32;
-  for (int pass = 0; pass < 2; ++pass) {
-    for (int i = threadIdx.x; i < warps * 256; i += blockDim.x) warp_hist[i / 256][i % 256] = 0;
-    __syncthreads();
-    const unsigned hi_sel = pass == 0 ? 0u : s_hi;
-    auto count = [&](unsigned key) {
-      if (pass == 0) atomicAdd(&warp_hist[warp][key >> 8], 1u);
-      else if ((key >> 8) == hi_sel) atomicAdd(&warp_hist[warp][key & 0xFF], 1u);
-    };
-    const bool vec = reinterpret_cast<std::uintptr_t>(sc) % 16 == 0;
-    const long long nvec = vec ? a.n / 8 : 0;
-    for (long long v = threadIdx.x; v < nvec; v += blockDim.x) {
-      const uint4 w = *reinterpret_cast<const uint4*>(sc + v * 8);
-      const unsigned words[4] = {w.x, w.y, w.z, w.w};
-      for (int j = 0; j < 8; ++j) count(order_key(std::uint16_t(words[j / 2] >> (16 * (j % 2)))));
-    }
-    for (long long i = nvec * 8 + threadIdx.x; i < a.n; i += blockDim.x) count(order_key(sc[i]));
-    __syncthreads();
-    for (int b = threadIdx.x; b < 256; b += blockDim.x) {
-      unsigned total = 0;
-      for (int w = 0; w < warps; ++w) total += warp_hist[w][b];
-      hist[b] = total;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const unsigned need = pass == 0 ? unsigned(k) : s_need_hi;
-      unsigned above = 0;
-      int b = 255;
-      for (; b > 0; --b) {
-        if (above + hist[b] >= need) break;
-        above += hist[b];
-      }
-      if (pass == 0) {
-        s_hi = unsigned(b);
-        s_need_hi = need - above;  // still needed from bucket b
-      } else {
-        s_threshold = (s_hi << 8) | unsigned(b);
-        s_need_eq = need - above;  // how many keys equal to T to take, lowest indices first
-      }
-    }
-    __syncthreads();
+//! The bucket holding the `need`-th largest key of a 256-bin histogram (bins scanned from 255
+//! down; bin 0 takes whatever is left) and how many keys are still needed from it.
+DSV4_DEVICE void find_bucket(const unsigned* hist, unsigned need, unsigned& bucket, unsigned& still_needed) {
+  unsigned above = 0;
+  int b = 255;
+  for (; b > 0; --b) {
+    if (above + hist[b] >= need) break;
+    above += hist[b];
   }
-  const unsigned T = s_threshold, need_eq = s_need_eq;
-  // Ordered pass: each thread owns `items` consecutive indices of a tile, so a block prefix sum of
-  // per-thread counts gives every selected index its place in ascending order.
+  bucket = unsigned(b);
+  still_needed = need - above;
+}
+
+//! Histogram of the keys of sc[begin, end) into per-warp bins: the high byte (select_hi false),
+//! or the low byte of the keys whose high byte is `hi` (select_hi true). Reads 8 scores (16
+//! bytes) per thread per step where the run is 16-byte aligned. Returns how many keys have a high
+//! byte above `hi` (select_hi only).
+template <int Threads>
+DSV4_DEVICE unsigned histogram_keys(const std::uint16_t* sc, long long begin, long long end, bool select_hi,
+                                    unsigned hi, unsigned (*warp_hist)[256]) {
+  const int warp = threadIdx.x / 32;
+  unsigned above = 0;
+  auto count = [&](unsigned key) {
+    if (!select_hi) atomicAdd(&warp_hist[warp][key >> 8], 1u);
+    else if ((key >> 8) == hi) atomicAdd(&warp_hist[warp][key & 0xFF], 1u);
+    else above += (key >> 8) > hi;
+  };
+  const bool vec = reinterpret_cast<std::uintptr_t>(sc + begin) % 16 == 0;
+  const long long nvec = vec ? (end - begin) / 8 : 0;
+  for (long long v = threadIdx.x; v < nvec; v += Threads) {
+    const uint4 w = *reinterpret_cast<const uint4*>(sc + begin + v * 8);
+    const unsigned words[4] = {w.x, w.y, w.z, w.w};
+    for (int j = 0; j < 8; ++j) count(order_key(std::uint16_t(words[j / 2] >> (16 * (j % 2)))));
+  }
+  for (long long i = begin + nvec * 8 + threadIdx.x; i < end; i += Threads) count(order_key(sc[i]));
+  return above;
+}
+
+//! out[b] = the per-warp bins' sum for bin b (thread b of the block, strided).
+template <int Warps>
+DSV4_DEVICE void sum_warp_bins(const unsigned (*warp_hist)[256], unsigned* out) {
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+    unsigned total = 0;
+    for (int w = 0; w < Warps; ++w) total += warp_hist[w][b];
+    out[b] = total;
+  }
+}
+
+//! The ordered pass over sc[begin, end): keeps every key > T and the keys == T whose rank among
+//! equal keys (from `eq_base` at `begin`) is below need_eq, writing them in ascending index order
+//! from out[base]. Each thread owns `items` consecutive indices of a tile, so a block prefix sum
+//! of per-thread counts places every selected index.
+template <int Threads>
+DSV4_DEVICE void ordered_take(const topk_args& a, int row, const std::uint16_t* sc, long long begin, long long end,
+                              unsigned T, unsigned need_eq, int base, int eq_base,
+                              typename cub::BlockScan<int, Threads>::TempStorage& scan_storage) {
+  using scan_t = cub::BlockScan<int, Threads>;
   constexpr int items = 16;
-  std::int32_t* out = a.out + static_cast<long long>(row) * k;
+  std::int32_t* out = a.out + static_cast<long long>(row) * a.k;
   const long long vis = a.visible ? a.visible[row] : a.n;
-  int base = 0, eq_base = 0;  // identical in every thread (block aggregates)
-  for (long long start = 0; start < a.n; start += static_cast<long long>(blockDim.x) * items) {
+  for (long long start = begin; start < end; start += static_cast<long long>(Threads) * items) {
     const long long first = start + static_cast<long long>(threadIdx.x) * items;
     unsigned keys[items];
     int n_eq = 0, n_gt = 0;
 #pragma unroll
     for (int j = 0; j < items; ++j) {
-      keys[j] = first + j < a.n ? order_key(sc[first + j]) : 0u;
-      const bool valid = first + j < a.n;
+      const bool valid = first + j < end;
+      keys[j] = valid ? order_key(sc[first + j]) : 0u;
       n_eq += (valid && keys[j] == T) ? 1 : 0;
       n_gt += (valid && keys[j] > T) ? 1 : 0;
     }
@@ -237,7 +345,7 @@ DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
 #pragma unroll
     for (int j = 0; j < items; ++j) {
       const long long i = first + j;
-      if (i >= a.n) break;
+      if (i >= end) break;
       bool take = keys[j] > T;
       if (keys[j] == T) take = eq_seen++ < eq_take;
       if (take) {
@@ -249,6 +357,166 @@ DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
     eq_base += eq_total;
   }
 }
+
+//! One CTA per row: two histogram passes find the k-th largest key T (high byte, then low byte)
+//! and how many keys equal to T to take; the ordered pass writes the selection.
+DSV4_KERNEL void __launch_bounds__(topk_threads) topk_kernel(topk_args a) {
+  runtime::start_after_previous_grid();
+  __shared__ typename cub::BlockScan<int, topk_threads>::TempStorage scan_storage;
+  constexpr int warps = topk_threads / 32;
+  __shared__ unsigned hist[256];
+  __shared__ unsigned warp_hist[warps][256];  // per-warp bins: ties pile into one bin otherwise
+  __shared__ unsigned s_hi, s_need_hi, s_threshold, s_need_eq;
+  const int row = blockIdx.x;
+  const std::uint16_t* sc = reinterpret_cast<const std::uint16_t*>(a.scores) + static_cast<long long>(row) * a.n;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int i = threadIdx.x; i < warps * 256; i += blockDim.x) warp_hist[i / 256][i % 256] = 0;
+    __syncthreads();
+    histogram_keys<topk_threads>(sc, 0, a.n, pass == 1, pass == 0 ? 0u : s_hi, warp_hist);
+    __syncthreads();
+    sum_warp_bins<warps>(warp_hist, hist);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      unsigned bucket, rest;
+      find_bucket(hist, pass == 0 ? unsigned(a.k) : s_need_hi, bucket, rest);
+      if (pass == 0)
+        s_hi = bucket, s_need_hi = rest;
+      else
+        s_threshold = (s_hi << 8) | bucket, s_need_eq = rest;
+    }
+    __syncthreads();
+  }
+  ordered_take<topk_threads>(a, row, sc, 0, a.n, s_threshold, s_need_eq, 0, 0, scan_storage);
+}
+
+//! Several CTAs per row (rows of topk_split_min_n scores and more, with scratch): the row is cut
+//! into `slices` runs of whole 4,096-score tiles (as even as the tiles allow), one CTA each, and three launches compute what
+//! topk_kernel computes: (1) each slice's histogram of high bytes; (2) every CTA of the row adds
+//! them up in slice order and finds the high byte of the k-th largest key (topk_kernel's first
+//! pass), then histograms its slice's low bytes under that high byte and counts its keys above
+//! it; (3) every CTA adds those up into the threshold T and the number of keys equal to T to take
+//! (the second pass), counts what the slices before its own keep (keys above T; keys equal to T,
+//! which go lowest index first), and runs the ordered pass over its slice from there. Scratch:
+//! per row and slice 256 + 256 + 1 words (high-byte bins, low-byte bins, keys above).
+inline constexpr int topk_slice_threads = 256;
+inline constexpr long long topk_tile = 16LL * topk_slice_threads;  // a slice thread's 16 items
+inline constexpr long long topk_split_min_n = 32768;
+inline constexpr int topk_max_slices = 64;  // each CTA re-reads every slice's bins: keep that short
+
+struct topk_split {
+  int slices = 1;
+  long long tiles = 0;  // 4,096-score tiles of a row; slice j takes tiles [tiles j / slices, tiles (j + 1) / slices)
+  DSV4_HOST_DEVICE long long begin(int j) const { return tiles * j / slices * topk_tile; }
+};
+
+//! About two CTAs per SM over all rows, at most topk_max_slices per row and one tile per slice.
+inline topk_split plan_topk_split(int rows, long long n, int sms) {
+  const long long tiles = (n + topk_tile - 1) / topk_tile;
+  const long long want = std::max<long long>(1, 2LL * sms / std::max(rows, 1));
+  return {int(std::max<long long>(1, std::min<long long>({tiles, want, topk_max_slices}))), tiles};
+}
+
+struct topk_split_scratch {
+  unsigned* hi_bins;    // [rows, slices, 256]
+  unsigned* lo_bins;    // [rows, slices, 256]
+  unsigned* above_hi;   // [rows, slices]
+  DSV4_HOST_DEVICE topk_split_scratch(unsigned* base, int rows, int slices)
+      : hi_bins(base), lo_bins(base + std::size_t(rows) * slices * 256),
+        above_hi(base + 2 * std::size_t(rows) * slices * 256) {}
+};
+
+//! Adds a row's per-slice bins up in slice order into hist[256] (thread b: bin b).
+DSV4_DEVICE void sum_slice_bins(const unsigned* bins, int slices, unsigned* hist) {
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+    unsigned total = 0;
+    for (int j = 0; j < slices; ++j) total += __ldcg(bins + std::size_t(j) * 256 + b);
+    hist[b] = total;
+  }
+}
+
+DSV4_KERNEL void __launch_bounds__(topk_slice_threads) topk_hi_kernel(topk_args a, topk_split sp) {
+  runtime::start_after_previous_grid();
+  constexpr int warps = topk_slice_threads / 32;
+  __shared__ unsigned warp_hist[warps][256];
+  const int row = blockIdx.y, slice = blockIdx.x;
+  const topk_split_scratch scr(a.scratch, a.rows, sp.slices);
+  const std::uint16_t* sc = reinterpret_cast<const std::uint16_t*>(a.scores) + static_cast<long long>(row) * a.n;
+  const long long begin = sp.begin(slice), end = min(a.n, sp.begin(slice + 1));
+  for (int i = threadIdx.x; i < warps * 256; i += blockDim.x) warp_hist[i / 256][i % 256] = 0;
+  __syncthreads();
+  histogram_keys<topk_slice_threads>(sc, begin, end, false, 0u, warp_hist);
+  __syncthreads();
+  sum_warp_bins<warps>(warp_hist, scr.hi_bins + (std::size_t(row) * sp.slices + slice) * 256);
+}
+
+DSV4_KERNEL void __launch_bounds__(topk_slice_threads) topk_lo_kernel(topk_args a, topk_split sp) {
+  runtime::start_after_previous_grid();
+  constexpr int warps = topk_slice_threads / 32;
+  __shared__ unsigned hist[256], warp_hist[warps][256], s_hi, s_above;
+  const int row = blockIdx.y, slice = blockIdx.x;
+  const topk_split_scratch scr(a.scratch, a.rows, sp.slices);
+  const std::uint16_t* sc = reinterpret_cast<const std::uint16_t*>(a.scores) + static_cast<long long>(row) * a.n;
+  const long long begin = sp.begin(slice), end = min(a.n, sp.begin(slice + 1));
+  sum_slice_bins(scr.hi_bins + std::size_t(row) * sp.slices * 256, sp.slices, hist);
+  for (int i = threadIdx.x; i < warps * 256; i += blockDim.x) warp_hist[i / 256][i % 256] = 0;
+  if (threadIdx.x == 0) s_above = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned rest;
+    find_bucket(hist, unsigned(a.k), s_hi, rest);
+  }
+  __syncthreads();
+  const unsigned above = histogram_keys<topk_slice_threads>(sc, begin, end, true, s_hi, warp_hist);
+  atomicAdd(&s_above, above);  // an integer count: the order of the additions does not matter
+  __syncthreads();
+  sum_warp_bins<warps>(warp_hist, scr.lo_bins + (std::size_t(row) * sp.slices + slice) * 256);
+  if (threadIdx.x == 0) scr.above_hi[std::size_t(row) * sp.slices + slice] = s_above;
+}
+
+DSV4_KERNEL void __launch_bounds__(topk_slice_threads) topk_take_kernel(topk_args a, topk_split sp) {
+  runtime::start_after_previous_grid();
+  __shared__ typename cub::BlockScan<int, topk_slice_threads>::TempStorage scan_storage;
+  __shared__ unsigned hist[256], before[256], s_threshold, s_need_eq;
+  __shared__ int s_base, s_eq_base;
+  const int row = blockIdx.y, slice = blockIdx.x;
+  const topk_split_scratch scr(a.scratch, a.rows, sp.slices);
+  const std::uint16_t* sc = reinterpret_cast<const std::uint16_t*>(a.scores) + static_cast<long long>(row) * a.n;
+  const long long begin = sp.begin(slice), end = min(a.n, sp.begin(slice + 1));
+  sum_slice_bins(scr.hi_bins + std::size_t(row) * sp.slices * 256, sp.slices, hist);
+  __syncthreads();
+  __shared__ unsigned s_hi, s_need_hi;
+  if (threadIdx.x == 0) find_bucket(hist, unsigned(a.k), s_hi, s_need_hi);
+  __syncthreads();
+  // The row's low-byte bins (all slices) and those of the slices before this one.
+  const unsigned* lo = scr.lo_bins + std::size_t(row) * sp.slices * 256;
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+    unsigned total = 0, prior = 0;
+    for (int j = 0; j < sp.slices; ++j) {
+      const unsigned v = __ldcg(lo + std::size_t(j) * 256 + b);
+      total += v;
+      prior += j < slice ? v : 0u;
+    }
+    hist[b] = total;
+    before[b] = prior;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned low, need_eq;
+    find_bucket(hist, s_need_hi, low, need_eq);
+    // What the slices before this one keep: every key above T (a higher high byte, or the same
+    // high byte and a higher low byte), and the first need_eq keys equal to T.
+    unsigned above = 0;
+    for (int j = 0; j < slice; ++j) above += __ldcg(scr.above_hi + std::size_t(row) * sp.slices + j);
+    for (unsigned b = low + 1; b < 256; ++b) above += before[b];
+    s_threshold = (s_hi << 8) | low;
+    s_need_eq = need_eq;
+    s_eq_base = int(before[low]);
+    s_base = int(above) + int(min(before[low], need_eq));
+  }
+  __syncthreads();
+  ordered_take<topk_slice_threads>(a, row, sc, begin, end, s_threshold, s_need_eq, s_base, s_eq_base, scan_storage);
+}
+
 //! Block maxima of one row's scores, the newest visible block forced to +inf.
 DSV4_KERNEL void block_max_kernel(candidate_args a) {
   runtime::start_after_previous_grid();
@@ -295,17 +563,22 @@ void launch_index_scan(const char* op, const index_scan_args& a, const std::int3
   if (a.rows < 0 || a.n_keys < 0 || a.heads <= 0 || a.heads > max_index_heads)
     throw error(name + ": need rows, n_keys >= 0 and 0 < heads <= 64 (got heads " + std::to_string(a.heads) + ")");
   if (a.rows == 0 || a.n_keys == 0) return;
-  if (a.rows > 65535) throw error(name + ": at most 65535 query rows per launch (grid y); split the rows into chunks");
+  if (a.rows > 65535LL * scan_rows)
+    throw error(name + ": at most " + std::to_string(65535 * scan_rows) + " query rows per launch (grid y); split the rows");
   if (!a.q || !a.w || !a.keys || !a.scores || !a.visible || (gathered && !positions))
     throw error(name + ": null pointer argument");
+  if (reinterpret_cast<std::uintptr_t>(a.q) % 16)
+    throw error(name + ": the queries must be 16-byte aligned (rows are read 8 values at a time)");
   if (a.key_stride % 4 || reinterpret_cast<std::uintptr_t>(a.keys) % 4)
     throw error(name + ": keys must be 4-byte aligned with a stride that is a multiple of 4 bytes");
   if (a.block_tables && (a.max_pages <= 0 || a.entries_per_page <= 0 || a.page_bytes % 4))
     throw error(name + ": paged keys need max_pages > 0, entries_per_page > 0 and page_bytes a multiple of 4");
-  const int smem = (a.heads * Dim + a.heads) * int(sizeof(float));
+  if ((a.n_keys + scan_keys - 1) / scan_keys > 0x7FFFFFFFLL)
+    throw error(name + ": too many keys for one launch (grid x)");
+  const int smem = scan_smem<Dim>::bytes(a.heads);
   auto kernel = index_scan_kernel<Dim>;
   DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(unsigned((a.n_keys + scan_threads - 1) / scan_threads), unsigned(a.rows));
+  const dim3 grid(unsigned((a.n_keys + scan_keys - 1) / scan_keys), unsigned((a.rows + scan_rows - 1) / scan_rows));
   runtime::launch_programmatic(kernel, grid, dim3(scan_threads), std::size_t(smem), stream, a, positions);
   DSV4_CUDA_CHECK_LAUNCH();
 }
@@ -365,8 +638,26 @@ inline void select_topk(const topk_args& a, cudaStream_t stream) {
                 std::to_string(a.n) + ")");
   if (a.rows == 0 || a.k == 0) return;
   if (!a.scores || !a.out) throw error("select_topk: null pointer argument");
-  runtime::launch_programmatic(detail::topk_kernel, dim3(unsigned(a.rows)), dim3(detail::topk_threads), 0, stream, a);
-  DSV4_CUDA_CHECK_LAUNCH();
+  const auto split = detail::plan_topk_split(a.rows, a.n, runtime::sm_count());
+  const bool several = a.scratch && a.n >= detail::topk_split_min_n && split.slices > 1 && a.rows <= 65535 &&
+                       a.scratch_words >= std::size_t(a.rows) * std::size_t(split.slices) * (2 * 256 + 1);
+  if (!several) {
+    runtime::launch_programmatic(detail::topk_kernel, dim3(unsigned(a.rows)), dim3(detail::topk_threads), 0, stream, a);
+    DSV4_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const dim3 grid(unsigned(split.slices), unsigned(a.rows)), block(detail::topk_slice_threads);
+  for (auto kernel : {detail::topk_hi_kernel, detail::topk_lo_kernel, detail::topk_take_kernel}) {
+    runtime::launch_programmatic(kernel, grid, block, 0, stream, a, split);
+    DSV4_CUDA_CHECK_LAUNCH();
+  }
+}
+
+//! Scratch words select_topk needs to take rows of up to `n` scores with several CTAs each.
+inline std::size_t topk_scratch_words(int rows, long long n) {
+  if (rows <= 0 || n < detail::topk_split_min_n) return 0;
+  const long long tiles = (n + detail::topk_tile - 1) / detail::topk_tile;
+  return std::size_t(rows) * std::size_t(std::min<long long>(tiles, detail::topk_max_slices)) * (2 * 256 + 1);
 }
 
 }  // namespace dsv4::kernels::indexer

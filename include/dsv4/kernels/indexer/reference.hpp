@@ -5,8 +5,11 @@
 //!
 //! Score of one query row against key t (every step rounds to bf16, as the reference's bf16
 //! tensor ops do):  d_h = bf16(q_h . k_t);  I_t = bf16( sum_h bf16(relu(d_h) * w_h) )  with the
-//! 32-head sum in fp32. The dot products of MXFP4-dequantized operands are exact in fp32 in
-//! practice (products are small multiples of the block scales), so any summation order agrees. q_h and k_t are the MXFP4 quantize-dequantized vectors; w_h =
+//! 32-head sum in fp32. q_h . k_t is summed exactly (in double) and rounded once: a 32-channel
+//! block's MXFP4 products are small multiples of its two scales' product, so the dot product is
+//! exact in any order while the blocks' scales are not extremely far apart (fp32 keeps 24 bits
+//! across blocks, double 53; the CUDA scan adds the blocks in double). q_h and k_t are the MXFP4
+//! quantize-dequantized vectors; w_h =
 //! bf16(weights_proj(x))_h * 2^-6 (exact). Masked positions score -inf.
 //!
 //! Selection: the k = min(topk, end_pos / ratio) largest scores in torch.topk's order
