@@ -12,7 +12,8 @@
 //    way; inputs every rank refuses alike (bad ids, a busy slot) leave the model usable;
 //  - (NCCL builds, `multigpu`) two ranks on two GPUs over NCCL equal the staged two ranks on one
 //    GPU bit for bit: every sum has two terms, so NCCL's order cannot change it.
-// Decoding is teacher-forced (the same random ids on every side).
+// Every comparison runs prefills, decode steps, a chunk appended to each sequence (exact mode) and
+// more decode steps; decoding is teacher-forced (the same random ids on every side).
 
 #include <boost/test/unit_test.hpp>
 
@@ -46,6 +47,8 @@ namespace {
 
 constexpr int prompt = 40;  // past the window (16) and the ratio-2 sources' top-k (16 of 20 groups)
 constexpr int steps = 6;
+constexpr int chunk_a = 9, chunk_b = 5, more_steps = 2;  // appended chunks (exact mode), then decode again
+constexpr int len_a = prompt + steps + chunk_a + more_steps, len_b = 12 + steps + chunk_b + more_steps;
 
 model::device_model<tiny>::limits tiny_limits() {
   model::device_model<tiny>::limits lim;
@@ -61,35 +64,54 @@ std::size_t bits_differ(const std::vector<float>& a, const std::vector<float>& b
 
 
 //! Two sequences (prompts of `prompt` and 12 tokens), each prefilled, then `steps` decode steps
-//! as one batch; every call's logits, in order ([vocab] per prefill, [2, vocab] per step).
+//! as one batch, then a chunk appended to each (chunk_a, chunk_b tokens: a tool result or a new
+//! turn), then `more_steps` decode steps; every call's logits, in order ([vocab] per prefill and
+//! append, [2, vocab] per step).
 template <class M>
 std::vector<std::vector<float>> run_calls(M& m, std::uint64_t salt) {
-  const auto a = test::tiny_random_ids(salt, prompt + steps), b = test::tiny_random_ids(salt + 1, 12 + steps);
+  const auto a = test::tiny_random_ids(salt, len_a), b = test::tiny_random_ids(salt + 1, len_b);
   std::vector<std::vector<float>> out;
   const int sa = m.add_sequence(), sb = m.add_sequence();
   out.push_back(m.prefill(sa, std::span<const std::int32_t>(a).first(prompt)));
   out.push_back(m.prefill(sb, std::span<const std::int32_t>(b).first(12)));
-  for (int i = 0; i < steps; ++i) {
-    const std::int32_t tok[2] = {a[std::size_t(prompt + i)], b[std::size_t(12 + i)]};
-    out.push_back(m.decode({sa, sb}, tok));
-  }
+  int at_a = prompt, at_b = 12;
+  auto decode = [&](int n) {
+    for (int i = 0; i < n; ++i) {
+      const std::int32_t tok[2] = {a[std::size_t(at_a++)], b[std::size_t(at_b++)]};
+      out.push_back(m.decode({sa, sb}, tok));
+    }
+  };
+  decode(steps);
+  out.push_back(m.append(sa, std::span<const std::int32_t>(a).subspan(std::size_t(at_a), chunk_a)));
+  out.push_back(m.append(sb, std::span<const std::int32_t>(b).subspan(std::size_t(at_b), chunk_b)));
+  at_a += chunk_a, at_b += chunk_b;
+  decode(more_steps);
   m.release_sequence(sa), m.release_sequence(sb);
   return out;
 }
 
-//! What the host simulation gives for run_calls's sequences (one sequence per call there).
+//! What the host simulation gives for run_calls's sequences (one sequence per call there; an
+//! appended chunk is a forward over the chunk after the sequence's history, exact mode).
 std::vector<std::vector<float>> simulate_calls(const parallel::tp_model<tiny>& tp, std::uint64_t salt) {
-  const auto a = test::tiny_random_ids(salt, prompt + steps), b = test::tiny_random_ids(salt + 1, 12 + steps);
+  const auto a = test::tiny_random_ids(salt, len_a), b = test::tiny_random_ids(salt + 1, len_b);
   parallel::tp_sequence ta, tb;
   std::vector<std::vector<float>> out;
   out.push_back(parallel::forward(tp, ta, std::span<const std::int32_t>(a).first(prompt)));
   out.push_back(parallel::forward(tp, tb, std::span<const std::int32_t>(b).first(12)));
-  for (int i = 0; i < steps; ++i) {
-    auto la = parallel::forward(tp, ta, std::span<const std::int32_t>(&a[std::size_t(prompt + i)], 1));
-    const auto lb = parallel::forward(tp, tb, std::span<const std::int32_t>(&b[std::size_t(12 + i)], 1));
-    la.insert(la.end(), lb.begin(), lb.end());
-    out.push_back(std::move(la));
-  }
+  int at_a = prompt, at_b = 12;
+  auto decode = [&](int n) {
+    for (int i = 0; i < n; ++i) {
+      auto la = parallel::forward(tp, ta, std::span<const std::int32_t>(&a[std::size_t(at_a++)], 1));
+      const auto lb = parallel::forward(tp, tb, std::span<const std::int32_t>(&b[std::size_t(at_b++)], 1));
+      la.insert(la.end(), lb.begin(), lb.end());
+      out.push_back(std::move(la));
+    }
+  };
+  decode(steps);
+  out.push_back(parallel::forward(tp, ta, std::span<const std::int32_t>(a).subspan(std::size_t(at_a), chunk_a)));
+  out.push_back(parallel::forward(tp, tb, std::span<const std::int32_t>(b).subspan(std::size_t(at_b), chunk_b)));
+  at_a += chunk_a, at_b += chunk_b;
+  decode(more_steps);
   return out;
 }
 
