@@ -15,7 +15,9 @@
 //! memory. A call is a prefill of one new sequence, one decode token for each of a batch of
 //! sequences (different lengths allowed), or a chunk appended to one sequence (exact mode); it
 //! returns fp32 logits, as the host model does.
-//! `prefill_ced` is the CED prefill (encoder over the prompt, decoder replay of its last window).
+//! `prefill_ced` is the CED prefill (encoder over the prompt, decoder replay of its last window);
+//! `append_ced` the CED append (encoder over the chunk, decoder replay of the sequence's last
+//! window from the per-sequence tail that limits::ced_appends keeps).
 //!
 //! Streams and synchronization: the model owns one non-blocking stream, and every launch, cuBLAS
 //! call and copy of a call runs on it (the attention stack and both cuBLAS handles are bound to
@@ -285,6 +287,9 @@ class device_model {
     entry_pre_ = upload(one_hot);
     for (auto* b : {&a_pre_, &a_post_, &f_pre_, &f_post_}) *b = device_buffer<float>(R * hc);
     a_comb_ = device_buffer<float>(R * hc * hc), f_comb_ = device_buffer<float>(R * hc * hc);
+    if (lim.ced_appends && !ced_prefill_possible<sched>())
+      throw error("device_model: limits::ced_appends needs a schedule whose decoder KV owner is the first decoder layer "
+                  "(CED prefill and appends are not possible with this one)");
     if (lim.ced_appends) {
       const std::size_t T = std::size_t(lim.max_seqs) * std::size_t(c.attn.window_size);
       tail_x_ = device_buffer<bf16>(T * hc * D), tail_h_ = device_buffer<bf16>(T * D);
@@ -401,6 +406,12 @@ class device_model {
     bool decoder_engram = false;
     for (int t : sched::engram::values) decoder_engram |= t > E;
     const long long len = stack_->length(slot), s = static_cast<long long>(ids.size());
+    // The replay's rows must fit one call; checked here, since the encoder's part commits the chunk.
+    const long long replay_rows = std::min<long long>(len + s, c.attn.window_size);
+    if (len > 0 && replay_rows > lim_.max_rows)
+      throw error("device_model::append_ced: the decoder replays " + std::to_string(replay_rows) + " positions, beyond limits::max_rows (" +
+                  std::to_string(lim_.max_rows) + "); build the model with max_rows >= the window (" +
+                  std::to_string(c.attn.window_size) + ")");
     if (decoder_engram && len > 0 && s < c.attn.window_size)
       throw error("device_model::append_ced: a CED append of " + std::to_string(s) + " tokens would replay an Engram module "
                   "of the decoder over earlier tokens (as forward_ced refuses); append at least " +
@@ -530,7 +541,7 @@ class device_model {
         if (!one_sequence || r >= R - W) push[std::size_t(r)] = std::int32_t(slot * W + pos % W);
       }
       tail_push_ = inputs_.put(std::span<const std::int32_t>(push), std::size_t(R), "encoder tail rows");
-      if (!gather.empty()) tail_gather_ = inputs_.put(gather, std::size_t(R), "replay rows");
+      if (!gather.empty()) tail_gather_ = inputs_.put(gather, std::size_t(lim_.max_rows), "replay rows");
     }
     for (std::size_t j = 0; j < engrams_.size(); ++j) {
       const auto& mult = Model::engram_multipliers[j];
@@ -757,14 +768,14 @@ class device_model {
   //! holds tokens): the encoder over the chunk (an exact append), the owner's cache grown by it,
   //! then the decoder replays the sequence's last `window` positions from the tail.
   std::vector<float> run_ced_append(int slot, std::span<const std::int32_t> ids) {
-    const long long s = static_cast<long long>(ids.size()), start = stack_->length(slot), len = start + s;
+    const long long s = static_cast<long long>(ids.size()), before = stack_->length(slot), len = before + s;
     const long long W = c.attn.window_size, R = std::min(len, W), first = len - R;
     std::vector<std::int32_t> gather(static_cast<std::size_t>(R));
     for (long long r = 0; r < R; ++r) gather[std::size_t(r)] = std::int32_t(slot * W + (first + r) % W);
     run_encoder(slot, ids, gather);
     return replay_decoder(slot, first, R, [&] {
       gather_tail(R);
-      engram_row0_ = std::max<long long>(0, first - start);  // (begin_append_ced refused decoder Engram rows before the chunk)
+      engram_row0_ = std::max<long long>(0, first - before);  // (begin_append_ced refused decoder Engram rows before the chunk)
     });
   }
 
