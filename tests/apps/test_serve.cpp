@@ -117,7 +117,9 @@ BOOST_AUTO_TEST_CASE(server_answers_over_a_socket) {
   const std::vector<std::int32_t> prompt{5, 6, 7, 8};
   kernels::sampling::sampling_params sp;
   sp.seed = 11;
-  const cli::generation want = cli::host_generate(m, {prompt, 3, sp, true, false});
+  cli::run_request want_req;
+  want_req.prompt = prompt, want_req.n_new = 3, want_req.sampling = sp, want_req.ced = true;
+  const cli::generation want = cli::host_generate(m, want_req);
   std::string want_tokens = "\"tokens\": [";
   for (std::size_t i = 0; i < want.tokens.size(); ++i) want_tokens += (i ? ", " : "") + std::to_string(want.tokens[i]);
   r = exchange(srv.port(), post("/v1/generate", R"({"prompt": [5, 6, 7, 8], "max_tokens": 3, "seed": 11, "prefill": "ced"})"));
@@ -210,6 +212,77 @@ BOOST_AUTO_TEST_CASE(a_trickling_client_gets_408_at_the_deadline) {
   th.join();
   BOOST_TEST((has(out, "HTTP/1.1 408") && has(out, "did not arrive in time")), out);
   BOOST_TEST(seconds < 2.7, "answered after " << seconds << " s");
+}
+
+// A client that closes its connection while its tokens are drawn stops the generation at the
+// next decode step: the backend sees run_request::cancelled turn true and returns early, and the
+// server is free for the next request at once (here a stand-in backend that would draw for 20 s).
+BOOST_AUTO_TEST_CASE(a_client_that_leaves_stops_its_generation) {
+  std::ostringstream quiet;
+  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
+  const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  std::atomic<int> steps{0};
+  std::atomic<bool> saw_stop{false};
+  const cli::generate_fn slow = [&](const model::host_model<models::tiny>&, const cli::run_request& r) {
+    cli::generation g;
+    for (int i = 0; i < 2000; ++i) {
+      g.tokens.push_back(1);
+      ++steps;
+      if (cli::stop_requested(r)) {
+        g.cancelled = true;
+        saw_stop = true;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return g;
+  };
+  const serve::generation_service service(m, slow, "stand-in");
+  http::server srv("127.0.0.1", 0, [&](const http::request& r) { return service(r); });
+  std::thread th([&] { srv.serve(2); });
+  const auto start = std::chrono::steady_clock::now();
+  {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<std::uint16_t>(srv.port()));
+    inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+    BOOST_REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+    const std::string raw = post("/v1/generate", R"({"prompt": [1, 2], "max_tokens": 100})");
+    BOOST_REQUIRE(::send(fd, raw.data(), raw.size(), MSG_NOSIGNAL) == ssize_t(raw.size()));
+    while (steps.load() < 3) std::this_thread::sleep_for(std::chrono::milliseconds(5));  // generation under way
+    ::close(fd);
+  }
+  // The next request is answered (the slot came free), long before the stand-in's 20 s.
+  const std::string r = exchange(srv.port(), "GET /health HTTP/1.1\r\n\r\n");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  th.join();
+  BOOST_TEST(has(r, "HTTP/1.1 200 OK"), r);
+  BOOST_TEST(saw_stop.load());
+  BOOST_TEST(steps.load() < 300, steps.load() << " steps drawn");
+  BOOST_TEST(seconds < 5.0, "the next request waited " << seconds << " s");
+}
+
+// The host backend stops before the decode step after which it was asked to: the tokens drawn by
+// then are those of the uncancelled run.
+BOOST_AUTO_TEST_CASE(host_generation_stops_when_asked) {
+  std::ostringstream quiet;
+  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
+  const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  const std::vector<std::int32_t> prompt{3, 4, 5};
+  kernels::sampling::sampling_params sp;
+  sp.seed = 5;
+  cli::run_request r;
+  r.prompt = prompt, r.n_new = 6, r.sampling = sp;
+  const cli::generation full = cli::host_generate(m, r);
+  int asked = 0;
+  r.cancelled = [&] { return ++asked == 3; };
+  const cli::generation part = cli::host_generate(m, r);
+  BOOST_TEST(part.cancelled);
+  BOOST_TEST(!full.cancelled);
+  BOOST_TEST(asked == 3);
+  BOOST_REQUIRE(part.tokens.size() == 3u);
+  BOOST_TEST(std::equal(part.tokens.begin(), part.tokens.end(), full.tokens.begin()));
 }
 
 BOOST_AUTO_TEST_CASE(stop_ends_serving) {
