@@ -25,18 +25,23 @@ namespace {
 
 bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-// One request on a fresh connection; the whole response (the server closes the connection).
-// `close_write`: the client then closes its sending side (it will send nothing more).
-std::string exchange(int port, const std::string& raw, bool close_write = false) {
+// A connection to 127.0.0.1:port; -1 if it failed.
+int connect_to(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<std::uint16_t>(port));
   inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    return "connect failed";
-  }
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) return fd;
+  ::close(fd);
+  return -1;
+}
+
+// One request on a fresh connection; the whole response (the server closes the connection).
+// `close_write`: the client then closes its sending side (it will send nothing more).
+std::string exchange(int port, const std::string& raw, bool close_write = false) {
+  const int fd = connect_to(port);
+  if (fd < 0) return "connect failed";
   for (std::size_t sent = 0; sent < raw.size();) {
     const ssize_t n = ::send(fd, raw.data() + sent, raw.size() - sent, MSG_NOSIGNAL);
     if (n <= 0) break;
@@ -187,12 +192,8 @@ BOOST_AUTO_TEST_CASE(a_request_that_does_not_arrive_in_time_gets_408) {
 BOOST_AUTO_TEST_CASE(a_trickling_client_gets_408_at_the_deadline) {
   http::server srv("127.0.0.1", 0, [](const http::request&) { return http::response{200, "{}"}; }, 1024, 2);
   std::thread th([&] { srv.serve(1); });
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<std::uint16_t>(srv.port()));
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  BOOST_REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  const int fd = connect_to(srv.port());
+  BOOST_REQUIRE(fd >= 0);
   const auto start = std::chrono::steady_clock::now();
   std::atomic<bool> done{false};
   std::thread trickle([&] {
@@ -242,12 +243,8 @@ BOOST_AUTO_TEST_CASE(a_client_that_leaves_stops_its_generation) {
   std::thread th([&] { srv.serve(2); });
   const auto start = std::chrono::steady_clock::now();
   {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<std::uint16_t>(srv.port()));
-    inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-    BOOST_REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+    const int fd = connect_to(srv.port());
+    BOOST_REQUIRE(fd >= 0);
     const std::string raw = post("/v1/generate", R"({"prompt": [1, 2], "max_tokens": 100})");
     BOOST_REQUIRE(::send(fd, raw.data(), raw.size(), MSG_NOSIGNAL) == ssize_t(raw.size()));
     while (steps.load() < 3) std::this_thread::sleep_for(std::chrono::milliseconds(5));  // generation under way
