@@ -47,7 +47,12 @@ cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cl
     // The counter is the position of the token drawn, as the host backend's (sequence length).
     const std::int32_t next = kernels::sampling::sample_reference(logits, sp, 0, std::uint64_t(dm.length(slot)));
     g.tokens.push_back(next);
-    if (i + 1 < n_new) logits = dm.decode({slot}, std::span<const std::int32_t>(&next, 1));
+    if (i + 1 == n_new) break;
+    if (cli::stop_requested(request)) {
+      g.cancelled = true;
+      break;
+    }
+    logits = dm.decode({slot}, std::span<const std::int32_t>(&next, 1));
   }
   const auto t2 = clock::now();
   g.prefill_s = std::chrono::duration<double>(t1 - t0).count();

@@ -25,18 +25,23 @@ namespace {
 
 bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-// One request on a fresh connection; the whole response (the server closes the connection).
-// `close_write`: the client then closes its sending side (it will send nothing more).
-std::string exchange(int port, const std::string& raw, bool close_write = false) {
+// A connection to 127.0.0.1:port; -1 if it failed.
+int connect_to(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<std::uint16_t>(port));
   inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    return "connect failed";
-  }
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) return fd;
+  ::close(fd);
+  return -1;
+}
+
+// One request on a fresh connection; the whole response (the server closes the connection).
+// `close_write`: the client then closes its sending side (it will send nothing more).
+std::string exchange(int port, const std::string& raw, bool close_write = false) {
+  const int fd = connect_to(port);
+  if (fd < 0) return "connect failed";
   for (std::size_t sent = 0; sent < raw.size();) {
     const ssize_t n = ::send(fd, raw.data() + sent, raw.size() - sent, MSG_NOSIGNAL);
     if (n <= 0) break;
@@ -117,7 +122,9 @@ BOOST_AUTO_TEST_CASE(server_answers_over_a_socket) {
   const std::vector<std::int32_t> prompt{5, 6, 7, 8};
   kernels::sampling::sampling_params sp;
   sp.seed = 11;
-  const cli::generation want = cli::host_generate(m, {prompt, 3, sp, true, false});
+  cli::run_request want_req;
+  want_req.prompt = prompt, want_req.n_new = 3, want_req.sampling = sp, want_req.ced = true;
+  const cli::generation want = cli::host_generate(m, want_req);
   std::string want_tokens = "\"tokens\": [";
   for (std::size_t i = 0; i < want.tokens.size(); ++i) want_tokens += (i ? ", " : "") + std::to_string(want.tokens[i]);
   r = exchange(srv.port(), post("/v1/generate", R"({"prompt": [5, 6, 7, 8], "max_tokens": 3, "seed": 11, "prefill": "ced"})"));
@@ -185,12 +192,8 @@ BOOST_AUTO_TEST_CASE(a_request_that_does_not_arrive_in_time_gets_408) {
 BOOST_AUTO_TEST_CASE(a_trickling_client_gets_408_at_the_deadline) {
   http::server srv("127.0.0.1", 0, [](const http::request&) { return http::response{200, "{}"}; }, 1024, 2);
   std::thread th([&] { srv.serve(1); });
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<std::uint16_t>(srv.port()));
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  BOOST_REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  const int fd = connect_to(srv.port());
+  BOOST_REQUIRE(fd >= 0);
   const auto start = std::chrono::steady_clock::now();
   std::atomic<bool> done{false};
   std::thread trickle([&] {
@@ -210,6 +213,73 @@ BOOST_AUTO_TEST_CASE(a_trickling_client_gets_408_at_the_deadline) {
   th.join();
   BOOST_TEST((has(out, "HTTP/1.1 408") && has(out, "did not arrive in time")), out);
   BOOST_TEST(seconds < 2.7, "answered after " << seconds << " s");
+}
+
+// A client that closes its connection while its tokens are drawn stops the generation at the
+// next decode step: the backend sees run_request::cancelled turn true and returns early, and the
+// server is free for the next request at once (here a stand-in backend that would draw for 20 s).
+BOOST_AUTO_TEST_CASE(a_client_that_leaves_stops_its_generation) {
+  std::ostringstream quiet;
+  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
+  const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  std::atomic<int> steps{0};
+  std::atomic<bool> saw_stop{false};
+  const cli::generate_fn slow = [&](const model::host_model<models::tiny>&, const cli::run_request& r) {
+    cli::generation g;
+    for (int i = 0; i < 2000; ++i) {
+      g.tokens.push_back(1);
+      ++steps;
+      if (cli::stop_requested(r)) {
+        g.cancelled = true;
+        saw_stop = true;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return g;
+  };
+  const serve::generation_service service(m, slow, "stand-in");
+  http::server srv("127.0.0.1", 0, [&](const http::request& r) { return service(r); });
+  std::thread th([&] { srv.serve(2); });
+  const auto start = std::chrono::steady_clock::now();
+  {
+    const int fd = connect_to(srv.port());
+    BOOST_REQUIRE(fd >= 0);
+    const std::string raw = post("/v1/generate", R"({"prompt": [1, 2], "max_tokens": 100})");
+    BOOST_REQUIRE(::send(fd, raw.data(), raw.size(), MSG_NOSIGNAL) == ssize_t(raw.size()));
+    while (steps.load() < 3) std::this_thread::sleep_for(std::chrono::milliseconds(5));  // generation under way
+    ::close(fd);
+  }
+  // The next request is answered (the slot came free), long before the stand-in's 20 s.
+  const std::string r = exchange(srv.port(), "GET /health HTTP/1.1\r\n\r\n");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  th.join();
+  BOOST_TEST(has(r, "HTTP/1.1 200 OK"), r);
+  BOOST_TEST(saw_stop.load());
+  BOOST_TEST(steps.load() < 300, steps.load() << " steps drawn");
+  BOOST_TEST(seconds < 5.0, "the next request waited " << seconds << " s");
+}
+
+// The host backend stops before the decode step after which it was asked to: the tokens drawn by
+// then are those of the uncancelled run.
+BOOST_AUTO_TEST_CASE(host_generation_stops_when_asked) {
+  std::ostringstream quiet;
+  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
+  const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  const std::vector<std::int32_t> prompt{3, 4, 5};
+  kernels::sampling::sampling_params sp;
+  sp.seed = 5;
+  cli::run_request r;
+  r.prompt = prompt, r.n_new = 6, r.sampling = sp;
+  const cli::generation full = cli::host_generate(m, r);
+  int asked = 0;
+  r.cancelled = [&] { return ++asked == 3; };
+  const cli::generation part = cli::host_generate(m, r);
+  BOOST_TEST(part.cancelled);
+  BOOST_TEST(!full.cancelled);
+  BOOST_TEST(asked == 3);
+  BOOST_REQUIRE(part.tokens.size() == 3u);
+  BOOST_TEST(std::equal(part.tokens.begin(), part.tokens.end(), full.tokens.begin()));
 }
 
 BOOST_AUTO_TEST_CASE(stop_ends_serving) {

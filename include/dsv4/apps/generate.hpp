@@ -23,6 +23,7 @@ struct generation {
   std::vector<std::int32_t> tokens;
   double prefill_s = 0, decode_s = 0;
   std::string device;  //!< printed: "CUDA backend on <device name>"
+  bool cancelled = false;  //!< run_request::cancelled said stop: `tokens` holds what was drawn by then
 };
 
 //! What a front end asks of a backend besides the model.
@@ -32,7 +33,13 @@ struct run_request {
   kernels::sampling::sampling_params sampling;
   bool ced = false;                           //!< --prefill ced
   bool engram_host_tables = false;            //!< --engram-tables host: the tables stay in host memory
+  //! Asked before each decode step (empty: never): true stops the generation there (a server's
+  //! client went away; nobody would read the rest).
+  std::function<bool()> cancelled;
 };
+
+//! True when the request says stop (before a decode step).
+inline bool stop_requested(const run_request& r) { return r.cancelled && r.cancelled(); }
 
 //! A backend: the loaded (and checked) host model and the request. Tokens are drawn with the
 //! host sampler at the same counters as the host backend's (the position), so backends differ
@@ -46,7 +53,7 @@ struct backends {
 };
 
 //! The host reference backend: a fresh sequence, the prompt's prefill (exact or CED), then
-//! request.n_new tokens, each later one after a decode step.
+//! request.n_new tokens, each later one after a decode step (fewer if request.cancelled says stop).
 inline generation host_generate(const model::host_model<models::tiny>& m, const run_request& r) {
   using clock = std::chrono::steady_clock;
   generation g;
@@ -58,7 +65,12 @@ inline generation host_generate(const model::host_model<models::tiny>& m, const 
   for (long long i = 0; i < r.n_new; ++i) {
     const std::int32_t next = kernels::sampling::sample_reference(logits, r.sampling, 0, std::uint64_t(seq.length));
     g.tokens.push_back(next);
-    if (i + 1 < r.n_new) logits = model::forward(m, seq, std::span<const std::int32_t>(&next, 1));
+    if (i + 1 == r.n_new) break;
+    if (stop_requested(r)) {
+      g.cancelled = true;
+      break;
+    }
+    logits = model::forward(m, seq, std::span<const std::int32_t>(&next, 1));
   }
   const auto t2 = clock::now();
   g.prefill_s = std::chrono::duration<double>(t1 - t0).count();

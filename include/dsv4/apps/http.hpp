@@ -39,6 +39,11 @@ struct request {
   std::string method, target;
   std::map<std::string, std::string> headers;  //!< names in lower case
   std::string body;
+  //! Set by the server for its handler: true once the client has closed the connection or reset
+  //! it (nobody will read the response, so long work may stop). A client that only shuts down its
+  //! sending side after the request looks the same, as to nginx (HTTP/1.1 clients keep it open
+  //! until the response has come); the response is still sent.
+  std::function<bool()> client_gone;
 };
 
 struct response {
@@ -57,6 +62,7 @@ inline const char* reason(int status) {
     case 411: return "Length Required";
     case 413: return "Content Too Large";
     case 431: return "Request Header Fields Too Large";
+    case 499: return "Client Closed Request";  // (nginx's; never sent: the client is gone)
     case 500: return "Internal Server Error";
     case 501: return "Not Implemented";
     case 505: return "HTTP Version Not Supported";
@@ -271,6 +277,17 @@ class server {
     }
   }
 
+  //! True when the peer has closed or reset the connection: end of stream (a zero-byte peek),
+  //! an error or a hang-up, without waiting. Bytes the client sent after its request stay queued.
+  static bool peer_closed(int c) {
+    pollfd p{c, POLLIN, 0};
+    if (::poll(&p, 1, 0) <= 0) return false;
+    if (p.revents & (POLLERR | POLLHUP | POLLNVAL)) return true;
+    char byte;
+    const ssize_t n = ::recv(c, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+  }
+
   void answer(int c) {
     // The whole request must arrive within the timeout, not each piece of it: a client that
     // trickles bytes cannot hold the (single) connection slot longer than that.
@@ -285,8 +302,10 @@ class server {
         break;
       }
       if (p.st == parse_result::state::complete) {
+        request req = p.req;
+        req.client_gone = [c] { return peer_closed(c); };
         try {
-          r = handler_(p.req);
+          r = handler_(req);
         } catch (const std::exception& e) {
           r = error_response(500, e.what());
         }

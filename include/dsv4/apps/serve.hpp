@@ -11,12 +11,14 @@
 //!
 //! Only "prompt" is required. Every problem with a request body is a 400 whose message names the
 //! field and what it must be; unknown fields are errors too (a misspelt "max_token" must not
-//! silently generate 16 tokens). Tokens are drawn exactly as `dsv4 run` draws them.
+//! silently generate 16 tokens). Tokens are drawn exactly as `dsv4 run` draws them. A client that
+//! closes its connection while its tokens are drawn stops the generation at the next decode step.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -52,7 +54,7 @@ class generation_service {
     }
     if (path == "/v1/generate") {
       if (r.method != "POST") return wrong_method(r, "POST");
-      return generate(r.body);
+      return generate(r.body, r.client_gone);
     }
     return http::error_response(404, "no route " + r.method + " " + path +
                                          " (routes: GET /health, GET /v1/model, POST /v1/generate)");
@@ -68,7 +70,9 @@ class generation_service {
     return http::error_response(405, r.method + " " + r.target + ": this route takes " + allowed);
   }
 
-  http::response generate(const std::string& body) const {
+  //! `client_gone` (may be empty): polled between decode steps; a client that went away stops
+  //! the generation (the slot is free for the next request) and gets no answer.
+  http::response generate(const std::string& body, const std::function<bool()>& client_gone) const {
     constexpr auto c = models::tiny::dims;
     io::json j;
     try {
@@ -134,7 +138,14 @@ class generation_service {
     req.prompt = prompt;
     req.n_new = max_tokens;
     req.ced = prefill == "ced";
+    req.cancelled = client_gone;
     const cli::generation g = generate_(m_, req);
+    if (g.cancelled) {
+      std::fprintf(stderr, "serve: the client closed its connection; generation stopped after %zu of %lld tokens\n",
+                   g.tokens.size(), max_tokens);
+      return http::error_response(499, "the client closed the connection; generation stopped after " +
+                                           std::to_string(g.tokens.size()) + " tokens");
+    }
     std::string out = "{\"tokens\": [";
     for (std::size_t i = 0; i < g.tokens.size(); ++i) out += (i ? ", " : "") + std::to_string(g.tokens[i]);
     char tail[256];
