@@ -63,7 +63,7 @@ inline const char* reason(int status) {
     case 411: return "Length Required";
     case 413: return "Content Too Large";
     case 431: return "Request Header Fields Too Large";
-    case 499: return "Client Closed Request";  // (nginx's; never sent: the client is gone)
+    case 499: return "Client Closed Request";  // (nginx's; read only by a client that half-closed)
     case 500: return "Internal Server Error";
     case 501: return "Not Implemented";
     case 505: return "HTTP Version Not Supported";
