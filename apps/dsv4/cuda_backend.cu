@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <string>
 
 #include "dsv4/model/device_model.cuh"
@@ -16,7 +15,6 @@ namespace dsv4::apps {
 cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cli::run_request& request) {
   const auto prompt = request.prompt;
   const long long n_new = request.n_new;
-  const auto& sp = request.sampling;
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     cudaGetLastError();  // clear the sticky "no device" error for any later CUDA call
@@ -36,27 +34,13 @@ cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cl
   model::device_model<models::tiny> dm(m, lim);
   const int slot = dm.add_sequence();
 
-  using clock = std::chrono::steady_clock;
   cli::generation g;
   g.device = std::string("CUDA backend on ") + prop.name +
              (request.engram_host_tables ? ", Engram tables in host memory" : "");
-  const auto t0 = clock::now();
-  std::vector<float> logits = request.ced ? dm.prefill_ced(slot, prompt) : dm.prefill(slot, prompt);
-  const auto t1 = clock::now();
-  for (long long i = 0; i < n_new; ++i) {
-    // The counter is the position of the token drawn, as the host backend's (sequence length).
-    const std::int32_t next = kernels::sampling::sample_reference(logits, sp, 0, std::uint64_t(dm.length(slot)));
-    g.tokens.push_back(next);
-    if (i + 1 == n_new) break;
-    if (cli::stop_requested(request)) {
-      g.cancelled = true;
-      break;
-    }
-    logits = dm.decode({slot}, std::span<const std::int32_t>(&next, 1));
-  }
-  const auto t2 = clock::now();
-  g.prefill_s = std::chrono::duration<double>(t1 - t0).count();
-  g.decode_s = std::chrono::duration<double>(t2 - t1).count();
+  cli::run_generation(
+      request, g, [&] { return request.ced ? dm.prefill_ced(slot, prompt) : dm.prefill(slot, prompt); },
+      [&] { return dm.length(slot); },  // the counter: the position of the token drawn, as the host backend's
+      [&](std::int32_t next) { return dm.decode({slot}, std::span<const std::int32_t>(&next, 1)); });
   return g;
 }
 

@@ -240,19 +240,36 @@ BOOST_AUTO_TEST_CASE(a_client_that_leaves_stops_its_generation) {
   };
   const serve::generation_service service(m, slow, "stand-in");
   http::server srv("127.0.0.1", 0, [&](const http::request& r) { return service(r); });
-  std::thread th([&] { srv.serve(2); });
+  std::thread th([&] { srv.serve(3); });
+  // A failed requirement below must not leave the server thread joinable (std::terminate).
+  struct stop_and_join {
+    http::server& srv;
+    std::thread& th;
+    ~stop_and_join() {
+      if (th.joinable()) srv.stop(), th.join();
+    }
+  } guard{srv, th};
   const auto start = std::chrono::steady_clock::now();
   {
     const int fd = connect_to(srv.port());
     BOOST_REQUIRE(fd >= 0);
     const std::string raw = post("/v1/generate", R"({"prompt": [1, 2], "max_tokens": 100})");
     BOOST_REQUIRE(::send(fd, raw.data(), raw.size(), MSG_NOSIGNAL) == ssize_t(raw.size()));
-    while (steps.load() < 3) std::this_thread::sleep_for(std::chrono::milliseconds(5));  // generation under way
+    const auto wait_end = std::chrono::steady_clock::now() + std::chrono::seconds(20);  // generation under way
+    while (steps.load() < 3 && std::chrono::steady_clock::now() < wait_end) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     ::close(fd);
+    BOOST_REQUIRE_MESSAGE(steps.load() >= 3, "the generation did not get under way (" << steps.load() << " steps)");
   }
   // The next request is answered (the slot came free), long before the stand-in's 20 s.
   const std::string r = exchange(srv.port(), "GET /health HTTP/1.1\r\n\r\n");
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // A client that shuts down its sending side after the request counts as gone: before the
+  // prefill when its end of stream came with the request (the usual case on loopback), else at
+  // the next step; it still reads the 499 that says so.
+  const int steps_before = steps.load();
+  const std::string half = exchange(srv.port(), post("/v1/generate", R"({"prompt": [3]})"), true);
+  BOOST_TEST((has(half, "HTTP/1.1 499") && has(half, "generation stopped after")), half);
+  BOOST_TEST(steps.load() - steps_before <= 2);
   th.join();
   BOOST_TEST(has(r, "HTTP/1.1 200 OK"), r);
   BOOST_TEST(saw_stop.load());

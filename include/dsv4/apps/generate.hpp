@@ -52,29 +52,40 @@ struct backends {
   generate_fn cuda;
 };
 
-//! The host reference backend: a fresh sequence, the prompt's prefill (exact or CED), then
-//! request.n_new tokens, each later one after a decode step (fewer if request.cancelled says stop).
-inline generation host_generate(const model::host_model<models::tiny>& m, const run_request& r) {
+//! What every backend's generation shares: `prefill()` (its logits) timed as the prefill, then
+//! request.n_new tokens drawn with the host sampler at the sequence's length (`position()`, the
+//! counter), one decode step `step(token)` (the next logits) between draws, timed as the decode;
+//! fewer tokens, with g.cancelled, if request.cancelled says stop before a step.
+template <class Prefill, class Position, class Step>
+void run_generation(const run_request& r, generation& g, Prefill prefill, Position position, Step step) {
   using clock = std::chrono::steady_clock;
-  generation g;
-  g.device = "host reference backend";
-  model::host_sequence seq;
   const auto t0 = clock::now();
-  auto logits = r.ced ? model::forward_ced(m, seq, r.prompt) : model::forward(m, seq, r.prompt);
+  std::vector<float> logits = prefill();
   const auto t1 = clock::now();
   for (long long i = 0; i < r.n_new; ++i) {
-    const std::int32_t next = kernels::sampling::sample_reference(logits, r.sampling, 0, std::uint64_t(seq.length));
+    const std::int32_t next = kernels::sampling::sample_reference(logits, r.sampling, 0, std::uint64_t(position()));
     g.tokens.push_back(next);
     if (i + 1 == r.n_new) break;
     if (stop_requested(r)) {
       g.cancelled = true;
       break;
     }
-    logits = model::forward(m, seq, std::span<const std::int32_t>(&next, 1));
+    logits = step(next);
   }
   const auto t2 = clock::now();
   g.prefill_s = std::chrono::duration<double>(t1 - t0).count();
   g.decode_s = std::chrono::duration<double>(t2 - t1).count();
+}
+
+//! The host reference backend: a fresh sequence, the prompt's prefill (exact or CED), then
+//! request.n_new tokens, each later one after a decode step (fewer if request.cancelled says stop).
+inline generation host_generate(const model::host_model<models::tiny>& m, const run_request& r) {
+  generation g;
+  g.device = "host reference backend";
+  model::host_sequence seq;
+  run_generation(
+      r, g, [&] { return r.ced ? model::forward_ced(m, seq, r.prompt) : model::forward(m, seq, r.prompt); },
+      [&] { return seq.length; }, [&](std::int32_t next) { return model::forward(m, seq, std::span<const std::int32_t>(&next, 1)); });
   return g;
 }
 

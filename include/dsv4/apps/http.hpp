@@ -39,10 +39,11 @@ struct request {
   std::string method, target;
   std::map<std::string, std::string> headers;  //!< names in lower case
   std::string body;
-  //! Set by the server for its handler: true once the client has closed the connection or reset
-  //! it (nobody will read the response, so long work may stop). A client that only shuts down its
-  //! sending side after the request looks the same, as to nginx (HTTP/1.1 clients keep it open
-  //! until the response has come); the response is still sent.
+  //! Set by the server for its handler, valid during the handler's call only: true once the client
+  //! has closed the connection or reset it (nobody will read the response, so long work may stop).
+  //! A client that only shuts down its sending side after the request looks the same, as to nginx
+  //! (HTTP/1.1 clients keep it open until the response has come; `ncat` without --no-shutdown
+  //! and `nc -N` do not); the response is still sent.
   std::function<bool()> client_gone;
 };
 
@@ -62,7 +63,7 @@ inline const char* reason(int status) {
     case 411: return "Length Required";
     case 413: return "Content Too Large";
     case 431: return "Request Header Fields Too Large";
-    case 499: return "Client Closed Request";  // (nginx's; never sent: the client is gone)
+    case 499: return "Client Closed Request";  // (nginx's; read only by a client that half-closed)
     case 500: return "Internal Server Error";
     case 501: return "Not Implemented";
     case 505: return "HTTP Version Not Supported";
@@ -277,12 +278,20 @@ class server {
     }
   }
 
-  //! True when the peer has closed or reset the connection: end of stream (a zero-byte peek),
-  //! an error or a hang-up, without waiting. Bytes the client sent after its request stay queued.
+  //! True when the peer has closed or reset the connection: its end of stream (Linux's POLLRDHUP
+  //! sees it even behind bytes the client sent after its request; elsewhere a zero-byte peek),
+  //! an error or a hang-up, without waiting.
   static bool peer_closed(int c) {
+#ifdef POLLRDHUP
+    pollfd p{c, POLLIN | POLLRDHUP, 0};
+#else
     pollfd p{c, POLLIN, 0};
+#endif
     if (::poll(&p, 1, 0) <= 0) return false;
     if (p.revents & (POLLERR | POLLHUP | POLLNVAL)) return true;
+#ifdef POLLRDHUP
+    if (p.revents & POLLRDHUP) return true;
+#endif
     char byte;
     const ssize_t n = ::recv(c, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
     return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
@@ -296,13 +305,13 @@ class server {
     char buf[16384];
     response r;
     for (;;) {
-      const parse_result p = parse_request(data, max_body_);
+      parse_result p = parse_request(data, max_body_);
       if (p.st == parse_result::state::bad) {
         r = p.error;
         break;
       }
       if (p.st == parse_result::state::complete) {
-        request req = p.req;
+        request req = std::move(p.req);
         req.client_gone = [c] { return peer_closed(c); };
         try {
           r = handler_(req);

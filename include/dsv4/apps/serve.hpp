@@ -70,8 +70,9 @@ class generation_service {
     return http::error_response(405, r.method + " " + r.target + ": this route takes " + allowed);
   }
 
-  //! `client_gone` (may be empty): polled between decode steps; a client that went away stops
-  //! the generation (the slot is free for the next request) and gets no answer.
+  //! `client_gone` (may be empty): asked before the prefill and between decode steps; a client
+  //! that went away (or shut down its sending side) stops the generation, freeing the slot for
+  //! the next request, and is sent a 499.
   http::response generate(const std::string& body, const std::function<bool()>& client_gone) const {
     constexpr auto c = models::tiny::dims;
     io::json j;
@@ -139,13 +140,15 @@ class generation_service {
     req.n_new = max_tokens;
     req.ced = prefill == "ced";
     req.cancelled = client_gone;
+    auto gone = [&](std::size_t drawn) {
+      std::fprintf(stderr, "serve: the client closed its connection (or its sending side); generation stopped after %zu of %lld tokens\n",
+                   drawn, max_tokens);
+      return http::error_response(499, "the client closed the connection (or its sending side); generation stopped after " +
+                                           std::to_string(drawn) + " tokens");
+    };
+    if (client_gone && client_gone()) return gone(0);  // gave up while waiting for the slot: no prefill
     const cli::generation g = generate_(m_, req);
-    if (g.cancelled) {
-      std::fprintf(stderr, "serve: the client closed its connection; generation stopped after %zu of %lld tokens\n",
-                   g.tokens.size(), max_tokens);
-      return http::error_response(499, "the client closed the connection; generation stopped after " +
-                                           std::to_string(g.tokens.size()) + " tokens");
-    }
+    if (g.cancelled) return gone(g.tokens.size());
     std::string out = "{\"tokens\": [";
     for (std::size_t i = 0; i < g.tokens.size(); ++i) out += (i ? ", " : "") + std::to_string(g.tokens[i]);
     char tail[256];
