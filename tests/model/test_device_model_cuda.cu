@@ -161,6 +161,118 @@ BOOST_AUTO_TEST_CASE(ced_prefill, *utf::label("gpu") * utf::precondition(test::h
   BOOST_TEST(st.worst < 0.3);
   BOOST_TEST(st.min_cosine > 0.95);
   BOOST_TEST(dm.length(c) == 46);
+  // A model built without limits::ced_appends keeps no tail: a CED append is refused before any
+  // work, and the sequence stays as it was.
+  BOOST_TEST(test::throws_with([&] { dm.append_ced(c, std::span<const std::int32_t>(ids).first(3)); }, "limits::ced_appends"));
+  BOOST_TEST(dm.length(c) == 46);
+  BOOST_TEST(dm.decode({c}, std::vector<std::int32_t>{ids[46]}).size() == std::size_t(V));
+}
+
+// CED appends on the device (issue 6): the encoder over the chunk, the owner's cache grown by it,
+// the decoder replaying the sequence's last `window` positions from the tail that every call keeps
+// (prefill, exact or CED; batched decode; appends). Against the host's forward_ced / forward on
+// the same calls: chunks shorter than the window (the replay starts before the chunk) and longer,
+// on a sequence past the window and on one inside it, decode steps batched across both between.
+BOOST_AUTO_TEST_CASE(ced_appends_follow_the_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  const auto hm = load_tiny("device_model_ced_append", 47);
+  auto lim = tiny_limits(3, 64, 160);
+  lim.ced_appends = true;
+  model::device_model<tiny> dm(hm, lim);
+  auto rng = test::make_rng(103);
+  const int V = tiny::dims.vocab_size, W = tiny::dims.attn.window_size, D = tiny::dims.dim;
+  using sched = models::model_traits<tiny>::schedule;
+  constexpr int E = sched::encoder_layers;
+  auto draw = [&](std::size_t n) {
+    std::vector<std::int32_t> v(n);
+    for (auto& id : v) id = std::int32_t(rng() % std::uint64_t(V));
+    return v;
+  };
+  // The ring's exact check: the first decoder layer's attention input of every (sequence,
+  // position) the first time the device computes it; a replay must read those rows back bit for
+  // bit from the tail. `rows_of_call` names the rows of the next call's layer-E input.
+  std::map<std::pair<int, long long>, std::vector<bf16>> first_seen;
+  std::vector<std::pair<int, long long>> rows_of_call;
+  std::map<int, long long> rows_seen;
+  std::size_t replayed = 0, replayed_differ = 0;
+  dm.set_observer([&](int l, std::string_view stage, std::span<const bf16> v) {
+    if (stage != "attn_in") return;
+    rows_seen[l] += (long long)(v.size() / std::size_t(D));
+    if (l != E) return;
+    BOOST_TEST_REQUIRE(v.size() == rows_of_call.size() * std::size_t(D));
+    for (std::size_t i = 0; i < rows_of_call.size(); ++i) {
+      const auto row = v.subspan(i * std::size_t(D), std::size_t(D));
+      const auto [it, fresh] = first_seen.try_emplace(rows_of_call[i], row.begin(), row.end());
+      if (fresh) continue;
+      ++replayed;
+      replayed_differ += !std::equal(row.begin(), row.end(), it->second.begin(), [](bf16 x, bf16 y) { return x.bits == y.bits; });
+    }
+  });
+  auto positions = [&](int slot, long long from, long long to) {
+    rows_of_call.clear();
+    for (long long p = from; p < to; ++p) rows_of_call.emplace_back(slot, p);
+  };
+  const int a = dm.add_sequence(), b = dm.add_sequence();
+  model::host_sequence ha, hb;
+  test::logit_stats st;
+  auto row = [&](const std::vector<float>& v, int r) { return std::vector<float>(v.begin() + std::ptrdiff_t(r) * V, v.begin() + std::ptrdiff_t(r + 1) * V); };
+  auto decode_both = [&] {
+    const auto ids = draw(2);
+    rows_of_call = {{a, dm.length(a)}, {b, dm.length(b)}};
+    const auto got = dm.decode({a, b}, ids);
+    st.add(row(got, 0), model::forward(hm, ha, std::span<const std::int32_t>(ids).first(1)));
+    st.add(row(got, 1), model::forward(hm, hb, std::span<const std::int32_t>(ids).subspan(1, 1)));
+  };
+  auto ced_append = [&](int slot, model::host_sequence& hs, std::size_t n) {
+    const auto chunk = draw(n);
+    const long long len = dm.length(slot) + (long long)n;
+    positions(slot, len - std::min<long long>(len, W), len);  // the replay's rows
+    rows_seen.clear();
+    st.add(dm.append_ced(slot, chunk), model::forward_ced(hm, hs, chunk));
+    for (int l = 0; l < sched::num_layers; ++l)
+      BOOST_TEST(rows_seen[l] == (l < E ? (long long)n : std::min<long long>(len, W)), "layer " << l << " saw " << rows_seen[l] << " rows");
+  };
+  const auto pa = draw(std::size_t(W + 4)), pb = draw(9);
+  positions(a, 4, W + 4);  // a CED prefill: the decoder sees the last W rows only
+  st.add(dm.prefill_ced(a, pa), model::forward_ced(hm, ha, pa));  // past the window
+  positions(b, 0, 9);
+  st.add(dm.prefill(b, pb), model::forward(hm, hb, pb));  // inside it (exact prefill)
+  decode_both();
+  decode_both();
+  ced_append(a, ha, 5);  // shorter than the window on a sequence past it: most replayed rows come from before the chunk
+  ced_append(b, hb, 3);  // inside the window (9 + 2 + 3 = 14 positions): the replay covers the whole sequence
+  decode_both();
+  const auto exact_chunk = draw(std::size_t(W + 2));  // an exact append longer than the window (its last W rows go to the tail)
+  positions(b, dm.length(b), dm.length(b) + W + 2);
+  st.add(dm.append(b, exact_chunk), model::forward(hm, hb, exact_chunk));
+  ced_append(a, ha, std::size_t(W + 3));  // longer than the window: the replay is the chunk's last W rows
+  ced_append(b, hb, 4);                   // b's replay: rows of the exact append, a decode step and the chunk
+  decode_both();
+  ced_append(a, ha, 2);  // a's replay reads the rows the previous CED append and a decode step left
+  dm.set_observer({});
+  BOOST_TEST(dm.length(a) == ha.length);
+  BOOST_TEST(dm.length(b) == hb.length);
+  // Rows a replay reads back, call by call: a's first CED append W - 5 (its window starts 5 rows
+  // past the prefill's), b's 11 (the whole sequence so far), b's second W - 4, a's last W - 2 (a's
+  // long append replays none: its window lies inside the chunk). The device run of cdcb5f5
+  // counted 48 = 3 * W, which a first '> 3 * W' wrongly refused.
+  static_assert(W >= 14, "b's first CED append must stay inside the window");
+  BOOST_TEST(replayed == std::size_t((W - 5) + 11 + (W - 4) + (W - 2)), replayed << " replayed rows compared");
+  BOOST_TEST(replayed_differ == 0u, replayed_differ << " of " << replayed << " replayed rows differ from their first computation");
+  BOOST_TEST_MESSAGE("CED appends, device vs host over " << st.rows << " logit rows: worst " << st.worst << ", cosine >= "
+                                                        << st.min_cosine << ", argmax " << st.argmax_same << "/" << st.rows);
+  // The bounds of the other model tests: random weights carry a rounding difference on (see
+  // tiny_logits_match_host); a wrong replay (rows, positions, mixes) is uncorrelated.
+  BOOST_TEST(st.worst < 0.3);
+  BOOST_TEST(st.min_cosine > 0.95);
+  // Refused before any work when the replay cannot fit one call (max_rows below the window).
+  auto small = tiny_limits(1, 8, 64);
+  small.ced_appends = true;
+  model::device_model<tiny> narrow(hm, small);
+  const int n = narrow.add_sequence();
+  const auto p = draw(8);
+  narrow.prefill(n, p);
+  BOOST_TEST(test::throws_with([&] { narrow.append_ced(n, std::span<const std::int32_t>(p).first(4)); }, "beyond limits::max_rows"));
+  BOOST_TEST(narrow.length(n) == 8);
 }
 
 // Engram tables in host memory (issue 5, item 5): the rows gathered on the host and shipped ahead

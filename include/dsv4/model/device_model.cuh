@@ -15,7 +15,9 @@
 //! memory. A call is a prefill of one new sequence, one decode token for each of a batch of
 //! sequences (different lengths allowed), or a chunk appended to one sequence (exact mode); it
 //! returns fp32 logits, as the host model does.
-//! `prefill_ced` is the CED prefill (encoder over the prompt, decoder replay of its last window).
+//! `prefill_ced` is the CED prefill (encoder over the prompt, decoder replay of its last window);
+//! `append_ced` the CED append (encoder over the chunk, decoder replay of the sequence's last
+//! window from the per-sequence tail that limits::ced_appends keeps).
 //!
 //! Streams and synchronization: the model owns one non-blocking stream, and every launch, cuBLAS
 //! call and copy of a call runs on it (the attention stack and both cuBLAS handles are bound to
@@ -115,6 +117,20 @@ DSV4_KERNEL void spread_kernel(const bf16* e, long long tokens, int dim, int str
   if (i >= tokens * streams * dim) return;
   x[i] = e[i / (1LL * streams * dim) * dim + i % dim];
 }
+//! Rows of a [*, width] array to rows of another: out[out_rows[r]] = in[in_rows[r]] for r < rows
+//! (a null map is the identity; a row mapped to -1 is skipped). Keeps and reads back the encoder
+//! tail of CED appends.
+template <class T>
+DSV4_KERNEL void copy_rows_kernel(const T* in, const std::int32_t* in_rows, T* out, const std::int32_t* out_rows, long long rows,
+                                  long long width) {
+  runtime::start_after_previous_grid();
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * width) return;
+  const long long r = i / width, k = i % width;
+  const long long src = in_rows ? in_rows[r] : r, dst = out_rows ? out_rows[r] : r;
+  if (src < 0 || dst < 0) return;
+  out[dst * width + k] = in[src * width + k];
+}
 }  // namespace device_detail
 
 template <class Model>
@@ -137,6 +153,10 @@ class device_model {
     //! each call's rows are gathered on the host and copied ahead of the Engram layer on a side
     //! stream (engram/host_fetch.cuh); same results as tables in device memory, bit for bit.
     bool engram_host_tables = false;
+    //! CED appends (append_ced): every call keeps, per sequence, the first decoder layer's input
+    //! over its last `window` positions (the streams, the attention input and the mixes: window x
+    //! (5 dim bf16 + 24 fp32) per sequence), from which a CED append replays the decoder.
+    bool ced_appends = false;
   };
 
   //! The whole model on the current device, from a loaded host model.
@@ -259,6 +279,7 @@ class device_model {
     logits_host_ = runtime::pinned_buffer<float>(logits_.size());
     // A call's inputs: token ids [rows], then each Engram module's hashes [rows, columns].
     std::size_t input_bytes = runtime::upload_arena::space<std::int32_t>(R);
+    if (lim.ced_appends) input_bytes += 2 * runtime::upload_arena::space<std::int32_t>(R);  // the tail's row maps
     for (const auto& e : engrams_) input_bytes += runtime::upload_arena::space<std::int64_t>(R * std::size_t(e.view.columns));
     inputs_ = runtime::upload_arena(input_bytes, "device_model call inputs");
     std::vector<float> one_hot(R * hc, 0.0f);
@@ -266,6 +287,15 @@ class device_model {
     entry_pre_ = upload(one_hot);
     for (auto* b : {&a_pre_, &a_post_, &f_pre_, &f_post_}) *b = device_buffer<float>(R * hc);
     a_comb_ = device_buffer<float>(R * hc * hc), f_comb_ = device_buffer<float>(R * hc * hc);
+    if (lim.ced_appends && !ced_prefill_possible<sched>())
+      throw error("device_model: limits::ced_appends needs a schedule whose decoder KV owner is the first decoder layer "
+                  "(CED prefill and appends are not possible with this one)");
+    if (lim.ced_appends) {
+      const std::size_t T = std::size_t(lim.max_seqs) * std::size_t(c.attn.window_size);
+      tail_x_ = device_buffer<bf16>(T * hc * D), tail_h_ = device_buffer<bf16>(T * D);
+      tail_pre_ = device_buffer<float>(T * hc), tail_post_ = device_buffer<float>(T * hc);
+      tail_comb_ = device_buffer<float>(T * hc * hc);
+    }
     mhc_ws_.emplace(lim.max_rows, c.dim);
     kernels::moe::moe_shape ms{c.moe.n_routed_experts, c.moe.n_activated_experts, c.dim, c.moe.moe_inter_dim,
                                c.moe.route_scale, c.moe.gate_temp, c.moe.swiglu_limit, c.moe.norm_topk_prob};
@@ -364,13 +394,41 @@ class device_model {
     stack_->begin_prefill(slot, int(ids.size()));
     pending_ = std::move(p);
   }
-  //! Runs the begun call: its logits, as prefill / append / decode / prefill_ced return them.
+  void begin_append_ced(int slot, std::span<const std::int32_t> ids) {
+    static_assert(ced_prefill_possible<sched>(), "device_model::append_ced: every decoder KV owner must be the first decoder layer");
+    check_idle();
+    check_ids(ids);
+    if (!lim_.ced_appends)
+      throw error("device_model::append_ced: the model was built without limits::ced_appends (it keeps no sequence's "
+                  "first-decoder-layer input of its last window positions to replay)");
+    if (slot < 0 || slot >= lim_.max_seqs) throw error("device_model::append_ced: no sequence slot " + std::to_string(slot));
+    constexpr int E = sched::encoder_layers;
+    bool decoder_engram = false;
+    for (int t : sched::engram::values) decoder_engram |= t > E;
+    const long long len = stack_->length(slot), s = static_cast<long long>(ids.size());
+    // The replay's rows must fit one call; checked here, since the encoder's part commits the chunk.
+    const long long replay_rows = std::min<long long>(len + s, c.attn.window_size);
+    if (len > 0 && replay_rows > lim_.max_rows)
+      throw error("device_model::append_ced: the decoder replays " + std::to_string(replay_rows) + " positions, beyond limits::max_rows (" +
+                  std::to_string(lim_.max_rows) + "); build the model with max_rows >= the window (" +
+                  std::to_string(c.attn.window_size) + ")");
+    if (decoder_engram && len > 0 && s < c.attn.window_size)
+      throw error("device_model::append_ced: a CED append of " + std::to_string(s) + " tokens would replay an Engram module "
+                  "of the decoder over earlier tokens (as forward_ced refuses); append at least " +
+                  std::to_string(c.attn.window_size) + " tokens or in exact mode");
+    pending_call p{pending_call::kind::ced_append, {slot}, {ids.begin(), ids.end()}, true};
+    stack_->begin_append(slot, int(s));
+    pending_ = std::move(p);
+  }
+  //! Runs the begun call: its logits, as prefill / append / decode / prefill_ced / append_ced return them.
   std::vector<float> finish_call() {
     if (!pending_) throw error("device_model::finish_call: no call was begun");
     pending_call p = std::move(*pending_);
     pending_.reset();
-    if constexpr (ced_prefill_possible<sched>())  // (begin_prefill_ced refuses other schedules at compile time)
+    if constexpr (ced_prefill_possible<sched>()) {  // (begin_*_ced refuse other schedules at compile time)
       if (p.what == pending_call::kind::ced) return run_ced(p.slots[0], p.ids);
+      if (p.what == pending_call::kind::ced_append) return run_ced_append(p.slots[0], p.ids);
+    }
     return run(p.slots, p.ids, p.one_sequence);
   }
   //! Drops a begun call (its sequences become unusable, as after a failed call: release them).
@@ -408,6 +466,12 @@ class device_model {
   runtime::device_buffer<bf16> embed_, norm_, x_, y_, h_, sub_;
   runtime::device_buffer<float> head_, hf_, logits_, logits_part_, entry_pre_, a_pre_, a_post_, a_comb_, f_pre_, f_post_, f_comb_;
   runtime::pinned_buffer<float> logits_host_;  //!< the logits' way back (an asynchronous copy needs pinned memory)
+  //! limits::ced_appends: per sequence slot, the first decoder layer's input of its last `window`
+  //! positions ([slot, position mod window] rows), and the current call's row maps into it.
+  runtime::device_buffer<bf16> tail_x_, tail_h_;
+  runtime::device_buffer<float> tail_pre_, tail_post_, tail_comb_;
+  const std::int32_t* tail_push_ = nullptr;
+  const std::int32_t* tail_gather_ = nullptr;
   runtime::upload_arena inputs_;               //!< a call's token ids and Engram hashes
   std::optional<kernels::mhc::mhc_workspace> mhc_ws_;
   std::optional<kernels::moe::moe_workspace> moe_ws_;
@@ -415,7 +479,7 @@ class device_model {
   bool moe_host_sync_ = false;  //!< the MoE may synchronize (prefill / append calls, not decode; start())
   //! A call begun (begin_*) and not yet finished.
   struct pending_call {
-    enum class kind { normal, ced } what = kind::normal;
+    enum class kind { normal, ced, ced_append } what = kind::normal;
     std::vector<int> slots;
     std::vector<std::int32_t> ids;
     bool one_sequence = true;
@@ -454,7 +518,9 @@ class device_model {
   long long engram_row0_ = 0;
 
   //! Engram hash ids of every module from each sequence's compressed-token history, the embedding.
-  void start(const std::vector<int>& slots, std::span<const std::int32_t> ids, bool one_sequence) {
+  //! `gather`: a CED append's replay rows in the tail (uploaded with the call's inputs).
+  void start(const std::vector<int>& slots, std::span<const std::int32_t> ids, bool one_sequence,
+             std::span<const std::int32_t> gather = {}) {
     using namespace device_detail;
     const long long R = static_cast<long long>(ids.size());
     // Prefill and appended chunks may take the MoE's routed cuBLAS path (it synchronizes the
@@ -463,6 +529,20 @@ class device_model {
     moe_host_sync_ = one_sequence;
     inputs_.begin_pack();
     const std::int32_t* ids_d = inputs_.put(ids, std::size_t(R), "token ids");
+    tail_push_ = tail_gather_ = nullptr;
+    if (lim_.ced_appends) {
+      // Where each row's first-decoder-layer input goes in its sequence's tail (position p at
+      // p mod window); rows a later row of the call overwrites are skipped.
+      const long long W = c.attn.window_size;
+      std::vector<std::int32_t> push(std::size_t(R), -1);
+      for (long long r = 0; r < R; ++r) {
+        const int slot = one_sequence ? slots[0] : slots[std::size_t(r)];
+        const long long pos = stack_->length(slot) + (one_sequence ? r : 0);
+        if (!one_sequence || r >= R - W) push[std::size_t(r)] = std::int32_t(slot * W + pos % W);
+      }
+      tail_push_ = inputs_.put(std::span<const std::int32_t>(push), std::size_t(R), "encoder tail rows");
+      if (!gather.empty()) tail_gather_ = inputs_.put(gather, std::size_t(lim_.max_rows), "replay rows");
+    }
     for (std::size_t j = 0; j < engrams_.size(); ++j) {
       const auto& mult = Model::engram_multipliers[j];
       const std::vector<std::int64_t> mv(mult.begin(), mult.end());
@@ -592,7 +672,11 @@ class device_model {
     const long long R = static_cast<long long>(ids.size());
     try {
       start(slots, ids, one_sequence);
-      for (int l = 0; l < sched::num_layers; ++l) enter_block(l, R), finish_block(l, R);
+      for (int l = 0; l < sched::num_layers; ++l) {
+        enter_block(l, R);
+        if (l == sched::encoder_layers) push_tail(R);
+        finish_block(l, R);
+      }
       auto out = exit_logits(R, one_sequence);
       stack_->end_call();
       return out;
@@ -616,6 +700,32 @@ class device_model {
     DSV4_CUDA_CHECK(cudaMemcpyAsync(data, scratch, bytes, cudaMemcpyDeviceToDevice, stream()));
   }
 
+  //! out[out_rows[r]] = in[in_rows[r]], rows of `width` values (device_detail::copy_rows_kernel).
+  template <class T>
+  void copy_rows(const T* in, const std::int32_t* in_rows, T* out, const std::int32_t* out_rows, long long rows, long long width) {
+    runtime::launch_programmatic(device_detail::copy_rows_kernel<T>, dim3(blocks_for(rows * width)), dim3(256), 0, stream(), in,
+                                 in_rows, out, out_rows, rows, width);
+    DSV4_CUDA_CHECK_LAUNCH();
+  }
+  //! With limits::ced_appends: the call's rows of the first decoder layer's input (streams X_,
+  //! attention input h_, mixes a_*) into their sequences' tails, after enter_block(E).
+  void push_tail(long long R) {
+    if (!tail_push_) return;
+    copy_rows(X_, nullptr, tail_x_.data(), tail_push_, R, 1LL * hc * c.dim);
+    copy_rows(h_.data(), nullptr, tail_h_.data(), tail_push_, R, c.dim);
+    copy_rows(a_pre_.data(), nullptr, tail_pre_.data(), tail_push_, R, hc);
+    copy_rows(a_post_.data(), nullptr, tail_post_.data(), tail_push_, R, hc);
+    copy_rows(a_comb_.data(), nullptr, tail_comb_.data(), tail_push_, R, 1LL * hc * hc);
+  }
+  //! The replay rows of a CED append out of the tail, in position order, into X_, h_ and a_*.
+  void gather_tail(long long rows) {
+    copy_rows(static_cast<const bf16*>(tail_x_.data()), tail_gather_, X_, nullptr, rows, 1LL * hc * c.dim);
+    copy_rows(static_cast<const bf16*>(tail_h_.data()), tail_gather_, h_.data(), nullptr, rows, c.dim);
+    copy_rows(static_cast<const float*>(tail_pre_.data()), tail_gather_, a_pre_.data(), nullptr, rows, hc);
+    copy_rows(static_cast<const float*>(tail_post_.data()), tail_gather_, a_post_.data(), nullptr, rows, hc);
+    copy_rows(static_cast<const float*>(tail_comb_.data()), tail_gather_, a_comb_.data(), nullptr, rows, 1LL * hc * hc);
+  }
+
  public:
   //! The CED prefill of a new sequence (model_reference.hpp forward_ced): encoder layers over the
   //! prompt, the first decoder layer's cache from the encoder output over every token, the decoder
@@ -625,25 +735,23 @@ class device_model {
     begin_prefill_ced(slot, ids);
     return finish_call();
   }
+  //! A CED append (model_reference.hpp forward_ced on a sequence that holds tokens; needs
+  //! limits::ced_appends): the encoder layers over the chunk, the first decoder layer's cache grown
+  //! by it, the decoder layers over the sequence's last `window` positions as a replay (from the
+  //! tail every call keeps). Equal to an exact append while the sequence fits the window, the
+  //! article's layer-token work beyond it. Logits [vocab] of the last position.
+  std::vector<float> append_ced(int slot, std::span<const std::int32_t> ids) {
+    begin_append_ced(slot, ids);
+    return finish_call();
+  }
 
  private:
   //! The CED prefill after begin_prefill_ced.
   std::vector<float> run_ced(int slot, std::span<const std::int32_t> ids) {
-    constexpr int E = sched::encoder_layers;
     const long long N = static_cast<long long>(ids.size());
-    try {
-      start({slot}, ids, true);
-      for (int l = 0; l < E; ++l) enter_block(l, N), finish_block(l, N);
-      enter_block(E, N);  // h_ = the first decoder layer's input over every token
-      if (sched::role(E) == schedule::attn_role::full) stack_->fill_owner_cache(E, h_.data());
-      stack_->end_call();
-    } catch (...) {
-      fail_call();
-      throw;
-    }
+    run_encoder(slot, ids);
     const long long first = std::max<long long>(0, N - c.attn.window_size), R = N - first;
-    try {
-      stack_->begin_replay(slot, first, int(R), E);
+    return replay_decoder(slot, first, R, [&] {
       if (first > 0) {  // the replay rows to the front: streams, attention input, mixes
         bf16* spare = Y_;
         keep_rows(X_, first, R, 1LL * hc * c.dim, spare);
@@ -653,6 +761,50 @@ class device_model {
         keep_rows(a_comb_.data(), first, R, hc * hc, fspare);
         engram_row0_ = first;  // (no built-in model has an Engram module in its decoder; kept general)
       }
+    });
+  }
+
+  //! The CED append after begin_append_ced (model_reference.hpp forward_ced on a sequence that
+  //! holds tokens): the encoder over the chunk (an exact append), the owner's cache grown by it,
+  //! then the decoder replays the sequence's last `window` positions from the tail.
+  std::vector<float> run_ced_append(int slot, std::span<const std::int32_t> ids) {
+    const long long s = static_cast<long long>(ids.size()), before = stack_->length(slot), len = before + s;
+    const long long W = c.attn.window_size, R = std::min(len, W), first = len - R;
+    std::vector<std::int32_t> gather(static_cast<std::size_t>(R));
+    for (long long r = 0; r < R; ++r) gather[std::size_t(r)] = std::int32_t(slot * W + (first + r) % W);
+    run_encoder(slot, ids, gather);
+    return replay_decoder(slot, first, R, [&] {
+      gather_tail(R);
+      engram_row0_ = std::max<long long>(0, first - before);  // (begin_append_ced refused decoder Engram rows before the chunk)
+    });
+  }
+
+  //! The encoder layers over a CED call's tokens (a prefill or an appended chunk), the tail, the
+  //! first decoder layer's owner cache; ends the stack's call.
+  void run_encoder(int slot, std::span<const std::int32_t> ids, std::span<const std::int32_t> gather = {}) {
+    constexpr int E = sched::encoder_layers;
+    const long long N = static_cast<long long>(ids.size());
+    try {
+      start({slot}, ids, true, gather);
+      for (int l = 0; l < E; ++l) enter_block(l, N), finish_block(l, N);
+      enter_block(E, N);  // h_ = the first decoder layer's input over every token of the call
+      push_tail(N);
+      if (sched::role(E) == schedule::attn_role::full) stack_->fill_owner_cache(E, h_.data());
+      stack_->end_call();
+    } catch (...) {
+      fail_call();
+      throw;
+    }
+  }
+
+  //! The decoder layers over positions [first, first + R) of a sequence as a replay; `place` puts
+  //! their first-decoder-layer input rows into X_, h_ and a_*. Logits of the last position.
+  template <class Place>
+  std::vector<float> replay_decoder(int slot, long long first, long long R, Place place) {
+    constexpr int E = sched::encoder_layers;
+    try {
+      stack_->begin_replay(slot, first, int(R), E);
+      place();
       finish_block(E, R);
       for (int l = E + 1; l < sched::num_layers; ++l) enter_block(l, R), finish_block(l, R);
       auto out = exit_logits(R, true);

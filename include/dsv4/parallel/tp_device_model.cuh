@@ -153,6 +153,11 @@ class tp_device_model {
     check_call(ids);
     return on_ranks([&](rank_model_t& m) { m.begin_prefill_ced(slot, ids); });
   }
+  //! A CED append (device_model::append_ced; limits::ced_appends) on every rank.
+  std::vector<float> append_ced(int slot, std::span<const std::int32_t> ids) {
+    check_call(ids);
+    return on_ranks([&](rank_model_t& m) { m.begin_append_ced(slot, ids); });
+  }
 
  private:
   std::shared_ptr<const void> keep_;

@@ -28,6 +28,8 @@
 //! first decoder layer (its cache over every token), end_call; then `begin_replay` of the last
 //! `window` tokens from the first decoder layer on (windows start at the replay start, owners do
 //! not compress again), the decoder layers, end_call. The sequence takes no other call between.
+//! A CED append is the same with begin_append in place of begin_prefill (the replay then starts
+//! before the chunk when the chunk is shorter than the window).
 //!
 //! Per layer: act_quant(x) feeds wq_a and wkv; q = RoPE(wq_b(act_quant(q_norm(wq_a x)))); the
 //! window entry RoPE(kv_norm(wkv x)) is packed as FP8 into the call's rows (prefill) and the ring;
@@ -319,12 +321,12 @@ class attention_stack {
     call_->append = true;
   }
 
-  //! CED prefill, step 1 (after begin_prefill and the encoder layers): the KV owner `layer` (a Full
-  //! layer, the first decoder layer) compresses x [rows, dim] (its attention input over every
-  //! prompt token) into its cache, without attention.
+  //! CED prefill or append, step 1 (after begin_prefill or begin_append and the encoder layers):
+  //! the KV owner `layer` (a Full layer, the first decoder layer) compresses x [rows, dim] (its
+  //! attention input over the call's tokens) into its cache, without attention.
   void fill_owner_cache(int layer, const bf16* x) {
     const std::string where = "attention_stack::fill_owner_cache (layer " + std::to_string(layer) + "): ";
-    if (!call_ || !call_->prefill) throw error(where + "needs a prefill call in progress");
+    if (!call_ || !(call_->prefill || call_->append)) throw error(where + "needs a prefill or appended-chunk call in progress");
     if (layer < 0 || layer >= int(wiring_.size()) || wiring_[std::size_t(layer)].role != schedule::attn_role::full)
       throw error(where + "only a KV owner (a Full layer) fills a cache on its own");
     if (!x) throw error(where + "null x");
@@ -332,9 +334,10 @@ class attention_stack {
     compress_owner(layer, x, stream_);
     call_->filled.push_back(layer);
   }
-  //! CED prefill, step 2: the last `tokens` positions of a sequence (from `from`) through layers
-  //! first_layer.. as a replay: a prefill whose window starts at `from`; owners do not compress
-  //! again (their caches hold the whole prompt). The sequence's length does not change.
+  //! CED prefill or append, step 2: the last `tokens` positions of a sequence (from `from`, which
+  //! may lie before the appended chunk) through layers first_layer.. as a replay: a prefill whose
+  //! window starts at `from`; owners do not compress again (their caches hold every token). The
+  //! sequence's length does not change.
   void begin_replay(int slot, long long from, int tokens, int first_layer) {
     check_slot(slot);
     const long long len = lengths_[std::size_t(slot)];
@@ -345,8 +348,8 @@ class attention_stack {
     if (first_layer < 0 || first_layer >= int(wiring_.size())) throw error("attention_stack::begin_replay: no layer " + std::to_string(first_layer));
     if (ced_pending_[std::size_t(slot)] != first_layer)
       throw error("attention_stack::begin_replay: sequence slot " + std::to_string(slot) +
-                  " has no CED prefill that stopped before layer " + std::to_string(first_layer) +
-                  " (begin_prefill, the earlier layers, fill_owner_cache for the later owners, end_call)");
+                  " has no CED prefill or append that stopped before layer " + std::to_string(first_layer) +
+                  " (begin_prefill or begin_append, the earlier layers, fill_owner_cache for the later owners, end_call)");
     begin({slot}, {tokens}, false, from);
     call_->replay = true;
     call_->next_layer = first_layer;
@@ -385,14 +388,15 @@ class attention_stack {
     if (!call_) throw error("attention_stack::end_call: no call in progress");
     const int layers = int(wiring_.size());
     if (call_->next_layer != layers) {
-      // Only a CED prefill may stop early: the encoder ran, and every owner after it filled its cache.
-      bool owners_filled = call_->prefill && !call_->filled.empty();
+      // Only a CED prefill or append may stop early: the encoder ran, and every owner after it
+      // filled its cache.
+      bool owners_filled = (call_->prefill || call_->append) && !call_->filled.empty();
       for (int l = call_->next_layer; l < layers && owners_filled; ++l)
         if (wiring_[std::size_t(l)].role == schedule::attn_role::full)
           owners_filled = std::count(call_->filled.begin(), call_->filled.end(), l) > 0;
       if (!owners_filled)
         throw error("attention_stack::end_call: layers " + std::to_string(call_->next_layer) + ".." + std::to_string(layers - 1) +
-                    " have not run (only a CED prefill, whose later owners filled their caches, may end early)");
+                    " have not run (only a CED prefill or append, whose later owners filled their caches, may end early)");
       ced_pending_[std::size_t(call_->slots[0])] = call_->next_layer;
     } else if (call_->replay) {
       ced_pending_[std::size_t(call_->slots[0])] = -1;
