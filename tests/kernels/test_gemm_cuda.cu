@@ -114,14 +114,15 @@ struct gemm_operands {
     return dc.download();
   }
 
-  //! The prefill path: dequantize both operands to bf16, one cuBLAS GEMM.
-  std::vector<bf16> device_dequant() const {
+  //! The prefill path: dequantize both operands to bf16, cuBLAS GEMMs (one unless the workspace
+  //! holds fewer than dequant_elems elements: passes).
+  std::vector<bf16> device_dequant(std::size_t workspace_elems = 0) const {
     const auto tiled = kernels::gemm::tile_weight(wf, s.n, s.k, w, w_s);
     device_buffer<std::uint8_t> da{std::span<const std::uint8_t>(a)}, das{std::span<const std::uint8_t>(a_s)},
         dw{std::span<const std::uint8_t>(tiled.codes)}, dws{std::span<const std::uint8_t>(tiled.scales)};
     device_buffer<bf16> dc(std::size_t(s.m) * s.n);
     dc.fill_bytes(0xFF);
-    kernels::gemm::gemm_workspace work(1, kernels::gemm::dequant_elems(s));
+    kernels::gemm::gemm_workspace work(1, workspace_elems ? workspace_elems : kernels::gemm::dequant_elems(s));
     test::blas_handle blas;
     kernels::gemm::dequant_gemm({s, da.data(), das.data(), dw.data(), dws.data(), dc.data()}, wf, work, blas.h);
     DSV4_CUDA_CHECK(cudaDeviceSynchronize());
@@ -218,6 +219,45 @@ BOOST_AUTO_TEST_CASE(exact_products_are_exact, *utf::label("gpu") * utf::precond
   const auto got_dq = op.device_dequant();
   for (std::size_t i = 0; i < got.size(); ++i) diff += (got[i].bits != want[i].bits) + (got_dq[i].bits != want[i].bits);
   BOOST_TEST(diff == 0u);
+}
+
+// A workspace smaller than both whole operands: passes of rows (the weight whole), then passes of
+// rows and of columns (FP8 scale tiles whole, a ragged last column block), each output still one
+// cuBLAS dot product over the whole K.
+BOOST_AUTO_TEST_CASE(dequant_passes_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32}) {
+    auto rng = test::make_rng(wf == weight_format::fp8_tile32 ? 41 : 42);
+    const gemm_shape s{700, 1000, 512};
+    const gemm_operands op(s, wf, rng);
+    const auto want = op.reference(), mag = op.reference(true);
+    const std::string name = wf == weight_format::fp8_tile32 ? "fp8 M700 N1000 K512" : "fp4 M700 N1000 K512";
+    const std::size_t rows_only = (std::size_t(s.n) + 300) * std::size_t(s.k);  // the weight + 300 rows
+    const std::size_t both = std::size_t(600) * std::size_t(s.k);               // 300 rows + 288 columns
+    BOOST_TEST(kernels::gemm::plan_dequant_passes(s, rows_only).rows == 300);
+    BOOST_TEST(kernels::gemm::plan_dequant_passes(s, rows_only).cols == 1000);
+    BOOST_TEST(kernels::gemm::plan_dequant_passes(s, both).rows == 300);
+    BOOST_TEST(kernels::gemm::plan_dequant_passes(s, both).cols == 288);
+    expect_close(op.device_dequant(rows_only), want, mag, (name + ", passes of 300 rows").c_str());
+    expect_close(op.device_dequant(both), want, mag, (name + ", passes of 300 rows x 288 columns").c_str());
+    // 200 rows a pass: below dequant_min_pass, refused with the sizes named.
+    BOOST_TEST(test::throws_with([&] { op.device_dequant(std::size_t(400) * std::size_t(s.k)); }, "too few for passes of 256 rows"));
+  }
+}
+
+// How the dequantize path cuts a GEMM (host arithmetic; the passes themselves: above).
+BOOST_AUTO_TEST_CASE(dequant_pass_plans) {
+  using kernels::gemm::plan_dequant_passes;
+  const gemm_shape s{8192, 32768, 1280};  // V4.1's wq_b at an 8K prefill
+  const auto whole = plan_dequant_passes(s, kernels::gemm::dequant_elems(s));
+  BOOST_TEST((whole.rows == 8192 && whole.cols == 32768));
+  const auto capped = plan_dequant_passes(s, std::size_t(1) << 25);  // 32M elements: 64 MB
+  BOOST_TEST((capped.rows == 8192 && capped.cols == 18016));            // columns in 2 passes, multiple of 32
+  BOOST_TEST(plan_dequant_passes({100, 50, 64}, (100 + 50) * 64).rows == 100);
+  // Below passes of 256 rows x 256 columns (or the whole GEMM when smaller): refused.
+  BOOST_TEST(plan_dequant_passes(s, std::size_t(400) * 1280).rows == 0);
+  BOOST_TEST(plan_dequant_passes({64, 100, 64}, (64 + 100) * 64 - 1).rows == 0);
+  BOOST_TEST(kernels::gemm::dequant_elems_for(63, {{1024, 512}}) == 0u);  // below dequant_min_tokens: the MMA kernel
+  BOOST_TEST(kernels::gemm::dequant_elems_for(64, {{1024, 512}, {10, 4096}}) == std::size_t(1088) * 512);
 }
 
 BOOST_AUTO_TEST_CASE(bad_arguments_are_errors) {

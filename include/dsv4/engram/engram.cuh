@@ -56,7 +56,9 @@ struct engram_device_weights {
 struct engram_workspace {
   engram_workspace(const engram_device_weights& w, long long max_tokens)
       : max_tokens(max_tokens), e(std::size_t(max_tokens) * w.k()), codes(e.size()), scales(e.size() / 32),
-        kv(std::size_t(max_tokens) * w.n()), gemm(std::size_t(1) << 22, std::size_t(0)) {}
+        kv(std::size_t(max_tokens) * w.n()),
+        // The prefill path of the value projection (dequantize + cuBLAS; in passes above 64 MB).
+        gemm(std::size_t(1) << 22, kernels::gemm::dequant_elems_for(max_tokens, {{w.n(), w.k()}})) {}
   long long max_tokens;
   runtime::device_buffer<bf16> e;
   runtime::device_buffer<std::uint8_t> codes, scales;

@@ -529,7 +529,12 @@ class attention_stack {
     const long long blocks = (max_keys() + s.pool_block - 1) / std::max(s.pool_block, 1);
     block_scores_ = decltype(block_scores_)(R * std::size_t(blocks));
     block_ids_ = decltype(block_ids_)(R * std::size_t(std::max(s.pool_blocks, 1)));
-    gemm_ws_.emplace(std::size_t(1) << 22, std::size_t(0));
+    // The FP8 linears' prefill path (dequantize + cuBLAS from gemm::dequant_min_tokens rows):
+    // without this scratch an 8K prefill ran them on the decode kernel, 8.8 ms per wq_b call at
+    // V4.1 widths (ncu, docs/perf.md). Capped (64 MB): larger calls go in passes.
+    const long long n_q = 1LL * s.heads * HeadDim, n_iq = 1LL * s.index_heads * IndexDim;
+    gemm_ws_.emplace(std::size_t(1) << 22,
+                     gemm::dequant_elems_for(lim_.max_rows, {{s.q_lora, s.dim}, {n_q, s.q_lora}, {HeadDim, s.dim}, {n_iq, s.q_lora}}));
     out_ws_.emplace(output::output_shape{s.heads, HeadDim, s.groups, s.o_lora, s.dim}, lim_.max_rows);
     attn_ws_.emplace(sparse_attention_workspace::for_device<HeadDim>());
   }

@@ -18,8 +18,11 @@
 #include <cublas_v2.h>     // provides cublasGemmEx
 #include <cuda_runtime.h>  // provides cudaStream_t, uint2, uint4
 
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
@@ -33,8 +36,44 @@ namespace dsv4::kernels::gemm {
 //! it is already 1.5-2x faster than the MMA kernel on every V4.1 shape; docs/perf.md).
 inline constexpr int dequant_min_tokens = 64;
 
-//! bf16 elements the dequantize path needs in the workspace: both operands.
+//! bf16 elements the dequantize path needs in the workspace for one pass: both whole operands.
 inline std::size_t dequant_elems(const gemm_shape& s) { return (std::size_t(s.m) + std::size_t(s.n)) * std::size_t(s.k); }
+
+//! The least a pass of the dequantize path covers (activation rows, weight rows) unless the GEMM
+//! itself is smaller: narrower passes would waste cuBLAS's large tiles.
+inline constexpr int dequant_min_pass = 256;
+
+//! How dequant_gemm cuts a GEMM whose bf16 operands do not fit the workspace at once: passes of
+//! `rows` activation rows x `cols` weight rows (output columns). The whole weight is kept when it
+//! fits beside a pass of rows (each weight is then dequantized once); otherwise the columns go in
+//! passes too, `cols` a multiple of 32 (whole FP8 scale tiles). rows == 0: the workspace is too
+//! small for passes of dequant_min_pass.
+struct dequant_passes {
+  long long rows = 0;
+  int cols = 0;
+};
+inline dequant_passes plan_dequant_passes(const gemm_shape& s, std::size_t elems) {
+  if (s.m <= 0 || s.n <= 0 || s.k <= 0) return {};
+  const std::size_t k = std::size_t(s.k), whole_w = std::size_t(s.n) * k;
+  const long long min_rows = std::min<long long>(s.m, dequant_min_pass);
+  if (whole_w + std::size_t(min_rows) * k <= elems)
+    return {std::min<long long>(s.m, (long long)((elems - whole_w) / k)), s.n};
+  const long long rows = std::min<long long>(s.m, (long long)(elems / (2 * k)));
+  if (rows < min_rows) return {};
+  const long long cols = (long long)((elems - std::size_t(rows) * k) / k) / 32 * 32;
+  if (cols < std::min(s.n, dequant_min_pass)) return {};
+  return {rows, int(std::min<long long>(cols, s.n))};
+}
+
+//! Workspace elements for the dequantize path of GEMMs up to `max_m` rows of these weight shapes
+//! ({n, k} pairs): one pass where that costs at most `cap` elements, else `cap` (passes).
+inline std::size_t dequant_elems_for(long long max_m, std::initializer_list<std::pair<long long, long long>> weights,
+                                     std::size_t cap = std::size_t(1) << 25) {
+  if (max_m < dequant_min_tokens) return 0;
+  std::size_t most = 0;
+  for (const auto& [n, k] : weights) most = std::max(most, dequant_elems({int(max_m), int(n), int(k)}));
+  return std::min(most, cap);
+}
 
 namespace detail {
 
@@ -132,42 +171,59 @@ inline void dequantize_weight(weight_format wf, const std::uint8_t* codes, const
 }
 
 //! Row-major C[m, n] = A[m, k] W[n, k]^T, bf16 in and out, fp32 accumulation (cuBLAS; the caller
-//! holds a blas_call with bf16_math on the handle).
+//! holds a blas_call with bf16_math on the handle). C's rows are `ldc` elements apart (default n:
+//! a block of columns of a wider C otherwise).
 inline void bf16_gemm_nt(cublasHandle_t blas, const numerics::bf16* a, const numerics::bf16* w, numerics::bf16* c, int m,
-                         int n, int k, const char* what) {
+                         int n, int k, const char* what, int ldc = 0) {
   const float one = 1.0f, zero = 0.0f;
   // Row-major C[M, N] = A[M, K] W[N, K]^T is column-major C^T = W A^T.
   blas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, a, CUDA_R_16BF, k, &zero, c,
-                          CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                          CUDA_R_16BF, ldc > 0 ? ldc : n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
              what);
 }
 
 }  // namespace detail
 
-//! C = A W^T through bf16 copies of both operands in `workspace` and one cuBLAS GEMM on `stream`.
-//! The handle's math mode is set to keep fp32 reductions for the call and restored afterwards.
+//! C = A W^T through bf16 copies of the operands in `workspace` and cuBLAS GEMMs on `stream`:
+//! one GEMM when both whole operands fit, else passes (plan_dequant_passes) over blocks of rows
+//! and, if the weight does not fit whole, of columns; every output is one cuBLAS dot product of
+//! the whole K either way. The handle's math mode is set to keep fp32 reductions for the call and
+//! restored afterwards.
 inline void dequant_gemm(const block_scaled_gemm_args& g, weight_format wf, gemm_workspace& workspace,
                          cublasHandle_t blas, cudaStream_t stream = nullptr) {
   if (auto why = detail::check_args(g, wf); !why.empty()) throw error("dequant_gemm: " + why);
   const auto& s = g.shape;
   if (s.m == 0 || s.n == 0) return;
   if (!blas) throw error("dequant_gemm: no cuBLAS handle");
-  if (workspace.dequant_elems() < dequant_elems(s))
+  const auto pass = plan_dequant_passes(s, workspace.dequant_elems());
+  if (pass.rows == 0)
     throw error("dequant_gemm: the workspace holds " + std::to_string(workspace.dequant_elems()) +
-                " bf16 elements, this shape needs " + std::to_string(dequant_elems(s)) + " (dequant_elems)");
-  numerics::bf16* a16 = workspace.dequant();
-  numerics::bf16* w16 = a16 + std::size_t(s.m) * s.k;
-  detail::dequantize_activation_rows(g.a, g.a_s, nullptr, 0, s.m, s.k, a16, stream);
-  detail::dequantize_weight(wf, g.w, g.w_s, s.n, s.k, w16, stream);
+                " bf16 elements, too few for passes of " + std::to_string(std::min(s.m, dequant_min_pass)) + " rows x " +
+                std::to_string(std::min(s.n, dequant_min_pass)) + " columns at K " + std::to_string(s.k) +
+                " (one pass needs dequant_elems = " + std::to_string(dequant_elems(s)) + ")");
+  const int kb = s.k / 32;
+  numerics::bf16* w16 = workspace.dequant();
+  numerics::bf16* a16 = w16 + std::size_t(pass.cols) * s.k;
   const detail::blas_call call(blas, stream, detail::bf16_math);
-  detail::bf16_gemm_nt(blas, a16, w16, g.c, s.m, s.n, s.k, "dequant_gemm: cublasGemmEx");
+  for (int n0 = 0; n0 < s.n; n0 += pass.cols) {
+    const int cols = std::min(pass.cols, s.n - n0);  // n0 is a multiple of 32 (whole scale tiles)
+    const long long tile0 = n0 / 16;                   // the column block's first 16-row weight tile
+    const std::uint8_t* codes = g.w + tile0 * kb * tile_code_bytes(wf);
+    const std::uint8_t* scales = wf == weight_format::fp8_tile32 ? g.w_s + (long long)(n0 / 32) * kb : g.w_s + tile0 * kb * 16;
+    detail::dequantize_weight(wf, codes, scales, cols, s.k, w16, stream);
+    for (long long r0 = 0; r0 < s.m; r0 += pass.rows) {
+      const long long rows = std::min<long long>(pass.rows, s.m - r0);
+      detail::dequantize_activation_rows(g.a, g.a_s, nullptr, r0, rows, s.k, a16, stream);
+      detail::bf16_gemm_nt(blas, a16, w16, g.c + r0 * s.n + n0, int(rows), cols, s.k, "dequant_gemm: cublasGemmEx", s.n);
+    }
+  }
 }
 
 //! The linear layer of an FP8 / FP4 weight (after act_quant): picks the path by token count.
 inline void block_scaled_linear(const block_scaled_gemm_args& g, weight_format wf, gemm_workspace* workspace,
                                 cublasHandle_t blas, cudaStream_t stream = nullptr) {
   if (blas && workspace && g.shape.m >= dequant_min_tokens &&
-      workspace->dequant_elems() >= dequant_elems(g.shape))
+      plan_dequant_passes(g.shape, workspace->dequant_elems()).rows > 0)
     return dequant_gemm(g, wf, *workspace, blas, stream);
   block_scaled_gemm(g, wf, workspace, stream);
 }
