@@ -61,13 +61,15 @@ BOOST_AUTO_TEST_CASE(dense_layers_match_host, *utf::label("gpu") * utf::precondi
     dy.fill_bytes(0xFF);
     gemm::linear_bf16(blas.h, dx.data(), dw.data(), dy.data(), m, n, k);
     const auto xf = widen(x), wf = widen(w);
-    device_buffer<float> fx{std::span<const float>(xf)}, fw{std::span<const float>(wf)}, fy(std::size_t(m) * n);
+    device_buffer<float> fx{std::span<const float>(xf)}, fw{std::span<const float>(wf)}, fy(std::size_t(m) * n), hy(fy.size());
     fy.fill_bytes(0xFF);
+    hy.fill_bytes(0xFF);
     gemm::linear_fp32(blas.h, fx.data(), fw.data(), fy.data(), m, n, k);
+    gemm::linear_bf16_f32out(blas.h, dx.data(), dw.data(), hy.data(), m, n, k);  // the head's form of the same GEMM
     DSV4_CUDA_CHECK(cudaDeviceSynchronize());
     const auto y = dy.download();
-    const auto yf = fy.download();
-    std::size_t bad16 = 0, bad32 = 0;
+    const auto yf = fy.download(), yh = hy.download();
+    std::size_t bad16 = 0, bad32 = 0, bad_h = 0;
     for (int r = 0; r < m; ++r) {
       const auto xr = std::span<const float>(xf).subspan(std::size_t(r) * k, std::size_t(k));
       const auto want32 = linear::linear_fp32_reference(xr, wf, n);
@@ -79,11 +81,15 @@ BOOST_AUTO_TEST_CASE(dense_layers_match_host, *utf::label("gpu") * utf::precondi
         const double g = yf[std::size_t(r) * n + c], w = want32[std::size_t(c)];
         // fp32 sums in a different order: a few ulp of the sum of magnitudes (about 0.05 k here)
         if (std::isnan(g) || std::fabs(g - w) > 1e-5 * 0.05 * k) ++bad32;
+        const double h = yh[std::size_t(r) * n + c];
+        if (std::isnan(h) || std::fabs(h - w) > 1e-5 * 0.05 * k) ++bad_h;
       }
     }
     BOOST_TEST(bad16 == 0u, "linear_bf16 M" << m << " N" << n << " K" << k);
     BOOST_TEST(bad32 == 0u, "linear_fp32 M" << m << " N" << n << " K" << k);
+    BOOST_TEST(bad_h == 0u, "linear_bf16_f32out M" << m << " N" << n << " K" << k);
   }
+  BOOST_TEST(test::throws_with([&] { gemm::linear_bf16_f32out(blas.h, nullptr, nullptr, nullptr, 1, 1, 1); }, "null pointer"));
   BOOST_TEST(test::throws_with([&] { gemm::linear_bf16(blas.h, nullptr, nullptr, nullptr, 1, 1, 1); }, "null pointer"));
   BOOST_TEST(test::throws_with([&] { gemm::linear_fp32(blas.h, nullptr, nullptr, nullptr, 1, 1, 0); }, "bad shape"));
 }

@@ -43,6 +43,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -223,7 +224,13 @@ class device_model {
         require_bf16(b.attn.compressor.wkv, p + "attn.compressor.wkv.weight");
     }
     embed_ = upload_bf16(m.embed);
-    head_ = upload(m.head);
+    // The head's fp32 GEMM on bf16 operands (linear_bf16_f32out: exact products, half the bytes
+    // of an fp32 copy) when the checkpoint's head holds bf16 values, as the official one does;
+    // an F32 head with finer values keeps the fp32 copy and cuBLAS's fp32 GEMM.
+    if (std::all_of(m.head.begin(), m.head.end(), [](float f) { return f != f || bf16::from_float(f).to_float() == f; }))
+      head16_ = upload_bf16(m.head);
+    else
+      head_ = upload(m.head);
     norm_ = upload_bf16(m.norm);
     for (int l = 0; l < L; ++l) {
       const block_weights& b = m.blocks[std::size_t(l)];
@@ -464,6 +471,7 @@ class device_model {
   std::vector<device_block> blocks_;
   std::vector<device_engram> engrams_;
   runtime::device_buffer<bf16> embed_, norm_, x_, y_, h_, sub_;
+  runtime::device_buffer<bf16> head16_;  //!< the head when its values are bf16 (else head_, fp32)
   runtime::device_buffer<float> head_, hf_, logits_, logits_part_, entry_pre_, a_pre_, a_post_, a_comb_, f_pre_, f_post_, f_comb_;
   runtime::pinned_buffer<float> logits_host_;  //!< the logits' way back (an asynchronous copy needs pinned memory)
   //! limits::ced_appends: per sequence slot, the first decoder layer's input of its last `window`
@@ -647,12 +655,20 @@ class device_model {
     boundary(R, X_, sub_.data(), f_post_.data(), f_comb_.data(), f_pre_.data(), norm_.data(), Y_, nullptr, nullptr, nullptr,
              nullptr, nullptr, nullptr);
     const long long first = last_only ? R - 1 : 0, rows = R - first;
-    numerics::widen_to_fp32(h_.data() + first * D, hf_.data(), rows * D, stream());
     const std::size_t n = std::size_t(rows) * c.vocab_size;
+    // fp32 logits of the bf16 norm output: from the bf16 head directly, else through an fp32 copy.
+    auto head = [&](float* out, int vocab) {
+      if (head16_.size()) {
+        kernels::gemm::linear_bf16_f32out(blas_, h_.data() + first * D, head16_.data(), out, int(rows), vocab, D, stream());
+      } else {
+        numerics::widen_to_fp32(h_.data() + first * D, hf_.data(), rows * D, stream());
+        kernels::gemm::linear_fp32(blas_, hf_.data(), head_.data(), out, int(rows), vocab, D, stream());
+      }
+    };
     if (!comm_) {
-      kernels::gemm::linear_fp32(blas_, hf_.data(), head_.data(), logits_.data(), int(rows), c.vocab_size, D, stream());
+      head(logits_.data(), c.vocab_size);
     } else {  // ParallelHead: the rank's vocabulary rows, gathered in rank order ([ranks, rows, part])
-      kernels::gemm::linear_fp32(blas_, hf_.data(), head_.data(), logits_part_.data(), int(rows), int(vocab_part_), D, stream());
+      head(logits_part_.data(), int(vocab_part_));
       comm_->all_gather(logits_part_.data(), std::size_t(rows) * std::size_t(vocab_part_), logits_.data(), stream());
     }
     DSV4_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), n * sizeof(float), cudaMemcpyDeviceToHost, stream()));

@@ -67,6 +67,23 @@ inline void linear_bf16(cublasHandle_t blas, const numerics::bf16* x, const nume
                      "linear_bf16: cublasGemmEx");
 }
 
+//! y[M, N] (fp32) = x[M, K] w[N, K]^T for bf16-valued operands, fp32 accumulation, fp32 out: the
+//! fp32 GEMM of spec §4 wherever both operands hold bf16 values (the head: the final norm's bf16
+//! output times a weight the checkpoint stores in bf16), since every product of two bf16 values is
+//! exact in fp32; only the order of the fp32 sum differs from a true fp32 GEMM's, as between any
+//! two fp32 GEMMs. Half the weight bytes and the tensor cores (linear_fp32 reads an fp32 copy).
+inline void linear_bf16_f32out(cublasHandle_t blas, const numerics::bf16* x, const numerics::bf16* w, float* y, int m,
+                               int n, int k, cudaStream_t stream = nullptr) {
+  detail::check_dims("linear_bf16_f32out", m, n, k);
+  if (m == 0 || n == 0) return;
+  if (!x || !w || !y) throw error("linear_bf16_f32out: null pointer argument");
+  const detail::blas_call call(blas, stream, detail::bf16_math);
+  const float one = 1.0f, zero = 0.0f;
+  detail::blas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, x, CUDA_R_16BF, k, &zero,
+                                  y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                     "linear_bf16_f32out: cublasGemmEx");
+}
+
 //! The block-diagonal form: x [M, groups, k] (row-major, groups side by side), w [groups, n, k],
 //! y [M, groups, n]; group g of y = group g of x times w[g]^T (the einsum "bsgd,grd->bsgr").
 inline void grouped_linear_bf16(cublasHandle_t blas, const numerics::bf16* x, const numerics::bf16* w, numerics::bf16* y,
