@@ -2,13 +2,18 @@
 //! decode tokens/s at several batch sizes, global-cache bytes per token actually allocated.
 //! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N]
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced]
-//!                    [--engram-host-tables] [--json FILE]
+//!                    [--engram-host-tables] [--chunk N] [--json FILE]
 //!
 //! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
 //! routed experts cut to 16 (DSpark stages to 8) and small Engram tables, so that one H200 holds it
 //! (the table says so); its random weights (scaled initialisation, 25 GB) are made in host memory
 //! first, which takes a minute or two. Times are wall-clock per call (each call synchronizes:
 //! prefill / decode as a serving loop would see them, launch overheads included).
+//! `--chunk N`: prompts (and the decode batches' contexts) longer than N tokens go in as a prefill of
+//! N tokens and appended chunks of N (exact: `append`, the same work as one call; CED: `append_ced`,
+//! each chunk's decoder replaying the last window), so that max_rows, and the scratch that grows
+//! with it (the index scores and lists: rows x keys), stays at N: how 64K prompts and 128K
+//! contexts fit one GPU.
 //! `--checkpoint DIR` writes the random checkpoint to DIR instead, or reuses the one DIR holds. `--profile-decode`: prefill the
 //! first batch size's sequences, then run one decode step between cudaProfilerStart and
 //! cudaProfilerStop and stop (for `ncu --profile-from-start off`: the kernels of one step).
@@ -92,6 +97,7 @@ struct options {
   bool profile_decode = false;        // one decode step between cudaProfilerStart / Stop, nothing else
   std::string profile_prefill;        // "exact" / "ced": one prefill between cudaProfilerStart / Stop, nothing else
   bool engram_host_tables = false;    // Engram tables in host memory, rows fetched per call (issue 5)
+  int chunk = 0;                      // > 0: longer prompts as a prefill of `chunk` tokens + appended chunks
 };
 
 template <class Model>
@@ -136,8 +142,10 @@ int run(FILE* jf, const options& opt) {
   const int decode_context = opt.decode_context > 0 ? opt.decode_context : tiny ? 256 : 8192, steps = tiny ? 8 : 16;
   typename model::device_model<Model>::limits lim;
   lim.max_seqs = *std::max_element(batches.begin(), batches.end()) + 2;
-  lim.max_rows = std::max(*std::max_element(prompt_lengths.begin(), prompt_lengths.end()), decode_context);
-  lim.max_tokens = std::max<long long>(lim.max_rows, decode_context + steps + 1), lim.page_tokens = 256;
+  const int longest = std::max(*std::max_element(prompt_lengths.begin(), prompt_lengths.end()), decode_context);
+  lim.max_rows = opt.chunk > 0 ? std::min(longest, opt.chunk) : longest;
+  lim.max_tokens = std::max<long long>(longest, decode_context + steps + 1), lim.page_tokens = 256;
+  lim.ced_appends = opt.chunk > 0 && opt.chunk < longest;  // chunked CED prompts append in CED mode
   lim.engram_host_tables = opt.engram_host_tables;
   t0 = clock::now();
   model::device_model<Model> dm(hm, lim);
@@ -162,24 +170,36 @@ int run(FILE* jf, const options& opt) {
   };
   std::vector<std::int32_t> ids(std::size_t(lim.max_tokens));
   for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = std::int32_t((i * 7919 + 13) % std::size_t(c.vocab_size));
+  // A prompt of n tokens into `slot`: one call, or with --chunk a prefill and appended chunks.
+  // Returns its layer-token work (schedule/prefill_work.hpp).
+  auto put_prompt = [&](int slot, int n, bool ced) {
+    const int step = opt.chunk > 0 ? opt.chunk : n;
+    const auto mode = ced ? schedule::prefill_mode::ced : schedule::prefill_mode::exact;
+    long long work = 0;
+    for (int at = 0; at < n; at += step) {
+      const auto part = std::span<const std::int32_t>(ids).subspan(std::size_t(at), std::size_t(std::min(step, n - at)));
+      if (at == 0) ced ? (void)dm.prefill_ced(slot, part) : (void)dm.prefill(slot, part);
+      else ced ? (void)dm.append_ced(slot, part) : (void)dm.append(slot, part);
+      work += schedule::prefill_layer_tokens<sched>((long long)part.size(), mode, c.attn.window_size, at).total();
+    }
+    return work;
+  };
   // `batch` sequences prefilled (CED) to `decode_context` tokens, and one warm-up decode step.
   auto decode_batch = [&](int batch) {
     std::vector<int> slots;
     for (int b = 0; b < batch; ++b) {
       slots.push_back(dm.add_sequence());
-      dm.prefill_ced(slots.back(), std::span<const std::int32_t>(ids).first(std::size_t(decode_context)));
+      put_prompt(slots.back(), decode_context, true);
     }
     dm.decode(slots, std::vector<std::int32_t>(std::size_t(batch), 5));
     return slots;
   };
   if (!opt.profile_prefill.empty()) {  // for `ncu --profile-from-start off`: the kernels of one prefill
     const bool ced = opt.profile_prefill == "ced";
-    const auto span = std::span<const std::int32_t>(ids).first(std::size_t(prompt_lengths.front()));
     for (int rep = 0; rep < 2; ++rep) {
       const int slot = dm.add_sequence();
       if (rep == 1) DSV4_CUDA_CHECK(cudaProfilerStart());
-      if (ced) dm.prefill_ced(slot, span);
-      else dm.prefill(slot, span);
+      put_prompt(slot, prompt_lengths.front(), ced);
       if (rep == 1) DSV4_CUDA_CHECK(cudaProfilerStop());
       dm.release_sequence(slot);
     }
@@ -201,18 +221,17 @@ int run(FILE* jf, const options& opt) {
     for (bool ced : {false, true}) {
       for (int rep = 0; rep < 2; ++rep) {
         const int slot = dm.add_sequence();
-        const auto span = std::span<const std::int32_t>(ids).first(std::size_t(n));
         const auto t = clock::now();
-        if (ced) dm.prefill_ced(slot, span);
-        else dm.prefill(slot, span);
+        const long long work = put_prompt(slot, n, ced);
         const double s = seconds_since(t);
-        // CED's floor: the exact floor times its share of the layer-token work.
-        const double share = double(schedule::prefill_layer_tokens<sched>(n, ced ? schedule::prefill_mode::ced : schedule::prefill_mode::exact,
-                                                                          c.attn.window_size)
-                                        .total()) /
-                             double(schedule::prefill_layer_tokens<sched>(n, schedule::prefill_mode::exact, c.attn.window_size).total());
+        // CED's floor: the exact floor times its share of the layer-token work (with chunks, every
+        // chunk's decoder replays up to a window).
+        const double share =
+            double(work) / double(schedule::prefill_layer_tokens<sched>(n, schedule::prefill_mode::exact, c.attn.window_size).total());
         if (rep == 1)
           row(ced ? "prefill-ced" : "prefill", n, 1, s, n / s, share * n * traffic.prefill_flops_per_token() / ceiling.gemm_fps);
+        if (rep == 1 && opt.chunk > 0 && n > opt.chunk)
+          std::printf("           (a prefill of %d tokens and %d appended chunks)\n", opt.chunk, (n - 1) / opt.chunk);
         if (rep == 1 && !ced) {
           const auto u = dm.attention().usage();
           std::printf("           global cache: %.1f bytes per token allocated (page tails included)\n", u.bytes_per_token());
@@ -269,10 +288,11 @@ int main(int argc, char** argv) {
       else if (a == "--profile-prefill" && has_value && (std::string(argv[i + 1]) == "exact" || std::string(argv[i + 1]) == "ced"))
         opt.profile_prefill = argv[++i];
       else if (a == "--engram-host-tables") opt.engram_host_tables = true;
+      else if (a == "--chunk" && has_value) opt.chunk = bench::int_list(a, argv[++i]).at(0);
       else {
         std::fprintf(stderr,
                      "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N] "
-                     "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] [--json FILE]\n");
+                     "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] [--chunk N] [--json FILE]\n");
         return 2;
       }
     }
