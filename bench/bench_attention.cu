@@ -23,15 +23,54 @@ using namespace dsv4;
 using namespace dsv4::kernels::attention;
 using numerics::bf16;
 
+namespace {
+using wf = numerics::fp8_act_format;
+using gf = numerics::main_kv_format;
+constexpr int dim = 512, heads = 64, window = 128, selected = 512, topk = window + selected;
+using wl = numerics::packed_vector<wf, dim>;
+using gl = numerics::packed_vector<gf, dim>;
+
+//! `sequences` sequences of `rows` query rows each, every sequence with its window ring and
+//! `global` FP4 entries, every row with the whole window and `selected` random global entries.
+struct operands {
+  runtime::device_buffer<std::uint8_t> window_cache, global_cache;
+  runtime::device_buffer<bf16> q, out;
+  runtime::device_buffer<std::int32_t> idx;
+  runtime::device_buffer<float> sink;
+  packed_kv<wf, gf, dim> kv;
+  sparse_attention_args args;
+
+  operands(std::mt19937& rng, int sequences, int rows, long long global) {
+    std::vector<std::uint8_t> wc(std::size_t(sequences) * window * wl::bytes), gc(std::size_t(sequences) * global * gl::bytes);
+    for (auto& b : wc) b = std::uint8_t(rng() & 0x77);  // finite codes and moderate scales
+    for (auto& b : gc) b = std::uint8_t(rng() & 0x37);
+    std::vector<bf16> hq(std::size_t(sequences) * rows * heads * dim);
+    for (auto& x : hq) x = bf16::from_float(float(rng() % 200) / 100.0f - 1.0f);
+    std::vector<std::int32_t> hidx(std::size_t(sequences) * rows * topk);
+    for (std::size_t r = 0; r < hidx.size() / topk; ++r)
+      for (int k = 0; k < topk; ++k)
+        hidx[r * topk + std::size_t(k)] = k < window ? k : window + std::int32_t(rng() % std::uint32_t(global));
+    window_cache = runtime::device_buffer<std::uint8_t>{std::span<const std::uint8_t>(wc)};
+    global_cache = runtime::device_buffer<std::uint8_t>{std::span<const std::uint8_t>(gc)};
+    q = runtime::device_buffer<bf16>{std::span<const bf16>(hq)};
+    out = runtime::device_buffer<bf16>(hq.size());
+    idx = runtime::device_buffer<std::int32_t>{std::span<const std::int32_t>(hidx)};
+    sink = runtime::device_buffer<float>{std::span<const float>(std::vector<float>(heads, 0.0f))};
+    kv.window.base = window_cache.data();
+    kv.window.rows = window;
+    kv.window.seq_stride = static_cast<long long>(window) * wl::bytes;
+    kv.global = global_cache.data();
+    kv.global_rows = int(global);
+    kv.global_seq_stride = global * gl::bytes;
+    args = {q.data(), idx.data(), sink.data(), out.data(), sequences, rows, heads, topk, 1.0f / std::sqrt(float(dim))};
+  }
+};
+}  // namespace
+
 int main(int argc, char** argv) {
   std::string json;
   if (!bench::parse_json_option(argc, argv, "bench_attention", json)) return 2;
   try {
-    using wf = numerics::fp8_act_format;
-    using gf = numerics::main_kv_format;
-    constexpr int dim = 512, heads = 64, window = 128, selected = 512, topk = window + selected;
-    using wl = numerics::packed_vector<wf, dim>;
-    using gl = numerics::packed_vector<gf, dim>;
     cudaDeviceProp prop{};
     DSV4_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf("device: %s\n", prop.name);
@@ -48,29 +87,9 @@ int main(int argc, char** argv) {
     for (long long context : {8192ll, 131072ll}) {
       for (int batch : {1, 8, 64}) {
         const long long global = context;  // decoder owner: ratio 1, one entry per token
-        std::vector<std::uint8_t> wc(std::size_t(batch) * window * wl::bytes), gc(std::size_t(batch) * global * gl::bytes);
-        for (auto& b : wc) b = std::uint8_t(rng() & 0x77);  // finite codes and moderate scales
-        for (auto& b : gc) b = std::uint8_t(rng() & 0x37);
-        std::vector<bf16> q(std::size_t(batch) * heads * dim);
-        for (auto& x : q) x = bf16::from_float(float(rng() % 200) / 100.0f - 1.0f);
-        std::vector<std::int32_t> idx(std::size_t(batch) * topk);
-        for (int b = 0; b < batch; ++b)
-          for (int k = 0; k < topk; ++k)
-            idx[std::size_t(b) * topk + k] = k < window ? k : window + std::int32_t(rng() % std::uint32_t(global));
-        std::vector<float> sink(heads, 0.0f);
-        runtime::device_buffer<std::uint8_t> dw{std::span<const std::uint8_t>(wc)}, dg{std::span<const std::uint8_t>(gc)};
-        runtime::device_buffer<bf16> dq{std::span<const bf16>(q)}, dout(q.size());
-        runtime::device_buffer<std::int32_t> didx{std::span<const std::int32_t>(idx)};
-        runtime::device_buffer<float> dsink{std::span<const float>(sink)};
-        packed_kv<wf, gf, dim> kv;
-        kv.window.base = dw.data();
-        kv.window.rows = window;
-        kv.window.seq_stride = static_cast<long long>(window) * wl::bytes;
-        kv.global = dg.data();
-        kv.global_rows = int(global);
-        kv.global_seq_stride = global * gl::bytes;
-        sparse_attention_args a{dq.data(), didx.data(), dsink.data(), dout.data(), batch, 1, heads, topk,
-                                1.0f / std::sqrt(float(dim))};
+        operands op(rng, batch, 1, global);
+        const auto& kv = op.kv;
+        const auto& a = op.args;
         // The engine's launch (split KV at small batch, with a workspace) and the one-pass kernel.
         const double ms = bench::median_ms([&] { sparse_attention<dim>(a, kv, nullptr, &ws); });
         const double ms_unsplit = bench::median_ms([&] { sparse_attention<dim>(a, kv); });
@@ -87,7 +106,7 @@ int main(int argc, char** argv) {
         runtime::device_buffer<std::int32_t> dtables{std::span<const std::int32_t>(tables)};
         paged_kv<wf, gf, dim> pkv;
         pkv.window = kv.window;
-        pkv.pool = dg.data();
+        pkv.pool = op.global_cache.data();
         pkv.block_tables = dtables.data();
         pkv.max_pages = pages_per_seq;
         pkv.page_bytes = static_cast<long long>(page_entries) * gl::bytes;
@@ -110,28 +129,8 @@ int main(int argc, char** argv) {
     }
     {  // A prefill-shaped call: one sequence, many query rows, each with its own window + selection.
       constexpr int rows = 2048;
-      constexpr long long global = 8192;
-      std::vector<std::uint8_t> wc(std::size_t(window) * wl::bytes), gc(std::size_t(global) * gl::bytes);
-      for (auto& b : wc) b = std::uint8_t(rng() & 0x77);
-      for (auto& b : gc) b = std::uint8_t(rng() & 0x37);
-      std::vector<bf16> q(std::size_t(rows) * heads * dim);
-      for (auto& x : q) x = bf16::from_float(float(rng() % 200) / 100.0f - 1.0f);
-      std::vector<std::int32_t> idx(std::size_t(rows) * topk);
-      for (int r = 0; r < rows; ++r)
-        for (int k = 0; k < topk; ++k)
-          idx[std::size_t(r) * topk + k] = k < window ? k : window + std::int32_t(rng() % std::uint32_t(global));
-      std::vector<float> sink(heads, 0.0f);
-      runtime::device_buffer<std::uint8_t> dw{std::span<const std::uint8_t>(wc)}, dg{std::span<const std::uint8_t>(gc)};
-      runtime::device_buffer<bf16> dq{std::span<const bf16>(q)}, dout(q.size());
-      runtime::device_buffer<std::int32_t> didx{std::span<const std::int32_t>(idx)};
-      runtime::device_buffer<float> dsink{std::span<const float>(sink)};
-      packed_kv<wf, gf, dim> kv;
-      kv.window.base = dw.data();
-      kv.window.rows = window;
-      kv.global = dg.data();
-      kv.global_rows = int(global);
-      sparse_attention_args a{dq.data(), didx.data(), dsink.data(), dout.data(), 1, rows, heads, topk, 1.0f / std::sqrt(float(dim))};
-      const double ms = bench::median_ms([&] { sparse_attention<dim>(a, kv, nullptr, &ws); });
+      operands op(rng, 1, rows, 8192);
+      const double ms = bench::median_ms([&] { sparse_attention<dim>(op.args, op.kv, nullptr, &ws); });
       const double flops = 4.0 * rows * heads * double(topk) * dim;
       std::printf("\nprefill-shaped: %d query rows x %d heads x %d indices: %.1f us, %.1f TFLOP/s (%.1f%% of the bf16 GEMM rate)\n",
                   rows, heads, topk, ms * 1e3, flops / (ms * 1e-3) / 1e12, 100 * flops / (ms * 1e-3) / gemm_fps);
