@@ -54,17 +54,25 @@ inline void check_dims(const char* what, long long m, long long n, long long k) 
 }
 }  // namespace detail
 
+namespace detail {
+//! y[M, N] = x[M, K] w[N, K]^T on bf16 operands with fp32 accumulation, y of type `out_type`.
+inline void bf16_operands_gemm(const char* what, cublasHandle_t blas, const numerics::bf16* x, const numerics::bf16* w,
+                               void* y, cudaDataType_t out_type, int m, int n, int k, cudaStream_t stream) {
+  check_dims(what, m, n, k);
+  if (m == 0 || n == 0) return;
+  if (!x || !w || !y) throw error(std::string(what) + ": null pointer argument");
+  const blas_call call(blas, stream, bf16_math);
+  const float one = 1.0f, zero = 0.0f;
+  blas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, x, CUDA_R_16BF, k, &zero, y,
+                          out_type, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+             (std::string(what) + ": cublasGemmEx").c_str());
+}
+}  // namespace detail
+
 //! y[M, N] = x[M, K] w[N, K]^T, bf16 in and out, fp32 accumulation, one rounding.
 inline void linear_bf16(cublasHandle_t blas, const numerics::bf16* x, const numerics::bf16* w, numerics::bf16* y, int m,
                         int n, int k, cudaStream_t stream = nullptr) {
-  detail::check_dims("linear_bf16", m, n, k);
-  if (m == 0 || n == 0) return;
-  if (!x || !w || !y) throw error("linear_bf16: null pointer argument");
-  const detail::blas_call call(blas, stream, detail::bf16_math);
-  const float one = 1.0f, zero = 0.0f;
-  detail::blas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, x, CUDA_R_16BF, k, &zero,
-                                  y, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                     "linear_bf16: cublasGemmEx");
+  detail::bf16_operands_gemm("linear_bf16", blas, x, w, y, CUDA_R_16BF, m, n, k, stream);
 }
 
 //! y[M, N] (fp32) = x[M, K] w[N, K]^T for bf16-valued operands, fp32 accumulation, fp32 out: the
@@ -74,14 +82,7 @@ inline void linear_bf16(cublasHandle_t blas, const numerics::bf16* x, const nume
 //! two fp32 GEMMs. Half the weight bytes and the tensor cores (linear_fp32 reads an fp32 copy).
 inline void linear_bf16_f32out(cublasHandle_t blas, const numerics::bf16* x, const numerics::bf16* w, float* y, int m,
                                int n, int k, cudaStream_t stream = nullptr) {
-  detail::check_dims("linear_bf16_f32out", m, n, k);
-  if (m == 0 || n == 0) return;
-  if (!x || !w || !y) throw error("linear_bf16_f32out: null pointer argument");
-  const detail::blas_call call(blas, stream, detail::bf16_math);
-  const float one = 1.0f, zero = 0.0f;
-  detail::blas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, x, CUDA_R_16BF, k, &zero,
-                                  y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                     "linear_bf16_f32out: cublasGemmEx");
+  detail::bf16_operands_gemm("linear_bf16_f32out", blas, x, w, y, CUDA_R_32F, m, n, k, stream);
 }
 
 //! The block-diagonal form: x [M, groups, k] (row-major, groups side by side), w [groups, n, k],
