@@ -89,6 +89,27 @@ int main(int argc, char** argv) {
         }
       }
     }
+    {  // A causal prefill's scan: 4,096 rows over their own 4,096 keys, row i seeing keys [0, i].
+      constexpr int rows = 4096;
+      constexpr long long keys = rows;
+      std::vector<std::uint8_t> cache(std::size_t(keys) * entry);
+      for (std::size_t i = 0; i < cache.size(); ++i) cache[i] = (i % entry) < 64 ? std::uint8_t(rng()) : std::uint8_t(120 + rng() % 8);
+      std::vector<bf16> q(std::size_t(rows) * heads * dim), w(std::size_t(rows) * heads);
+      for (auto& v : q) v = bf16::from_float(float(int(rng() % 13)) / 2.0f - 3.0f);
+      for (auto& v : w) v = bf16::from_float(float(int(rng() % 9) - 4) / 64.0f);
+      std::vector<long long> visible(static_cast<std::size_t>(rows));
+      for (int r = 0; r < rows; ++r) visible[std::size_t(r)] = r + 1;
+      runtime::device_buffer<std::uint8_t> dkeys{std::span<const std::uint8_t>(cache)};
+      runtime::device_buffer<bf16> dq{std::span<const bf16>(q)}, dw{std::span<const bf16>(w)}, ds(std::size_t(rows) * keys);
+      runtime::device_buffer<long long> dv{std::span<const long long>(visible)};
+      const index_scan_args sa{dq.data(), dw.data(), dkeys.data(), entry, ds.data(), dv.data(), rows, heads, keys};
+      const double ms = bench::median_ms([&] { index_scan<dim>(sa); }, 3, 15);
+      const double pairs = double(rows) * (rows + 1) / 2;  // the visible (row, key) pairs
+      const double flops = 2.0 * pairs * heads * dim;
+      std::printf("\ncausal prefill scan: %d rows x %lld keys (row i sees i + 1): %.1f us, %.2f TFLOP/s on the visible pairs\n",
+                  rows, keys, ms * 1e3, flops / (ms * 1e-3) / 1e12);
+      if (jf) std::fprintf(jf, ",\n  {\"kernel\": \"scan-causal\", \"rows\": %d, \"keys\": %lld, \"us\": %.2f}", rows, keys, ms * 1e3);
+    }
     if (jf) {
       std::fprintf(jf, "\n]}\n");
       std::fclose(jf);
