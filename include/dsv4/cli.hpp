@@ -337,10 +337,10 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       std::string device = "host reference backend";
       auto t0 = clock::now(), t1 = t0, t2 = t0;
       double prefill_s = 0, decode_s = 0;
+      run_request req;  // what the host and CUDA backends are asked
+      req.prompt = prompt, req.n_new = n_new, req.sampling = sp, req.ced = prefill_mode == "ced";
+      req.engram_host_tables = engram_tables == "host";
       if (backend == "cuda") {  // timed by the backend (device set-up and weight upload excluded)
-        run_request req;
-        req.prompt = prompt, req.n_new = n_new, req.sampling = sp, req.ced = prefill_mode == "ced";
-        req.engram_host_tables = engram_tables == "host";
         const generation g = extra.cuda(m, req);
         generated = g.tokens, prefill_s = g.prefill_s, decode_s = g.decode_s, device = g.device;
       } else if (speculative == "dspark") {  // prefill and generation in one loop: timed as decode
@@ -350,9 +350,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
         generated = model::generate_speculative(m, w, seq, prompt, n_new, sp, spec,
                                                 prefill_mode == "ced" ? model::prompt_prefill::ced : model::prompt_prefill::exact);
       } else {
-        run_request req;
-        req.prompt = prompt, req.n_new = n_new, req.sampling = sp, req.ced = prefill_mode == "ced";
-        const generation g = host_generate(m, req);
+        const generation g = host_generate(m, req);  // (the tables' placement is already in `m`)
         generated = g.tokens, prefill_s = g.prefill_s, decode_s = g.decode_s;
       }
       if (speculative == "dspark") {
