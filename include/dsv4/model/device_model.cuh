@@ -211,10 +211,12 @@ class device_model {
 
     // The CUDA MoE gate and the bf16 layers take bf16 weights; a checkpoint may store some of them
     // in F32 (the schema accepts both), which the host model keeps exact: refuse rather than round.
-    auto require_bf16 = [](const std::vector<float>& v, const std::string& what) {
-      for (float f : v)
-        if (bf16::from_float(f).to_float() != f && f == f)
-          throw error("device_model: " + what + " holds F32 values that bf16 cannot represent; the CUDA path takes bf16 there");
+    auto holds_bf16_values = [](const std::vector<float>& v) {
+      return std::all_of(v.begin(), v.end(), [](float f) { return f != f || bf16::from_float(f).to_float() == f; });
+    };
+    auto require_bf16 = [&](const std::vector<float>& v, const std::string& what) {
+      if (!holds_bf16_values(v))
+        throw error("device_model: " + what + " holds F32 values that bf16 cannot represent; the CUDA path takes bf16 there");
     };
     for (int l = 0; l < L; ++l) {
       const block_weights& b = m.blocks[std::size_t(l)];
@@ -227,7 +229,7 @@ class device_model {
     // The head's fp32 GEMM on bf16 operands (linear_bf16_f32out: exact products, half the bytes
     // of an fp32 copy) when the checkpoint's head holds bf16 values, as the official one does;
     // an F32 head with finer values keeps the fp32 copy and cuBLAS's fp32 GEMM.
-    if (std::all_of(m.head.begin(), m.head.end(), [](float f) { return f != f || bf16::from_float(f).to_float() == f; }))
+    if (holds_bf16_values(m.head))
       head16_ = upload_bf16(m.head);
     else
       head_ = upload(m.head);
