@@ -6,6 +6,7 @@
 #include <cmath>
 #include <random>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "dsv4/cache/paged_cache.hpp"
@@ -92,14 +93,18 @@ std::vector<bf16> host_reference(const problem& p, const std::vector<bf16>& kv, 
 }
 
 // With a workspace, few-row problems split the index list (the decode path); without, one pass.
+// `q_offset` (elements) places q that far into its buffer: 4 gives an 8-byte but not 16-byte
+// aligned q, the kernel's narrower query copy.
 template <int Dim, class KV>
-std::vector<bf16> run_device(const problem& p, const KV& kv, float scale, sparse_attention_workspace* ws = nullptr) {
-  device_buffer<bf16> dq{std::span<const bf16>(p.q)}, dout(p.q.size());
+std::vector<bf16> run_device(const problem& p, const KV& kv, float scale, sparse_attention_workspace* ws = nullptr,
+                             int q_offset = 0) {
+  device_buffer<bf16> dq(p.q.size() + std::size_t(q_offset)), dout(p.q.size());
+  DSV4_CUDA_CHECK(cudaMemcpy(dq.data() + q_offset, p.q.data(), p.q.size() * sizeof(bf16), cudaMemcpyHostToDevice));
   device_buffer<float> dsink{std::span<const float>(p.sink)};
   device_buffer<std::int32_t> didx{std::span<const std::int32_t>(p.idx)};
   dout.fill_bytes(0xFF);  // NaN poison
   sparse_attention_args a;
-  a.q = dq.data();
+  a.q = dq.data() + q_offset;
   a.idx = didx.data();
   a.sink = dsink.data();
   a.out = dout.data();
@@ -111,6 +116,12 @@ std::vector<bf16> run_device(const problem& p, const KV& kv, float scale, sparse
   sparse_attention<Dim>(a, kv, nullptr, ws);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   return dout.download();
+}
+
+std::size_t count_differing(const std::vector<bf16>& x, const std::vector<bf16>& y) {
+  std::size_t differ = x.size() == y.size() ? 0 : x.size() + y.size();
+  for (std::size_t i = 0; i < std::min(x.size(), y.size()); ++i) differ += x[i].bits != y[i].bits;
+  return differ;
 }
 
 // Split against unsplit: the probabilities and running maxima are the same bits (the splits start
@@ -141,12 +152,21 @@ void compare_both_ways(const problem& p, const KV& kv, float scale, const std::v
   auto ws = sparse_attention_workspace::for_device<Dim>();
   sparse_attention_args a;
   a.batch = p.batch, a.rows = p.rows, a.heads = p.heads, a.topk = p.topk;
-  const int splits = detail::choose_split<Dim>(a, &ws, runtime::sm_count()).splits;
-  BOOST_TEST_MESSAGE(what << ": " << splits << " splits");
+  const auto sp = detail::choose_split<Dim>(a, &ws, runtime::sm_count());
+  const int splits = sp.splits;
+  const long long row_groups = static_cast<long long>(p.batch) * p.rows * ((p.heads + detail::heads_per_cta(p.heads) - 1) / detail::heads_per_cta(p.heads));
+  const bool single = detail::single_launch(sp, row_groups, &ws);
+  BOOST_TEST_MESSAGE(what << ": " << splits << " splits" << (single ? ", one launch" : ""));
   if (splits < 2) return;
   const auto split = run_device<Dim>(p, kv, scale, &ws);
   compare(split, want, Dim, what + " split " + std::to_string(splits));
   compare_split(split, unsplit, Dim, what + " split " + std::to_string(splits));
+  if (!single) return;
+  // The single launch and the three launches do the same arithmetic: the same bits.
+  ws.set_single_launch(false);
+  const auto three = run_device<Dim>(p, kv, scale, &ws);
+  ws.set_single_launch(true);
+  BOOST_TEST(count_differing(split, three) == 0u, what << ": one launch and three launches differ");
 }
 
 template <int Dim>
@@ -195,6 +215,32 @@ void check_packed_operand(int batch, int rows, int heads, int window, int global
                          "packed operand b" + std::to_string(batch) + " rows" + std::to_string(rows));
 }
 
+// The V4.1 cache formats and a page geometry of 256 tokens, for the paged-cache cases.
+namespace v41_paged {
+using geo = cache::page_geometry<models::v41_flash, 256>;
+using wf = numerics::fp8_act_format;
+using gf = numerics::main_kv_format;
+using wl = numerics::packed_vector<wf, 512>;
+using gl = numerics::packed_vector<gf, 512>;
+using region = std::remove_cvref_t<decltype(geo::regions[0])>;
+
+//! Points an operand's window ring at `ring` (one ring of `window` rows per sequence) and its
+//! global entries at the owner's region of the page pool, through `tables`.
+template <class KV>
+void point_at(KV& kv, const std::uint8_t* ring, int window, const std::uint8_t* pool, const std::int32_t* tables,
+              int max_pages, const region& owner) {
+  kv.window.base = ring;
+  kv.window.rows = window;
+  kv.window.seq_stride = static_cast<long long>(window) * wl::bytes;
+  kv.pool = pool;
+  kv.block_tables = tables;
+  kv.max_pages = max_pages;
+  kv.page_bytes = geo::page_bytes;
+  kv.region_offset = owner.main_offset;
+  kv.entries_per_page = owner.entries_per_page;
+}
+}  // namespace v41_paged
+
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(attention_cuda)
@@ -230,6 +276,31 @@ BOOST_AUTO_TEST_CASE(device_matches_host_on_bf16_operands, *utf::label("gpu") * 
   check_bf16_operand<512>(2, 3, 64, 0, 10, 5);       // no indices at all: zeros
 }
 
+// q 8-byte aligned only (allowed): the kernel copies the queries 8 bytes at a time instead of 16,
+// which must give the same bits, unsplit and split, for every head-tile count and dead heads.
+BOOST_AUTO_TEST_CASE(an_8_byte_aligned_query_gives_the_same_bits, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  auto check = [](auto dim_tag, int batch, int rows, int heads, int topk, int entries, std::uint64_t salt) {
+    constexpr int Dim = decltype(dim_tag)::value;
+    auto rng = test::make_rng(salt);
+    const problem p = make_problem(rng, batch, rows, heads, Dim, topk, entries);
+    const float scale = 1.0f / std::sqrt(float(Dim));
+    device_buffer<bf16> dkv{std::span<const bf16>(p.kv)};
+    bf16_kv<Dim> kv{dkv.data(), entries, Dim, static_cast<long long>(entries) * Dim};
+    auto ws = sparse_attention_workspace::for_device<Dim>();
+    for (sparse_attention_workspace* w : {static_cast<sparse_attention_workspace*>(nullptr), &ws}) {
+      const auto aligned = run_device<Dim>(p, kv, scale, w), shifted = run_device<Dim>(p, kv, scale, w, 4);
+      std::size_t differ = 0;
+      for (std::size_t i = 0; i < aligned.size(); ++i) differ += aligned[i].bits != shifted[i].bits;
+      BOOST_TEST(differ == 0u, "Dim " << Dim << " heads " << heads << (w ? " split" : " unsplit") << ": " << differ
+                                      << " values differ with an 8-byte aligned q");
+    }
+  };
+  check(std::integral_constant<int, 512>{}, 2, 1, 20, 200, 300, 31);  // two head tiles, 12 dead heads
+  check(std::integral_constant<int, 512>{}, 1, 3, 40, 130, 150, 32);  // four tiles, the fourth dead
+  check(std::integral_constant<int, 512>{}, 1, 2, 80, 200, 300, 33);  // two head groups
+  check(std::integral_constant<int, 128>{}, 4, 5, 4, 48, 64, 34);     // one tile, tiny widths
+}
+
 BOOST_AUTO_TEST_CASE(device_reads_packed_caches, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   check_packed_operand<512>(1, 1, 64, 128, 1000, 640, 10);   // one decode step, V4.1 widths
   check_packed_operand<512>(5, 2, 64, 128, 300, 640, 11);    // batched sequences
@@ -262,6 +333,36 @@ BOOST_AUTO_TEST_CASE(decode_rows_split_prefill_rows_do_not, *utf::label("gpu") *
   BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 10);
 }
 
+// The single cooperative launch leaves its barrier counters at zero: launches of different
+// shapes (10, 5 and 2 splits; 1, 3 and 2 row groups) take turns on one workspace, each equal bit
+// for bit to the three-launch form. A counter left over would make a later launch wait for
+// members that never come (the barrier stops with an error after ten seconds) or pass too early.
+BOOST_AUTO_TEST_CASE(single_launches_reuse_the_workspace, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  struct shape {
+    int batch, rows, heads, topk, entries;
+  };
+  const shape shapes[] = {{1, 1, 64, 640, 900}, {3, 1, 64, 300, 400}, {1, 1, 64, 100, 150}, {2, 1, 20, 640, 700}};
+  auto ws = sparse_attention_workspace::for_device<512>();
+  for (int round = 0; round < 3; ++round)
+    for (std::size_t k = 0; k < std::size(shapes); ++k) {
+      const shape& sh = shapes[k];
+      auto rng = test::make_rng(40 + k);
+      const problem p = make_problem(rng, sh.batch, sh.rows, sh.heads, 512, sh.topk, sh.entries);
+      device_buffer<bf16> dkv{std::span<const bf16>(p.kv)};
+      bf16_kv<512> kv{dkv.data(), sh.entries, 512, static_cast<long long>(sh.entries) * 512};
+      sparse_attention_args a;
+      a.batch = p.batch, a.rows = p.rows, a.heads = p.heads, a.topk = p.topk;
+      const auto sp = detail::choose_split<512>(a, &ws, runtime::sm_count());
+      BOOST_TEST_REQUIRE(detail::single_launch(sp, static_cast<long long>(sh.batch) * sh.rows, &ws));
+      const auto one = run_device<512>(p, kv, 1.0f / std::sqrt(512.0f), &ws);
+      ws.set_single_launch(false);
+      const auto three = run_device<512>(p, kv, 1.0f / std::sqrt(512.0f), &ws);
+      ws.set_single_launch(true);
+      BOOST_TEST(count_differing(one, three) == 0u, "round " << round << " shape " << k << " (" << sp.splits << " splits)");
+      if (round == 0) compare(one, host_reference<512>(p, p.kv, sh.entries, 1.0f / std::sqrt(512.0f)), 512, "single launch");
+    }
+}
+
 BOOST_AUTO_TEST_CASE(launch_rejects_bad_arguments) {
   sparse_attention_args a;
   a.rows = 1;
@@ -276,12 +377,59 @@ BOOST_AUTO_TEST_CASE(launch_rejects_bad_arguments) {
 
 // Global entries in the shared page pool, pages handed out out of order (sequences released and
 // re-added), read through block tables: same results as the host reference in logical order.
+// An appended chunk (exact mode) at V4.1 widths: index j < W reads the sequence's ring, j < W + C
+// the chunk's own window entries (a separate buffer), the rest global entries through the
+// block table of the owner's pages; every range's boundary is in the lists, with -1 slots. Then
+// a local layer's call: no pool, indices below W + C only.
+BOOST_AUTO_TEST_CASE(device_reads_appended_chunks, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  using namespace v41_paged;
+  constexpr int dim = 512, window = 128, chunk = 40, rows = 3, heads = 64, topk = 300;
+  auto rng = test::make_rng(90);
+  const long long pages = 8;
+  cache::page_allocator alloc(pages, geo::page_tokens, geo::page_bytes);
+  const int other = alloc.add_sequence();
+  alloc.append(other, 300);  // another sequence's pages first: the block table is not the identity
+  const int seq = alloc.add_sequence();
+  alloc.append(seq, 700);
+  const int global = int(alloc.tokens(seq));
+  const auto& owner = geo::regions[3];  // layer 20: ratio 1, one entry per token
+  const auto& table = alloc.block_table(seq);
+  const int max_pages = int(table.size());
+  const std::vector<std::int32_t> tables(table.begin(), table.end());
+  for (const bool with_pool : {true, false}) {
+    const int entries = window + chunk + (with_pool ? global : 0);
+    problem p = make_problem(rng, 1, rows, heads, dim, topk, entries);
+    const int edges[] = {window - 1, window, window + chunk - 1, window + chunk, entries - 1};
+    for (int r = 0; r < rows; ++r)
+      for (int i = 0; i < 5; ++i)
+        if (edges[i] < entries) p.idx[std::size_t(r) * topk + std::size_t(7 * i + r)] = edges[i];
+    std::vector<std::uint8_t> pool(std::size_t(pages * geo::page_bytes), 0xCC), ring(std::size_t(window) * wl::bytes),
+        own(std::size_t(chunk) * wl::bytes);
+    std::vector<bf16> qdq(p.kv.size());
+    cache::paged_view v{pool.data(), tables.data(), geo::page_bytes, owner.main_offset, gl::bytes, owner.entries_per_page};
+    for (int e = 0; e < entries; ++e) {
+      const std::span<const bf16> x(p.kv.data() + std::size_t(e) * dim, dim);
+      const std::span<bf16> y(qdq.data() + std::size_t(e) * dim, dim);
+      if (e < window) test::pack_entry<wf, dim>(x, ring.data() + std::size_t(e) * wl::bytes, y);
+      else if (e < window + chunk) test::pack_entry<wf, dim>(x, own.data() + std::size_t(e - window) * wl::bytes, y);
+      else test::pack_entry<gf, dim>(x, const_cast<std::uint8_t*>(v.entry(e - window - chunk)), y);
+    }
+    device_buffer<std::uint8_t> dpool{std::span<const std::uint8_t>(pool)}, dring{std::span<const std::uint8_t>(ring)},
+        down{std::span<const std::uint8_t>(own)};
+    device_buffer<std::int32_t> dtables{std::span<const std::int32_t>(tables)};
+    appended_kv<wf, gf, dim> kv;
+    point_at(kv, dring.data(), window, dpool.data(), dtables.data(), max_pages, owner);
+    if (!with_pool) kv.pool = nullptr, kv.block_tables = nullptr;  // a local layer: ring and chunk only
+    kv.chunk = down.data();
+    kv.chunk_rows = chunk;
+    const float scale = 1.0f / std::sqrt(float(dim));
+    compare_both_ways<dim>(p, kv, scale, host_reference<dim>(p, qdq, entries, scale),
+                           with_pool ? "appended chunk, paged global entries" : "appended chunk, local layer");
+  }
+}
+
 BOOST_AUTO_TEST_CASE(device_reads_paged_caches, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
-  using geo = cache::page_geometry<models::v41_flash, 256>;
-  using wf = numerics::fp8_act_format;
-  using gf = numerics::main_kv_format;
-  using wl = numerics::packed_vector<wf, 512>;
-  using gl = numerics::packed_vector<gf, 512>;
+  using namespace v41_paged;
   constexpr int dim = 512, window = 128, batch = 3, rows = 1, heads = 64, topk = 640;
   auto rng = test::make_rng(80);
   const long long pages = 40;
@@ -324,15 +472,7 @@ BOOST_AUTO_TEST_CASE(device_reads_paged_caches, *utf::label("gpu") * utf::precon
   device_buffer<std::uint8_t> dpool{std::span<const std::uint8_t>(pool)}, dw{std::span<const std::uint8_t>(wcache)};
   device_buffer<std::int32_t> dtables{std::span<const std::int32_t>(tables)};
   paged_kv<wf, gf, dim> kv;
-  kv.window.base = dw.data();
-  kv.window.rows = window;
-  kv.window.seq_stride = static_cast<long long>(window) * wl::bytes;
-  kv.pool = dpool.data();
-  kv.block_tables = dtables.data();
-  kv.max_pages = max_pages;
-  kv.page_bytes = geo::page_bytes;
-  kv.region_offset = owner.main_offset;
-  kv.entries_per_page = owner.entries_per_page;
+  point_at(kv, dw.data(), window, dpool.data(), dtables.data(), max_pages, owner);
   const float scale = 1.0f / std::sqrt(float(dim));
   compare_both_ways<dim>(p, kv, scale, host_reference<dim>(p, qdq, window + global, scale), "paged operand");
 }

@@ -190,10 +190,14 @@ BOOST_AUTO_TEST_CASE(prefill_and_batched_decode_match_host, *utf::label("gpu") *
   // boundary now and then, and a near-tie in the indexer can select another entry; both stay rare.
   // (First run on the H200: 319 of 320 prefill rows and 208 of 210 decode rows bit-equal, worst
   // 9.5e-7 of the row peak.)
+  // A cache entry that crosses a rounding boundary is read by every later row of its sequence,
+  // so loose rows come in clusters: DSV4_TEST_SEED=6059448828980009469 gives 8 of 320 prefill
+  // and 5 of 210 decode rows beyond 2^-5 (worst 0.056 of the row peak; 305 and 193 bit-equal),
+  // the same bits before and after the single-launch attention (H200, 2026-12-01). Hence 1 in 25.
   BOOST_TEST(prefill_stats.exact_rows * 10 >= prefill_stats.rows * 9);
   BOOST_TEST(decode_stats.exact_rows * 10 >= decode_stats.rows * 9);
-  BOOST_TEST(prefill_stats.loose_rows * 50 <= prefill_stats.rows);
-  BOOST_TEST(decode_stats.loose_rows * 50 <= decode_stats.rows);
+  BOOST_TEST(prefill_stats.loose_rows * 25 <= prefill_stats.rows);
+  BOOST_TEST(decode_stats.loose_rows * 25 <= decode_stats.rows);
   // One near-tie choosing another entry moves its row far: DSV4_TEST_SEED=5921128798381231698
   // gives a decode row 0.42 of its peak apart (203 of 210 rows bit-equal) with the CUDA-core index
   // scan and the tensor-core one alike; the shares above are the check, the worst row only has to

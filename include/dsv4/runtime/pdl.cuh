@@ -65,25 +65,39 @@ inline constexpr bool pdl_enabled = [] {
 #endif
 }();
 
-//! Launches `kernel` so that it may overlap the tail of the kernel before it on `stream`.
+//! Launches `kernel` with cudaLaunchKernelEx, programmatically where pdl_enabled, and with the
+//! cooperative attribute when `cooperative` (runtime/grid_barrier.cuh). Returns the launch's
+//! error, already cleared from the runtime's last-error state.
 template <class... Params, class... Args>
-void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes,
-                         cudaStream_t stream, Args&&... args) {
+cudaError_t launch_ex(bool cooperative, void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes,
+                      cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl_enabled ? 1 : 0;
-  const cudaError_t launched = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-  if (launched != cudaSuccess) {
-    (void)cudaGetLastError();  // reported here, not again by the next launch's check
-    DSV4_CUDA_CHECK(launched);
+  cudaLaunchAttribute attribute[2];
+  unsigned count = 0;
+  if (pdl_enabled) {
+    attribute[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[count++].val.programmaticStreamSerializationAllowed = 1;
   }
+  if (cooperative) {
+    attribute[count].id = cudaLaunchAttributeCooperative;
+    attribute[count++].val.cooperative = 1;
+  }
+  config.attrs = attribute;
+  config.numAttrs = count;
+  const cudaError_t launched = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  if (launched != cudaSuccess) (void)cudaGetLastError();  // reported by the caller, not by the next launch's check
+  return launched;
+}
+
+//! Launches `kernel` so that it may overlap the tail of the kernel before it on `stream`.
+template <class... Params, class... Args>
+void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes,
+                         cudaStream_t stream, Args&&... args) {
+  DSV4_CUDA_CHECK(launch_ex(false, kernel, grid, block, smem_bytes, stream, std::forward<Args>(args)...));
 }
 
 }  // namespace dsv4::runtime

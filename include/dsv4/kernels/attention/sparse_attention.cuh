@@ -36,6 +36,7 @@
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "dsv4/runtime/device_info.cuh"
+#include "dsv4/runtime/grid_barrier.cuh"
 #include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::kernels::attention {
@@ -51,10 +52,12 @@ struct bf16_kv {
   long long row_stride = Dim;
   long long seq_stride = 0;
 
-  //! Channels [c0, c0 + 8) of entry e as four bf16x2 words (the lower channel in the low half).
-  DSV4_DEVICE uint4 load8(int seq, int e, int c0) const {
-    return __ldg(reinterpret_cast<const uint4*>(kv + seq * seq_stride + e * row_stride + c0));
-  }
+  //! Where entry e of sequence seq lies; load8 then reads channels [c0, c0 + 8) of it as four
+  //! bf16x2 words (the lower channel in the low half). Every KV operand below has this pair: the
+  //! kernel locates a chunk's entries once (ring slots, block tables) and then streams their bytes.
+  using entry_ref = const bf16*;
+  DSV4_DEVICE entry_ref locate(int seq, int e) const { return kv + seq * seq_stride + e * row_stride; }
+  DSV4_DEVICE uint4 load8(entry_ref p, int /*e*/, int c0) const { return __ldg(reinterpret_cast<const uint4*>(p + c0)); }
   std::string check() const {
     if (entries > 0 && (!kv || reinterpret_cast<std::uintptr_t>(kv) % 16 || row_stride % 8 || seq_stride % 8))
       return "bf16 kv must be 16-byte aligned with a row stride that is a multiple of 8";
@@ -74,10 +77,12 @@ struct window_ring {
   //! while the batch around them changes); null: ring b.
   const std::int32_t* slots = nullptr;
 
-  DSV4_DEVICE uint4 load8(int seq, int e, int c0) const {
+  using entry_ref = const std::uint8_t*;
+  DSV4_DEVICE entry_ref locate(int seq, int e) const {
     const long long ring = slots ? slots[seq] : seq;
-    return numerics::dequantize8_packed<WindowFormat, Dim>(base + ring * seq_stride + e * stride, c0);
+    return base + ring * seq_stride + e * stride;
   }
+  DSV4_DEVICE uint4 load8(entry_ref p, int /*e*/, int c0) const { return numerics::dequantize8_packed<WindowFormat, Dim>(p, c0); }
   std::string check() const {
     if (rows > 0 && (!base || reinterpret_cast<std::uintptr_t>(base) % 4 || stride % 4 || seq_stride % 4))
       return "window cache must be 4-byte aligned with strides that are multiples of 4 bytes";
@@ -98,10 +103,14 @@ struct packed_kv {
   int global_rows = 0;
 
   int entries() const { return window.rows + global_rows; }
-  DSV4_DEVICE uint4 load8(int seq, int e, int c0) const {
-    if (e < window.rows) return window.load8(seq, e, c0);
-    return numerics::dequantize8_packed<GlobalFormat, Dim>(
-        global + seq * global_seq_stride + (e - window.rows) * global_stride, c0);
+  using entry_ref = const std::uint8_t*;
+  DSV4_DEVICE entry_ref locate(int seq, int e) const {
+    if (e < window.rows) return window.locate(seq, e);
+    return global + seq * global_seq_stride + (e - window.rows) * global_stride;
+  }
+  DSV4_DEVICE uint4 load8(entry_ref p, int e, int c0) const {
+    return e < window.rows ? numerics::dequantize8_packed<WindowFormat, Dim>(p, c0)
+                           : numerics::dequantize8_packed<GlobalFormat, Dim>(p, c0);
   }
   std::string check() const {
     if (global_rows > 0 &&
@@ -125,12 +134,16 @@ struct paged_kv {
   long long region_offset = 0;                  //!< the owner's main-KV region in a page
   int entries_per_page = 0;
 
-  DSV4_DEVICE uint4 load8(int seq, int e, int c0) const {
-    if (e < window.rows) return window.load8(seq, e, c0);
+  using entry_ref = const std::uint8_t*;
+  DSV4_DEVICE entry_ref locate(int seq, int e) const {
+    if (e < window.rows) return window.locate(seq, e);
     const int g = e - window.rows;
     const long long page = block_tables[static_cast<long long>(seq) * max_pages + g / entries_per_page];
-    return numerics::dequantize8_packed<GlobalFormat, Dim>(
-        pool + page * page_bytes + region_offset + static_cast<long long>(g % entries_per_page) * global_layout::bytes, c0);
+    return pool + page * page_bytes + region_offset + static_cast<long long>(g % entries_per_page) * global_layout::bytes;
+  }
+  DSV4_DEVICE uint4 load8(entry_ref p, int e, int c0) const {
+    return e < window.rows ? numerics::dequantize8_packed<WindowFormat, Dim>(p, c0)
+                           : numerics::dequantize8_packed<GlobalFormat, Dim>(p, c0);
   }
   std::string check() const {
     if (!pool || !block_tables || entries_per_page <= 0 || reinterpret_cast<std::uintptr_t>(pool) % 4 ||
@@ -159,14 +172,17 @@ struct appended_kv {
   long long region_offset = 0;
   int entries_per_page = 0;
 
-  DSV4_DEVICE uint4 load8(int seq, int e, int c0) const {
-    if (e < window.rows) return window.load8(seq, e, c0);
-    if (e < window.rows + chunk_rows)
-      return numerics::dequantize8_packed<WindowFormat, Dim>(chunk + static_cast<long long>(e - window.rows) * chunk_stride, c0);
+  using entry_ref = const std::uint8_t*;
+  DSV4_DEVICE entry_ref locate(int seq, int e) const {
+    if (e < window.rows) return window.locate(seq, e);
+    if (e < window.rows + chunk_rows) return chunk + static_cast<long long>(e - window.rows) * chunk_stride;
     const int g = e - window.rows - chunk_rows;
     const long long page = block_tables[static_cast<long long>(seq) * max_pages + g / entries_per_page];
-    return numerics::dequantize8_packed<GlobalFormat, Dim>(
-        pool + page * page_bytes + region_offset + static_cast<long long>(g % entries_per_page) * global_layout::bytes, c0);
+    return pool + page * page_bytes + region_offset + static_cast<long long>(g % entries_per_page) * global_layout::bytes;
+  }
+  DSV4_DEVICE uint4 load8(entry_ref p, int e, int c0) const {
+    return e < window.rows + chunk_rows ? numerics::dequantize8_packed<WindowFormat, Dim>(p, c0)
+                                        : numerics::dequantize8_packed<GlobalFormat, Dim>(p, c0);
   }
   std::string check() const {
     if (chunk_rows > 0 && (!chunk || reinterpret_cast<std::uintptr_t>(chunk) % 4 || chunk_stride % 4))
@@ -190,13 +206,19 @@ struct sparse_attention_args {
 };
 
 //! Scratch of split-KV launches: per (row, head, split) the unnormalized fp32 accumulator and the
-//! split's running maximum and denominator, and per (row, head, chunk) the chunk's maximum
-//! score. One workspace serves any number of launches on one stream, one at a time (each
-//! launch's merge has read it before the next writes it).
+//! split's running maximum and denominator, per (row, head, chunk) the chunk's maximum score,
+//! and the barrier counters of the single-launch form (one set per (row, head group), zero
+//! between launches). One workspace serves any number of launches on one stream, one at a time
+//! (each launch's merge has read it before the next writes it).
 class sparse_attention_workspace {
  public:
+  static constexpr int counters_per_group = 3;  // the maxima's barrier, the partials' barrier, the exit count
   sparse_attention_workspace() = default;
-  explicit sparse_attention_workspace(std::size_t floats) : partials_(floats) {}
+  explicit sparse_attention_workspace(std::size_t floats)
+      : partials_(floats), counters_(std::size_t(counters_per_group) * std::max(1, runtime::sm_count())) {
+    counters_.fill_bytes(0);
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());  // the memset runs on the legacy stream
+  }
   //! Enough for the splits the launcher chooses on this device at any batch (one wave of CTAs of
   //! up to 64 heads each) with up to 256 chunks (16,384 indices) a row.
   template <int Dim>
@@ -205,9 +227,19 @@ class sparse_attention_workspace {
   }
   float* data() { return partials_.data(); }
   std::size_t floats() const { return partials_.size(); }
+  unsigned* counters() { return counters_.data(); }
+  //! (row, head group) pairs whose splits can meet in one launch.
+  long long counter_groups() const { return static_cast<long long>(counters_.size()) / counters_per_group; }
+  //! Whether a split launch whose splits hold one chunk each may run as one cooperative launch
+  //! (chunk maxima, split sums and merge behind in-kernel barriers) instead of three; on by
+  //! default. Both give the same bits; tests and benchmarks switch it off to compare.
+  void set_single_launch(bool on) { single_launch_ = on; }
+  bool single_launch() const { return single_launch_; }
 
  private:
   runtime::device_buffer<float> partials_;
+  runtime::device_buffer<unsigned> counters_;
+  bool single_launch_ = true;
 };
 
 namespace detail {
@@ -227,6 +259,11 @@ struct kv_split {
   int chunks_per_split = 0;
   int chunks = 0;
   bool max_pass = false;       //!< this launch only writes chunk_max (grid z = the chunks before the last split)
+  //! One cooperative launch (one chunk per split): each split publishes its chunk's maximum and
+  //! waits for the others' at a barrier of its (row, head group), and after a second barrier the
+  //! splits merge the group's heads between them. Null: the maximum pass, the split pass and the
+  //! merge are three launches.
+  unsigned* barriers = nullptr;  //!< [rows * head groups][counters_per_group]
 };
 
 using tensor_core::ldmatrix_x4;
@@ -249,6 +286,31 @@ struct mma_smem {
   static constexpr std::size_t score_bytes = std::size_t(channel_parts) * heads * score_row * sizeof(float);
   static constexpr std::size_t bytes = kv_bytes + q_bytes + score_bytes;
 };
+
+//! Merges channels [c, c + 4) of one (row, head) from the splits' shares (see the merge kernel
+//! below). The shares may come from other CTAs of the same launch, hence the L2 loads.
+template <int Dim>
+DSV4_DEVICE void merge_channels(const sparse_attention_args& a, const kv_split& sp, int row, int head, int c) {
+  const float* base = sp.partials + (static_cast<long long>(row) * a.heads + head) * sp.splits * (Dim + 4);
+  float mx = -1e30f;
+  for (int s = 0; s < sp.splits; ++s) mx = fmaxf(mx, __ldcg(base + s * (Dim + 4) + Dim));
+  float l = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int s = 0; s < sp.splits; ++s) {
+    const float* ps = base + s * (Dim + 4);
+    const float w = expf(__ldcg(ps + Dim) - mx);
+    l = fmaf(__ldcg(ps + Dim + 1), w, l);
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(ps + c));
+    acc[0] = fmaf(v.x, w, acc[0]), acc[1] = fmaf(v.y, w, acc[1]), acc[2] = fmaf(v.z, w, acc[2]), acc[3] = fmaf(v.w, w, acc[3]);
+  }
+  l += expf(a.sink[head] - mx);
+  bf16* o = a.out + (static_cast<long long>(row) * a.heads + head) * Dim + c;
+  for (int i = 0; i < 4; ++i) o[i] = bf16::from_float(__fdiv_rn(acc[i], l));
+}
+
+//! The first barrier counter of this CTA's (row, head group) in a single launch.
+DSV4_DEVICE long long group_barriers(int row) {
+  return (static_cast<long long>(row) * gridDim.y + blockIdx.y) * sparse_attention_workspace::counters_per_group;
+}
 
 //! Sparse attention on the tensor cores. One CTA per (query row, 16 x HeadTiles heads, KV split);
 //! warp (t, p) owns head tile t and value channels [p Dim/4, (p + 1) Dim/4). Per 64-entry chunk:
@@ -277,6 +339,7 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
   bf16* q_tile = kv_tile + sparse_chunk * kRow;                               // [kHeads][kRow]
   float* score_part = reinterpret_cast<float*>(q_tile + kHeads * kRow);       // [parts][kHeads][kScoreRow]
   __shared__ std::int32_t chunk_idx[sparse_chunk];
+  __shared__ typename KV::entry_ref chunk_at[sparse_chunk];  // where each entry of the chunk lies
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, gid = lane / 4, quad = lane % 4;
   const int ht = warp / channel_parts, part = warp % channel_parts;
@@ -295,17 +358,33 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
                                  : a.topk;
   runtime::start_after_previous_grid();
 
-  // The CTA's queries (heads past the last are zero rows: their scores are 0 and never stored).
-  for (int t = threadIdx.x; t < kHeads * (Dim / 4); t += kThreads) {
-    const int h = t / (Dim / 4), c = (t % (Dim / 4)) * 4;
-    const uint2 v = head0 + h < a.heads
-                        ? *reinterpret_cast<const uint2*>(a.q + (static_cast<long long>(row) * a.heads + head0 + h) * Dim + c)
-                        : make_uint2(0, 0);
-    *reinterpret_cast<uint2*>(q_tile + h * kRow + c) = v;
-  }
+  // The CTA's queries (heads past the last are zero rows: their scores are 0 and never stored),
+  // with every thread's loads issued before its stores: one memory round trip, not one per load
+  // (at one decode row this copy was a chain of 16 dependent-looking trips at the kernel's start).
+  auto copy_queries = [&](auto word) {
+    using W = decltype(word);
+    constexpr int kPer = int(sizeof(W) / sizeof(bf16)), kSteps = kHeads * (Dim / kPer) / kThreads;
+    static_assert(kHeads * (Dim / kPer) % kThreads == 0, "sparse_attention: the query copy must divide over the CTA");
+    W v[kSteps];
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      const int t = threadIdx.x + u * kThreads, h = t / (Dim / kPer), c = (t % (Dim / kPer)) * kPer;
+      v[u] = head0 + h < a.heads ? *reinterpret_cast<const W*>(a.q + (static_cast<long long>(row) * a.heads + head0 + h) * Dim + c)
+                                 : W{};
+    }
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      const int t = threadIdx.x + u * kThreads, h = t / (Dim / kPer), c = (t % (Dim / kPer)) * kPer;
+      *reinterpret_cast<W*>(q_tile + h * kRow + c) = v[u];
+    }
+  };
+  if (reinterpret_cast<std::uintptr_t>(a.q) % 16 == 0)
+    copy_queries(uint4{});
+  else
+    copy_queries(uint2{});  // q need only be 8-byte aligned (can_implement)
 
   float m[2] = {-1e30f, -1e30f}, l[2] = {0.0f, 0.0f};
-  if (sp.partials && !sp.max_pass)  // the running maximum the unsplit recurrence has here
+  if (sp.partials && !sp.max_pass && !sp.barriers)  // the running maximum the unsplit recurrence has here
 #pragma unroll
     for (int i = 0; i < 2; ++i)
       if (head_ok[i])
@@ -320,14 +399,22 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
   for (int c0 = first; c0 < last; c0 += sparse_chunk) {
     const int n = min(sparse_chunk, last - c0);
     __syncthreads();  // the previous chunk's entries and scores are no longer read
-    if (threadIdx.x < sparse_chunk) chunk_idx[threadIdx.x] = threadIdx.x < n ? row_idx[c0 + threadIdx.x] : -1;
+    // Each entry is located once (its ring slot or page: a dependent load), by one thread, rather
+    // than by every thread that reads a part of it; the reads below then depend on nothing but
+    // shared memory, and four per thread are in flight at a time.
+    if (threadIdx.x < sparse_chunk) {
+      const int j = threadIdx.x < n ? row_idx[c0 + threadIdx.x] : -1;
+      chunk_idx[threadIdx.x] = j;
+      chunk_at[threadIdx.x] = j >= 0 ? kv.locate(seq, j) : typename KV::entry_ref{};
+    }
     __syncthreads();
-#pragma unroll 2
+    constexpr int kInFlight = Dim > 512 ? 2 : 4;  // beyond V4.1's 512 channels the registers run short
+#pragma unroll kInFlight
     for (int t = threadIdx.x; t < sparse_chunk * (Dim / 8); t += kThreads) {
       const int e = t / (Dim / 8), c = (t % (Dim / 8)) * 8;
       const int j = chunk_idx[e];
       // Empty slots are zeros: they must not feed NaN garbage to 0 * x.
-      *reinterpret_cast<uint4*>(kv_tile + e * kRow + c) = j >= 0 ? kv.load8(seq, j, c) : make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(kv_tile + e * kRow + c) = j >= 0 ? kv.load8(chunk_at[e], j, c) : make_uint4(0, 0, 0, 0);
     }
     __syncthreads();
 
@@ -356,36 +443,48 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
       }
     }
     __syncthreads();
-    if (!tile_live) continue;
     // The full scores: the four quarters added in order, scaled; empty slots -inf.
     float cmax[2] = {-INFINITY, -INFINITY};
+    if (tile_live) {
 #pragma unroll
-    for (int t = 0; t < kTiles; ++t)
+      for (int t = 0; t < kTiles; ++t)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {  // fragment elements 2h, 2h + 1: head row gid + 8h, entries e, e + 1
-        const int r = ht * head_tile + gid + 8 * h, e = t * 8 + 2 * quad;
-        float2 sum = *reinterpret_cast<const float2*>(score_part + r * kScoreRow + e);
+        for (int h = 0; h < 2; ++h) {  // fragment elements 2h, 2h + 1: head row gid + 8h, entries e, e + 1
+          const int r = ht * head_tile + gid + 8 * h, e = t * 8 + 2 * quad;
+          float2 sum = *reinterpret_cast<const float2*>(score_part + r * kScoreRow + e);
 #pragma unroll
-        for (int p = 1; p < channel_parts; ++p) {
-          const float2 more = *reinterpret_cast<const float2*>(score_part + (p * kHeads + r) * kScoreRow + e);
-          sum.x += more.x, sum.y += more.y;
+          for (int p = 1; p < channel_parts; ++p) {
+            const float2 more = *reinterpret_cast<const float2*>(score_part + (p * kHeads + r) * kScoreRow + e);
+            sum.x += more.x, sum.y += more.y;
+          }
+          s[t][2 * h] = chunk_idx[e] >= 0 ? sum.x * a.scale : -INFINITY;
+          s[t][2 * h + 1] = chunk_idx[e + 1] >= 0 ? sum.y * a.scale : -INFINITY;
+          cmax[h] = fmaxf(cmax[h], fmaxf(s[t][2 * h], s[t][2 * h + 1]));
         }
-        s[t][2 * h] = chunk_idx[e] >= 0 ? sum.x * a.scale : -INFINITY;
-        s[t][2 * h + 1] = chunk_idx[e + 1] >= 0 ? sum.y * a.scale : -INFINITY;
-        cmax[h] = fmaxf(cmax[h], fmaxf(s[t][2 * h], s[t][2 * h + 1]));
-      }
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      cmax[i] = fmaxf(cmax[i], __shfl_xor_sync(0xffffffffu, cmax[i], 1));
-      cmax[i] = fmaxf(cmax[i], __shfl_xor_sync(0xffffffffu, cmax[i], 2));
+      for (int i = 0; i < 2; ++i) {
+        cmax[i] = fmaxf(cmax[i], __shfl_xor_sync(0xffffffffu, cmax[i], 1));
+        cmax[i] = fmaxf(cmax[i], __shfl_xor_sync(0xffffffffu, cmax[i], 2));
+      }
     }
-    if (sp.max_pass) {
-      if (part == 0 && quad == 0)
+    if (sp.max_pass || sp.barriers) {  // this chunk's maximum for the splits after it
+      if (tile_live && part == 0 && quad == 0)
 #pragma unroll
         for (int i = 0; i < 2; ++i)
           if (head_ok[i]) sp.chunk_max[(static_cast<long long>(row) * a.heads + my_head[i]) * sp.chunks + split] = cmax[i];
-      continue;
+      if (sp.max_pass) continue;
+      // Single launch (one chunk per split): wait for every split's maximum, then start from the
+      // maximum of the chunks before this one, as the split pass of the three-launch form does.
+      // Every thread of the CTA arrives here, dead tiles too.
+      runtime::group_arrive_and_wait(sp.barriers + group_barriers(row), unsigned(sp.splits));
+      if (tile_live)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          if (head_ok[i])
+            for (int c = 0; c < split; ++c)
+              m[i] = fmaxf(m[i], __ldcg(sp.chunk_max + (static_cast<long long>(row) * a.heads + my_head[i]) * sp.chunks + c));
     }
+    if (!tile_live) continue;
     float alpha[2], psum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -430,9 +529,9 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
         for (int i = 0; i < 4; ++i) acc[2 * nb + h][i] = __fadd_rn(__fmul_rn(acc[2 * nb + h][i], alpha[i / 2]), sum[h][i]);
     }
   }
-  if (!tile_live || sp.max_pass) return;
+  if (sp.max_pass) return;
   // Fragment element i of channel tile n: head my_head[i / 2], channel ch0 + 8 n + 2 quad + i % 2.
-  if (sp.partials) {  // the split's share; the merge adds the sink
+  if (sp.partials && tile_live) {  // the split's share; the merge adds the sink
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       if (!head_ok[i]) continue;
@@ -442,8 +541,17 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
         *reinterpret_cast<float2*>(part_out + ch0 + 8 * n + 2 * quad) = make_float2(acc[n][2 * i], acc[n][2 * i + 1]);
       if (part == 0 && quad == 0) part_out[Dim] = m[i], part_out[Dim + 1] = l[i];
     }
+  }
+  if (sp.barriers) {  // single launch: once every split's share is written, the splits merge the group's heads
+    unsigned* barriers = sp.barriers + group_barriers(row);
+    runtime::group_arrive_and_wait(barriers + 1, unsigned(sp.splits));
+    const int items = min(kHeads, a.heads - head0) * (Dim / 4);
+    for (int item = split * kThreads + int(threadIdx.x); item < items; item += sp.splits * kThreads)
+      merge_channels<Dim>(a, sp, row, head0 + item / (Dim / 4), 4 * (item % (Dim / 4)));
+    if (threadIdx.x == 0) runtime::leave_group(barriers, sparse_attention_workspace::counters_per_group, unsigned(sp.splits));
     return;
   }
+  if (sp.partials || !tile_live) return;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     if (!head_ok[i]) continue;
@@ -462,21 +570,7 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
 template <int Dim>
 DSV4_KERNEL void __launch_bounds__(Dim / 4) sparse_attention_merge_kernel(sparse_attention_args a, kv_split sp) {
   runtime::start_after_previous_grid();
-  const int row = blockIdx.x, head = blockIdx.y, c = 4 * threadIdx.x;
-  const float* base = sp.partials + (static_cast<long long>(row) * a.heads + head) * sp.splits * (Dim + 4);
-  float mx = -1e30f;
-  for (int s = 0; s < sp.splits; ++s) mx = fmaxf(mx, base[s * (Dim + 4) + Dim]);
-  float l = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int s = 0; s < sp.splits; ++s) {
-    const float* ps = base + s * (Dim + 4);
-    const float w = expf(ps[Dim] - mx);
-    l = fmaf(ps[Dim + 1], w, l);
-    const float4 v = *reinterpret_cast<const float4*>(ps + c);
-    acc[0] = fmaf(v.x, w, acc[0]), acc[1] = fmaf(v.y, w, acc[1]), acc[2] = fmaf(v.z, w, acc[2]), acc[3] = fmaf(v.w, w, acc[3]);
-  }
-  l += expf(a.sink[head] - mx);
-  bf16* o = a.out + (static_cast<long long>(row) * a.heads + head) * Dim + c;
-  for (int i = 0; i < 4; ++i) o[i] = bf16::from_float(__fdiv_rn(acc[i], l));
+  merge_channels<Dim>(a, sp, blockIdx.x, blockIdx.y, 4 * threadIdx.x);
 }
 
 //! The split for a launch: none when the (row, head group) grid fills half the SMs or more, the
@@ -501,6 +595,12 @@ kv_split choose_split(const sparse_attention_args& a, sparse_attention_workspace
   sp.partials = ws->data();
   sp.chunk_max = ws->data() + sp.splits * per_split_floats;
   return sp;
+}
+//! Whether a split launch runs as one cooperative launch (kv_split::barriers): one chunk per
+//! split and counters for its (row, head group) pairs in the workspace.
+inline bool single_launch(const kv_split& sp, long long row_groups, const sparse_attention_workspace* ws) {
+  return sp.partials && sp.chunks_per_split == 1 && sp.splits == sp.chunks && ws && ws->single_launch() &&
+         row_groups <= ws->counter_groups();
 }
 }  // namespace detail
 
@@ -534,14 +634,31 @@ void sparse_attention(const sparse_attention_args& a, const KV& kv, cudaStream_t
   auto run = [&](auto kernel, auto smem_layout) {
     using smem_t = decltype(smem_layout);
     constexpr int smem = int(smem_t::bytes);
-    if (smem > runtime::max_shared_per_block_optin())
+    static const int static_smem = [&] {  // the kernel's static shared memory (index list, entry refs), asked once
+      cudaFuncAttributes attr{};
+      DSV4_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+      return int(attr.sharedSizeBytes);
+    }();
+    if (smem + static_smem > runtime::max_shared_per_block_optin())
       throw error("sparse_attention: Dim " + std::to_string(Dim) + " with " + std::to_string(smem_t::heads) +
-                  " heads per CTA needs " + std::to_string(smem) + " bytes of shared memory per block; this device allows " +
+                  " heads per CTA needs " + std::to_string(smem + static_smem) +
+                  " bytes of shared memory per block; this device allows " +
                   std::to_string(runtime::max_shared_per_block_optin()) + " (the kernel is sized for Hopper's 227 KB)");
     DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const detail::kv_split sp = detail::choose_split<Dim>(a, workspace, runtime::sm_count());
     const unsigned rows = unsigned(a.batch * a.rows), groups = unsigned((a.heads + smem_t::heads - 1) / smem_t::heads);
     const dim3 block(smem_t::heads / detail::head_tile * detail::channel_parts * 32);
+    // One chunk per split (decode up to ~13 rows at 640 indices): one cooperative launch whose
+    // splits meet at barriers, instead of the maximum pass, the split pass and the merge. Every
+    // split must reach both barriers, so each must hold a chunk: choose_split makes no empty split.
+    if (detail::single_launch(sp, static_cast<long long>(rows) * groups, workspace)) {
+      detail::kv_split one = sp;
+      one.barriers = workspace->counters();
+      if (runtime::launch_cooperative(kernel, dim3(rows, groups, unsigned(sp.splits)), block, smem, stream, a, kv, one) ==
+          cudaSuccess)
+        return;
+      // Refused (the grid cannot be resident at once here, e.g. a partitioned GPU): three launches.
+    }
     if (sp.partials) {  // the chunk maxima the splits start from (the last split's chunks are not needed)
       detail::kv_split max_pass = sp;
       max_pass.max_pass = true;

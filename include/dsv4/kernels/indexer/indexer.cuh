@@ -176,6 +176,13 @@ DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_ar
   long long loaded = -2;  // the key source in shared memory (-2: none yet)
   for (int row = row0; row < row_end; ++row) {
     __syncthreads();  // the previous row's MMAs and sums are done with shared memory
+    // A row that sees none of this CTA's keys (in a causal prefill, about half of all row x key
+    // block pairs): its scores are -inf as below, without the products. CTA-uniform (row, key0).
+    if (!positions && key0 >= a.visible[row]) {
+      const long long t = key0 + threadIdx.x;
+      if (threadIdx.x < scan_keys && t < a.n_keys) a.scores[static_cast<long long>(row) * a.n_keys + t] = bf16::from_bits(0xFF80);
+      continue;
+    }
     if (key_source(row) != loaded || positions) {
       int until = row + 1;
       while (!positions && until < row_end && key_source(until) == key_source(row)) ++until;
