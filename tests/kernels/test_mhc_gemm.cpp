@@ -113,6 +113,26 @@ BOOST_AUTO_TEST_CASE(block_scaled_gemms_match_the_official_vectors) {
   BOOST_CHECK_THROW(kernels::gemm::fp8_gemm_reference({5, 96, 250}, a_q, a_s, {}, {}), dsv4::error);
 }
 
+// The FP4 lane word: every code at every element round-trips, and the bits sit where the GEMM's
+// conversion takes them (magnitudes as byte-permute selectors, signs where E4M3 signs go).
+BOOST_AUTO_TEST_CASE(fp4_lane_word_places_magnitudes_and_signs) {
+  using kernels::gemm::fp4_lane_code;
+  using kernels::gemm::fp4_lane_word;
+  std::size_t wrong = 0;
+  for (int e = 0; e < 8; ++e)
+    for (int c = 0; c < 16; ++c) {
+      std::uint8_t codes[8] = {1, 2, 3, 4, 5, 6, 7, 0};  // neighbours that must not disturb element e
+      codes[e] = std::uint8_t(c);
+      const std::uint32_t w = fp4_lane_word(codes);
+      for (int f = 0; f < 8; ++f) wrong += fp4_lane_code(w, f) != codes[f];
+      const std::uint32_t mag_shift = e < 4 ? 4 * e : 16 + 4 * (e - 4), sign_bit = e < 4 ? 8 * e + 7 : 8 * (e - 4) + 3;
+      wrong += (w >> mag_shift & 7u) != std::uint32_t(c & 7) || (w >> sign_bit & 1u) != std::uint32_t(c >> 3);
+    }
+  BOOST_TEST(wrong == 0u);
+  const std::uint8_t negative_ones[8] = {0xA, 0xA, 0xA, 0xA, 0xA, 0xA, 0xA, 0xA};  // -1.0 everywhere: magnitude 2, sign
+  BOOST_TEST(fp4_lane_word(negative_ones) == 0xAAAAAAAAu);  // 2 in every nibble's low bits, every nibble's top bit set
+}
+
 BOOST_AUTO_TEST_CASE(mma_tile_layout_holds_every_code_where_the_kernels_read_it) {
   using kernels::gemm::weight_format;
   auto rng = test::make_rng(40);
@@ -134,9 +154,11 @@ BOOST_AUTO_TEST_CASE(mma_tile_layout_holds_every_code_where_the_kernels_read_it)
           const std::uint8_t got = t.codes[(std::size_t(rt) * kb_count + kb) * 512 + lane * 16 + half * 8 + i];
           wrong += got != (row < n ? codes[std::size_t(row) * k + e] : 0);
         } else {
-          const std::uint8_t byte = t.codes[(std::size_t(rt) * kb_count + kb) * 256 + lane * 8 + half * 4 + i / 2];
+          const std::uint8_t* word = t.codes.data() + (std::size_t(rt) * kb_count + kb) * 256 + lane * 8 + half * 4;
+          const std::uint32_t w = std::uint32_t(word[0]) | std::uint32_t(word[1]) << 8 | std::uint32_t(word[2]) << 16 |
+                                  std::uint32_t(word[3]) << 24;
           const int want = row < n ? numerics::load_code<numerics::e2m1>(codes.data() + std::size_t(row) * (k / 2), e) : 0;
-          wrong += ((byte >> (4 * (i % 2))) & 0xF) != want;
+          wrong += kernels::gemm::fp4_lane_code(w, i) != want;
           if (e % 32 == 0) {
             const int want_s = row < n ? scales[std::size_t(row) * kb_count + kb] : 127;
             wrong += t.scales[(std::size_t(rt) * kb_count + kb) * 16 + row % 16] != want_s;

@@ -7,10 +7,11 @@
 //! reference.hpp (checkpoint layout).
 //!
 //! Method (measured in bench/bench_gemm.cu, docs/perf.md; reasons in docs/decisions.md):
-//! - Tensor cores through `mma.sync.m16n8k32` E4M3 x E4M3 -> fp32. One MMA instruction covers
-//!   exactly one 32-wide K block, so every block's dot product comes out of the tensor core on
-//!   its own and is scaled and added to an fp32 accumulator in increasing K order, as the
-//!   reference does (the sum inside a block is the tensor core's, as in the official kernel).
+//! - Tensor cores through the m16n8k32 E4M3 x E4M3 -> fp32 product (on sm_90 two f16 MMAs, see
+//!   `mma_e4m3`). One product covers exactly one 32-wide K block, so every block's dot product
+//!   comes out of the tensor core on its own and is scaled and added to an fp32 accumulator in
+//!   increasing K order, as the reference does (the sum inside a block is the tensor core's, as
+//!   in the official kernel).
 //! - The MMA runs "swapped": the weight rows are the MMA's M side (16 per fragment) and the
 //!   tokens its N side (8 per fragment), so a decode step with one token wastes no weight bytes.
 //!   Both operands are read straight from global memory into registers: inside each 32-block the
@@ -19,7 +20,10 @@
 //!   an activation fragment one 8-byte load and a weight fragment one 16-byte (FP4: 8-byte) load
 //!   from a contiguous 512-byte (256) run per warp.
 //! - FP4 weights become E4M3 in registers: every E2M1 value (0, 0.5 .. 6) is an E4M3 value, so
-//!   the conversion (two byte permutes) is exact and the FP8 MMA computes the same products.
+//!   the conversion (a byte permute per four codes, from a lane word laid out for it) is exact and
+//!   the FP8 MMA computes the same products.
+//! - sm_90 has no FP8 mma.sync (Hopper's FP8 tensor cores are wgmma's): the m16n8k32 E4M3 product
+//!   is two f16 m16n8k16 MMAs on exactly converted operands, written out here (`mma_e4m3`).
 //! - Decode shapes (few tokens, weights streamed once) split K across CTAs so that every SM
 //!   streams; the last CTA of each output tile to finish sums the slices' fp32 partials in slice
 //!   order (deterministic; the order differs from the reference's by a few fp32 ulp), so one
@@ -98,22 +102,57 @@ namespace detail {
 
 inline constexpr int gemm_warps = 4;  // per CTA; each warp owns its own weight rows
 
-DSV4_DEVICE void mma_e4m3(const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1, float (&d)[4]) {
+//! Two E4M3 codes (bits 0..15 of `v` when `High` is false, else 16..31) -> f16x2, exact.
+template <bool High>
+DSV4_DEVICE std::uint32_t e4m3x2_to_f16x2(std::uint32_t v) {
+  std::uint32_t out = 0;
+#if DSV4_DEVICE_PASS
+  const unsigned short half = static_cast<unsigned short>(High ? v >> 16 : v & 0xFFFFu);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(out) : "h"(half));
+#endif
+  return out;
+}
+
+DSV4_DEVICE void mma_f16(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
 #if DSV4_DEVICE_PASS
   asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%10,%10,%10};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
 }
 
-//! Four E2M1 codes (16 bits, element i in bits 4i..4i+3) -> four E4M3 bytes of the same values.
-DSV4_DEVICE std::uint32_t e2m1x4_to_e4m3x4(std::uint32_t v) {
-  // Magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 as E4M3 bytes; a byte permute looks them up.
-  const std::uint32_t mag = __byte_perm(0x3C383000u, 0x4C484440u, v & 0x7777u);
-  const std::uint32_t sign = __byte_perm(0x00008000u, 0u, (v >> 3) & 0x1111u);
-  return mag | sign;
+//! An E4M3 A fragment as f16: converted once per weight fragment, it serves every token tile.
+struct e4m3_fragment {
+  std::uint32_t lo[4], hi[4];  // f16x2 of the low and the high byte pair of each register
+  DSV4_DEVICE explicit e4m3_fragment(const std::uint32_t (&a)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) lo[i] = e4m3x2_to_f16x2<false>(a[i]), hi[i] = e4m3x2_to_f16x2<true>(a[i]);
+  }
+};
+
+//! d = the m16n8k32 E4M3 product of one 32-wide K block, from zero. sm_90 has no FP8 mma.sync
+//! (its FP8 tensor cores are wgmma's): ptxas lowers `mma.m16n8k32.e4m3` to exactly this, two
+//! f16 MMAs over the low and the high byte pairs of every register (E4M3 -> f16 is exact, the
+//! products are exact in fp32), and then adds the zero accumulator in one more instruction per
+//! element. Written out, that addition (which only turns -0 into +0) is gone.
+DSV4_DEVICE void mma_e4m3(const e4m3_fragment& a, std::uint32_t b0, std::uint32_t b1, float (&d)[4]) {
+  d[0] = d[1] = d[2] = d[3] = 0.0f;
+  mma_f16(d, a.lo, e4m3x2_to_f16x2<false>(b0), e4m3x2_to_f16x2<false>(b1));
+  mma_f16(d, a.hi, e4m3x2_to_f16x2<true>(b0), e4m3x2_to_f16x2<true>(b1));
+}
+
+//! One row's 8 FP4 codes of a lane word (weight_tiles.hpp, `fp4_lane_word`) -> the E4M3 bytes of
+//! elements 0..3 (`lo`) and 4..7 (`hi`), exact (every E2M1 value is an E4M3 value). The word keeps
+//! the magnitudes as byte-permute selectors and each sign bit where a byte's sign goes, so a
+//! group of four costs a mask, a byte permute and a merge of the signs (plus two shifts for the
+//! upper group): 8 instructions for 8 codes instead of 12.
+DSV4_DEVICE void fp4_lane_word_to_e4m3(std::uint32_t w, std::uint32_t& lo, std::uint32_t& hi) {
+  // Magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 as E4M3 bytes; a byte permute looks them up (a selector
+  // nibble's top bit would replicate a sign instead, hence the masks).
+  constexpr std::uint32_t lut_lo = 0x3C383000u, lut_hi = 0x4C484440u;
+  lo = __byte_perm(lut_lo, lut_hi, w & 0x7777u) | (w & 0x80808080u);
+  hi = __byte_perm(lut_lo, lut_hi, (w >> 16) & 0x7777u) | ((w << 4) & 0x80808080u);
 }
 
 //! 2^(code - 127), NaN for 0xFF; branch-free (code 0 is the subnormal 2^-127).
@@ -273,14 +312,15 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
           for (int i = 0; i < 4; ++i) frag[i] = st.wf[u][r][i];
         } else {
           // FP4 -> E4M3, exact: row g's 8 codes give a0 (elements 0..3) and a2 (4..7).
-          frag[0] = e2m1x4_to_e4m3x4(st.wf[u][r][0] & 0xFFFFu), frag[2] = e2m1x4_to_e4m3x4(st.wf[u][r][0] >> 16);
-          frag[1] = e2m1x4_to_e4m3x4(st.wf[u][r][1] & 0xFFFFu), frag[3] = e2m1x4_to_e4m3x4(st.wf[u][r][1] >> 16);
+          fp4_lane_word_to_e4m3(st.wf[u][r][0], frag[0], frag[2]);
+          fp4_lane_word_to_e4m3(st.wf[u][r][1], frag[1], frag[3]);
         }
+        const e4m3_fragment a16(frag);
         const float ws0 = ue8m0_value(st.wsc[u][r][0]), ws1 = kFp8 ? ws0 : ue8m0_value(st.wsc[u][r][kWScales - 1]);
 #pragma unroll
         for (int t = 0; t < TokenTiles; ++t) {
           float d[4];
-          mma_e4m3(frag, st.af[u][t].x, st.af[u][t].y, d);
+          mma_e4m3(a16, st.af[u][t].x, st.af[u][t].y, d);
           // acc += (d * a_scale) * w_scale of the reference, as one FMA with the product of the
           // two power-of-two scales: d * s is exact, so the FMA rounds once like the reference's
           // add (the same value unless the scales' product leaves the normal fp32 range).

@@ -135,7 +135,7 @@ DSV4_KERNEL void __launch_bounds__(256)
       if constexpr (WF == weight_format::fp8_tile32)
         v[i] = numerics::fast_decode<numerics::e4m3>(std::uint8_t(words[2 * h + i / 4] >> (8 * (i % 4))));
       else
-        v[i] = numerics::fast_decode<numerics::e2m1>(std::uint8_t((words[h] >> (4 * i)) & 0xFu));
+        v[i] = numerics::fast_decode<numerics::e2m1>(fp4_lane_code(words[h], i));
     }
     unsigned packed[4];
 #pragma unroll

@@ -14,7 +14,8 @@
 //! - FP8 codes: 512 bytes per (rt, kb) at (rt * KB + kb) * 512; lane l's 16 bytes at l * 16 hold
 //!   row 16 rt + g, elements 32 kb + 8 q .. + 7, then row 16 rt + g + 8, the same elements.
 //! - FP4 codes: 256 bytes per (rt, kb) at (rt * KB + kb) * 256; lane l's 8 bytes at l * 8 hold
-//!   the 8 codes (4 bytes, low nibble first) of row 16 rt + g, then those of row 16 rt + g + 8.
+//!   a lane word (`fp4_lane_word`, 32 bits) with the 8 codes of row 16 rt + g, elements
+//!   32 kb + 8 q .. + 7, then the lane word of row 16 rt + g + 8.
 //! - FP8 scales keep the checkpoint layout [ceil(N/32), KB]; FP4 scales become 16 bytes per
 //!   (rt, kb) at (rt * KB + kb) * 16, one per row of the tile.
 //! Rows past N (up to the next multiple of 16) are zero codes with scale 2^0.
@@ -36,6 +37,30 @@ enum class weight_format {
 };
 
 inline constexpr int mma_tile_rows = 16;
+
+//! The lane word of 8 E2M1 codes (code e = sign << 3 | magnitude, elements e = 0..7): magnitude
+//! e < 4 in bits 4e..4e+2 and magnitude 4 + i in bits 16 + 4i..+2 (byte-permute selectors for
+//! the kernel's E2M1 -> E4M3 lookup); the sign of element i < 4 in bit 8i + 7 and of element 4 + i
+//! in bit 8i + 3 (where the E4M3 byte's sign goes, directly or after a shift by 4). The GEMM then
+//! converts four codes with a mask, a byte permute and a merge (block_scaled_gemm.cuh).
+DSV4_HOST_DEVICE constexpr std::uint32_t fp4_lane_word(const std::uint8_t (&code)[8]) {
+  std::uint32_t w = 0;
+  for (int i = 0; i < 4; ++i) {
+    w |= std::uint32_t(code[i] & 7u) << (4 * i);
+    w |= std::uint32_t(code[4 + i] & 7u) << (16 + 4 * i);
+    w |= std::uint32_t(code[i] >> 3 & 1u) << (8 * i + 7);
+    w |= std::uint32_t(code[4 + i] >> 3 & 1u) << (8 * i + 3);
+  }
+  return w;
+}
+
+//! Code e (0..7) of a lane word: the inverse of fp4_lane_word.
+DSV4_HOST_DEVICE constexpr std::uint8_t fp4_lane_code(std::uint32_t w, int e) {
+  const int i = e % 4;
+  const std::uint32_t mag = e < 4 ? w >> (4 * i) & 7u : w >> (16 + 4 * i) & 7u;
+  const std::uint32_t sign = e < 4 ? w >> (8 * i + 7) & 1u : w >> (8 * i + 3) & 1u;
+  return std::uint8_t(sign << 3 | mag);
+}
 
 inline const char* weight_format_name(weight_format wf) { return wf == weight_format::fp8_tile32 ? "fp8" : "fp4"; }
 
@@ -95,7 +120,10 @@ inline tiled_weight tile_weight(weight_format wf, int n, int k, std::span<const 
             for (int i = 0; i < 8; ++i) tile[lane * 16 + half * 8 + i] = src[i];
           } else {
             const std::uint8_t* src = codes.data() + std::size_t(row) * (k / 2) + kb * 16 + (lane % 4) * 4;
-            for (int i = 0; i < 4; ++i) tile[lane * 8 + half * 4 + i] = src[i];
+            std::uint8_t element[8];  // the checkpoint packs element 2j in byte j's low nibble
+            for (int e = 0; e < 8; ++e) element[e] = std::uint8_t(src[e / 2] >> (4 * (e % 2)) & 0xFu);
+            const std::uint32_t w = fp4_lane_word(element);
+            for (int i = 0; i < 4; ++i) tile[lane * 8 + half * 4 + i] = std::uint8_t(w >> (8 * i));
           }
         }
     }
