@@ -50,9 +50,10 @@ constexpr int steps = 6;
 constexpr int chunk_a = 9, chunk_b = 5, more_steps = 2;  // appended chunks (exact mode), then decode again
 constexpr int len_a = prompt + steps + chunk_a + more_steps, len_b = 12 + steps + chunk_b + more_steps;
 
-model::device_model<tiny>::limits tiny_limits() {
+model::device_model<tiny>::limits tiny_limits(bool ced_appends = false) {
   model::device_model<tiny>::limits lim;
   lim.max_seqs = 2, lim.max_rows = 64, lim.max_tokens = 128, lim.page_tokens = 16;
+  lim.ced_appends = ced_appends;
   return lim;
 }
 std::size_t bits_differ(const std::vector<float>& a, const std::vector<float>& b) {
@@ -66,13 +67,15 @@ std::size_t bits_differ(const std::vector<float>& a, const std::vector<float>& b
 //! Two sequences (prompts of `prompt` and 12 tokens), each prefilled, then `steps` decode steps
 //! as one batch, then a chunk appended to each (chunk_a, chunk_b tokens: a tool result or a new
 //! turn), then `more_steps` decode steps; every call's logits, in order ([vocab] per prefill and
-//! append, [2, vocab] per step).
+//! append, [2, vocab] per step). `ced`: the first sequence's prefill and both appends in CED mode
+//! (the model needs limits::ced_appends).
 template <class M>
-std::vector<std::vector<float>> run_calls(M& m, std::uint64_t salt) {
+std::vector<std::vector<float>> run_calls(M& m, std::uint64_t salt, bool ced = false) {
   const auto a = test::tiny_random_ids(salt, len_a), b = test::tiny_random_ids(salt + 1, len_b);
   std::vector<std::vector<float>> out;
   const int sa = m.add_sequence(), sb = m.add_sequence();
-  out.push_back(m.prefill(sa, std::span<const std::int32_t>(a).first(prompt)));
+  out.push_back(ced ? m.prefill_ced(sa, std::span<const std::int32_t>(a).first(prompt))
+                    : m.prefill(sa, std::span<const std::int32_t>(a).first(prompt)));
   out.push_back(m.prefill(sb, std::span<const std::int32_t>(b).first(12)));
   int at_a = prompt, at_b = 12;
   auto decode = [&](int n) {
@@ -82,8 +85,10 @@ std::vector<std::vector<float>> run_calls(M& m, std::uint64_t salt) {
     }
   };
   decode(steps);
-  out.push_back(m.append(sa, std::span<const std::int32_t>(a).subspan(std::size_t(at_a), chunk_a)));
-  out.push_back(m.append(sb, std::span<const std::int32_t>(b).subspan(std::size_t(at_b), chunk_b)));
+  const auto chunk_of_a = std::span<const std::int32_t>(a).subspan(std::size_t(at_a), chunk_a);
+  const auto chunk_of_b = std::span<const std::int32_t>(b).subspan(std::size_t(at_b), chunk_b);
+  out.push_back(ced ? m.append_ced(sa, chunk_of_a) : m.append(sa, chunk_of_a));
+  out.push_back(ced ? m.append_ced(sb, chunk_of_b) : m.append(sb, chunk_of_b));
   at_a += chunk_a, at_b += chunk_b;
   decode(more_steps);
   m.release_sequence(sa), m.release_sequence(sb);
@@ -174,6 +179,12 @@ BOOST_AUTO_TEST_CASE(world_of_one_equals_the_device_model,
   const auto want = run_calls(dm, 5), got = run_calls(one, 5);
   BOOST_REQUIRE_EQUAL(got.size(), want.size());
   for (std::size_t c = 0; c < got.size(); ++c) BOOST_TEST(bits_differ(got[c], want[c]) == 0u, "call " << c);
+  // The CED prefill and CED appends (the per-sequence tail of limits::ced_appends) alike.
+  model::device_model<tiny> dm_ced(hm, tiny_limits(true));
+  auto one_ced = parallel::tp_device_model<tiny>::staged(tp, tiny_limits(true));
+  const auto want_ced = run_calls(dm_ced, 6, true), got_ced = run_calls(one_ced, 6, true);
+  BOOST_REQUIRE_EQUAL(got_ced.size(), want_ced.size());
+  for (std::size_t c = 0; c < got_ced.size(); ++c) BOOST_TEST(bits_differ(got_ced[c], want_ced[c]) == 0u, "CED call " << c);
 }
 
 BOOST_AUTO_TEST_CASE(two_ranks_on_one_gpu_follow_the_simulation,
@@ -267,15 +278,16 @@ BOOST_AUTO_TEST_CASE(nccl_equals_staged_multigpu,
                      *utf::label("multigpu") * utf::precondition(test::has_cuda_devices{2})) {
   io::checkpoint full = tiny_checkpoint(85);
   const auto tp = parallel::tp_model<tiny>::load(full, test::tiny_identity_map(), 2);
-  auto staged = parallel::tp_device_model<tiny>::staged(tp, tiny_limits());
-  auto nccl = parallel::make_nccl_tp_device_model(tp, tiny_limits(), {0, 1});
-  for (std::uint64_t salt : {11u, 12u}) {
-    const auto want = run_calls(staged, salt), got = run_calls(nccl, salt);
+  auto staged = parallel::tp_device_model<tiny>::staged(tp, tiny_limits(true));
+  auto nccl = parallel::make_nccl_tp_device_model(tp, tiny_limits(true), {0, 1});
+  for (std::uint64_t salt : {11u, 12u, 13u}) {
+    const bool ced = salt == 13;  // the CED prefill and CED appends over NCCL
+    const auto want = run_calls(staged, salt, ced), got = run_calls(nccl, salt, ced);
     BOOST_REQUIRE_EQUAL(got.size(), want.size());
     std::size_t differ = 0, total = 0;
     for (std::size_t c = 0; c < got.size(); ++c)
       differ += bits_differ(got[c], want[c]), total += got[c].size();
-    BOOST_TEST_MESSAGE("2 ranks over NCCL vs staged on one GPU, salt " << salt << ": " << differ << " of "
+    BOOST_TEST_MESSAGE("2 ranks over NCCL vs staged on one GPU, salt " << salt << (ced ? " (CED)" : "") << ": " << differ << " of "
                                                                        << total << " logits differ");
     BOOST_TEST(differ == 0u);
   }
