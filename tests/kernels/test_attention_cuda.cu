@@ -308,8 +308,8 @@ BOOST_AUTO_TEST_CASE(device_reads_packed_caches, *utf::label("gpu") * utf::preco
 }
 
 // One decode row of 64 heads is one CTA unsplit: the launcher must spread its ten chunks over
-// the SMs, as long as the (row, head group) grid fills fewer than half of them; a prefill-sized
-// grid must not split.
+// the SMs, as long as three or more splits fit beside the (row, head group) grid; a
+// prefill-sized grid must not split.
 BOOST_AUTO_TEST_CASE(decode_rows_split_prefill_rows_do_not, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   auto ws = sparse_attention_workspace::for_device<512>();
   sparse_attention_args a;
@@ -321,8 +321,15 @@ BOOST_AUTO_TEST_CASE(decode_rows_split_prefill_rows_do_not, *utf::label("gpu") *
   BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 10);
   a.batch = 16;  // 16 CTAs: at most 8 splits, so two chunks each: 5 splits
   BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 5);
-  a.batch = 64;  // 64 CTAs: two splits of five chunks fill 128 SMs
+  a.batch = 44;  // 44 CTAs: three splits fit (132 SMs), of four, four and two chunks
+  BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 3);
+  a.batch = 45;  // 45 CTAs: only two splits of five chunks would fit, slower than unsplit
+  BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 1);
+  a.batch = 64;
+  BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 1);
+  a.batch = 60, a.topk = 128;  // a list of two chunks still splits in two where two fit
   BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 2);
+  a.topk = 640;
   a.batch = 128;  // 128 CTAs already
   BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 1);
   a.batch = 1, a.rows = 4096;

@@ -573,17 +573,21 @@ DSV4_KERNEL void __launch_bounds__(Dim / 4) sparse_attention_merge_kernel(sparse
   merge_channels<Dim>(a, sp, blockIdx.x, blockIdx.y, 4 * threadIdx.x);
 }
 
-//! The split for a launch: none when the (row, head group) grid fills half the SMs or more, the
-//! list has one chunk, or no workspace is given; else as many splits as fit the grid into one
-//! CTA per SM (every split beyond the first also adds its chunks to the maximum pass, so more
-//! splits are not free), whole chunks each, as far as the workspace holds the partials.
+//! The split for a launch: none when the list has one chunk, no workspace is given, or fewer than
+//! three splits would fit the (row, head group) grid into one CTA per SM (two where the list has
+//! only two chunks); else as many splits as fit (every split beyond the first also adds its
+//! chunks to the maximum pass, so more splits are not free), whole chunks each, as far as the
+//! workspace holds the partials. Why not two splits of a longer list: at 64 decode rows of 640
+//! indices two splits of five chunks took 134 us on the H200 and the unsplit launch 122 us
+//! (bench_attention, thirteenth session): the maximum pass and the merge cost more than half the
+//! grid's idle SMs give back.
 template <int Dim>
 kv_split choose_split(const sparse_attention_args& a, sparse_attention_workspace* ws, int sms) {
   kv_split sp;
   const int chunks = (a.topk + sparse_chunk - 1) / sparse_chunk;
   const long long rows = static_cast<long long>(a.batch) * a.rows;
   const long long ctas = rows * ((a.heads + heads_per_cta(a.heads) - 1) / heads_per_cta(a.heads));
-  if (!ws || chunks < 2 || ctas == 0 || 2 * ctas > sms) return sp;
+  if (!ws || chunks < 2 || ctas == 0 || sms / ctas < std::min(3, chunks)) return sp;
   long long splits = std::min<long long>(chunks, sms / ctas);
   const long long per_split_floats = rows * a.heads * (Dim + 4), max_floats = rows * a.heads * chunks;
   splits = std::min<long long>(splits, (static_cast<long long>(ws->floats()) - max_floats) / std::max(per_split_floats, 1LL));
