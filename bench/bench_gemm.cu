@@ -18,6 +18,7 @@
 
 #include "bench_util.cuh"
 #include "dsv4/kernels/gemm/dequant_gemm.cuh"
+#include "dsv4/kernels/gemm/wgmma_gemm.cuh"
 #include "dsv4/kernels/norm/rmsnorm.cuh"
 
 using namespace dsv4;
@@ -99,11 +100,12 @@ int main(int argc, char** argv) {
     FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
     if (jf) std::fprintf(jf, "{\"copy_gbps\": %.1f, \"gemm_tflops\": %.1f, \"results\": [\n", ceil.copy_bps / 1e9, ceil.gemm_fps / 1e12);
     bool first = true;
-    // "mma us": the MMA kernel (split-K); "dq+cuBLAS": dequantize to bf16 + cuBLAS (M >= 64 only);
-    // TFLOP/s, GB/s and the floor ratio are of the faster of the two; "cuBLAS us" is a plain bf16
-    // GEMM on bf16 weights of the same shape, "speedup" its time over ours.
-    std::printf("%-10s %4s %6s %6s %5s %9s %9s %9s %9s %9s %11s %9s\n", "layer", "fmt", "N", "K", "M", "mma us",
-                "dq+cuBLAS", "TFLOP/s", "GB/s", "vs floor", "cuBLAS us", "speedup");
+    // "mma us": the mma.sync kernel (split-K); "wgmma us": the wgmma kernel (M <= 256 only);
+    // "dq+cuBLAS": dequantize to bf16 + cuBLAS (M >= 64 only); TFLOP/s, GB/s and the floor ratio
+    // are of the fastest; "cuBLAS us" is a plain bf16 GEMM on bf16 weights of the same shape,
+    // "speedup" its time over ours.
+    std::printf("%-10s %4s %6s %6s %5s %9s %9s %9s %9s %9s %9s %11s %9s\n", "layer", "fmt", "N", "K", "M", "mma us",
+                "wgmma us", "dq+cuBLAS", "TFLOP/s", "GB/s", "vs floor", "cuBLAS us", "speedup");
     for (const auto& L : layers) {
       const bool fp8 = L.wf == weight_format::fp8_tile32;
       const kernels::gemm::weight_tile_shape tiles{L.n, L.k, L.wf};  // the MMA-tile layout's sizes
@@ -125,7 +127,8 @@ int main(int argc, char** argv) {
         runtime::device_buffer<bf16> c(std::size_t(m) * L.n);
         runtime::device_buffer<unsigned short> abf(std::size_t(m) * L.k), cbf(std::size_t(m) * L.n);
         abf.fill_bytes(0x3c);
-        kernels::gemm::gemm_workspace work(std::max<std::size_t>(1, kernels::gemm::gemm_partial_floats(s)),
+        kernels::gemm::gemm_workspace work(std::max<std::size_t>({1, kernels::gemm::gemm_partial_floats(s),
+                                                                  kernels::gemm::wgmma_partial_floats(s)}),
                                            m >= 64 ? kernels::gemm::dequant_elems(s) : 0);
         int it = 0;
         auto args = [&](int i) {
@@ -135,6 +138,9 @@ int main(int argc, char** argv) {
         const int calls = std::max(20, copies);  // every copy once per replay: no weight stays in L2
         const double ms = bench::median_ms_per_call([&](cudaStream_t st) {
           kernels::gemm::block_scaled_gemm(args(it++ % copies), L.wf, &work, st);
+        }, calls);
+        const double ms_wgmma = m > 256 ? 0.0 : bench::median_ms_per_call([&](cudaStream_t st) {
+          kernels::gemm::wgmma_gemm(args(it++ % copies), L.wf, &work, st);
         }, calls);
         const double ms_dq = m < 64 ? 0.0 : bench::median_ms_per_call([&](cudaStream_t st) {
           kernels::gemm::dequant_gemm(args(it++ % copies), L.wf, work, h, st);
@@ -153,15 +159,16 @@ int main(int argc, char** argv) {
         const double flops = 2.0 * m * double(L.n) * L.k;
         const double bytes = double(w_bytes + ws_bytes) + double(m) * (L.k + L.k / 32) + 2.0 * m * L.n;
         const double floor_s = ceil.floor_s(flops, bytes);
-        const double best = ms_dq > 0 ? std::min(ms, ms_dq) : ms;
-        std::printf("%-10s %4s %6d %6d %5d %9.1f %9.1f %9.1f %9.0f %8.1f%% %11.1f %8.2fx\n", L.name, fp8 ? "fp8" : "fp4",
-                    L.n, L.k, m, ms * 1e3, ms_dq * 1e3, flops / (best * 1e-3) / 1e12, bytes / (best * 1e-3) / 1e9,
+        double best = ms_dq > 0 ? std::min(ms, ms_dq) : ms;
+        if (ms_wgmma > 0) best = std::min(best, ms_wgmma);
+        std::printf("%-10s %4s %6d %6d %5d %9.1f %9.1f %9.1f %9.1f %9.0f %8.1f%% %11.1f %8.2fx\n", L.name,
+                    fp8 ? "fp8" : "fp4", L.n, L.k, m, ms * 1e3, ms_wgmma * 1e3, ms_dq * 1e3, flops / (best * 1e-3) / 1e12, bytes / (best * 1e-3) / 1e9,
                     100 * floor_s / (best * 1e-3), ms_cublas * 1e3, ms_cublas / best);
         if (jf)
           std::fprintf(jf,
                        "%s  {\"layer\": \"%s\", \"format\": \"%s\", \"n\": %d, \"k\": %d, \"m\": %d, \"us\": %.2f, "
-                       "\"dequant_cublas_us\": %.2f, \"tflops\": %.2f, \"ratio\": %.4f, \"cublas_bf16_us\": %.2f}",
-                       first ? "" : ",\n", L.name, fp8 ? "fp8" : "fp4", L.n, L.k, m, ms * 1e3, ms_dq * 1e3,
+                       "\"wgmma_us\": %.2f, \"dequant_cublas_us\": %.2f, \"tflops\": %.2f, \"ratio\": %.4f, \"cublas_bf16_us\": %.2f}",
+                       first ? "" : ",\n", L.name, fp8 ? "fp8" : "fp4", L.n, L.k, m, ms * 1e3, ms_wgmma * 1e3, ms_dq * 1e3,
                        flops / (best * 1e-3) / 1e12, floor_s / (best * 1e-3), ms_cublas * 1e3);
         first = false;
       }

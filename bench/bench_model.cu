@@ -2,7 +2,7 @@
 //! decode tokens/s at several batch sizes, global-cache bytes per token actually allocated.
 //! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N]
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced]
-//!                    [--engram-host-tables] [--chunk N] [--json FILE]
+//!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--json FILE]
 //!
 //! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
 //! routed experts cut to 16 (DSpark stages to 8) and small Engram tables, so that one H200 holds it
@@ -23,6 +23,8 @@
 //! ahead of the Engram layers (device_model::limits::engram_host_tables); the fetch statistics
 //! (bytes, gather time, the time the launching thread waited for it) are printed at the end. With
 //! `--checkpoint`, the tables are then read in place from the checkpoint's memory mapping.
+//! `--gemm wgmma`: the few-token block-scaled GEMMs (the FP8 linears below the dequantize +
+//! cuBLAS path) run on the wgmma kernel (gemm/wgmma_gemm.cuh) instead of mma.sync.
 
 #include <chrono>
 #include <cmath>
@@ -155,7 +157,9 @@ int run(FILE* jf, const options& opt) {
   const auto ceiling = bench::ceilings::measure();
   std::printf("weights: a decode step reads >= %.2f GB at batch 1; a prefill token is %.2f GFLOP of matmuls\n",
               traffic.decode_bytes(1) / 1e9, traffic.prefill_flops_per_token() / 1e9);
-  std::printf("floor: decode = weight bytes / copy bandwidth; prefill = matmul FLOPs / cuBLAS bf16 rate\n\n");
+  std::printf("floor: decode = weight bytes / copy bandwidth; prefill = matmul FLOPs / cuBLAS bf16 rate\n");
+  std::printf("few-token block-scaled GEMMs: %s\n\n",
+              kernels::gemm::current_decode_gemm() == kernels::gemm::decode_gemm::wgmma ? "wgmma" : "mma.sync");
   std::printf("%-12s %8s %6s %11s %12s %11s %7s\n", "what", "tokens", "batch", "seconds", "tokens/s", "floor s", "ratio");
   bool first_row = true;
   auto row = [&](const char* what, long long tokens, int batch, double s, double tps, double floor_s) {
@@ -263,6 +267,8 @@ int run(FILE* jf, const options& opt) {
                        "\"bytes\": %.0f, \"gather_seconds\": %.6f, \"waited_seconds\": %.6f}",
                    Model::name, j, f.calls, f.rows, f.bytes, f.gather_s, f.waited_s);
   }
+  if (kernels::gemm::current_decode_gemm() == kernels::gemm::decode_gemm::wgmma)
+    std::printf("wgmma GEMM launches: %llu\n", kernels::gemm::wgmma_gemm_calls());
   std::printf("\n");
   return 0;
 }
@@ -289,10 +295,14 @@ int main(int argc, char** argv) {
         opt.profile_prefill = argv[++i];
       else if (a == "--engram-host-tables") opt.engram_host_tables = true;
       else if (a == "--chunk" && has_value) opt.chunk = bench::int_list(a, argv[++i]).at(0);
+      else if (a == "--gemm" && has_value && (std::string(argv[i + 1]) == "mma" || std::string(argv[i + 1]) == "wgmma"))
+        kernels::gemm::set_decode_gemm(std::string(argv[++i]) == "wgmma" ? kernels::gemm::decode_gemm::wgmma
+                                                                        : kernels::gemm::decode_gemm::mma_sync);
       else {
         std::fprintf(stderr,
                      "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N] "
-                     "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] [--chunk N] [--json FILE]\n");
+                     "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] [--chunk N] "
+                     "[--gemm mma|wgmma] [--json FILE]\n");
         return 2;
       }
     }

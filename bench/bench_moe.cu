@@ -8,7 +8,8 @@
 //! measured in the same run; times per call, graph-replayed. "cuBLAS path": the same call given a
 //! cuBLAS handle where moe_forward then takes its prefill path (>= 32 rows per expert: bf16 copies
 //! and per-expert cuBLAS GEMMs; one stream synchronization per call, so timed call by call with
-//! CUDA events instead of a graph).
+//! CUDA events instead of a graph). "wgmma us" (up to 64 tokens): the same call with the grouped
+//! expert GEMMs and the shared expert's linears on the wgmma kernel (gemm::set_decode_gemm).
 
 #include <cstdio>
 #include <set>
@@ -46,8 +47,8 @@ int main(int argc, char** argv) {
     bias.fill_bytes(0);
     const moe::moe_weights w{gate.data(), bias.data(), nullptr, w1.data(), w1s.data(), w3.data(), w3s.data(), w2.data(),
                              w2s.data(),  s1.data(),   s1s.data(), s3.data(), s3s.data(), s2.data(), s2s.data()};
-    std::printf("%7s %10s %9s %11s %9s %9s %9s %14s %9s\n", "tokens", "median us", "experts", "weight GB/s", "vs copy",
-                "TFLOP/s", "vs gemm", "cuBLAS path us", "vs gemm");
+    std::printf("%7s %10s %9s %11s %9s %9s %9s %10s %14s %9s\n", "tokens", "median us", "experts", "weight GB/s",
+                "vs copy", "TFLOP/s", "vs gemm", "wgmma us", "cuBLAS path us", "vs gemm");
     cublasHandle_t blas = nullptr;
     gemm::detail::blas_check(cublasCreate(&blas), "bench_moe: cublasCreate");
     FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
@@ -65,6 +66,12 @@ int main(int argc, char** argv) {
                                                   tokens >= 4096 ? 2 : 10);
       const double bytes = double(distinct.size()) * expert_bytes + shared_bytes + gate.bytes();
       const double flops = double(tokens) * (s.k + 1) * 3 * 2.0 * s.dim * s.inter;
+      double ms_wgmma = 0.0;
+      if (tokens <= 64) {
+        gemm::set_decode_gemm(gemm::decode_gemm::wgmma);  // read when the graph is captured
+        ms_wgmma = bench::median_ms_per_call([&](cudaStream_t st) { moe::moe_forward(x.data(), tokens, nullptr, w, y.data(), ws, st); }, 10);
+        gemm::set_decode_gemm(gemm::decode_gemm::mma_sync);
+      }
       const bool dense = tokens * s.k >= moe::dense_min_rows_per_expert * s.experts;
       const double ms_dense =
           dense ? bench::median_ms([&] { moe::moe_forward(x.data(), tokens, nullptr, w, y.data(), ws, nullptr, blas); }, 2, 10)
@@ -72,15 +79,19 @@ int main(int argc, char** argv) {
       std::printf("%7lld %10.1f %9zu %11.0f %8.1f%% %9.1f %8.1f%%", tokens, ms * 1e3, distinct.size(),
                   bytes / (ms * 1e-3) / 1e9, 100 * bytes / ceil.copy_bps / (ms * 1e-3), flops / (ms * 1e-3) / 1e12,
                   100 * flops / ceil.gemm_fps / (ms * 1e-3));
+      if (ms_wgmma > 0)
+        std::printf(" %10.1f", ms_wgmma * 1e3);
+      else
+        std::printf(" %10s", "-");
       if (dense)
         std::printf(" %14.1f %8.1f%%\n", ms_dense * 1e3, 100 * flops / ceil.gemm_fps / (ms_dense * 1e-3));
       else
         std::printf(" %14s %9s\n", "-", "-");
       if (jf)
         std::fprintf(jf, "%s  {\"tokens\": %lld, \"us\": %.2f, \"experts\": %zu, \"copy_ratio\": %.4f, \"gemm_ratio\": %.4f, "
-                         "\"cublas_path_us\": %.2f}",
+                         "\"wgmma_us\": %.2f, \"cublas_path_us\": %.2f}",
                      first ? "" : ",\n", tokens, ms * 1e3, distinct.size(), bytes / ceil.copy_bps / (ms * 1e-3),
-                     flops / ceil.gemm_fps / (ms * 1e-3), ms_dense * 1e3);
+                     flops / ceil.gemm_fps / (ms * 1e-3), ms_wgmma * 1e3, ms_dense * 1e3);
       first = false;
     }
     cublasDestroy(blas);

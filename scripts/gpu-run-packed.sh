@@ -26,11 +26,14 @@ for t in tests/test_*_cuda; do
   grep "was skipped" "$out/$n.log" | grep -vq '_multigpu" was skipped' && { r="FAILED (GPU cases skipped)"; fail=1; }
   log "$n: $r $(grep -aE 'DSV4_TEST_SEED|error:' "$out/$n.log" | head -3 | tr '\n' ' ')"
 done
-if apps/dsv4 run --backend cuda --tokens 3 --seed 7 > "$out/cli.log" 2>&1 && grep -q "generated:" "$out/cli.log"; then
-  log "dsv4 run --backend cuda: passed"
-else
-  fail=1; log "dsv4 run --backend cuda: FAILED"
-fi
+for gemm in mma wgmma; do
+  if apps/dsv4 run --backend cuda --gemm $gemm --tokens 3 --seed 7 > "$out/cli.$gemm.log" 2>&1 &&
+      grep -q "generated:" "$out/cli.$gemm.log"; then
+    log "dsv4 run --backend cuda --gemm $gemm: passed"
+  else
+    fail=1; log "dsv4 run --backend cuda --gemm $gemm: FAILED"
+  fi
+done
 sanitize() {
   local tool=$1 list=$2 extra=()
   [ "$tool" = initcheck ] && extra=(--kernel-name-exclude kns=splitKreduce)  # see gpu-suite.sh

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <string>
 
+#include "dsv4/kernels/gemm/wgmma_gemm.cuh"
 #include "dsv4/model/device_model.cuh"
 
 namespace dsv4::apps {
@@ -31,12 +32,20 @@ cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cl
   lim.max_rows = int(std::max<std::size_t>(prompt.size(), 1));
   lim.max_tokens = std::max(total, 1LL);
   lim.engram_host_tables = request.engram_host_tables;
+  // --gemm wgmma: the process-wide GEMM choice for this generation (an error where wgmma cannot run).
+  struct gemm_choice {
+    explicit gemm_choice(bool wgmma) {
+      if (wgmma) kernels::gemm::set_decode_gemm(kernels::gemm::decode_gemm::wgmma);
+    }
+    ~gemm_choice() { kernels::gemm::set_decode_gemm(kernels::gemm::decode_gemm::mma_sync); }
+  } choice(request.wgmma_gemms);
   model::device_model<models::tiny> dm(m, lim);
   const int slot = dm.add_sequence();
 
   cli::generation g;
   g.device = std::string("CUDA backend on ") + prop.name +
-             (request.engram_host_tables ? ", Engram tables in host memory" : "");
+             (request.engram_host_tables ? ", Engram tables in host memory" : "") +
+             (request.wgmma_gemms ? ", wgmma GEMMs" : "");
   cli::run_generation(
       request, g, [&] { return request.ced ? dm.prefill_ced(slot, prompt) : dm.prefill(slot, prompt); },
       [&] { return dm.length(slot); },  // the counter: the position of the token drawn, as the host backend's

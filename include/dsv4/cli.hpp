@@ -45,6 +45,7 @@ inline void usage(std::ostream& os) {
         "  run [--config tiny] [--checkpoint PATH] [--prompt IDS] [--tokens N]\n"
         "      [--temperature T] [--top-k K] [--top-p P] [--seed S] [--prefill exact|ced]\n"
         "      [--speculative off|dspark] [--backend host|cuda] [--engram-tables device|host]\n"
+        "      [--gemm mma|wgmma]\n"
         "                       generate N tokens (default 8) after a prompt of comma-separated\n"
         "                       token ids (default 1,2,...,8) and print them with the prefill and\n"
         "                       decode throughput; without --checkpoint the built-in tiny model\n"
@@ -53,7 +54,9 @@ inline void usage(std::ostream& os) {
         "                       the GPU (when dsv4 was built with CUDA); with --engram-tables host\n"
         "                       its Engram tables stay in host memory, read in place from the\n"
         "                       checkpoint, and each call's rows are fetched to the GPU (the\n"
-        "                       layout for V4.1's ~100 GB tables). Both run the tiny variant\n"
+        "                       layout for V4.1's ~100 GB tables); --gemm wgmma runs its\n"
+        "                       few-token GEMMs on Hopper's wgmma instead of mma.sync (not yet\n"
+        "                       the default: see docs/perf.md). Both run the tiny variant\n"
         "                       only (V4.1's weights need a multi-GPU or offloaded build, issues 5\n"
         "                       and 7). --prefill ced runs\n"
         "                       the encoder over the prompt and the decoder over its last window\n"
@@ -286,7 +289,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
     if (cmd == "run") {
       const auto o =
           detail::parse(args, cmd, {"config", "checkpoint", "prompt", "tokens", "temperature", "top-k", "top-p", "seed", "prefill",
-                                    "speculative", "backend", "engram-tables"});
+                                    "speculative", "backend", "engram-tables", "gemm"});
       const std::string prefill_mode = o.named.count("prefill") ? o.named.at("prefill") : "exact";
       if (prefill_mode != "exact" && prefill_mode != "ced")
         throw error("run: --prefill must be 'exact' or 'ced', got '" + prefill_mode + "'");
@@ -306,6 +309,9 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
         throw error("run: --engram-tables must be 'device' or 'host', got '" + engram_tables + "'");
       if (engram_tables == "host" && backend != "cuda")
         throw error("run: --engram-tables applies to --backend cuda (the host backend always reads its tables in host memory)");
+      const std::string gemm = o.named.count("gemm") ? o.named.at("gemm") : "mma";
+      if (gemm != "mma" && gemm != "wgmma") throw error("run: --gemm must be 'mma' or 'wgmma', got '" + gemm + "'");
+      if (gemm == "wgmma" && backend != "cuda") throw error("run: --gemm applies to --backend cuda (the host backend has no GPU GEMMs)");
       if (!o.positional.empty()) throw error("run: unexpected argument '" + o.positional[0] + "'");
       const std::string config = detail::host_config(cmd, o);
       using tiny = models::tiny;
@@ -340,6 +346,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       run_request req;  // what the host and CUDA backends are asked
       req.prompt = prompt, req.n_new = n_new, req.sampling = sp, req.ced = prefill_mode == "ced";
       req.engram_host_tables = engram_tables == "host";
+      req.wgmma_gemms = gemm == "wgmma";
       if (backend == "cuda") {  // timed by the backend (device set-up and weight upload excluded)
         const generation g = extra.cuda(m, req);
         generated = g.tokens, prefill_s = g.prefill_s, decode_s = g.decode_s, device = g.device;

@@ -84,6 +84,10 @@ BOOST_AUTO_TEST_CASE(run_rejects_what_it_cannot_do) {
   BOOST_TEST((r.code == 2 && has(r.err, "--engram-tables applies to --backend cuda")));
   r = run({"run", "--engram-tables", "disk"});
   BOOST_TEST((r.code == 2 && has(r.err, "--engram-tables must be 'device' or 'host', got 'disk'")));
+  r = run({"run", "--gemm", "wgmma"});
+  BOOST_TEST((r.code == 2 && has(r.err, "--gemm applies to --backend cuda")));
+  r = run({"run", "--gemm", "tcgen05"});
+  BOOST_TEST((r.code == 2 && has(r.err, "--gemm must be 'mma' or 'wgmma', got 'tcgen05'")));
 }
 
 // The backend plumbing of `run`: a registered backend gets the loaded model, the prompt, the

@@ -16,12 +16,14 @@
 #include <random>
 #include <vector>
 
+#include "dsv4/kernels/gemm/wgmma_gemm.cuh"
 #include "dsv4/model/device_model.cuh"
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/tiny.hpp"
 #include "support/checkpoints.hpp"
 #include "support/errors.hpp"
 #include "support/gpu.hpp"
+#include "support/wgmma.cuh"
 #include "support/logit_stats.hpp"
 #include "support/random.hpp"
 
@@ -119,6 +121,51 @@ BOOST_AUTO_TEST_CASE(tiny_logits_match_host, *utf::label("gpu") * utf::precondit
   const int fresh = dm.add_sequence();
   const std::int32_t one[1] = {5};
   BOOST_TEST(test::throws_with([&] { dm.decode({fresh}, one); }, "no prefill"));
+}
+
+// The tiny model with its few-token GEMMs on wgmma (gemm::set_decode_gemm): the FP8 linears below
+// the dequantize + cuBLAS path and the MoE's grouped expert GEMMs. A prefill of 45 tokens (under
+// dequant_min_tokens, so the linears take the few-token kernel too) and 8 decode steps of two
+// sequences, against the host model within the bounds above.
+BOOST_AUTO_TEST_CASE(tiny_logits_match_host_with_wgmma_gemms, *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
+  struct use_wgmma {
+    use_wgmma() { kernels::gemm::set_decode_gemm(kernels::gemm::decode_gemm::wgmma); }
+    ~use_wgmma() { kernels::gemm::set_decode_gemm(kernels::gemm::decode_gemm::mma_sync); }
+  } scope;
+  const unsigned long long before = kernels::gemm::wgmma_gemm_calls();
+  const auto hm = load_tiny("device_model_wgmma", 44);
+  model::device_model<tiny> dm(hm, tiny_limits(2, 64, 96));
+  auto rng = test::make_rng(97);
+  const std::vector<int> prompt = {45, 10};
+  const int steps = 8, V = tiny::dims.vocab_size;
+  std::vector<model::host_sequence> host(prompt.size());
+  std::vector<std::vector<std::int32_t>> ids(prompt.size());
+  std::vector<int> slots;
+  test::logit_stats prefill_stats, decode_stats;
+  for (std::size_t s = 0; s < prompt.size(); ++s) {
+    ids[s].resize(std::size_t(prompt[s] + steps));
+    for (auto& id : ids[s]) id = std::int32_t(rng() % std::uint64_t(V));
+    const auto p = std::span<const std::int32_t>(ids[s]).first(std::size_t(prompt[s]));
+    slots.push_back(dm.add_sequence());
+    prefill_stats.add(dm.prefill(slots.back(), p), model::forward(hm, host[s], p));
+  }
+  for (int step = 0; step < steps; ++step) {
+    std::vector<std::int32_t> tok;
+    for (std::size_t s = 0; s < prompt.size(); ++s) tok.push_back(ids[s][std::size_t(prompt[s] + step)]);
+    const auto got = dm.decode(slots, tok);
+    for (std::size_t s = 0; s < prompt.size(); ++s)
+      decode_stats.add(std::span<const float>(got).subspan(s * std::size_t(V), std::size_t(V)),
+                       model::forward(hm, host[s], std::span<const std::int32_t>(&tok[s], 1)));
+  }
+  BOOST_TEST_MESSAGE("tiny model on wgmma GEMMs, device vs host logits: prefill worst " << prefill_stats.worst
+                     << ", cosine >= " << prefill_stats.min_cosine << "; decode worst " << decode_stats.worst
+                     << ", cosine >= " << decode_stats.min_cosine << ", argmax " << decode_stats.argmax_same << "/"
+                     << decode_stats.rows << "; " << kernels::gemm::wgmma_gemm_calls() - before << " wgmma launches");
+  BOOST_TEST(kernels::gemm::wgmma_gemm_calls() > before);  // the path was taken
+  BOOST_TEST(prefill_stats.worst < 0.3);
+  BOOST_TEST(decode_stats.worst < 0.3);
+  BOOST_TEST(prefill_stats.min_cosine > 0.95);
+  BOOST_TEST(decode_stats.min_cosine > 0.95);
 }
 
 // The CED prefill on the device: up to the window it is the device's exact prefill bit for bit

@@ -33,6 +33,7 @@ struct run_request {
   kernels::sampling::sampling_params sampling;
   bool ced = false;                           //!< --prefill ced
   bool engram_host_tables = false;            //!< --engram-tables host: the tables stay in host memory
+  bool wgmma_gemms = false;                   //!< --gemm wgmma: few-token GEMMs on wgmma (CUDA backend)
   //! Asked before each decode step (empty: never): true stops the generation there (a server's
   //! client went away; nobody would read the rest).
   std::function<bool()> cancelled;

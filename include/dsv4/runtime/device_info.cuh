@@ -31,4 +31,7 @@ inline int sm_count() { return detail::cached_device_attribute<cudaDevAttrMultiP
 //! The most dynamic shared memory one block may opt in to on the current device (bytes).
 inline int max_shared_per_block_optin() { return detail::cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(); }
 
+//! The compute capability's major number of the current device (9: Hopper, sm_90).
+inline int compute_capability_major() { return detail::cached_device_attribute<cudaDevAttrComputeCapabilityMajor>(); }
+
 }  // namespace dsv4::runtime

@@ -161,6 +161,37 @@ DSV4_DEVICE float ue8m0_value(std::uint32_t code) {
   return __uint_as_float(bits);
 }
 
+//! The end of a split-K CTA whose slice's fp32 partials are written: releases them, takes a ticket
+//! on the output tile's counter, and if it is the last slice to arrive sums the tile's partials
+//! (`rows` x `toks` outputs from (row0, tok_base)) in slice order, so the result does not depend
+//! on arrival order, writes them to C as bf16 and zeroes the counter for the next GEMM.
+DSV4_DEVICE void finish_split_k(numerics::bf16* c, const float* partials, unsigned* counter, int slices, int M, int N,
+                                int row0, int rows, int tok_base, int toks) {
+  __threadfence();
+  __syncthreads();
+  __shared__ unsigned ticket;
+  if (threadIdx.x == 0) ticket = atomicAdd(counter, 1u);
+  __syncthreads();
+  if (ticket != unsigned(slices - 1)) return;
+  __threadfence();
+  for (int idx = threadIdx.x; idx < rows * toks; idx += blockDim.x) {
+    const int row = row0 + idx % rows, tok = tok_base + idx / rows;
+    const long long at = (long long)tok * N + row;
+    // Up to 16 partials in flight at a time, added in slice order (the first one starts the sum).
+    float sum = 0.0f;
+    for (int s0 = 0; s0 < slices; s0 += 16) {
+      float buf[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u) buf[u] = s0 + u < slices ? __ldcg(partials + (long long)(s0 + u) * M * N + at) : 0.0f;
+#pragma unroll
+      for (int u = 0; u < 16; ++u)
+        if (s0 + u < slices) sum = (s0 + u == 0) ? buf[u] : sum + buf[u];
+    }
+    c[at] = numerics::bf16::from_float(sum);
+  }
+  if (threadIdx.x == 0) *counter = 0;  // ready for the next GEMM
+}
+
 //! One CTA: gemm_warps warps x RowTiles x 16 weight rows, TokenTiles x 8 tokens, one K slice of
 //! `kbps` blocks. Grid: x = token groups (fastest, so CTAs that share weights run together and
 //! find them in L2), y = K slices, z = row groups. With one slice the CTA
@@ -399,33 +430,9 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
           partials[((long long)blockIdx.y * M + tok) * N + row] = acc[r][t][i];
       }
   if (slices == 1) return;
-  // Release this slice's partial, take a ticket; the last arrival reduces the tile.
-  __threadfence();
-  __syncthreads();
-  __shared__ unsigned ticket;
-  unsigned* counter = counters + z * gridDim.x + blockIdx.x;  // (split K: never a pair)
-  if (threadIdx.x == 0) ticket = atomicAdd(counter, 1u);
-  __syncthreads();
-  if (ticket != unsigned(slices - 1)) return;
-  __threadfence();
   const int row0 = int(z) * kRowsPerCta;
-  const int rows = min(kRowsPerCta, N - row0), toks = min(kToksPerCta, M - tok_base);
-  for (int idx = threadIdx.x; idx < rows * toks; idx += blockDim.x) {
-    const int row = row0 + idx % rows, tok = tok_base + idx / rows;
-    const long long at = (long long)tok * N + row;
-    // Up to 16 partials in flight at a time, added in slice order (the first one starts the sum).
-    float sum = 0.0f;
-    for (int s0 = 0; s0 < slices; s0 += 16) {
-      float buf[16];
-#pragma unroll
-      for (int u = 0; u < 16; ++u) buf[u] = s0 + u < slices ? __ldcg(partials + (long long)(s0 + u) * M * N + at) : 0.0f;
-#pragma unroll
-      for (int u = 0; u < 16; ++u)
-        if (s0 + u < slices) sum = (s0 + u == 0) ? buf[u] : sum + buf[u];
-    }
-    g.c[at] = numerics::bf16::from_float(sum);
-  }
-  if (threadIdx.x == 0) *counter = 0;  // ready for the next GEMM
+  finish_split_k(g.c, partials, counters + z * gridDim.x + blockIdx.x, slices, M, N, row0, min(kRowsPerCta, N - row0),
+                 tok_base, min(kToksPerCta, M - tok_base));  // (split K: never a pair)
 }
 
 //! The launch shape chosen for a problem.
@@ -518,6 +525,34 @@ void launch(const block_scaled_gemm_args& g, const gemm_plan& p, gemm_workspace*
 
 }  // namespace detail
 
+namespace detail {
+//! The checks of a grouped GEMM (or pair) whose CTAs cover `rows_per_cta` weight rows; throws
+//! dsv4::error prefixed with `who`.
+inline void check_grouped_args(const char* who, const block_scaled_gemm_args& g, const gemm_groups& groups,
+                               weight_format wf, int token_tiles, const block_scaled_gemm_args* second,
+                               int rows_per_cta) {
+  const std::string w = who;
+  if (auto why = check_args(g, wf); !why.empty()) throw error(w + ": " + why);
+  if (second) {
+    if (auto why = check_args(*second, wf); !why.empty()) throw error(w + " (second GEMM): " + why);
+    const auto &a = g.shape, &b = second->shape;
+    if (a.m != b.m || a.n != b.n || a.k != b.k || g.a != second->a || g.a_s != second->a_s)
+      throw error(w + ": a pair of GEMMs must share the shape and the activations");
+  }
+  if (!groups.tile_group || !groups.tile_row0 || !groups.tile_rows || !groups.tile_count)
+    throw error(w + ": the tile list is incomplete");
+  if (token_tiles != 1 && token_tiles != 2) throw error(w + ": tiles are 8 or 16 rows");
+  const long long n_bound = second ? 65535LL / 2 * rows_per_cta : 65535LL * rows_per_cta;
+  if (g.shape.n > n_bound)
+    throw error(w + ": N " + std::to_string(g.shape.n) + " exceeds " + std::to_string(n_bound) +
+                (second ? " (a pair of GEMMs)" : ""));
+  const long long align = wf == weight_format::fp8_tile32 ? 16 : 8;
+  if (groups.w_group_bytes % align != 0 || groups.w_group_bytes < 0 || groups.ws_group_bytes < 0)
+    throw error(w + ": the weight stride between groups (" + std::to_string(groups.w_group_bytes) +
+                " bytes) must be a non-negative multiple of " + std::to_string(align));
+}
+}  // namespace detail
+
 //! The grouped GEMM: C[r] = A[a_row_index(r)] W_group^T for every tile of the list; `max_tiles`
 //! bounds the list's length (the grid), `token_tiles` (1 or 2) is the list's tile height / 8.
 //! One 16-row weight tile per CTA, its K range split over the four warps (a tile list has few
@@ -528,25 +563,7 @@ void launch(const block_scaled_gemm_args& g, const gemm_plan& p, gemm_workspace*
 inline void grouped_block_scaled_gemm(const block_scaled_gemm_args& g, const gemm_groups& groups, weight_format wf,
                                       int max_tiles, int token_tiles, cudaStream_t stream = nullptr,
                                       const block_scaled_gemm_args* second = nullptr) {
-  if (auto why = detail::check_args(g, wf); !why.empty()) throw error("grouped_block_scaled_gemm: " + why);
-  if (second) {
-    if (auto why = detail::check_args(*second, wf); !why.empty())
-      throw error("grouped_block_scaled_gemm (second GEMM): " + why);
-    const auto &a = g.shape, &b = second->shape;
-    if (a.m != b.m || a.n != b.n || a.k != b.k || g.a != second->a || g.a_s != second->a_s)
-      throw error("grouped_block_scaled_gemm: a pair of GEMMs must share the shape and the activations");
-  }
-  if (!groups.tile_group || !groups.tile_row0 || !groups.tile_rows || !groups.tile_count)
-    throw error("grouped_block_scaled_gemm: the tile list is incomplete");
-  if (token_tiles != 1 && token_tiles != 2) throw error("grouped_block_scaled_gemm: tiles are 8 or 16 rows");
-  const long long n_bound = second ? 65535LL / 2 * 16 : 65535LL * 16;
-  if (g.shape.n > n_bound)
-    throw error("grouped_block_scaled_gemm: N " + std::to_string(g.shape.n) + " exceeds " + std::to_string(n_bound) +
-                (second ? " (a pair of GEMMs)" : ""));
-  const long long align = wf == weight_format::fp8_tile32 ? 16 : 8;
-  if (groups.w_group_bytes % align != 0 || groups.w_group_bytes < 0 || groups.ws_group_bytes < 0)
-    throw error("grouped_block_scaled_gemm: the weight stride between groups (" + std::to_string(groups.w_group_bytes) +
-                " bytes) must be a non-negative multiple of " + std::to_string(align));
+  detail::check_grouped_args("grouped_block_scaled_gemm", g, groups, wf, token_tiles, second, 16);
   if (max_tiles <= 0 || g.shape.n == 0) return;
   const unsigned row_groups = unsigned((g.shape.n + 15) / 16);  // one 16-row tile per CTA, K over the warps
   const dim3 grid(unsigned(max_tiles), 1, second ? 2 * row_groups : row_groups);

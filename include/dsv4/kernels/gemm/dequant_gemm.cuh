@@ -27,6 +27,7 @@
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
 #include "dsv4/kernels/gemm/dense.cuh"
+#include "dsv4/kernels/gemm/wgmma_gemm.cuh"
 #include "dsv4/numerics/fast_codec.cuh"
 #include "dsv4/numerics/minifloat.hpp"
 
@@ -219,13 +220,15 @@ inline void dequant_gemm(const block_scaled_gemm_args& g, weight_format wf, gemm
   }
 }
 
-//! The linear layer of an FP8 / FP4 weight (after act_quant): picks the path by token count.
+//! The linear layer of an FP8 / FP4 weight (after act_quant): picks the path by token count, the
+//! dequantize + cuBLAS path from dequant_min_tokens where the workspace allows it, else the
+//! few-token kernel set_decode_gemm chose (wgmma_gemm.cuh).
 inline void block_scaled_linear(const block_scaled_gemm_args& g, weight_format wf, gemm_workspace* workspace,
                                 cublasHandle_t blas, cudaStream_t stream = nullptr) {
   if (blas && workspace && g.shape.m >= dequant_min_tokens &&
       plan_dequant_passes(g.shape, workspace->dequant_elems()).rows > 0)
     return dequant_gemm(g, wf, *workspace, blas, stream);
-  block_scaled_gemm(g, wf, workspace, stream);
+  decode_block_scaled_gemm(g, wf, workspace, stream);
 }
 
 }  // namespace dsv4::kernels::gemm

@@ -42,6 +42,7 @@
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
 #include "dsv4/kernels/gemm/dequant_gemm.cuh"
+#include "dsv4/kernels/gemm/wgmma_gemm.cuh"
 #include "dsv4/kernels/gemm/weight_tiles.hpp"
 #include "dsv4/kernels/moe/reference.hpp"
 #include "dsv4/numerics/bf16.hpp"
@@ -664,7 +665,7 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
                                     s.inter, ws.u.data(), first, count, ws, blas, stream);
   } else {
     const gemm::block_scaled_gemm_args up3{{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w3, w.w3_s, ws.u.data()};
-    gemm::grouped_block_scaled_gemm(
+    gemm::decode_grouped_gemm(
         {{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w1, w.w1_s, ws.g.data()}, groups,
         gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream, &up3);  // w1 and w3 in one launch
   }
@@ -677,7 +678,7 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
     detail::dense_expert_projection(ws.hq.data(), ws.hs.data(), nullptr, s.inter, w.w2, w.w2_s, s.dim,
                                     ws.expert_out.data(), first, count, ws, blas, stream);
   else
-    gemm::grouped_block_scaled_gemm(
+    gemm::decode_grouped_gemm(
         {{pairs, s.dim, s.inter}, ws.hq.data(), ws.hs.data(), w.w2, w.w2_s, ws.expert_out.data()}, groups,
         gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
   // 5. Shared expert (FP8), all tokens.
