@@ -259,8 +259,10 @@ BOOST_AUTO_TEST_CASE(exact_products_are_exact, *utf::label("gpu") * utf::precond
 // The wgmma kernel at every width (8, 16, 32, 64 tokens per CTA, two token groups of 64), FP8
 // and FP4, split and unsplit. Its FP8 products accumulate inside the tensor core at reduced
 // precision (DeepSeek-V3's report: about 14 bits on Hopper; the 32 products of one block only,
-// each block promoted to fp32 as the reference does), so the bound on cancellation is 2^-10 of
-// the sum of magnitudes instead of 2^-16, and half the outputs (not 90%) must be bit-equal.
+// each block promoted to fp32 as the reference does): 32 products each cut at ~2^-14 of the
+// block's largest can move a block's sum by up to 2^-9 of its magnitudes, so that is the bound on
+// cancellation instead of 2^-16 (a wrong layout errs by O(1)), and half the outputs (not 90%)
+// must be bit-equal.
 // Calibrate both from the printed worst / exact counts on the first device run.
 BOOST_AUTO_TEST_CASE(wgmma_matches_host, *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
   const gemm_shape shapes[] = {{1, 512, 5120}, {5, 72, 160}, {13, 1280, 1024}, {29, 272, 2048}, {37, 300, 512},
@@ -273,8 +275,8 @@ BOOST_AUTO_TEST_CASE(wgmma_matches_host, *utf::label("gpu") * utf::precondition(
       const auto want = op.reference(), mag = op.reference(true);
       const std::string name = std::string(wf == weight_format::fp8_tile32 ? "wgmma fp8" : "wgmma fp4") + " M" +
                                std::to_string(s.m) + " N" + std::to_string(s.n) + " K" + std::to_string(s.k);
-      expect_close(op.device_wgmma(true), want, mag, (name + " split-K").c_str(), 0x1p-10, 0.5);
-      expect_close(op.device_wgmma(false), want, mag, (name + " one slice").c_str(), 0x1p-10, 0.5);
+      expect_close(op.device_wgmma(true), want, mag, (name + " split-K").c_str(), 0x1p-9, 0.5);
+      expect_close(op.device_wgmma(false), want, mag, (name + " one slice").c_str(), 0x1p-9, 0.5);
     }
 }
 
@@ -346,7 +348,7 @@ BOOST_AUTO_TEST_CASE(grouped_gemms_match_host, *utf::label("gpu") * utf::precond
         kernels::gemm::grouped_block_scaled_gemm(g0, groups, wf, 6, 2, nullptr, &g1);
       DSV4_CUDA_CHECK(cudaDeviceSynchronize());
       const std::string name = std::string(on_wgmma ? "grouped wgmma " : "grouped mma.sync ") + (fp8 ? "fp8" : "fp4");
-      const double mag_tol = on_wgmma ? 0x1p-10 : 0x1p-16, min_exact = on_wgmma ? 0.5 : 0.9;
+      const double mag_tol = on_wgmma ? 0x1p-9 : 0x1p-16, min_exact = on_wgmma ? 0.5 : 0.9;
       expect_close(dc0.download(), want[0], mag[0], (name + ", first of the pair").c_str(), mag_tol, min_exact);
       expect_close(dc1.download(), want[1], mag[1], (name + ", second of the pair").c_str(), mag_tol, min_exact);
     }
@@ -371,7 +373,7 @@ BOOST_AUTO_TEST_CASE(decode_gemm_switch_routes_the_linear_layer, *utf::label("gp
   }
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   BOOST_TEST(kernels::gemm::wgmma_gemm_calls() == before + 1);
-  expect_close(dc.download(), op.reference(), op.reference(true), "block_scaled_linear through wgmma", 0x1p-10, 0.5);
+  expect_close(dc.download(), op.reference(), op.reference(true), "block_scaled_linear through wgmma", 0x1p-9, 0.5);
   kernels::gemm::block_scaled_linear(g, op.wf, &work, blas.h);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   BOOST_TEST(kernels::gemm::wgmma_gemm_calls() == before + 1);  // mma_sync again: no wgmma launch
