@@ -1,8 +1,9 @@
 //! \brief Block-scaled linear layers of V4.1 (FP8 32x32-tile weights, FP4 experts) at decode and
 //! prefill token counts, against cuBLAS BF16 on the same shape and the weight-streaming floor.
-//! Usage: bench_gemm [--json FILE] [--plans]
+//! Usage: bench_gemm [--json FILE] [--plans | --wgmma-plans]
 //! --plans: instead of the table, sweep the MMA kernel's launch plans (tokens per CTA, the cap on
-//! the split-K reduction) at mid-size M, to choose make_plan's defaults.
+//! the split-K reduction) at mid-size M, to choose make_plan's defaults. --wgmma-plans: the same
+//! for the wgmma kernel (CTAs per SM the K split aims at, the reduction cap), M = 1 .. 128.
 //!
 //! Times are per call of back-to-back calls replayed as a CUDA graph (bench_util.cuh:
 //! median_ms_per_call), as a model's decode graph runs them. Each call reads a different copy
@@ -74,14 +75,65 @@ void sweep_plans(const layer_shape (&layers)[L], const bench::ceilings& ceil) {
   }
 }
 
+//! The wgmma kernel under a grid of plan options, M = 1, 8, 32, 64, 128 (weights rotated as below).
+template <std::size_t L>
+void sweep_wgmma_plans(const layer_shape (&layers)[L], const bench::ceilings& ceil) {
+  namespace g = kernels::gemm;
+  std::printf("%-10s %4s %5s %6s %8s %7s %7s %9s %9s\n", "layer", "fmt", "M", "tokens", "ctas/SM", "reduce", "slices", "us",
+              "vs floor");
+  for (const auto& layer : layers) {
+    const g::weight_tile_shape tiles{layer.n, layer.k, layer.wf};
+    const std::size_t w_bytes = tiles.code_bytes(), ws_bytes = tiles.scale_bytes();
+    const int copies = int(std::max<std::size_t>(1, ((std::size_t(256) << 20) + w_bytes - 1) / w_bytes));
+    runtime::device_buffer<std::uint8_t> w(w_bytes * copies), w_s(ws_bytes * copies);
+    bench::fill_codes(w.data(), w.size(), 1);
+    w_s.fill_bytes(127);
+    for (int m : {1, 8, 32, 64, 128}) {
+      const g::gemm_shape s{m, layer.n, layer.k};
+      runtime::device_buffer<std::uint8_t> a(std::size_t(m) * layer.k), a_s(std::size_t(m) * (layer.k / 32));
+      bench::fill_codes(a.data(), a.size(), 2);
+      a_s.fill_bytes(127);
+      runtime::device_buffer<bf16> c(std::size_t(m) * layer.n);
+      g::gemm_workspace work(std::size_t(std::max(1, layer.k / 256)) * m * layer.n);
+      const double bytes = double(w_bytes + ws_bytes) + double(m) * (layer.k + layer.k / 32) + 2.0 * m * layer.n;
+      const double floor_s = ceil.floor_s(2.0 * m * double(layer.n) * layer.k, bytes);
+      for (int per_sm : {1, 2, 3, 6})
+        for (int reduce : {128, 1024}) {
+          const auto p = g::detail::make_wgmma_plan(s, g::detail::sm_count(), work.partial_floats(), {per_sm, reduce});
+          int it = 0;
+          const double ms = bench::median_ms_per_call([&](cudaStream_t st) {
+            const int i = it++ % copies;
+            const g::block_scaled_gemm_args args{s, a.data(), a_s.data(), w.data() + w_bytes * i, w_s.data() + ws_bytes * i, c.data()};
+            if (layer.wf == weight_format::fp8_tile32)
+              g::detail::launch_wgmma<weight_format::fp8_tile32>(args, p, &work, st);
+            else
+              g::detail::launch_wgmma<weight_format::fp4_row32>(args, p, &work, st);
+          }, std::max(20, copies));
+          std::printf("%-10s %4s %5d %6d %8d %7d %7d %9.1f %8.1f%%\n", layer.name,
+                      layer.wf == weight_format::fp8_tile32 ? "fp8" : "fp4", m, p.tokens, per_sm, reduce, p.slices,
+                      ms * 1e3, 100 * floor_s / (ms * 1e-3));
+        }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string json;
-  bool plans = false;
+  bool plans = false, wgmma_plans = false;
   std::vector<char*> args_left{argv[0]};
-  for (int i = 1; i < argc; ++i) (std::string(argv[i]) == "--plans" ? (plans = true, void()) : args_left.push_back(argv[i]));
-  if (!bench::parse_json_option(int(args_left.size()), args_left.data(), "bench_gemm [--plans]", json)) return 2;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--plans")
+      plans = true;
+    else if (a == "--wgmma-plans")
+      wgmma_plans = true;
+    else
+      args_left.push_back(argv[i]);
+  }
+  if (!bench::parse_json_option(int(args_left.size()), args_left.data(), "bench_gemm [--plans | --wgmma-plans]", json))
+    return 2;
   try {
     const bench::ceilings ceil = bench::ceilings::measure();
     const layer_shape layers[] = {
@@ -91,6 +143,11 @@ int main(int argc, char** argv) {
         {"shared.w2", 5120, 2304, weight_format::fp8_tile32},    {"expert.w1", 2304, 5120, weight_format::fp4_row32},
         {"expert.w2", 5120, 2304, weight_format::fp4_row32},
     };
+    if (wgmma_plans) {
+      kernels::gemm::detail::require_wgmma("bench_gemm --wgmma-plans");
+      sweep_wgmma_plans(layers, ceil);
+      return 0;
+    }
     if (plans) {
       sweep_plans(layers, ceil);
       return 0;

@@ -332,23 +332,32 @@ struct wgmma_plan {
   unsigned token_groups = 0, row_groups = 0;
 };
 
+//! What bench_gemm --wgmma-plans sweeps; the defaults are make_wgmma_plan's choices.
+struct wgmma_plan_options {
+  int ctas_per_sm = 3;     //!< K is split until about this many CTAs per SM stream weights
+  int reduce_loads = 128;  //!< cap on the partials one thread of the last CTA reads (>= 1)
+};
+
 //! Tokens per CTA: the smallest wgmma N that holds the GEMM's tokens, 64 beyond. K is split as
 //! make_plan does (about three CTAs per SM), at least one staged chunk per slice, the last CTA's
 //! reduction capped at `reduce_loads` partials per thread, and as far as the workspace holds them.
 inline wgmma_plan make_wgmma_plan(const gemm_shape& s, int sms, std::size_t partial_floats,
-                                  int reduce_loads = 128) {
+                                  const wgmma_plan_options& o = {}) {
+  if (o.ctas_per_sm < 1 || o.reduce_loads < 1)
+    throw error("wgmma_gemm: plan options need ctas_per_sm >= 1 and reduce_loads >= 1, not " +
+                std::to_string(o.ctas_per_sm) + " and " + std::to_string(o.reduce_loads));
   wgmma_plan p;
   const int kb = s.k / 32;
   p.tokens = s.m <= 8 ? 8 : s.m <= 16 ? 16 : s.m <= 32 ? 32 : 64;
   p.row_groups = unsigned((s.n + wgmma_rows_per_cta - 1) / wgmma_rows_per_cta);
   p.token_groups = unsigned((s.m + p.tokens - 1) / p.tokens);
-  const long long tiles = (long long)p.row_groups * p.token_groups, target = 3LL * sms;
+  const long long tiles = (long long)p.row_groups * p.token_groups, target = (long long)o.ctas_per_sm * sms;
   long long slices = 1;
   if (tiles < target && tiles <= (long long)gemm_workspace::max_tiles) {
     slices = std::min<long long>((target + tiles - 1) / tiles, std::max(1, kb / wgmma_chunk_blocks));
     const long long tile_outputs = (long long)wgmma_rows_per_cta * std::min(s.m, p.tokens);
     slices =
-        std::min<long long>(slices, std::max<long long>(1, (long long)reduce_loads * 128 / tile_outputs));
+        std::min<long long>(slices, std::max<long long>(1, (long long)o.reduce_loads * 128 / tile_outputs));
   }
   const std::size_t per_slice = std::size_t(s.m) * std::size_t(s.n);
   if (per_slice)
