@@ -6,7 +6,11 @@
 //! max(FLOPs / bf16 GEMM rate, bytes / copy bandwidth), both ceilings measured in this run; the
 //! same launch with the global entries in pages found through a block table (`paged us`: the
 //! engine's layout, one more dependent load per entry); and a prefill-shaped call (2,048 query
-//! rows of one sequence, each with its own 640 indices).
+//! rows of one sequence, each with its own 640 indices). Built with DSV4_FLASHMLA_DIR (bench/CMakeLists.txt),
+//! a last table puts FlashMLA's SM90 sparse FP8 decode beside ours on the same shapes, in its V4
+//! "MODEL1" format (584 B per entry, window and selected entries alike: it has no FP4 path on this
+//! GPU), measured in the same process (bench/flashmla_model1.hpp). It runs after our rows are
+//! printed, so that a failure of the foreign kernel cannot cost them.
 
 #include <algorithm>
 #include <cstdio>
@@ -18,6 +22,9 @@
 #include "bench_util.cuh"
 #include "dsv4/kernels/attention/sparse_attention.cuh"
 #include "dsv4/numerics/formats.hpp"
+#if DSV4_BENCH_FLASHMLA
+#include "flashmla_model1.hpp"
+#endif
 
 using namespace dsv4;
 using namespace dsv4::kernels::attention;
@@ -84,6 +91,12 @@ int main(int argc, char** argv) {
     bool first = true;
     auto ws = sparse_attention_workspace::for_device<dim>();
     std::mt19937 rng(1);
+    struct row {
+      int batch;
+      long long context;
+      double us;
+    };
+    std::vector<row> ours;
     for (long long context : {8192ll, 131072ll}) {
       for (int batch : {1, 8, 64}) {
         const long long global = context;  // decoder owner: ratio 1, one entry per token
@@ -117,6 +130,7 @@ int main(int argc, char** argv) {
         pkv.page_bytes = static_cast<long long>(page_entries) * gl::bytes;
         pkv.entries_per_page = page_entries;
         const double ms_paged = bench::median_ms([&] { sparse_attention<dim>(a, pkv, nullptr, &ws); });
+        ours.push_back({batch, context, ms * 1e3});
         const int splits = detail::choose_split<dim>(a, &ws, runtime::sm_count()).splits;
         const double flops = 4.0 * batch * heads * double(topk) * dim;  // QK^T and PV
         const double bytes = double(batch) * (window * wl::bytes + selected * gl::bytes + 2.0 * heads * dim * 2 +
@@ -142,6 +156,23 @@ int main(int argc, char** argv) {
       if (jf)
         std::fprintf(jf, ",\n  {\"prefill_rows\": %d, \"us\": %.2f, \"tflops\": %.2f}", rows, ms * 1e3, flops / (ms * 1e-3) / 1e12);
     }
+#if DSV4_BENCH_FLASHMLA
+    // FlashMLA on the same shapes: window 128 + 512 selected of `context` compressed entries, 64
+    // heads, one query per sequence, the sink; its split-KV kernel and combine, the schedule made once.
+    std::printf("\nFlashMLA SM90 sparse FP8 decode (MODEL1, 584 B per entry) on the same shapes:\n");
+    std::printf("%6s %9s %12s %10s %10s %12s\n", "batch", "context", "FlashMLA us", "GB/s", "ours us", "ours / theirs");
+    for (const auto& r : ours) {
+      bench::flashmla_model1_decode fm(r.batch, window, selected, r.context, 7);
+      const double ms_fm = bench::median_ms([&] { fm.run(nullptr); });
+      const double bytes_fm = double(r.batch) * (double(topk) * bench::flashmla_model1_decode::bytes_per_token +
+                                                 2.0 * heads * dim * 2 + topk * 4.0);
+      std::printf("%6d %9lld %12.1f %10.1f %10.1f %12.2f\n", r.batch, r.context, ms_fm * 1e3,
+                  bytes_fm / (ms_fm * 1e-3) / 1e9, r.us, r.us / (ms_fm * 1e3));
+      if (jf)
+        std::fprintf(jf, ",\n  {\"flashmla_batch\": %d, \"context\": %lld, \"flashmla_us\": %.2f, \"ours_us\": %.2f}", r.batch,
+                     r.context, ms_fm * 1e3, r.us);
+    }
+#endif
     if (jf) {
       std::fprintf(jf, "\n]}\n");
       std::fclose(jf);
