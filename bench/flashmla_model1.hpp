@@ -21,8 +21,9 @@ namespace dsv4::bench {
 class flashmla_model1_decode {
  public:
   static constexpr int bytes_per_token = 584;
-  //! Random caches, queries and indices for `batch` sequences (finite values); the scheduling
-  //! metadata is computed here, once, as a serving engine does per batch shape.
+  //! Caches (a constant finite pattern), random queries and indices for `batch` sequences; the
+  //! scheduling metadata is computed here, once, as FlashMLA's front end does per batch shape.
+  //! FlashMLA's own launch checks exit the process instead of throwing (its utils.h).
   flashmla_model1_decode(int batch, int window, int selected, long long extra_tokens, unsigned seed);
   ~flashmla_model1_decode();
   flashmla_model1_decode(const flashmla_model1_decode&) = delete;
