@@ -16,15 +16,21 @@
 #include <random>
 #include <vector>
 
+#include "dsv4/io/checkpoint.hpp"
+#include "dsv4/io/json.hpp"
+#include "dsv4/io/npy.hpp"
+#include "dsv4/io/random_checkpoint.hpp"
 #include "dsv4/kernels/gemm/wgmma_gemm.cuh"
 #include "dsv4/model/device_model.cuh"
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/tiny.hpp"
 #include "support/checkpoints.hpp"
+#include "support/data.hpp"
 #include "support/errors.hpp"
 #include "support/gpu.hpp"
 #include "support/wgmma.cuh"
 #include "support/logit_stats.hpp"
+#include "support/parity.hpp"
 #include "support/random.hpp"
 
 namespace utf = boost::unit_test;
@@ -166,6 +172,61 @@ BOOST_AUTO_TEST_CASE(tiny_logits_match_host_with_wgmma_gemms, *utf::label("gpu")
   BOOST_TEST(decode_stats.worst < 0.3);
   BOOST_TEST(prefill_stats.min_cosine > 0.95);
   BOOST_TEST(decode_stats.min_cosine > 0.95);
+}
+
+// The CUDA model against the official reference (issue 6's parity, docs/parity.md): the golden
+// logits of tests/data/parity (the reference's fp32 logits on the scaled random tiny checkpoint of
+// seed 7, prefill then teacher-forced decode steps) against the device model on the same
+// checkpoint and ids, with the cases' tolerances (about 1.2x the reference's own CUDA-vs-CPU
+// spread). The device model follows the schedule's index-key ownership; the reference's stale
+// keys (spec 7's upstream quirk) change tiny's selection at even decode positions above 32 (the
+// host test compares those rows under the quirk), so such rows are reported, not bounded: they
+// are the only rows where the two semantics differ (the caches written are the same).
+BOOST_AUTO_TEST_CASE(cuda_model_matches_the_reference_logits, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  const auto cases = io::parse_json_file(test::data_path("parity/cases.json"));
+  const auto& top = cases.object();
+  BOOST_TEST_REQUIRE(top.at("config").string() == std::string(tiny::name));
+  io::checkpoint ck = io::random_checkpoint_in_memory(models::checkpoint_schema<tiny>(),
+                                                      std::uint64_t(top.at("checkpoint_seed").integer),
+                                                      io::parse_random_init(top.at("checkpoint_init").string()));
+  std::vector<std::int64_t> token_map(std::size_t(tiny::dims.vocab_size));
+  std::iota(token_map.begin(), token_map.end(), 0);
+  const auto hm = model::host_model<tiny>::load(ck, token_map);
+  model::device_model<tiny> dm(hm, tiny_limits(1, 128, 160));
+  for (const auto& c : top.at("cases").array()) {
+    const auto& o = c.object();
+    const std::string name = o.at("name").string();
+    const auto& tol = o.at("tolerance").object();
+    const double tol_max = tol.at("max_rel").number(), tol_rms = tol.at("rms_rel").number();
+    const auto prompt = test::ids_of(o.at("prompt").string()), decode = test::ids_of(o.at("decode").string());
+    const auto golden = io::read_npy_f32(test::data_path("parity/" + name + ".npy"));
+    BOOST_TEST_REQUIRE(golden.rows == 1 + decode.size());
+    const int slot = dm.add_sequence();
+    double worst_max = 0, worst_rms = 0, quirk_rms = 0;
+    int bounded = 0;
+    for (std::size_t r = 0; r < golden.rows; ++r) {
+      const auto logits = r == 0 ? dm.prefill(slot, prompt) : dm.decode({slot}, std::span<const std::int32_t>(&decode[r - 1], 1));
+      const auto e = test::compare_row(golden.row(r), logits, tol_max);
+      const long long pos = (long long)prompt.size() + (long long)r - 1;
+      const bool quirk_row = r > 0 && pos % 2 == 0 && pos > 2 * tiny::dims.indexer.index_topk;
+      const std::string where = name + " row " + std::to_string(r) + " (position " + std::to_string(pos) + ")";
+      BOOST_TEST(!std::isnan(e.rms_rel), where << ": NaN logits");
+      if (quirk_row) {
+        quirk_rms = std::max(quirk_rms, e.rms_rel);
+        continue;
+      }
+      ++bounded;
+      worst_max = std::max(worst_max, e.max_rel), worst_rms = std::max(worst_rms, e.rms_rel);
+      BOOST_TEST(e.max_rel <= tol_max, where << ": max relative error " << e.max_rel << " > " << tol_max);
+      BOOST_TEST(e.rms_rel <= tol_rms, where << ": rms relative error " << e.rms_rel << " > " << tol_rms);
+      BOOST_TEST((e.argmax_same || !e.decisive), where << ": argmax differs where the reference's top two are apart");
+    }
+    dm.release_sequence(slot);
+    BOOST_TEST_MESSAGE("CUDA model vs reference, " << name << ": " << bounded << " rows bounded, worst max relative error "
+                                                   << worst_max << " (tolerance " << tol_max << "), worst rms relative "
+                                                   << worst_rms << " (" << tol_rms << "); rows under the upstream quirk: worst rms "
+                                                   << quirk_rms);
+  }
 }
 
 // The CED prefill on the device: up to the window it is the device's exact prefill bit for bit
