@@ -2,7 +2,8 @@
 //! decode tokens/s at several batch sizes, global-cache bytes per token actually allocated.
 //! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N]
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced]
-//!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--json FILE]
+//!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
+//!                    [--json FILE]
 //!
 //! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
 //! routed experts cut to 16 (DSpark stages to 8) and small Engram tables, so that one H200 holds it
@@ -24,7 +25,8 @@
 //! (bytes, gather time, the time the launching thread waited for it) are printed at the end. With
 //! `--checkpoint`, the tables are then read in place from the checkpoint's memory mapping.
 //! `--gemm wgmma`: the few-token block-scaled GEMMs (the FP8 linears below the dequantize +
-//! cuBLAS path) run on the wgmma kernel (gemm/wgmma_gemm.cuh) instead of mma.sync.
+//! cuBLAS path) run on the wgmma kernel (gemm/wgmma_gemm.cuh) instead of mma.sync;
+//! `--gemm-max-tokens N` (with wgmma): up to N tokens (default 63) before that path.
 
 #include <chrono>
 #include <cmath>
@@ -158,8 +160,10 @@ int run(FILE* jf, const options& opt) {
   std::printf("weights: a decode step reads >= %.2f GB at batch 1; a prefill token is %.2f GFLOP of matmuls\n",
               traffic.decode_bytes(1) / 1e9, traffic.prefill_flops_per_token() / 1e9);
   std::printf("floor: decode = weight bytes / copy bandwidth; prefill = matmul FLOPs / cuBLAS bf16 rate\n");
-  std::printf("few-token block-scaled GEMMs: %s\n\n",
-              kernels::gemm::current_decode_gemm() == kernels::gemm::decode_gemm::wgmma ? "wgmma" : "mma.sync");
+  if (kernels::gemm::current_decode_gemm() == kernels::gemm::decode_gemm::wgmma)
+    std::printf("few-token block-scaled GEMMs: wgmma, up to %d tokens\n\n", kernels::gemm::wgmma_max_tokens());
+  else
+    std::printf("few-token block-scaled GEMMs: mma.sync\n\n");
   std::printf("%-12s %8s %6s %11s %12s %11s %7s\n", "what", "tokens", "batch", "seconds", "tokens/s", "floor s", "ratio");
   bool first_row = true;
   auto row = [&](const char* what, long long tokens, int batch, double s, double tps, double floor_s) {
@@ -298,11 +302,13 @@ int main(int argc, char** argv) {
       else if (a == "--gemm" && has_value && (std::string(argv[i + 1]) == "mma" || std::string(argv[i + 1]) == "wgmma"))
         kernels::gemm::set_decode_gemm(std::string(argv[++i]) == "wgmma" ? kernels::gemm::decode_gemm::wgmma
                                                                         : kernels::gemm::decode_gemm::mma_sync);
+      else if (a == "--gemm-max-tokens" && has_value)
+        kernels::gemm::set_wgmma_max_tokens(bench::int_list(a, argv[++i]).at(0));
       else {
         std::fprintf(stderr,
                      "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N] "
                      "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] [--chunk N] "
-                     "[--gemm mma|wgmma] [--json FILE]\n");
+                     "[--gemm mma|wgmma] [--gemm-max-tokens N] [--json FILE]\n");
         return 2;
       }
     }

@@ -377,6 +377,32 @@ BOOST_AUTO_TEST_CASE(decode_gemm_switch_routes_the_linear_layer, *utf::label("gp
   kernels::gemm::block_scaled_linear(g, op.wf, &work, blas.h);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   BOOST_TEST(kernels::gemm::wgmma_gemm_calls() == before + 1);  // mma_sync again: no wgmma launch
+
+  // 100 tokens: the dequantize + cuBLAS path, unless wgmma is chosen up to 128 tokens.
+  auto rng2 = test::make_rng(71);
+  const gemm_operands mid({100, 256, 1024}, weight_format::fp8_tile32, rng2);
+  const auto mid_tiled = kernels::gemm::tile_weight(mid.wf, mid.s.n, mid.s.k, mid.w, mid.w_s);
+  device_buffer<std::uint8_t> ma{std::span<const std::uint8_t>(mid.a)}, mas{std::span<const std::uint8_t>(mid.a_s)},
+      mw{std::span<const std::uint8_t>(mid_tiled.codes)}, mws{std::span<const std::uint8_t>(mid_tiled.scales)};
+  device_buffer<bf16> mc(std::size_t(mid.s.m) * mid.s.n);
+  kernels::gemm::gemm_workspace mid_work(std::size_t(1) << 20, kernels::gemm::dequant_elems(mid.s));
+  const kernels::gemm::block_scaled_gemm_args mg{mid.s, ma.data(), mas.data(), mw.data(), mws.data(), mc.data()};
+  const auto mid_want = mid.reference(), mid_mag = mid.reference(true);
+  for (const int max_tokens : {63, 128}) {
+    const unsigned long long at = kernels::gemm::wgmma_gemm_calls();
+    {
+      const use_wgmma scope;
+      kernels::gemm::set_wgmma_max_tokens(max_tokens);
+      mc.fill_bytes(0xFF);
+      kernels::gemm::block_scaled_linear(mg, mid.wf, &mid_work, blas.h);
+      kernels::gemm::set_wgmma_max_tokens(63);
+    }
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    BOOST_TEST(kernels::gemm::wgmma_gemm_calls() == at + (max_tokens >= 100 ? 1u : 0u), "wgmma up to " << max_tokens);
+    expect_close(mc.download(), mid_want, mid_mag, ("100 tokens, wgmma up to " + std::to_string(max_tokens)).c_str(), 0x1p-9,
+                 0.5);
+  }
+  BOOST_TEST(test::throws_with([] { kernels::gemm::set_wgmma_max_tokens(0); }, "at least 1 token"));
 }
 
 // A workspace smaller than both whole operands: passes of rows (the weight whole), then passes of

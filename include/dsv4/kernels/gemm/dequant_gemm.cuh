@@ -222,10 +222,12 @@ inline void dequant_gemm(const block_scaled_gemm_args& g, weight_format wf, gemm
 
 //! The linear layer of an FP8 / FP4 weight (after act_quant): picks the path by token count, the
 //! dequantize + cuBLAS path from dequant_min_tokens where the workspace allows it, else the
-//! few-token kernel set_decode_gemm chose (wgmma_gemm.cuh).
+//! few-token kernel set_decode_gemm chose (wgmma_gemm.cuh; with wgmma up to wgmma_max_tokens()).
 inline void block_scaled_linear(const block_scaled_gemm_args& g, weight_format wf, gemm_workspace* workspace,
                                 cublasHandle_t blas, cudaStream_t stream = nullptr) {
-  if (blas && workspace && g.shape.m >= dequant_min_tokens &&
+  const bool wgmma = current_decode_gemm() == decode_gemm::wgmma;
+  const bool few = wgmma ? g.shape.m <= wgmma_max_tokens() : g.shape.m < dequant_min_tokens;
+  if (blas && workspace && !few &&
       plan_dequant_passes(g.shape, workspace->dequant_elems()).rows > 0)
     return dequant_gemm(g, wf, *workspace, blas, stream);
   decode_block_scaled_gemm(g, wf, workspace, stream);

@@ -50,6 +50,10 @@ inline std::atomic<decode_gemm>& decode_gemm_choice() {
   static std::atomic<decode_gemm> choice{decode_gemm::mma_sync};
   return choice;
 }
+inline std::atomic<int>& wgmma_max_tokens_value() {
+  static std::atomic<int> tokens{63};
+  return tokens;
+}
 inline std::atomic<unsigned long long>& wgmma_gemm_launches() {
   static std::atomic<unsigned long long> launches{0};
   return launches;
@@ -114,6 +118,15 @@ inline void set_decode_gemm(decode_gemm k) {
 inline decode_gemm current_decode_gemm() {
   return detail::decode_gemm_choice().load();
 }
+
+//! With decode_gemm::wgmma: the most tokens block_scaled_linear gives the wgmma kernel before it
+//! takes the dequantize + cuBLAS path (default 63, below dequant_min_tokens as for mma.sync: where
+//! wgmma overtakes that path is for the device to measure; bench_model --gemm-max-tokens).
+inline void set_wgmma_max_tokens(int tokens) {
+  if (tokens < 1) throw error("set_wgmma_max_tokens: need at least 1 token, not " + std::to_string(tokens));
+  detail::wgmma_max_tokens_value().store(tokens);
+}
+inline int wgmma_max_tokens() { return detail::wgmma_max_tokens_value().load(); }
 //! wgmma GEMMs launched so far in this process (tests check that a path was taken).
 inline unsigned long long wgmma_gemm_calls() {
   return detail::wgmma_gemm_launches().load();
