@@ -284,6 +284,7 @@ int main(int argc, char** argv) {
   std::string json;
   bool v41 = false;
   options opt;
+  std::vector<int> gemm_max_tokens;  // --gemm-max-tokens: one value, with --gemm wgmma
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -303,7 +304,7 @@ int main(int argc, char** argv) {
         kernels::gemm::set_decode_gemm(std::string(argv[++i]) == "wgmma" ? kernels::gemm::decode_gemm::wgmma
                                                                         : kernels::gemm::decode_gemm::mma_sync);
       else if (a == "--gemm-max-tokens" && has_value)
-        kernels::gemm::set_wgmma_max_tokens(bench::int_list(a, argv[++i]).at(0));
+        gemm_max_tokens = bench::int_list(a, argv[++i]);
       else {
         std::fprintf(stderr,
                      "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N] "
@@ -311,6 +312,11 @@ int main(int argc, char** argv) {
                      "[--gemm mma|wgmma] [--gemm-max-tokens N] [--json FILE]\n");
         return 2;
       }
+    }
+    if (!gemm_max_tokens.empty()) {
+      if (gemm_max_tokens.size() != 1 || kernels::gemm::current_decode_gemm() != kernels::gemm::decode_gemm::wgmma)
+        throw error("--gemm-max-tokens takes one value and goes with --gemm wgmma");
+      kernels::gemm::set_wgmma_max_tokens(gemm_max_tokens[0]);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_model: %s\n", e.what());

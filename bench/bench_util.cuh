@@ -55,7 +55,17 @@ inline double median_ms_per_call(const std::function<void(cudaStream_t)>& fn, in
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   DSV4_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < calls; ++i) fn(s);
+  try {
+    for (int i = 0; i < calls; ++i) fn(s);
+  } catch (...) {
+    // End the capture (it would keep this thread from allocating) and free what it holds, so
+    // that a caller who catches the error can go on.
+    cudaGraph_t partial = nullptr;
+    if (cudaStreamEndCapture(s, &partial) == cudaSuccess && partial) cudaGraphDestroy(partial);
+    (void)cudaGetLastError();
+    cudaStreamDestroy(s);
+    throw;
+  }
   DSV4_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
   DSV4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   for (int i = 0; i < warmup; ++i) DSV4_CUDA_CHECK(cudaGraphLaunch(exec, s));
