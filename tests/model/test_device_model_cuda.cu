@@ -178,14 +178,17 @@ BOOST_AUTO_TEST_CASE(tiny_logits_match_host_with_wgmma_gemms, *utf::label("gpu")
 // logits of tests/data/parity (the reference's fp32 logits on the scaled random tiny checkpoint of
 // seed 7, prefill then teacher-forced decode steps) against the device model on the same
 // checkpoint and ids, with the cases' tolerances (about 1.2x the reference's own CUDA-vs-CPU
-// spread). The device model follows the schedule's index-key ownership; the reference's stale
-// keys (spec 7's upstream quirk) change tiny's selection at even decode positions above 32 (the
-// host test compares those rows under the quirk), so such rows are reported, not bounded: they
-// are the only rows where the two semantics differ (the caches written are the same).
+// spread). The goldens come from the reference's stale index keys (cases.json "index_keys":
+// upstream, spec 7's quirk), which change tiny's selection at even decode positions above 32;
+// the device model follows the schedule's ownership. From the first such row on, the layers after
+// the changed selection see other inputs and write other caches, so the rows from there are
+// reported, not bounded (the short case has none; the long case's first decode row is one, so
+// only its prefill is bounded). Every row must be finite.
 BOOST_AUTO_TEST_CASE(cuda_model_matches_the_reference_logits, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   const auto cases = io::parse_json_file(test::data_path("parity/cases.json"));
   const auto& top = cases.object();
   BOOST_TEST_REQUIRE(top.at("config").string() == std::string(tiny::name));
+  const bool upstream_goldens = top.at("index_keys").string() == "upstream";
   io::checkpoint ck = io::random_checkpoint_in_memory(models::checkpoint_schema<tiny>(),
                                                       std::uint64_t(top.at("checkpoint_seed").integer),
                                                       io::parse_random_init(top.at("checkpoint_init").string()));
@@ -198,34 +201,39 @@ BOOST_AUTO_TEST_CASE(cuda_model_matches_the_reference_logits, *utf::label("gpu")
     const std::string name = o.at("name").string();
     const auto& tol = o.at("tolerance").object();
     const double tol_max = tol.at("max_rel").number(), tol_rms = tol.at("rms_rel").number();
+    const double tol_mean_rms = tol.at("mean_rms_rel").number();
     const auto prompt = test::ids_of(o.at("prompt").string()), decode = test::ids_of(o.at("decode").string());
     const auto golden = io::read_npy_f32(test::data_path("parity/" + name + ".npy"));
     BOOST_TEST_REQUIRE(golden.rows == 1 + decode.size());
+    BOOST_TEST_REQUIRE(golden.cols == std::size_t(tiny::dims.vocab_size));
     const int slot = dm.add_sequence();
-    double worst_max = 0, worst_rms = 0, quirk_rms = 0;
+    double worst_max = 0, worst_rms = 0, sum_rms = 0, after_rms = 0;
     int bounded = 0;
+    bool diverged = false;  // past the first row where the reference's stale index keys matter
     for (std::size_t r = 0; r < golden.rows; ++r) {
       const auto logits = r == 0 ? dm.prefill(slot, prompt) : dm.decode({slot}, std::span<const std::int32_t>(&decode[r - 1], 1));
-      const auto e = test::compare_row(golden.row(r), logits, tol_max);
       const long long pos = (long long)prompt.size() + (long long)r - 1;
-      const bool quirk_row = r > 0 && pos % 2 == 0 && pos > 2 * tiny::dims.indexer.index_topk;
       const std::string where = name + " row " + std::to_string(r) + " (position " + std::to_string(pos) + ")";
-      BOOST_TEST(!std::isnan(e.rms_rel), where << ": NaN logits");
-      if (quirk_row) {
-        quirk_rms = std::max(quirk_rms, e.rms_rel);
+      BOOST_TEST(std::all_of(logits.begin(), logits.end(), [](float v) { return std::isfinite(v); }), where << ": non-finite logits");
+      diverged = diverged || (upstream_goldens && r > 0 && pos % 2 == 0 && pos > 2 * tiny::dims.indexer.index_topk);
+      const auto e = test::compare_row(golden.row(r), logits, tol_max);
+      if (diverged) {
+        after_rms = std::max(after_rms, e.rms_rel);
         continue;
       }
       ++bounded;
-      worst_max = std::max(worst_max, e.max_rel), worst_rms = std::max(worst_rms, e.rms_rel);
+      worst_max = std::max(worst_max, e.max_rel), worst_rms = std::max(worst_rms, e.rms_rel), sum_rms += e.rms_rel;
       BOOST_TEST(e.max_rel <= tol_max, where << ": max relative error " << e.max_rel << " > " << tol_max);
       BOOST_TEST(e.rms_rel <= tol_rms, where << ": rms relative error " << e.rms_rel << " > " << tol_rms);
       BOOST_TEST((e.argmax_same || !e.decisive), where << ": argmax differs where the reference's top two are apart");
     }
     dm.release_sequence(slot);
+    BOOST_TEST(bounded > 0);
+    BOOST_TEST(sum_rms / std::max(bounded, 1) <= tol_mean_rms, name << ": mean rms relative error over the bounded rows");
     BOOST_TEST_MESSAGE("CUDA model vs reference, " << name << ": " << bounded << " rows bounded, worst max relative error "
                                                    << worst_max << " (tolerance " << tol_max << "), worst rms relative "
-                                                   << worst_rms << " (" << tol_rms << "); rows under the upstream quirk: worst rms "
-                                                   << quirk_rms);
+                                                   << worst_rms << " (" << tol_rms << "); after the reference's stale index "
+                                                   << "keys changed a selection: worst rms relative " << after_rms);
   }
 }
 
