@@ -14,6 +14,8 @@
 //! RMSNorm (5120 wide) is listed with its bytes (read + write) against the copy ceiling.
 
 #include <cstdio>
+#include <functional>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -34,11 +36,27 @@ struct layer_shape {
   weight_format wf;
 };
 
-//! The MMA kernel under every plan of a small grid, M = 16, 32, 64 (weights rotated as below).
-template <std::size_t L>
-void sweep_plans(const layer_shape (&layers)[L], const bench::ceilings& ceil) {
+//! What a plan sweep times, per layer and M: rotated weight copies (as below), the activations,
+//! C, a workspace of K / `k_per_partial` x M x N partial floats, and the floor.
+struct sweep_case {
+  const layer_shape& layer;
+  kernels::gemm::gemm_shape s;
+  int copies;
+  std::function<kernels::gemm::block_scaled_gemm_args(int)> args;  //!< the GEMM on weight copy i
+  kernels::gemm::gemm_workspace& work;
+  double floor_s;
+  const char* format() const { return layer.wf == weight_format::fp8_tile32 ? "fp8" : "fp4"; }
+  //! Per call of back-to-back calls, each on the next weight copy.
+  template <class Launch>
+  double per_call_ms(Launch launch) const {
+    int it = 0;
+    return bench::median_ms_per_call([&](cudaStream_t st) { launch(args(it++ % copies), st); }, std::max(20, copies));
+  }
+};
+template <std::size_t L, class Sweep>
+void for_each_sweep_case(const layer_shape (&layers)[L], const bench::ceilings& ceil, std::initializer_list<int> ms,
+                         int k_per_partial, Sweep sweep) {
   namespace g = kernels::gemm;
-  std::printf("%-10s %4s %5s %6s %7s %7s %9s %9s\n", "layer", "fmt", "M", "tokens", "reduce", "slices", "us", "vs floor");
   for (const auto& layer : layers) {
     const g::weight_tile_shape tiles{layer.n, layer.k, layer.wf};
     const std::size_t w_bytes = tiles.code_bytes(), ws_bytes = tiles.scale_bytes();
@@ -46,75 +64,66 @@ void sweep_plans(const layer_shape (&layers)[L], const bench::ceilings& ceil) {
     runtime::device_buffer<std::uint8_t> w(w_bytes * copies), w_s(ws_bytes * copies);
     bench::fill_codes(w.data(), w.size(), 1);
     w_s.fill_bytes(127);
-    for (int m : {16, 32, 64}) {
+    for (int m : ms) {
       const g::gemm_shape s{m, layer.n, layer.k};
       runtime::device_buffer<std::uint8_t> a(std::size_t(m) * layer.k), a_s(std::size_t(m) * (layer.k / 32));
       bench::fill_codes(a.data(), a.size(), 2);
       a_s.fill_bytes(127);
       runtime::device_buffer<bf16> c(std::size_t(m) * layer.n);
-      g::gemm_workspace work(std::size_t(std::max(1, layer.k / 128)) * m * layer.n);
+      g::gemm_workspace work(std::size_t(std::max(1, layer.k / k_per_partial)) * m * layer.n);
       const double bytes = double(w_bytes + ws_bytes) + double(m) * (layer.k + layer.k / 32) + 2.0 * m * layer.n;
-      const double floor_s = ceil.floor_s(2.0 * m * double(layer.n) * layer.k, bytes);
-      for (int tt : {1, 2, 4, 8})
-        for (int reduce : {64, 512}) {
-          const auto p = g::detail::make_plan(s, g::detail::sm_count(), work.partial_floats(), {tt, reduce});
-          int it = 0;
-          const double ms = bench::median_ms_per_call([&](cudaStream_t st) {
-            const int i = it++ % copies;
-            const g::block_scaled_gemm_args args{s, a.data(), a_s.data(), w.data() + w_bytes * i, w_s.data() + ws_bytes * i, c.data()};
-            if (layer.wf == weight_format::fp8_tile32)
-              g::detail::launch<weight_format::fp8_tile32>(args, p, &work, st);
-            else
-              g::detail::launch<weight_format::fp4_row32>(args, p, &work, st);
-          }, std::max(20, copies));
-          std::printf("%-10s %4s %5d %6d %7d %7d %9.1f %8.1f%%\n", layer.name,
-                      layer.wf == weight_format::fp8_tile32 ? "fp8" : "fp4", m, tt * 8, reduce, p.slices, ms * 1e3,
-                      100 * floor_s / (ms * 1e-3));
-        }
+      sweep(sweep_case{layer, s, copies,
+                       [&](int i) {
+                         return g::block_scaled_gemm_args{s, a.data(), a_s.data(), w.data() + w_bytes * i,
+                                                          w_s.data() + ws_bytes * i, c.data()};
+                       },
+                       work, ceil.floor_s(2.0 * m * double(layer.n) * layer.k, bytes)});
     }
   }
 }
 
-//! The wgmma kernel under a grid of plan options, M = 1, 8, 32, 64, 128 (weights rotated as below).
+//! The MMA kernel under every plan of a small grid, M = 16, 32, 64.
+template <std::size_t L>
+void sweep_plans(const layer_shape (&layers)[L], const bench::ceilings& ceil) {
+  namespace g = kernels::gemm;
+  std::printf("%-10s %4s %5s %6s %7s %7s %9s %9s\n", "layer", "fmt", "M", "tokens", "reduce", "slices", "us",
+              "vs floor");
+  for_each_sweep_case(layers, ceil, {16, 32, 64}, 128, [](const sweep_case& k) {
+    for (int tt : {1, 2, 4, 8})
+      for (int reduce : {64, 512}) {
+        const auto p = g::detail::make_plan(k.s, g::detail::sm_count(), k.work.partial_floats(), {tt, reduce});
+        const double ms = k.per_call_ms([&](const g::block_scaled_gemm_args& args, cudaStream_t st) {
+          if (k.layer.wf == weight_format::fp8_tile32)
+            g::detail::launch<weight_format::fp8_tile32>(args, p, &k.work, st);
+          else
+            g::detail::launch<weight_format::fp4_row32>(args, p, &k.work, st);
+        });
+        std::printf("%-10s %4s %5d %6d %7d %7d %9.1f %8.1f%%\n", k.layer.name, k.format(), k.s.m, tt * 8, reduce, p.slices,
+                    ms * 1e3, 100 * k.floor_s / (ms * 1e-3));
+      }
+  });
+}
+
+//! The wgmma kernel under a grid of plan options, M = 1, 8, 32, 64, 128.
 template <std::size_t L>
 void sweep_wgmma_plans(const layer_shape (&layers)[L], const bench::ceilings& ceil) {
   namespace g = kernels::gemm;
   std::printf("%-10s %4s %5s %6s %8s %7s %7s %9s %9s\n", "layer", "fmt", "M", "tokens", "ctas/SM", "reduce", "slices", "us",
               "vs floor");
-  for (const auto& layer : layers) {
-    const g::weight_tile_shape tiles{layer.n, layer.k, layer.wf};
-    const std::size_t w_bytes = tiles.code_bytes(), ws_bytes = tiles.scale_bytes();
-    const int copies = int(std::max<std::size_t>(1, ((std::size_t(256) << 20) + w_bytes - 1) / w_bytes));
-    runtime::device_buffer<std::uint8_t> w(w_bytes * copies), w_s(ws_bytes * copies);
-    bench::fill_codes(w.data(), w.size(), 1);
-    w_s.fill_bytes(127);
-    for (int m : {1, 8, 32, 64, 128}) {
-      const g::gemm_shape s{m, layer.n, layer.k};
-      runtime::device_buffer<std::uint8_t> a(std::size_t(m) * layer.k), a_s(std::size_t(m) * (layer.k / 32));
-      bench::fill_codes(a.data(), a.size(), 2);
-      a_s.fill_bytes(127);
-      runtime::device_buffer<bf16> c(std::size_t(m) * layer.n);
-      g::gemm_workspace work(std::size_t(std::max(1, layer.k / 256)) * m * layer.n);
-      const double bytes = double(w_bytes + ws_bytes) + double(m) * (layer.k + layer.k / 32) + 2.0 * m * layer.n;
-      const double floor_s = ceil.floor_s(2.0 * m * double(layer.n) * layer.k, bytes);
-      for (int per_sm : {1, 2, 3, 6})
-        for (int reduce : {128, 1024}) {
-          const auto p = g::detail::make_wgmma_plan(s, g::detail::sm_count(), work.partial_floats(), {per_sm, reduce});
-          int it = 0;
-          const double ms = bench::median_ms_per_call([&](cudaStream_t st) {
-            const int i = it++ % copies;
-            const g::block_scaled_gemm_args args{s, a.data(), a_s.data(), w.data() + w_bytes * i, w_s.data() + ws_bytes * i, c.data()};
-            if (layer.wf == weight_format::fp8_tile32)
-              g::detail::launch_wgmma<weight_format::fp8_tile32>(args, p, &work, st);
-            else
-              g::detail::launch_wgmma<weight_format::fp4_row32>(args, p, &work, st);
-          }, std::max(20, copies));
-          std::printf("%-10s %4s %5d %6d %8d %7d %7d %9.1f %8.1f%%\n", layer.name,
-                      layer.wf == weight_format::fp8_tile32 ? "fp8" : "fp4", m, p.tokens, per_sm, reduce, p.slices,
-                      ms * 1e3, 100 * floor_s / (ms * 1e-3));
-        }
-    }
-  }
+  for_each_sweep_case(layers, ceil, {1, 8, 32, 64, 128}, 256, [](const sweep_case& k) {
+    for (int per_sm : {1, 2, 3, 6})
+      for (int reduce : {128, 1024}) {
+        const auto p = g::detail::make_wgmma_plan(k.s, g::detail::sm_count(), k.work.partial_floats(), {per_sm, reduce});
+        const double ms = k.per_call_ms([&](const g::block_scaled_gemm_args& args, cudaStream_t st) {
+          if (k.layer.wf == weight_format::fp8_tile32)
+            g::detail::launch_wgmma<weight_format::fp8_tile32>(args, p, &k.work, st);
+          else
+            g::detail::launch_wgmma<weight_format::fp4_row32>(args, p, &k.work, st);
+        });
+        std::printf("%-10s %4s %5d %6d %8d %7d %7d %9.1f %8.1f%%\n", k.layer.name, k.format(), k.s.m, p.tokens, per_sm,
+                    reduce, p.slices, ms * 1e3, 100 * k.floor_s / (ms * 1e-3));
+      }
+  });
 }
 
 }  // namespace

@@ -72,87 +72,85 @@ struct gemm_operands {
                                            : kernels::gemm::fp4_gemm_reference(s, aa, a_s, ww, w_s);
   }
 
-  //! Runs the device GEMM (split-K with a workspace, else unsplit) twice and downloads C; the
-  //! second run must repeat the first bit for bit (the split's counters are reset by the GEMM).
-  std::vector<bf16> device(bool with_workspace) const {
+  //! The operands on the device (the weight in MMA tiles) and C [M, N] poisoned with NaN.
+  struct on_device {
+    device_buffer<std::uint8_t> a, a_s, w, w_s;
+    device_buffer<bf16> c;
+    kernels::gemm::block_scaled_gemm_args args() { return {shape, a.data(), a_s.data(), w.data(), w_s.data(), c.data()}; }
+    std::vector<bf16> c_after_sync() {
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      return c.download();
+    }
+    gemm_shape shape;
+  };
+  on_device upload() const {
     const auto tiled = kernels::gemm::tile_weight(wf, s.n, s.k, w, w_s);
-    device_buffer<std::uint8_t> da{std::span<const std::uint8_t>(a)}, das{std::span<const std::uint8_t>(a_s)},
-        dw{std::span<const std::uint8_t>(tiled.codes)}, dws{std::span<const std::uint8_t>(tiled.scales)};
-    device_buffer<bf16> dc(std::size_t(s.m) * s.n);
-    std::unique_ptr<kernels::gemm::gemm_workspace> work;
-    if (with_workspace)
-      work = std::make_unique<kernels::gemm::gemm_workspace>(std::max<std::size_t>(1, kernels::gemm::gemm_partial_floats(s)));
+    on_device d{device_buffer<std::uint8_t>{std::span<const std::uint8_t>(a)},
+                device_buffer<std::uint8_t>{std::span<const std::uint8_t>(a_s)},
+                device_buffer<std::uint8_t>{std::span<const std::uint8_t>(tiled.codes)},
+                device_buffer<std::uint8_t>{std::span<const std::uint8_t>(tiled.scales)},
+                device_buffer<bf16>(std::size_t(s.m) * s.n), s};
+    d.c.fill_bytes(0xFF);  // NaN everywhere: every output must be written
+    return d;
+  }
+
+  //! `gemm` (one launch on the operands' args) twice; C of the second run, which must repeat the
+  //! first bit for bit (a split's counters are reset by the GEMM).
+  template <class Gemm>
+  std::vector<bf16> twice(const char* what, Gemm gemm) const {
+    auto d = upload();
     std::vector<bf16> runs[2];
     for (auto& run : runs) {
-      dc.fill_bytes(0xFF);  // NaN everywhere: every output must be written
-      kernels::gemm::block_scaled_gemm({s, da.data(), das.data(), dw.data(), dws.data(), dc.data()}, wf, work.get());
-      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-      run = dc.download();
+      d.c.fill_bytes(0xFF);
+      gemm(d.args());
+      run = d.c_after_sync();
     }
     std::size_t differ = 0;
     for (std::size_t i = 0; i < runs[0].size(); ++i) differ += runs[0][i].bits != runs[1][i].bits;
-    BOOST_TEST(differ == 0u, "a second run of the same GEMM changed " << differ << " outputs");
+    BOOST_TEST(differ == 0u, "a second run of the same " << what << " changed " << differ << " outputs");
     return runs[1];
   }
 
-  //! The wgmma kernel (wgmma_gemm.cuh), split-K with a workspace, else unsplit; run twice, the
-  //! second run must repeat the first bit for bit.
+  //! The mma.sync GEMM, split-K with a workspace, else unsplit.
+  std::vector<bf16> device(bool with_workspace) const {
+    std::unique_ptr<kernels::gemm::gemm_workspace> work;
+    if (with_workspace)
+      work = std::make_unique<kernels::gemm::gemm_workspace>(std::max<std::size_t>(1, kernels::gemm::gemm_partial_floats(s)));
+    return twice("GEMM", [&](const auto& g) { kernels::gemm::block_scaled_gemm(g, wf, work.get()); });
+  }
+
+  //! The wgmma kernel (wgmma_gemm.cuh), split-K with a workspace, else unsplit.
   std::vector<bf16> device_wgmma(bool with_workspace) const {
-    const auto tiled = kernels::gemm::tile_weight(wf, s.n, s.k, w, w_s);
-    device_buffer<std::uint8_t> da{std::span<const std::uint8_t>(a)}, das{std::span<const std::uint8_t>(a_s)},
-        dw{std::span<const std::uint8_t>(tiled.codes)}, dws{std::span<const std::uint8_t>(tiled.scales)};
-    device_buffer<bf16> dc(std::size_t(s.m) * s.n);
     kernels::gemm::gemm_workspace work(std::size_t(std::max(1, s.k / 256)) * s.m * s.n);
     const unsigned long long calls = kernels::gemm::wgmma_gemm_calls();
-    std::vector<bf16> runs[2];
-    for (auto& run : runs) {
-      dc.fill_bytes(0xFF);
-      kernels::gemm::wgmma_gemm({s, da.data(), das.data(), dw.data(), dws.data(), dc.data()}, wf,
-                                with_workspace ? &work : nullptr);
-      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-      run = dc.download();
-    }
+    auto c = twice("wgmma GEMM", [&](const auto& g) { kernels::gemm::wgmma_gemm(g, wf, with_workspace ? &work : nullptr); });
     BOOST_TEST(kernels::gemm::wgmma_gemm_calls() == calls + 2);
-    std::size_t differ = 0;
-    for (std::size_t i = 0; i < runs[0].size(); ++i) differ += runs[0][i].bits != runs[1][i].bits;
-    BOOST_TEST(differ == 0u, "a second run of the same wgmma GEMM changed " << differ << " outputs");
-    return runs[1];
+    return c;
   }
 
   //! The MMA kernel under a chosen plan (tokens per CTA 8 x token_tiles, split-K as make_plan
   //! decides for it): every instantiation make_plan can pick, whatever M picks by default.
   std::vector<bf16> device_plan(int token_tiles) const {
-    const auto tiled = kernels::gemm::tile_weight(wf, s.n, s.k, w, w_s);
-    device_buffer<std::uint8_t> da{std::span<const std::uint8_t>(a)}, das{std::span<const std::uint8_t>(a_s)},
-        dw{std::span<const std::uint8_t>(tiled.codes)}, dws{std::span<const std::uint8_t>(tiled.scales)};
-    device_buffer<bf16> dc(std::size_t(s.m) * s.n);
-    dc.fill_bytes(0xFF);
+    auto d = upload();
     kernels::gemm::gemm_workspace work(std::size_t(std::max(1, s.k / 128)) * s.m * s.n);
     const auto plan = kernels::gemm::detail::make_plan(s, kernels::gemm::detail::sm_count(), work.partial_floats(),
                                                        {token_tiles});
-    const kernels::gemm::block_scaled_gemm_args g{s, da.data(), das.data(), dw.data(), dws.data(), dc.data()};
     if (wf == weight_format::fp8_tile32)
-      kernels::gemm::detail::launch<weight_format::fp8_tile32>(g, plan, &work, nullptr);
+      kernels::gemm::detail::launch<weight_format::fp8_tile32>(d.args(), plan, &work, nullptr);
     else
-      kernels::gemm::detail::launch<weight_format::fp4_row32>(g, plan, &work, nullptr);
+      kernels::gemm::detail::launch<weight_format::fp4_row32>(d.args(), plan, &work, nullptr);
     DSV4_CUDA_CHECK_LAUNCH();
-    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-    return dc.download();
+    return d.c_after_sync();
   }
 
   //! The prefill path: dequantize both operands to bf16, cuBLAS GEMMs (one unless the workspace
   //! holds fewer than dequant_elems elements: passes).
   std::vector<bf16> device_dequant(std::size_t workspace_elems = 0) const {
-    const auto tiled = kernels::gemm::tile_weight(wf, s.n, s.k, w, w_s);
-    device_buffer<std::uint8_t> da{std::span<const std::uint8_t>(a)}, das{std::span<const std::uint8_t>(a_s)},
-        dw{std::span<const std::uint8_t>(tiled.codes)}, dws{std::span<const std::uint8_t>(tiled.scales)};
-    device_buffer<bf16> dc(std::size_t(s.m) * s.n);
-    dc.fill_bytes(0xFF);
+    auto d = upload();
     kernels::gemm::gemm_workspace work(1, workspace_elems ? workspace_elems : kernels::gemm::dequant_elems(s));
     test::blas_handle blas;
-    kernels::gemm::dequant_gemm({s, da.data(), das.data(), dw.data(), dws.data(), dc.data()}, wf, work, blas.h);
-    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-    return dc.download();
+    kernels::gemm::dequant_gemm(d.args(), wf, work, blas.h);
+    return d.c_after_sync();
   }
 };
 
@@ -359,13 +357,10 @@ BOOST_AUTO_TEST_CASE(grouped_gemms_match_host, *utf::label("gpu") * utf::precond
 BOOST_AUTO_TEST_CASE(decode_gemm_switch_routes_the_linear_layer, *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
   auto rng = test::make_rng(70);
   const gemm_operands op({3, 256, 1024}, weight_format::fp8_tile32, rng);
-  const auto tiled = kernels::gemm::tile_weight(op.wf, op.s.n, op.s.k, op.w, op.w_s);
-  device_buffer<std::uint8_t> da{std::span<const std::uint8_t>(op.a)}, das{std::span<const std::uint8_t>(op.a_s)},
-      dw{std::span<const std::uint8_t>(tiled.codes)}, dws{std::span<const std::uint8_t>(tiled.scales)};
-  device_buffer<bf16> dc(std::size_t(op.s.m) * op.s.n);
+  auto d = op.upload();
   kernels::gemm::gemm_workspace work(std::size_t(1) << 20);
   test::blas_handle blas;
-  const kernels::gemm::block_scaled_gemm_args g{op.s, da.data(), das.data(), dw.data(), dws.data(), dc.data()};
+  const kernels::gemm::block_scaled_gemm_args g = d.args();
   const unsigned long long before = kernels::gemm::wgmma_gemm_calls();
   {
     const use_wgmma scope;
@@ -373,7 +368,7 @@ BOOST_AUTO_TEST_CASE(decode_gemm_switch_routes_the_linear_layer, *utf::label("gp
   }
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   BOOST_TEST(kernels::gemm::wgmma_gemm_calls() == before + 1);
-  expect_close(dc.download(), op.reference(), op.reference(true), "block_scaled_linear through wgmma", 0x1p-9, 0.5);
+  expect_close(d.c.download(), op.reference(), op.reference(true), "block_scaled_linear through wgmma", 0x1p-9, 0.5);
   kernels::gemm::block_scaled_linear(g, op.wf, &work, blas.h);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   BOOST_TEST(kernels::gemm::wgmma_gemm_calls() == before + 1);  // mma_sync again: no wgmma launch
@@ -381,25 +376,24 @@ BOOST_AUTO_TEST_CASE(decode_gemm_switch_routes_the_linear_layer, *utf::label("gp
   // 100 tokens: the dequantize + cuBLAS path, unless wgmma is chosen up to 128 tokens.
   auto rng2 = test::make_rng(71);
   const gemm_operands mid({100, 256, 1024}, weight_format::fp8_tile32, rng2);
-  const auto mid_tiled = kernels::gemm::tile_weight(mid.wf, mid.s.n, mid.s.k, mid.w, mid.w_s);
-  device_buffer<std::uint8_t> ma{std::span<const std::uint8_t>(mid.a)}, mas{std::span<const std::uint8_t>(mid.a_s)},
-      mw{std::span<const std::uint8_t>(mid_tiled.codes)}, mws{std::span<const std::uint8_t>(mid_tiled.scales)};
-  device_buffer<bf16> mc(std::size_t(mid.s.m) * mid.s.n);
+  auto md = mid.upload();
   kernels::gemm::gemm_workspace mid_work(std::size_t(1) << 20, kernels::gemm::dequant_elems(mid.s));
-  const kernels::gemm::block_scaled_gemm_args mg{mid.s, ma.data(), mas.data(), mw.data(), mws.data(), mc.data()};
+  const kernels::gemm::block_scaled_gemm_args mg = md.args();
   const auto mid_want = mid.reference(), mid_mag = mid.reference(true);
   for (const int max_tokens : {63, 128}) {
     const unsigned long long at = kernels::gemm::wgmma_gemm_calls();
     {
       const use_wgmma scope;
-      kernels::gemm::set_wgmma_max_tokens(max_tokens);
-      mc.fill_bytes(0xFF);
+      struct max_tokens_scope {
+        explicit max_tokens_scope(int n) { kernels::gemm::set_wgmma_max_tokens(n); }
+        ~max_tokens_scope() { kernels::gemm::set_wgmma_max_tokens(63); }
+      } limit(max_tokens);
+      md.c.fill_bytes(0xFF);
       kernels::gemm::block_scaled_linear(mg, mid.wf, &mid_work, blas.h);
-      kernels::gemm::set_wgmma_max_tokens(63);
     }
     DSV4_CUDA_CHECK(cudaDeviceSynchronize());
     BOOST_TEST(kernels::gemm::wgmma_gemm_calls() == at + (max_tokens >= 100 ? 1u : 0u), "wgmma up to " << max_tokens);
-    expect_close(mc.download(), mid_want, mid_mag, ("100 tokens, wgmma up to " + std::to_string(max_tokens)).c_str(), 0x1p-9,
+    expect_close(md.c.download(), mid_want, mid_mag, ("100 tokens, wgmma up to " + std::to_string(max_tokens)).c_str(), 0x1p-9,
                  0.5);
   }
   BOOST_TEST(test::throws_with([] { kernels::gemm::set_wgmma_max_tokens(0); }, "at least 1 token"));
