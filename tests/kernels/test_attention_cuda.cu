@@ -381,9 +381,6 @@ BOOST_AUTO_TEST_CASE(launch_rejects_bad_arguments) {
   BOOST_CHECK_THROW(sparse_attention<512>(a, kv), dsv4::error);
 }
 
-
-// Global entries in the shared page pool, pages handed out out of order (sequences released and
-// re-added), read through block tables: same results as the host reference in logical order.
 // An appended chunk (exact mode) at V4.1 widths: index j < W reads the sequence's ring, j < W + C
 // the chunk's own window entries (a separate buffer), the rest global entries through the
 // block table of the owner's pages; every range's boundary is in the lists, with -1 slots. Then
@@ -435,6 +432,8 @@ BOOST_AUTO_TEST_CASE(device_reads_appended_chunks, *utf::label("gpu") * utf::pre
   }
 }
 
+// Global entries in the shared page pool, pages handed out out of order (sequences released and
+// re-added), read through block tables: same results as the host reference in logical order.
 BOOST_AUTO_TEST_CASE(device_reads_paged_caches, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   using namespace v41_paged;
   constexpr int dim = 512, window = 128, batch = 3, rows = 1, heads = 64, topk = 640;
