@@ -380,13 +380,13 @@ BOOST_AUTO_TEST_CASE(decode_gemm_switch_routes_the_linear_layer, *utf::label("gp
   kernels::gemm::gemm_workspace mid_work(std::size_t(1) << 20, kernels::gemm::dequant_elems(mid.s));
   const kernels::gemm::block_scaled_gemm_args mg = md.args();
   const auto mid_want = mid.reference(), mid_mag = mid.reference(true);
-  for (const int max_tokens : {63, 128}) {
+  for (const int max_tokens : {kernels::gemm::wgmma_default_max_tokens, 128}) {
     const unsigned long long at = kernels::gemm::wgmma_gemm_calls();
     {
       const use_wgmma scope;
       struct max_tokens_scope {
         explicit max_tokens_scope(int n) { kernels::gemm::set_wgmma_max_tokens(n); }
-        ~max_tokens_scope() { kernels::gemm::set_wgmma_max_tokens(63); }
+        ~max_tokens_scope() { kernels::gemm::set_wgmma_max_tokens(kernels::gemm::wgmma_default_max_tokens); }
       } limit(max_tokens);
       md.c.fill_bytes(0xFF);
       kernels::gemm::block_scaled_linear(mg, mid.wf, &mid_work, blas.h);

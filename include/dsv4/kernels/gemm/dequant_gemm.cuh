@@ -36,6 +36,8 @@ namespace dsv4::kernels::gemm {
 //! From this many tokens on, block_scaled_linear takes the dequantize + cuBLAS path (at 64 tokens
 //! it is already 1.5-2x faster than the MMA kernel on every V4.1 shape; docs/perf.md).
 inline constexpr int dequant_min_tokens = 64;
+static_assert(wgmma_default_max_tokens == dequant_min_tokens - 1,
+              "wgmma_gemm.cuh's default token limit must stay just below dequant_min_tokens");
 
 //! bf16 elements the dequantize path needs in the workspace for one pass: both whole operands.
 inline std::size_t dequant_elems(const gemm_shape& s) { return (std::size_t(s.m) + std::size_t(s.n)) * std::size_t(s.k); }

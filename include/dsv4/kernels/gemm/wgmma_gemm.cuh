@@ -45,22 +45,23 @@ enum class decode_gemm {
   wgmma,     //!< this file's kernel
 };
 
+//! The default of set_wgmma_max_tokens: dequant_gemm.cuh's dequant_min_tokens - 1 (that header
+//! includes this one), so wgmma mode starts on the mma.sync path's threshold.
+inline constexpr int wgmma_default_max_tokens = 63;
+
 namespace detail {
 inline std::atomic<decode_gemm>& decode_gemm_choice() {
   static std::atomic<decode_gemm> choice{decode_gemm::mma_sync};
   return choice;
 }
 inline std::atomic<int>& wgmma_max_tokens_value() {
-  static std::atomic<int> tokens{63};
+  static std::atomic<int> tokens{wgmma_default_max_tokens};
   return tokens;
 }
 inline std::atomic<unsigned long long>& wgmma_gemm_launches() {
   static std::atomic<unsigned long long> launches{0};
   return launches;
 }
-}  // namespace detail
-
-namespace detail {
 //! Writes whether this translation unit's device code was compiled with wgmma (sm_90a).
 DSV4_KERNEL void wgmma_compiled_kernel(int* out) {
   *out = DSV4_WGMMA_PASS;
@@ -120,7 +121,7 @@ inline decode_gemm current_decode_gemm() {
 }
 
 //! With decode_gemm::wgmma: the most tokens block_scaled_linear gives the wgmma kernel before it
-//! takes the dequantize + cuBLAS path (default 63, below dequant_min_tokens as for mma.sync: where
+//! takes the dequantize + cuBLAS path (wgmma_default_max_tokens, as for mma.sync: where
 //! wgmma overtakes that path is for the device to measure; bench_model --gemm-max-tokens).
 inline void set_wgmma_max_tokens(int tokens) {
   if (tokens < 1) throw error("set_wgmma_max_tokens: need at least 1 token, not " + std::to_string(tokens));
