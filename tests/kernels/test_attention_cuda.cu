@@ -274,6 +274,7 @@ BOOST_AUTO_TEST_CASE(device_matches_host_on_bf16_operands, *utf::label("gpu") * 
   check_bf16_operand<512>(1, 2, 80, 200, 300, 6);    // two head groups (64 + 16): the second CTA's dead tiles
   check_bf16_operand<512>(2, 1, 40, 130, 150, 7);    // 40 heads: a CTA of four tiles whose fourth is dead
   check_bf16_operand<512>(2, 3, 64, 0, 10, 5);       // no indices at all: zeros
+  check_bf16_operand<512>(1, 1, 64, 1280, 1500, 8);  // a long list: 20 splits in one launch
 }
 
 // q 8-byte aligned only (allowed): the kernel copies the queries 8 bytes at a time instead of 16,
@@ -332,6 +333,9 @@ BOOST_AUTO_TEST_CASE(decode_rows_split_prefill_rows_do_not, *utf::label("gpu") *
   a.topk = 640;
   a.batch = 128;  // 128 CTAs already
   BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 1);
+  a.batch = 1, a.topk = 1280;  // 20 chunks: 20 splits of one chunk
+  BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 20);
+  a.topk = 640;
   a.batch = 1, a.rows = 4096;
   BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 1);
   BOOST_TEST(detail::choose_split<512>(a, nullptr, 132).splits == 1);

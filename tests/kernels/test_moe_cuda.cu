@@ -201,9 +201,18 @@ void check_expert_slices(const moe_case& c, const bf16* dx, const std::uint8_t* 
   if (c.want_empty_rank) BOOST_TEST(empty_ranks > 0, "no rank went without rows: the case does not test that");
 }
 
-//! `min_exact`: the share of finite outputs that must be bit-equal to the host (lower for wgmma,
-//! whose FP8 tensor core adds each block's products at reduced precision).
-void check_moe(const moe_case& c, std::uint64_t salt, double min_exact = 0.7) {
+//! What a layer must match. The mma.sync kernels sum each block exactly as the host orders it, so
+//! every intermediate is the host's and the outputs differ by fp32 summation order only; paths
+//! whose sums differ (`inexact_sums`: cuBLAS's order, wgmma's reduced-precision FP8 accumulation)
+//! can move a bf16 g or u by an ulp and with it an FP8 code of h, which moves a token's outputs by
+//! up to 2^-3 of its rms: allowed in at most `max_requantized` of the tokens (at least one).
+struct moe_bounds {
+  double min_exact = 0.7;        //!< share of finite outputs bit-equal to the host
+  bool inexact_sums = false;     //!< the requantization allowance above (the cuBLAS path always has it)
+  double max_requantized = 0.02;  //!< share of tokens that may use it
+};
+
+void check_moe(const moe_case& c, std::uint64_t salt, const moe_bounds& bounds = {}) {
   auto rng = test::make_rng(salt);
   std::normal_distribution<float> n(0.0f, 1.0f);
   moe::gate_params g;
@@ -357,7 +366,7 @@ void check_moe(const moe_case& c, std::uint64_t salt, double min_exact = 0.7) {
       // moves falls on the largest |h| of a 128-wide block, that block's FP8 scale changes and
       // every code in it moves by up to half an E4M3 step (2^-4), i.e. one expert's contribution
       // by ~2^-5. Such a token may differ by up to 2^-3 of its rms; few tokens may (checked below).
-      if (c.cublas && err > tol && err <= std::fabs(ref) * 0x1p-4 + rms * 0x1p-3)
+      if ((c.cublas || bounds.inexact_sums) && err > tol && err <= std::fabs(ref) * 0x1p-4 + rms * 0x1p-3)
         requantized = true;
       else
         bad += err > tol;
@@ -374,11 +383,11 @@ void check_moe(const moe_case& c, std::uint64_t salt, double min_exact = 0.7) {
   const bool nan_expected = c.nan_gate_row >= 0 || c.nan_token_every > 0;
   BOOST_TEST((nan > 0) == nan_expected, "the host has " << nan << " NaN outputs");
   BOOST_TEST(bad == 0u);
-  BOOST_TEST(requantized_tokens * 50 <= std::size_t(c.tokens),
-             requantized_tokens
-                 << " tokens differ by more than one requantized FP8 block explains (at most 2% may)");
-  BOOST_TEST(double(exact) >= min_exact * double(compared),
-             "fewer than " << 100 * min_exact << "% of the finite outputs are bit-equal to the host");
+  BOOST_TEST(double(requantized_tokens) <= std::max(1.0, bounds.max_requantized * double(c.tokens)),
+             requantized_tokens << " of " << c.tokens << " tokens have a requantized FP8 block (at most "
+                                << 100 * bounds.max_requantized << "% may)");
+  BOOST_TEST(double(exact) >= bounds.min_exact * double(compared),
+             "fewer than " << 100 * bounds.min_exact << "% of the finite outputs are bit-equal to the host");
 }
 
 //! The gate logits on their own grid (experts x token groups of up to 8, one warp per token):
@@ -569,19 +578,23 @@ BOOST_AUTO_TEST_CASE(layer_matches_host, *utf::label("gpu") * utf::precondition(
 }
 
 // The same layers with the few-token GEMMs on wgmma (gemm/wgmma_gemm.cuh): the grouped expert
-// GEMMs (w1 + w3 as one launch, w2) and the shared expert's FP8 linears. The error bounds are the
-// mma.sync path's; the FP8 products' reduced-precision accumulation inside wgmma may lower the
-// bit-equal share, required at 50% here instead of 70% (calibrate on the first device run).
+// GEMMs (w1 + w3 as one launch, w2) and the shared expert's FP8 linears. Hopper's FP8 wgmma adds a
+// block's products at reduced precision (not fp32: DeepSeek-V3's report, about 14 bits), so g and
+// u are not always the host's bf16 values and an FP8 code of h can move. First device run
+// (2026-12-01, c8205f1): 90-93% of the outputs bit-equal, up to 6x the exact path's tolerance,
+// all within one requantized block's bound. Bounds: 80% bit-equal, that allowance in up to a
+// quarter of the tokens.
 BOOST_AUTO_TEST_CASE(layer_matches_host_with_wgmma_gemms, *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
   struct use_wgmma {
     use_wgmma() { gemm::set_decode_gemm(gemm::decode_gemm::wgmma); }
     ~use_wgmma() { gemm::set_decode_gemm(gemm::decode_gemm::mma_sync); }
   } scope;
   const unsigned long long before = gemm::wgmma_gemm_calls();
-  check_moe({384, 6, 256, 64, 40}, 21, 0.5);                      // backbone routing, 8-row tiles
-  check_moe({128, 3, 512, 128, 1}, 22, 0.5);                      // one token
-  check_moe({8, 2, 256, 128, 100}, 23, 0.5);                      // 16-row tiles
-  check_moe({16, 3, 256, 64, 50, 5, 128, false, true}, 24, 0.5);  // clamps engage
+  const moe_bounds wgmma_bounds{.min_exact = 0.8, .inexact_sums = true, .max_requantized = 0.25};
+  check_moe({384, 6, 256, 64, 40}, 21, wgmma_bounds);                      // backbone routing, 8-row tiles
+  check_moe({128, 3, 512, 128, 1}, 22, wgmma_bounds);                      // one token
+  check_moe({8, 2, 256, 128, 100}, 23, wgmma_bounds);                      // 16-row tiles
+  check_moe({16, 3, 256, 64, 50, 5, 128, false, true}, 24, wgmma_bounds);  // clamps engage
   // Per layer: one grouped launch for w1 + w3, one for w2, three shared-expert linears.
   BOOST_TEST(gemm::wgmma_gemm_calls() - before == 4u * 5u);
 }
