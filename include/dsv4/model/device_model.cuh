@@ -60,6 +60,7 @@
 #include "dsv4/kernels/gemm/weight_tiles.hpp"
 #include "dsv4/kernels/mhc/mhc_step.cuh"
 #include "dsv4/kernels/moe/moe.cuh"
+#include "dsv4/model/device_block.cuh"
 #include "dsv4/model/model_reference.hpp"
 #include "dsv4/numerics/convert.cuh"
 #include "dsv4/parallel/device_collectives.cuh"
@@ -74,29 +75,6 @@ namespace dsv4::model {
 
 namespace device_detail {
 using runtime::device_buffer;
-template <class T>
-device_buffer<T> upload(std::span<const T> v) {
-  return device_buffer<T>{v};
-}
-template <class T>
-device_buffer<T> upload(const std::vector<T>& v) {
-  return upload(std::span<const T>(v));
-}
-inline device_buffer<bf16> upload_bf16(const std::vector<float>& v) {
-  std::vector<bf16> b(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) b[i] = bf16::from_float(v[i]);
-  return upload(b);
-}
-
-//! Matrices of several experts, each tiled, one after the other.
-struct tiled_stack {
-  std::vector<std::uint8_t> codes, scales;
-  void add(kernels::gemm::weight_format wf, int n, int k, const std::vector<std::uint8_t>& c, const std::vector<std::uint8_t>& s) {
-    const auto t = kernels::gemm::tile_weight(wf, n, k, c, s);
-    codes.insert(codes.end(), t.codes.begin(), t.codes.end());
-    scales.insert(scales.end(), t.scales.begin(), t.scales.end());
-  }
-};
 
 //! x [tokens, streams, dim] <- the table rows of the ids, each copied to every stream. The table
 //! holds vocabulary rows [first, first + rows) (a tensor-parallel rank's slice): other ids give
@@ -131,6 +109,20 @@ DSV4_KERNEL void copy_rows_kernel(const T* in, const std::int32_t* in_rows, T* o
   const long long src = in_rows ? in_rows[r] : r, dst = out_rows ? out_rows[r] : r;
   if (src < 0 || dst < 0) return;
   out[dst * width + k] = in[src * width + k];
+}
+//! DSpark's input (spec §13 main_hidden): out[t, d] = bf16((((0 + x0) + x1) + x2) + x3) * 0.25), the
+//! mean of the four streams of row first + t, summed in stream order as model_reference.hpp's
+//! capture does; rows `out_stride` elements apart (one target layer's slot of [rows, targets * dim]).
+DSV4_KERNEL void stream_mean_kernel(const bf16* x, long long first, long long rows, int dim, int streams, bf16* out,
+                                    long long out_stride) {
+  runtime::start_after_previous_grid();
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * dim) return;
+  const long long t = i / dim;
+  const int d = int(i % dim);
+  float sum = 0.0f;
+  for (int r = 0; r < streams; ++r) sum = __fadd_rn(sum, x[((first + t) * streams + r) * dim + d].to_float());
+  out[t * out_stride + d] = bf16::from_float(__fmul_rn(sum, 0.25f));
 }
 }  // namespace device_detail
 
@@ -234,28 +226,7 @@ class device_model {
     else
       head_ = upload(m.head);
     norm_ = upload_bf16(m.norm);
-    for (int l = 0; l < L; ++l) {
-      const block_weights& b = m.blocks[std::size_t(l)];
-      device_block d;
-      d.attn_norm = upload_bf16(b.attn_norm), d.ffn_norm = upload_bf16(b.ffn_norm);
-      d.attn_fn = upload(b.attn_mix.fn), d.attn_base = upload(b.attn_mix.base), d.attn_scale = upload(b.attn_mix.scale);
-      d.ffn_fn = upload(b.ffn_mix.fn), d.ffn_base = upload(b.ffn_mix.base), d.ffn_scale = upload(b.ffn_mix.scale);
-      d.gate = upload_bf16(b.gate.weight), d.bias = upload(b.gate.bias);
-      tiled_stack w1, w3, w2, s1, s3, s2;
-      for (const auto& e : b.experts) {
-        w1.add(gm::weight_format::fp4_row32, b.inter, c.dim, e.w1, e.w1_s);
-        w3.add(gm::weight_format::fp4_row32, b.inter, c.dim, e.w3, e.w3_s);
-        w2.add(gm::weight_format::fp4_row32, c.dim, b.inter, e.w2, e.w2_s);
-      }
-      s1.add(gm::weight_format::fp8_tile32, b.inter, c.dim, b.shared.w1, b.shared.w1_s);
-      s3.add(gm::weight_format::fp8_tile32, b.inter, c.dim, b.shared.w3, b.shared.w3_s);
-      s2.add(gm::weight_format::fp8_tile32, c.dim, b.inter, b.shared.w2, b.shared.w2_s);
-      auto put = [](runtime::device_buffer<std::uint8_t>(&dst)[2], const tiled_stack& src) {
-        dst[0] = upload(src.codes), dst[1] = upload(src.scales);
-      };
-      put(d.w1, w1), put(d.w3, w3), put(d.w2, w2), put(d.s1, s1), put(d.s3, s3), put(d.s2, s2);
-      blocks_.push_back(std::move(d));
-    }
+    for (int l = 0; l < L; ++l) blocks_.push_back(device_block::upload_from(m.blocks[std::size_t(l)], c.dim));
     for (std::size_t j = 0; j < m.engrams.size(); ++j) {
       const auto& e = m.engrams[j];
       device_engram d;
@@ -350,6 +321,40 @@ class device_model {
   //! host after a device synchronization: for parity work only, it serializes the forward.
   void set_observer(layer_observer observe) { observe_ = std::move(observe); }
 
+  //! From the next call on, keeps DSpark's input (spec §13 main_hidden: the mean of the four
+  //! streams entering each target layer, [rows, targets * dim] bf16) in device memory: for a
+  //! prefill, an append or a CED call the last min(tokens, window) rows of the call (all a
+  //! drafter's rings keep), for a decode batch one row per entry in the order given. Read with
+  //! main_hidden() / main_hidden_rows() until the next call. Not on a tensor-parallel rank.
+  void capture_main_hidden(bool on) {
+    check_idle();
+    if constexpr (sched::drafter::stages == 0) {
+      if (on) throw error(std::string("device_model::capture_main_hidden: ") + Model::name + " has no DSpark stages");
+    } else {
+      if (on && comm_) throw error("device_model::capture_main_hidden: not supported on a tensor-parallel rank yet");
+      if (on && !main_hidden_.size()) {
+        const std::size_t rows = std::size_t(std::max<long long>(c.attn.window_size, std::min(lim_.max_rows, lim_.max_seqs)));
+        main_hidden_ = runtime::device_buffer<bf16>(rows * std::size_t(sched::drafter::targets::size) * std::size_t(c.dim));
+      }
+    }
+    capture_ = on;
+    main_hidden_rows_ = 0;
+  }
+  //! The last call's main_hidden rows (capture_main_hidden), row r at r * targets * dim.
+  const bf16* main_hidden() const { return main_hidden_.data(); }
+  long long main_hidden_rows() const { return main_hidden_rows_; }
+  //! The token embedding [vocab, dim] bf16 (the whole vocabulary: not on a tensor-parallel rank).
+  const bf16* embedding() const { return embed_.data(); }
+  cublasHandle_t blas() const { return blas_; }
+  //! fp32 logits [rows, vocab] of bf16 rows h [rows, dim] (already normalized) through the head,
+  //! on the model's stream; rows <= limits::max_rows. (DSpark's head is the backbone's.)
+  void head_logits(const bf16* h, long long rows, float* out) {
+    if (comm_) throw error("device_model::head_logits: not on a tensor-parallel rank (the head is split by vocabulary)");
+    if (rows < 0 || rows > lim_.max_rows)
+      throw error("device_model::head_logits: " + std::to_string(rows) + " rows, at most max_rows = " + std::to_string(lim_.max_rows));
+    head_gemm(h, rows, out, c.vocab_size);
+  }
+
   //! Prefill of a new sequence: fp32 logits [vocab] of its last position.
   std::vector<float> prefill(int slot, std::span<const std::int32_t> ids) {
     begin_prefill(slot, ids);
@@ -425,6 +430,11 @@ class device_model {
       throw error("device_model::append_ced: a CED append of " + std::to_string(s) + " tokens would replay an Engram module "
                   "of the decoder over earlier tokens (as forward_ced refuses); append at least " +
                   std::to_string(c.attn.window_size) + " tokens or in exact mode");
+    if (capture_ && len > 0)
+      for (int t : sched::drafter::targets::values)
+        if (t < E)
+          throw error("device_model::append_ced: a CED append cannot give the DSpark input of encoder layer " + std::to_string(t) +
+                      " (its rows are not the replayed positions; as forward_ced refuses)");
     pending_call p{pending_call::kind::ced_append, {slot}, {ids.begin(), ids.end()}, true};
     stack_->begin_append(slot, int(s));
     pending_ = std::move(p);
@@ -448,11 +458,7 @@ class device_model {
   }
 
  private:
-  struct device_block {
-    runtime::device_buffer<bf16> attn_norm, ffn_norm, gate;
-    runtime::device_buffer<float> attn_fn, attn_base, attn_scale, ffn_fn, ffn_base, ffn_scale, bias;
-    runtime::device_buffer<std::uint8_t> w1[2], w3[2], w2[2], s1[2], s3[2], s2[2];  //!< codes, scales (MMA tiles)
-  };
+  using device_block = device_detail::device_block;
   struct device_engram {
     runtime::device_buffer<std::uint8_t> embed, embed_scale, wkv, wkv_scale;
     runtime::device_buffer<float> qk;
@@ -496,6 +502,9 @@ class device_model {
   };
   std::optional<pending_call> pending_;
   layer_observer observe_;
+  bool capture_ = false;  //!< capture_main_hidden
+  runtime::device_buffer<bf16> main_hidden_;
+  long long main_hidden_rows_ = 0;
   std::vector<std::vector<std::vector<std::int64_t>>> histories_;  //!< [slot][engram] compressed-id history
 
   void check_idle() const {
@@ -513,12 +522,8 @@ class device_model {
   void boundary(long long rows, const bf16* x, const bf16* f, const float* post, const float* comb, const float* pre,
                 const bf16* norm_w, bf16* y, const float* fn, const float* base, const float* scale, float* next_pre,
                 float* next_post, float* next_comb) {
-    kernels::mhc::mhc_step_args a;
-    a.x = x, a.f = f, a.post = post, a.comb = comb, a.pre = pre, a.norm_w = norm_w, a.norm_eps = c.norm_eps;
-    a.y = y, a.h = h_.data(), a.fn = fn, a.base = base, a.scale = scale, a.iters = c.mhc.hc_sinkhorn_iters;
-    a.hc_eps = c.mhc.hc_eps, a.mix_norm_eps = c.norm_eps, a.next_pre = next_pre, a.next_post = next_post;
-    a.next_comb = next_comb, a.tokens = rows, a.dim = c.dim;
-    kernels::mhc::mhc_step(a, *mhc_ws_, stream());
+    device_detail::mhc_boundary(device_detail::mhc_constants_of<Model>(), rows, x, f, post, comb, pre, norm_w, y, h_.data(), fn, base, scale, next_pre,
+                                next_post, next_comb, *mhc_ws_, stream());
   }
 
   // The forward in pieces (shared by run and prefill_ced). X_ / Y_ point at the streams entering
@@ -632,11 +637,7 @@ class device_model {
     boundary(R, X_, sub_.data(), a_post_.data(), a_comb_.data(), a_pre_.data(), b.ffn_norm.data(), Y_, b.ffn_fn.data(),
              b.ffn_base.data(), b.ffn_scale.data(), f_pre_.data(), f_post_.data(), f_comb_.data());
     std::swap(X_, Y_);
-    kernels::moe::moe_weights mw;
-    mw.gate = b.gate.data(), mw.bias = b.bias.data();
-    mw.w1 = b.w1[0].data(), mw.w1_s = b.w1[1].data(), mw.w3 = b.w3[0].data(), mw.w3_s = b.w3[1].data();
-    mw.w2 = b.w2[0].data(), mw.w2_s = b.w2[1].data(), mw.s1 = b.s1[0].data(), mw.s1_s = b.s1[1].data();
-    mw.s3 = b.s3[0].data(), mw.s3_s = b.s3[1].data(), mw.s2 = b.s2[0].data(), mw.s2_s = b.s2[1].data();
+    const kernels::moe::moe_weights mw = b.moe();
     observe(l, "ffn_in", h_.data(), R);
     if (!comm_) {
       kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_, stream(), blas_, moe_host_sync_);
@@ -649,6 +650,36 @@ class device_model {
     observe(l, "ffn_out", sub_.data(), R);
   }
 
+  //! fp32 logits of bf16 rows through the head (`vocab`: the rows held): from the bf16 head
+  //! directly, else through an fp32 copy (hf_, rows <= max_rows).
+  void head_gemm(const bf16* h, long long rows, float* out, int vocab) {
+    const int D = c.dim;
+    if (head16_.size()) {
+      kernels::gemm::linear_bf16_f32out(blas_, h, head16_.data(), out, int(rows), vocab, D, stream());
+    } else {
+      numerics::widen_to_fp32(h, hf_.data(), rows * D, stream());
+      kernels::gemm::linear_fp32(blas_, hf_.data(), head_.data(), out, int(rows), vocab, D, stream());
+    }
+  }
+
+  //! With capture_main_hidden: rows [first, first + rows) of the streams entering layer l (X_) into
+  //! main_hidden_ when l is a DSpark target. `one_sequence`: only the call's last `window` rows.
+  void capture(int l, long long first, long long rows, bool one_sequence) {
+    if constexpr (sched::drafter::stages > 0) {
+      if (!capture_) return;
+      using targets = typename sched::drafter::targets;
+      if (one_sequence && rows > c.attn.window_size) first += rows - c.attn.window_size, rows = c.attn.window_size;
+      for (std::size_t j = 0; j < targets::values.size(); ++j) {
+        if (targets::values[j] != l) continue;
+        const long long stride = 1LL * targets::size * c.dim;
+        runtime::launch_programmatic(device_detail::stream_mean_kernel, dim3(blocks_for(rows * c.dim)), dim3(256), 0, stream(),
+                                     static_cast<const bf16*>(X_), first, rows, c.dim, hc, main_hidden_.data() + j * c.dim, stride);
+        DSV4_CUDA_CHECK_LAUNCH();
+        main_hidden_rows_ = rows;
+      }
+    }
+  }
+
   //! Exit: the last FFN, the collapse with its pre, the final norm; the head on the last row
   //! (`last_only`) or on every row.
   std::vector<float> exit_logits(long long R, bool last_only) {
@@ -658,19 +689,10 @@ class device_model {
              nullptr, nullptr, nullptr);
     const long long first = last_only ? R - 1 : 0, rows = R - first;
     const std::size_t n = std::size_t(rows) * c.vocab_size;
-    // fp32 logits of the bf16 norm output: from the bf16 head directly, else through an fp32 copy.
-    auto head = [&](float* out, int vocab) {
-      if (head16_.size()) {
-        kernels::gemm::linear_bf16_f32out(blas_, h_.data() + first * D, head16_.data(), out, int(rows), vocab, D, stream());
-      } else {
-        numerics::widen_to_fp32(h_.data() + first * D, hf_.data(), rows * D, stream());
-        kernels::gemm::linear_fp32(blas_, hf_.data(), head_.data(), out, int(rows), vocab, D, stream());
-      }
-    };
     if (!comm_) {
-      head(logits_.data(), c.vocab_size);
+      head_gemm(h_.data() + first * D, rows, logits_.data(), c.vocab_size);
     } else {  // ParallelHead: the rank's vocabulary rows, gathered in rank order ([ranks, rows, part])
-      head(logits_part_.data(), int(vocab_part_));
+      head_gemm(h_.data() + first * D, rows, logits_part_.data(), int(vocab_part_));
       comm_->all_gather(logits_part_.data(), std::size_t(rows) * std::size_t(vocab_part_), logits_.data(), stream());
     }
     DSV4_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), n * sizeof(float), cudaMemcpyDeviceToHost, stream()));
@@ -690,8 +712,10 @@ class device_model {
     const long long R = static_cast<long long>(ids.size());
     try {
       start(slots, ids, one_sequence);
+      main_hidden_rows_ = 0;
       for (int l = 0; l < sched::num_layers; ++l) {
         enter_block(l, R);
+        capture(l, 0, R, one_sequence);
         if (l == sched::encoder_layers) push_tail(R);
         finish_block(l, R);
       }
@@ -804,7 +828,8 @@ class device_model {
     const long long N = static_cast<long long>(ids.size());
     try {
       start({slot}, ids, true, gather);
-      for (int l = 0; l < E; ++l) enter_block(l, N), finish_block(l, N);
+      main_hidden_rows_ = 0;
+      for (int l = 0; l < E; ++l) enter_block(l, N), capture(l, 0, N, true), finish_block(l, N);
       enter_block(E, N);  // h_ = the first decoder layer's input over every token of the call
       push_tail(N);
       if (sched::role(E) == schedule::attn_role::full) stack_->fill_owner_cache(E, h_.data());
@@ -823,8 +848,9 @@ class device_model {
     try {
       stack_->begin_replay(slot, first, int(R), E);
       place();
+      capture(E, 0, R, true);
       finish_block(E, R);
-      for (int l = E + 1; l < sched::num_layers; ++l) enter_block(l, R), finish_block(l, R);
+      for (int l = E + 1; l < sched::num_layers; ++l) enter_block(l, R), capture(l, 0, R, true), finish_block(l, R);
       auto out = exit_logits(R, true);
       stack_->end_call();
       return out;

@@ -1,0 +1,119 @@
+#pragma once
+//! \file
+//! One block's non-attention weights on the device (the mHC norms and mixes, the MoE gate and
+//! experts in the GEMMs' MMA-tile layout) and the mHC boundary between sublayers: what
+//! device_model's backbone blocks and device_dspark's drafter stages share.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "dsv4/kernels/gemm/weight_tiles.hpp"
+#include "dsv4/kernels/mhc/mhc_step.cuh"
+#include "dsv4/kernels/moe/moe.cuh"
+#include "dsv4/model/block_reference.hpp"
+#include "dsv4/runtime/device_buffer.cuh"
+
+namespace dsv4::model::device_detail {
+
+using numerics::bf16;
+using runtime::device_buffer;
+
+template <class T>
+device_buffer<T> upload(std::span<const T> v) {
+  return device_buffer<T>{v};
+}
+template <class T>
+device_buffer<T> upload(const std::vector<T>& v) {
+  return upload(std::span<const T>(v));
+}
+inline device_buffer<bf16> upload_bf16(const std::vector<float>& v) {
+  std::vector<bf16> b(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) b[i] = bf16::from_float(v[i]);
+  return upload(b);
+}
+
+//! Matrices of several experts, each tiled, one after the other.
+struct tiled_stack {
+  std::vector<std::uint8_t> codes, scales;
+  void add(kernels::gemm::weight_format wf, int n, int k, const std::vector<std::uint8_t>& c,
+           const std::vector<std::uint8_t>& s) {
+    const auto t = kernels::gemm::tile_weight(wf, n, k, c, s);
+    codes.insert(codes.end(), t.codes.begin(), t.codes.end());
+    scales.insert(scales.end(), t.scales.begin(), t.scales.end());
+  }
+};
+
+//! A block's mHC and MoE weights on the device.
+struct device_block {
+  device_buffer<bf16> attn_norm, ffn_norm, gate;
+  device_buffer<float> attn_fn, attn_base, attn_scale, ffn_fn, ffn_base, ffn_scale, bias;
+  device_buffer<std::uint8_t> w1[2], w3[2], w2[2], s1[2], s3[2], s2[2];  //!< codes, scales (MMA tiles)
+
+  //! Uploads `b` (its routed experts as held: a tensor-parallel rank's slice or all of them).
+  static device_block upload_from(const block_weights& b, int dim) {
+    namespace gm = kernels::gemm;
+    device_block d;
+    d.attn_norm = upload_bf16(b.attn_norm), d.ffn_norm = upload_bf16(b.ffn_norm);
+    d.attn_fn = upload(b.attn_mix.fn), d.attn_base = upload(b.attn_mix.base),
+    d.attn_scale = upload(b.attn_mix.scale);
+    d.ffn_fn = upload(b.ffn_mix.fn), d.ffn_base = upload(b.ffn_mix.base),
+    d.ffn_scale = upload(b.ffn_mix.scale);
+    d.gate = upload_bf16(b.gate.weight), d.bias = upload(b.gate.bias);
+    tiled_stack w1, w3, w2, s1, s3, s2;
+    for (const auto& e : b.experts) {
+      w1.add(gm::weight_format::fp4_row32, b.inter, dim, e.w1, e.w1_s);
+      w3.add(gm::weight_format::fp4_row32, b.inter, dim, e.w3, e.w3_s);
+      w2.add(gm::weight_format::fp4_row32, dim, b.inter, e.w2, e.w2_s);
+    }
+    s1.add(gm::weight_format::fp8_tile32, b.inter, dim, b.shared.w1, b.shared.w1_s);
+    s3.add(gm::weight_format::fp8_tile32, b.inter, dim, b.shared.w3, b.shared.w3_s);
+    s2.add(gm::weight_format::fp8_tile32, dim, b.inter, b.shared.w2, b.shared.w2_s);
+    auto put = [](device_buffer<std::uint8_t>(&dst)[2], const tiled_stack& src) {
+      dst[0] = upload(src.codes), dst[1] = upload(src.scales);
+    };
+    put(d.w1, w1), put(d.w3, w3), put(d.w2, w2), put(d.s1, s1), put(d.s3, s3), put(d.s2, s2);
+    return d;
+  }
+
+  //! The MoE kernels' view of these weights.
+  kernels::moe::moe_weights moe() const {
+    kernels::moe::moe_weights mw;
+    mw.gate = gate.data(), mw.bias = bias.data();
+    mw.w1 = w1[0].data(), mw.w1_s = w1[1].data(), mw.w3 = w3[0].data(), mw.w3_s = w3[1].data();
+    mw.w2 = w2[0].data(), mw.w2_s = w2[1].data(), mw.s1 = s1[0].data(), mw.s1_s = s1[1].data();
+    mw.s3 = s3[0].data(), mw.s3_s = s3[1].data(), mw.s2 = s2[0].data(), mw.s2_s = s2[1].data();
+    return mw;
+  }
+};
+
+//! The mHC constants of a model (spec §10).
+struct mhc_constants {
+  float norm_eps = 1e-20f, hc_eps = 1e-6f;
+  int iters = 20;
+  int dim = 0;
+};
+
+template <class Model>
+constexpr mhc_constants mhc_constants_of() {
+  return {Model::dims.norm_eps, Model::dims.mhc.hc_eps, Model::dims.mhc.hc_sinkhorn_iters, Model::dims.dim};
+}
+
+//! One mHC boundary: Y = hc_post(F, X) (F null: Y = X), h = norm(hc_pre(Y, pre)), the next
+//! sublayer's mixes (fn null: none).
+inline void mhc_boundary(const mhc_constants& k, long long rows, const bf16* x, const bf16* f,
+                         const float* post, const float* comb, const float* pre, const bf16* norm_w, bf16* y,
+                         bf16* h, const float* fn, const float* base, const float* scale, float* next_pre,
+                         float* next_post, float* next_comb, kernels::mhc::mhc_workspace& ws,
+                         cudaStream_t stream) {
+  kernels::mhc::mhc_step_args a;
+  a.x = x, a.f = f, a.post = post, a.comb = comb, a.pre = pre, a.norm_w = norm_w, a.norm_eps = k.norm_eps;
+  a.y = y, a.h = h, a.fn = fn, a.base = base, a.scale = scale, a.iters = k.iters;
+  a.hc_eps = k.hc_eps, a.mix_norm_eps = k.norm_eps, a.next_pre = next_pre, a.next_post = next_post;
+  a.next_comb = next_comb, a.tokens = rows, a.dim = k.dim;
+  kernels::mhc::mhc_step(a, ws, stream);
+}
+
+}  // namespace dsv4::model::device_detail
