@@ -154,12 +154,37 @@ BOOST_AUTO_TEST_CASE(drafter_matches_host_on_the_same_input,
   BOOST_TEST(stats.argmax_same * 10 >= stats.rows * 8);
   BOOST_TEST(conf_worst < 0.05);
 
+  // Unforced (greedy, the sampling path): each draft is the argmax of its row's returned logits,
+  // the Markov bias of the draft before it included. (Against the host's own unforced drafts only
+  // reported: a near-tie may go either way, and the rows after it then differ.)
+  {
+    const std::int32_t next = std::int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    logits = model::forward(f.m, seq, std::span<const std::int32_t>(&next, 1), nullptr, &mh);
+    const std::int32_t input = std::int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    const auto want = model::dspark_decode<tiny>(f.m, f.w, st, input, mh);
+    runtime::device_buffer<bf16> step_mh{std::span<const bf16>(mh)};
+    const auto got = dd.decode(0, input, step_mh.data(), 1);
+    BOOST_REQUIRE_EQUAL(got.ids.size(), want.ids.size());
+    BOOST_TEST(got.ids[0] == input);
+    std::size_t same = 0;
+    for (std::size_t i = 0; i + 1 < got.ids.size(); ++i) {
+      const auto row = std::span<const float>(got.logits).subspan(i * V, V);
+      BOOST_TEST(got.ids[i + 1] == std::int32_t(std::max_element(row.begin(), row.end()) - row.begin()),
+                 "draft " << i);
+      same += got.ids[i + 1] == want.ids[i + 1];
+    }
+    BOOST_TEST_MESSAGE("unforced greedy drafts equal to the host's: " << same << " of "
+                                                                      << got.ids.size() - 1);
+  }
+
   // Misuse.
   BOOST_TEST(test::throws_with([&] { dd.decode(1, 1, dmh.data(), 1); }, "no DSpark prefill"));
   BOOST_TEST(test::throws_with([&] { dd.decode(0, V, dmh.data(), 1); }, "outside the vocabulary"));
   BOOST_TEST(test::throws_with([&] { dd.decode(2, 1, dmh.data(), 1); }, "no sequence slot 2"));
   BOOST_TEST(test::throws_with([&] { dd.prefill(0, dmh.data(), W + 1); }, "main_hidden rows"));
   BOOST_TEST(test::throws_with([&] { dd.decode(0, 1, dmh.data(), 2, 1); }, "added 1 positions"));
+  BOOST_TEST(test::throws_with([&] { dd.decode(0, 1, dmh.data(), 1, 3); },
+                               "expected its last min(positions, window) = 3"));
   const std::int32_t short_forced[2] = {1, 2};
   BOOST_TEST(
       test::throws_with([&] { dd.decode(0, 1, dmh.data(), 1, 1, {0.0f}, 0, short_forced); }, "forced ids"));

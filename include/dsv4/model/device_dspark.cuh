@@ -131,6 +131,27 @@ class device_dspark {
       throw error("device_dspark: the weights hold " + std::to_string(w.stages.size()) + " stages and " +
                   std::to_string(w.targets) + " targets, " + Model::name + " has " + std::to_string(stages) +
                   " and " + std::to_string(targets));
+    // Everything a decode needs of the backbone, checked here: a decode that failed halfway would
+    // leave the slot needing a prefill whose input the backbone no longer holds.
+    if (backbone.world() != 1)
+      throw error(
+          "device_dspark: the drafter runs beside a whole model, not a tensor-parallel rank (its embedding "
+          "and "
+          "head are vocabulary slices there)");
+    if (block_ > backbone.max_rows())
+      throw error("device_dspark: draft block " + std::to_string(block_) +
+                  " exceeds the backbone's limits::max_rows (" + std::to_string(backbone.max_rows()) +
+                  "), which its head's scratch holds");
+    if (noise_ < 0 || noise_ >= c.vocab_size)
+      throw error("device_dspark: the noise token " + std::to_string(noise_) +
+                  " is outside the vocabulary of " + std::to_string(c.vocab_size));
+    for (std::size_t s = 0; s < w.stages.size(); ++s)
+      for (float v : w.stages[s].gate.weight)
+        if (v == v &&
+            bf16::from_float(v).to_float() != v)  // as device_model refuses for the backbone's gates
+          throw error(
+              "device_dspark: mtp." + std::to_string(s) +
+              ".ffn.gate.weight holds F32 values that bf16 cannot represent; the CUDA MoE gate takes bf16");
     if (block_ <= 0 || block_ > sh.window)
       throw error("device_dspark: draft block " + std::to_string(block_) + " outside 1 .. window (" +
                   std::to_string(sh.window) + ")");
@@ -232,10 +253,13 @@ class device_dspark {
     using namespace device_detail;
     check_slot(slot, "decode");
     check_rows(main_hidden, rows, "decode");
-    if (positions < 0) positions = rows;
-    if (positions < rows)
-      throw error("device_dspark::decode: " + std::to_string(rows) +
-                  " main_hidden rows of a call that added " + std::to_string(positions) + " positions");
+    if (positions == -1) positions = rows;
+    // Every position the rings keep must come in: the call's last min(positions, window) rows.
+    if (positions < 1 || rows != std::min<long long>(positions, sh.window))
+      throw error(
+          "device_dspark::decode: " + std::to_string(rows) + " main_hidden rows of a call that added " +
+          std::to_string(positions) + " positions; expected its last min(positions, window) = " +
+          std::to_string(std::max<long long>(0, std::min<long long>(positions, sh.window))) + " rows");
     const long long len = lengths_[std::size_t(slot)];
     if (len <= 0)
       throw error("device_dspark::decode: no DSpark prefill of slot " + std::to_string(slot) + " yet");

@@ -110,7 +110,8 @@ DSV4_KERNEL void copy_rows_kernel(const T* in, const std::int32_t* in_rows, T* o
   if (src < 0 || dst < 0) return;
   out[dst * width + k] = in[src * width + k];
 }
-//! DSpark's input (spec §13 main_hidden): out[t, d] = bf16((((0 + x0) + x1) + x2) + x3) * 0.25), the
+//! DSpark's input (spec §13 main_hidden; 4 streams, asserted by device_model): out[t, d] =
+//! bf16((((0 + x0) + x1) + x2) + x3) * 0.25), the
 //! mean of the four streams of row first + t, summed in stream order as model_reference.hpp's
 //! capture does; rows `out_stride` elements apart (one target layer's slot of [rows, targets * dim]).
 DSV4_KERNEL void stream_mean_kernel(const bf16* x, long long first, long long rows, int dim, int streams, bf16* out,
@@ -317,15 +318,20 @@ class device_model {
   //! This model's rank and world size (0 and 1 without collectives).
   int rank() const { return comm_ ? comm_->rank() : 0; }
   int world() const { return comm_ ? comm_->size() : 1; }
+  //! limits::max_rows: the most rows of one call (and of head_logits).
+  int max_rows() const { return lim_.max_rows; }
   //! Calls `observe` with each block's intermediates (block_reference.hpp's stages), copied to the
   //! host after a device synchronization: for parity work only, it serializes the forward.
   void set_observer(layer_observer observe) { observe_ = std::move(observe); }
 
   //! From the next call on, keeps DSpark's input (spec §13 main_hidden: the mean of the four
   //! streams entering each target layer, [rows, targets * dim] bf16) in device memory: for a
-  //! prefill, an append or a CED call the last min(tokens, window) rows of the call (all a
-  //! drafter's rings keep), for a decode batch one row per entry in the order given. Read with
-  //! main_hidden() / main_hidden_rows() until the next call. Not on a tensor-parallel rank.
+  //! prefill, an append or a CED prefill the last min(tokens, window) rows of the call (all a
+  //! drafter's rings keep); after a CED append the replayed rows, i.e. the sequence's last
+  //! min(length, window) positions, of which the chunk's are the last min(chunk, window); for a
+  //! decode batch one row per entry in the order given. Read with main_hidden() /
+  //! main_hidden_rows() until the next call (0 rows after a failed one). Not on a
+  //! tensor-parallel rank.
   void capture_main_hidden(bool on) {
     check_idle();
     if constexpr (sched::drafter::stages == 0) {
@@ -730,6 +736,7 @@ class device_model {
 
   //! A call failed: the stack forgets it, and a rank releases the others from its collectives.
   void fail_call() {
+    main_hidden_rows_ = 0;  // (a capture the failed call began is not the call's)
     stack_->abort_call();
     if (comm_) comm_->abandon();
   }
