@@ -2,7 +2,7 @@
 //! decode tokens/s at several batch sizes, global-cache bytes per token actually allocated.
 //! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N]
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced]
-//!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
+//!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N] [--dspark]
 //!                    [--json FILE]
 //!
 //! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
@@ -27,6 +27,11 @@
 //! `--gemm wgmma`: the few-token block-scaled GEMMs (the FP8 linears below the dequantize +
 //! cuBLAS path) run on the wgmma kernel (gemm/wgmma_gemm.cuh) instead of mma.sync;
 //! `--gemm-max-tokens N` (with wgmma): up to N tokens (default 63) before that path.
+//! `--dspark`: also the DSpark drafter on CUDA (model::device_dspark): one sequence at the decode
+//! context, then per round one backbone decode step with the capture of main_hidden and one draft
+//! block, timed apart (row `dspark-draft`: the block's drafts per second; its floor is the
+//! drafter's weights, the head and the expected distinct DSpark experts of a block, over the copy
+//! bandwidth).
 
 #include <chrono>
 #include <cmath>
@@ -42,6 +47,7 @@
 #include "bench_util.cuh"
 #include "bench_variants.hpp"
 #include "dsv4/io/random_checkpoint.hpp"
+#include "dsv4/model/device_dspark.cuh"
 #include "dsv4/model/device_model.cuh"
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/tiny.hpp"
@@ -63,13 +69,14 @@ struct weight_traffic {
   double dense_bytes = 0, routed_bytes = 0, dense_weights = 0, routed_weights = 0;
   int experts = 0, topk = 0;
 
-  static weight_traffic of(const std::vector<io::tensor_spec>& schema, int n_experts, int topk) {
+  //! `prefix`: the blocks counted ("layers." the backbone's, "mtp." the DSpark stages').
+  static weight_traffic of(const std::vector<io::tensor_spec>& schema, int n_experts, int topk, const std::string& prefix = "layers.") {
     weight_traffic w;
     w.experts = n_experts, w.topk = topk;
     const auto shapes = io::written_shapes(schema);
     for (std::size_t i = 0; i < schema.size(); ++i) {
       const std::string& name = schema[i].name;
-      const bool layer = name.rfind("layers.", 0) == 0, head = name == "head.weight";
+      const bool layer = name.rfind(prefix, 0) == 0, head = name == "head.weight";
       if ((!layer && !head) || name.find(".engram.embed.") != std::string::npos) continue;
       const io::st_dtype d = schema[i].dtypes.front();
       double elements = 1;
@@ -102,6 +109,7 @@ struct options {
   std::string profile_prefill;        // "exact" / "ced": one prefill between cudaProfilerStart / Stop, nothing else
   bool engram_host_tables = false;    // Engram tables in host memory, rows fetched per call (issue 5)
   int chunk = 0;                      // > 0: longer prompts as a prefill of `chunk` tokens + appended chunks
+  bool dspark = false;                // also time the DSpark drafter on CUDA
 };
 
 template <class Model>
@@ -116,13 +124,16 @@ int run(FILE* jf, const options& opt) {
   // The random weights: in memory (default), or in a folder kept between runs. From a folder with
   // --engram-host-tables, the Engram tables are read in place from the checkpoint's mapping
   // (model::engram_tables::mapped), so `file_ck` lives as long as the models.
-  std::optional<io::checkpoint> file_ck;
+  // (The in-memory checkpoint is kept only for --dspark, which reads the drafter's tensors after.)
+  std::optional<io::checkpoint> file_ck, memory_ck;
   const auto hm = [&] {
     if (opt.checkpoint.empty()) {
-      io::checkpoint ck = io::random_checkpoint_in_memory(schema, 1, io::random_init::scaled);
+      io::checkpoint& ck = memory_ck.emplace(io::random_checkpoint_in_memory(schema, 1, io::random_init::scaled));
       std::printf("model %s: random checkpoint made in memory in %.1f s\n", Model::name, seconds_since(t0));
       t0 = clock::now();
-      return model::host_model<Model>::load(ck, token_map);
+      auto m = model::host_model<Model>::load(ck, token_map);
+      if (!opt.dspark) memory_ck.reset();
+      return m;
     }
     const std::filesystem::path dir(opt.checkpoint);
     if (std::filesystem::exists(dir / "model.safetensors.index.json")) {
@@ -257,6 +268,42 @@ int run(FILE* jf, const options& opt) {
     row("decode", decode_context, batch, s, batch / s, traffic.decode_bytes(batch) / ceiling.copy_bps);
     for (int sl : slots) dm.release_sequence(sl);
   }
+  // The DSpark drafter: one sequence at the decode context (CED prompt: the capture then holds its
+  // replayed rows, the last window positions), then rounds of one backbone step + one draft block.
+  if constexpr (sched::drafter::stages > 0) {
+    if (opt.dspark) {
+      io::checkpoint& ck = file_ck ? *file_ck : *memory_ck;
+      model::device_dspark<Model> dd(dm, model::dspark_weights_of<Model>(ck), lim.max_seqs);
+      dm.capture_main_hidden(true);
+      const int slot = dm.add_sequence();
+      put_prompt(slot, decode_context, true);
+      const long long rows = dm.main_hidden_rows();
+      dd.prefill(slot, dm.main_hidden(), rows, dm.length(slot) - rows);
+      const std::int32_t tok[1] = {5};
+      double backbone_s = 0, draft_s = 0;
+      for (int i = -1; i < steps; ++i) {  // (round -1 warms up)
+        auto t = clock::now();
+        dm.decode({slot}, tok);
+        const double b = seconds_since(t);
+        t = clock::now();
+        dd.decode(slot, tok[0], dm.main_hidden(), 1);
+        const double d = seconds_since(t);
+        if (i >= 0) backbone_s += b, draft_s += d;
+      }
+      backbone_s /= steps, draft_s /= steps;
+      const int block = c.dspark.dspark_block_size;
+      const auto drafter = weight_traffic::of(models::checkpoint_schema<Model>(), c.dspark.dspark_n_routed_experts,
+                                              c.dspark.dspark_n_activated_experts, "mtp.");
+      row("dspark-draft", block, 1, draft_s, block / draft_s, drafter.decode_bytes(block) / ceiling.copy_bps);
+      std::printf("           (%d drafts a round; the backbone's decode step with the capture: %.4f s, so a round of drafts "
+                  "costs %.2f backbone steps)\n",
+                  block, backbone_s, draft_s / backbone_s);
+      dm.capture_main_hidden(false);
+      dm.release_sequence(slot);
+    }
+  } else if (opt.dspark) {
+    throw error(std::string("--dspark: ") + Model::name + " has no DSpark stages");
+  }
   // Host tables: what the fetches moved and how much of them the launching thread waited for
   // (the part the layers before each Engram layer did not hide), over every call above.
   const auto fetches = dm.engram_fetch_stats();
@@ -299,6 +346,7 @@ int main(int argc, char** argv) {
       else if (a == "--profile-prefill" && has_value && (std::string(argv[i + 1]) == "exact" || std::string(argv[i + 1]) == "ced"))
         opt.profile_prefill = argv[++i];
       else if (a == "--engram-host-tables") opt.engram_host_tables = true;
+      else if (a == "--dspark") opt.dspark = true;
       else if (a == "--chunk" && has_value) opt.chunk = bench::int_list(a, argv[++i]).at(0);
       else if (a == "--gemm" && has_value && (std::string(argv[i + 1]) == "mma" || std::string(argv[i + 1]) == "wgmma"))
         kernels::gemm::set_decode_gemm(std::string(argv[++i]) == "wgmma" ? kernels::gemm::decode_gemm::wgmma
@@ -309,7 +357,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr,
                      "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N] "
                      "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] [--chunk N] "
-                     "[--gemm mma|wgmma] [--gemm-max-tokens N] [--json FILE]\n");
+                     "[--gemm mma|wgmma] [--gemm-max-tokens N] [--dspark] [--json FILE]\n");
         return 2;
       }
     }
