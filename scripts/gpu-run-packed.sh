@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs binaries packed by scripts/gpu-pack.sh on the GPU machine: every GPU test binary's GPU
 # cases (a skipped GPU case is a failure here), the CLI's CUDA backend, then optionally
-# compute-sanitizer and bench_model (tiny). Results in $OUT (default build/gpu-run): summary.txt
+# compute-sanitizer and bench_model (tiny, with the DSpark drafter). Results in $OUT (default build/gpu-run): summary.txt
 # and one logs.tar.gz. Exit status 0 only if everything run passed.
 #
 #   bash scripts/gpu-run-packed.sh [PACKDIR]            # default devbin/pack
@@ -54,8 +54,8 @@ for b in ${RUN_BENCHES:-}; do
   if timeout "${BENCH_LIMIT:-240}" "bench/$b" > "$out/$b.txt" 2>&1; then log "$b: done"; else log "$b: FAILED"; fail=1; fi
 done
 if [ -n "${BENCH:-}" ]; then
-  bench/bench_model > "$out/bench_model.txt" 2>&1 || fail=1
-  grep -E "^(prefill|decode)" "$out/bench_model.txt" | tee -a "$out/summary.txt"
+  bench/bench_model --dspark > "$out/bench_model.txt" 2>&1 || fail=1
+  grep -E "^(prefill|decode|dspark)" "$out/bench_model.txt" | tee -a "$out/summary.txt"
 fi
 log "$([ "$fail" = 0 ] && echo 'ALL PASSED' || echo 'SOMETHING FAILED')"
 # The device tool returns a few files: keep summary.txt and the benchmarks loose, pack the rest.
