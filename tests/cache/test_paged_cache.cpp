@@ -68,6 +68,29 @@ BOOST_AUTO_TEST_CASE(exhaustion_is_a_clear_error_and_takes_nothing) {
   BOOST_TEST(alloc.tokens(a) == 2000);
 }
 
+// A rolled-back round (truncate): the pages past the kept tokens return to the pool, and the next
+// append takes the same pages back in the same order; keeping more than the sequence holds fails.
+BOOST_AUTO_TEST_CASE(truncate_returns_the_pages_past_the_kept_tokens) {
+  cache::page_allocator alloc(10, 256, geo::page_bytes);
+  const int a = alloc.add_sequence();
+  alloc.append(a, 600);  // 3 pages
+  const auto before = alloc.block_table(a);
+  alloc.append(a, 700);  // 1300 tokens: 6 pages
+  const auto grown = alloc.block_table(a);
+  alloc.truncate(a, 600);
+  BOOST_TEST(alloc.tokens(a) == 600);
+  BOOST_TEST(alloc.block_table(a) == before);
+  BOOST_TEST(alloc.free_pages() == 7);
+  alloc.append(a, 700);
+  BOOST_TEST(alloc.block_table(a) == grown);
+  alloc.truncate(a, 512);  // exactly two pages
+  BOOST_TEST(alloc.block_table(a).size() == 2u);
+  alloc.truncate(a, 0);
+  BOOST_TEST(alloc.free_pages() == 10);
+  BOOST_CHECK_THROW(alloc.truncate(a, 1), dsv4::error);
+  BOOST_CHECK_THROW(alloc.truncate(a, -1), dsv4::error);
+}
+
 // Many sequences of random lengths: every entry of every owner has its own bytes, inside the pool.
 BOOST_AUTO_TEST_CASE(entries_never_overlap) {
   auto rng = test::make_rng(70);

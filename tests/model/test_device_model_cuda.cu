@@ -239,6 +239,54 @@ BOOST_AUTO_TEST_CASE(cuda_model_matches_the_reference_logits, *utf::label("gpu")
 
 // The CED prefill on the device: up to the window it is the device's exact prefill bit for bit
 // (the same kernels on the same rows); beyond it, against the host's forward_ced.
+// A speculative round rolled back (save_sequence, append_all, restore_sequence) leaves no trace:
+// after it, appending the accepted tokens and decoding gives the same bits as a sequence that never
+// saw the round. The prompt is longer than the window (the round overwrites ring slots the later
+// steps read) and even, the round odd (ratio-2 groups complete inside it: the restored compressor
+// state matters), with Engram histories. The verification's rows are the logits of the positions
+// (its last row against a plain append of the same chunk).
+BOOST_AUTO_TEST_CASE(rolled_back_rounds_leave_no_trace, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  const auto hm = load_tiny("device_model_rollback", 47);
+  auto lim = tiny_limits(3, 64, 128);
+  lim.logit_rows = 8;
+  model::device_model<tiny> dm(hm, lim);
+  auto rng = test::make_rng(77);
+  const int V = tiny::dims.vocab_size;
+  auto random_ids = [&](int n) {
+    std::vector<std::int32_t> v(static_cast<std::size_t>(n));
+    for (auto& id : v) id = std::int32_t(rng() % std::uint64_t(V));
+    return v;
+  };
+  const auto prompt = random_ids(30), round = random_ids(7), accepted = random_ids(3);
+  const int a = dm.add_sequence(), b = dm.add_sequence(), plain = dm.add_sequence();
+  for (int s : {a, b, plain}) dm.prefill(s, prompt);
+  model::device_model<tiny>::sequence_snapshot snap;
+  dm.save_sequence(a, snap);
+  const auto verify = dm.append_all(a, round);
+  BOOST_REQUIRE_EQUAL(verify.size(), round.size() * std::size_t(V));
+  BOOST_TEST(dm.length(a) == 37);
+  test::logit_stats last;
+  last.add(std::span<const float>(verify).last(std::size_t(V)), dm.append(plain, round));
+  BOOST_TEST_MESSAGE("append_all's last row vs a plain append: worst " << last.worst);
+  BOOST_TEST(last.worst < 1e-4);  // the same rows; only the head GEMM's row count differs
+  dm.restore_sequence(a, snap);
+  BOOST_TEST(dm.length(a) == 30);
+  auto same_bits = [](const std::vector<float>& x, const std::vector<float>& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+  };
+  BOOST_TEST(same_bits(dm.append(a, accepted), dm.append(b, accepted)), "the append after the rollback differs");
+  for (int step = 0; step < 4; ++step) {
+    const auto tok = random_ids(1);
+    BOOST_TEST(same_bits(dm.decode({a}, tok), dm.decode({b}, tok)), "decode step " << step << " after the rollback differs");
+  }
+  // Misuse: a snapshot from a longer state, too many rows for append_all.
+  model::device_model<tiny>::sequence_snapshot later;
+  dm.save_sequence(b, later);
+  dm.restore_sequence(a, snap);  // back to 30 tokens
+  BOOST_TEST(test::throws_with([&] { dm.restore_sequence(a, later); }, "is not from sequence slot"));
+  BOOST_TEST(test::throws_with([&] { dm.append_all(a, random_ids(9)); }, "limits::logit_rows"));
+}
+
 BOOST_AUTO_TEST_CASE(ced_prefill, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   const auto hm = load_tiny("device_model_ced", 45);
   model::device_model<tiny> dm(hm, tiny_limits(4, 64, 64));

@@ -153,6 +153,21 @@ class page_allocator {
     s.tokens += tokens;
   }
 
+  //! Shortens sequence `id` to its first `tokens` tokens (a rolled-back speculative round): the
+  //! pages past them return to the pool, last first, so that a later append takes them back in the
+  //! same order.
+  void truncate(int id, long long tokens) {
+    sequence& s = live(id);
+    if (tokens < 0 || tokens > s.tokens)
+      throw error("page_allocator::truncate: sequence " + std::to_string(id) + " holds " + std::to_string(s.tokens) +
+                  " tokens, cannot keep " + std::to_string(tokens));
+    while (static_cast<long long>(s.pages.size()) > pages_for(tokens)) {
+      free_.push_back(s.pages.back());
+      s.pages.pop_back();
+    }
+    s.tokens = tokens;
+  }
+
   //! Return a sequence's pages to the pool.
   void release(int id) {
     sequence& s = live(id);

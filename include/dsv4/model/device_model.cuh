@@ -49,6 +49,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "dsv4/core/error.hpp"
@@ -151,6 +152,9 @@ class device_model {
     //! over its last `window` positions (the streams, the attention input and the mixes: window x
     //! (5 dim bf16 + 24 fp32) per sequence), from which a CED append replays the decoder.
     bool ced_appends = false;
+    //! Rows of logits one call may return (append_all: a speculative round's verification); 0:
+    //! min(max_rows, max_seqs), one per sequence of a decode batch.
+    int logit_rows = 0;
   };
 
   //! The whole model on the current device, from a loaded host model.
@@ -255,8 +259,11 @@ class device_model {
     h_ = device_buffer<bf16>(R * D), sub_ = device_buffer<bf16>(R * D);
     // Logits are computed for one row per sequence of a call (a prefill's last row, one per decode entry).
     hf_ = device_buffer<float>(R * D);
-    logits_ = device_buffer<float>(std::size_t(std::min(lim.max_rows, lim.max_seqs)) * std::size_t(c.vocab_size));
-    if (comm_) logits_part_ = device_buffer<float>(std::size_t(std::min(lim.max_rows, lim.max_seqs)) * std::size_t(vocab_part_));
+    if (lim.logit_rows < 0 || lim.logit_rows > lim.max_rows)
+      throw error("device_model: limits::logit_rows must lie in 0 .. max_rows (" + std::to_string(lim.max_rows) + ")");
+    logit_rows_ = std::max(std::min(lim.max_rows, lim.max_seqs), lim.logit_rows);
+    logits_ = device_buffer<float>(std::size_t(logit_rows_) * std::size_t(c.vocab_size));
+    if (comm_) logits_part_ = device_buffer<float>(std::size_t(logit_rows_) * std::size_t(vocab_part_));
     logits_host_ = runtime::pinned_buffer<float>(logits_.size());
     // A call's inputs: token ids [rows], then each Engram module's hashes [rows, columns].
     std::size_t input_bytes = runtime::upload_arena::space<std::int32_t>(R);
@@ -371,6 +378,45 @@ class device_model {
     begin_append(slot, ids);
     return finish_call();
   }
+  //! An appended chunk (exact mode) whose every row's logits come back, [ids.size(), vocab]: the
+  //! verification of a speculative round (its input token and drafts), as decode steps of those
+  //! positions would compute them. At most limits::logit_rows tokens.
+  std::vector<float> append_all(int slot, std::span<const std::int32_t> ids) {
+    if (static_cast<long long>(ids.size()) > logit_rows_)
+      throw error("device_model::append_all: " + std::to_string(ids.size()) + " tokens, but limits::logit_rows holds " +
+                  std::to_string(logit_rows_) + " rows of logits");
+    begin_append(slot, ids);
+    pending_->all_rows = true;
+    return finish_call();
+  }
+
+  //! A sequence's state that later calls change and cannot recompute (the attention caches'
+  //! length, window rings and compressor states, the Engram histories, the CED tail): with
+  //! save_sequence before a speculative round and restore_sequence after, the rejected rows leave
+  //! no trace, and appending the accepted tokens again gives the state plain decoding would have.
+  struct sequence_snapshot {
+    typename stack_t::sequence_snapshot attention;
+    std::vector<std::vector<std::int64_t>> histories;
+    runtime::device_buffer<bf16> tail_x, tail_h;
+    runtime::device_buffer<float> tail_pre, tail_post, tail_comb;
+  };
+  //! Saves sequence `slot` (between calls; device copies on the model's stream).
+  void save_sequence(int slot, sequence_snapshot& into) {
+    check_idle();
+    stack_->save(slot, into.attention);
+    into.histories = histories_.at(std::size_t(slot));
+    if (lim_.ced_appends) tail_copy(slot, &into, nullptr);
+  }
+  //! Returns sequence `slot` to the state save_sequence saved from it (its length may only have
+  //! grown since).
+  void restore_sequence(int slot, const sequence_snapshot& from) {
+    check_idle();
+    if (lim_.ced_appends && !from.tail_x.size()) throw error("device_model::restore_sequence: the snapshot has no CED tail");
+    stack_->restore(slot, from.attention);
+    histories_.at(std::size_t(slot)) = from.histories;
+    if (lim_.ced_appends) tail_copy(slot, nullptr, &from);
+  }
+
   //! One token for each of `slots`: logits [slots.size(), vocab], in the order given.
   std::vector<float> decode(const std::vector<int>& slots, std::span<const std::int32_t> ids) {
     begin_decode(slots, ids);
@@ -454,7 +500,7 @@ class device_model {
       if (p.what == pending_call::kind::ced) return run_ced(p.slots[0], p.ids);
       if (p.what == pending_call::kind::ced_append) return run_ced_append(p.slots[0], p.ids);
     }
-    return run(p.slots, p.ids, p.one_sequence);
+    return run(p.slots, p.ids, p.one_sequence, p.all_rows);
   }
   //! Drops a begun call (its sequences become unusable, as after a failed call: release them).
   void cancel_call() {
@@ -505,9 +551,11 @@ class device_model {
     std::vector<int> slots;
     std::vector<std::int32_t> ids;
     bool one_sequence = true;
+    bool all_rows = false;  //!< append_all
   };
   std::optional<pending_call> pending_;
   layer_observer observe_;
+  int logit_rows_ = 0;    //!< rows of logits_ (limits::logit_rows)
   bool capture_ = false;  //!< capture_main_hidden
   runtime::device_buffer<bf16> main_hidden_;
   long long main_hidden_rows_ = 0;
@@ -656,6 +704,26 @@ class device_model {
     observe(l, "ffn_out", sub_.data(), R);
   }
 
+  //! The CED tail rows of `slot` into a snapshot (`into`) or back from one (`from`).
+  void tail_copy(int slot, sequence_snapshot* into, const sequence_snapshot* from) {
+    const std::size_t W = std::size_t(c.attn.window_size), D = std::size_t(c.dim), first = std::size_t(slot) * W;
+    auto one = [&](auto& tail, auto member, std::size_t width) {
+      using T = std::remove_reference_t<decltype(*tail.data())>;
+      T* live = tail.data() + first * width;
+      const std::size_t bytes = W * width * sizeof(T);
+      if (into) {
+        auto& keep = into->*member;
+        if (keep.size() != W * width) keep = runtime::device_buffer<T>(W * width);
+        DSV4_CUDA_CHECK(cudaMemcpyAsync(keep.data(), live, bytes, cudaMemcpyDeviceToDevice, stream()));
+      } else {
+        DSV4_CUDA_CHECK(cudaMemcpyAsync(live, (from->*member).data(), bytes, cudaMemcpyDeviceToDevice, stream()));
+      }
+    };
+    one(tail_x_, &sequence_snapshot::tail_x, std::size_t(hc) * D), one(tail_h_, &sequence_snapshot::tail_h, D);
+    one(tail_pre_, &sequence_snapshot::tail_pre, std::size_t(hc)), one(tail_post_, &sequence_snapshot::tail_post, std::size_t(hc));
+    one(tail_comb_, &sequence_snapshot::tail_comb, std::size_t(hc) * hc);
+  }
+
   //! fp32 logits of bf16 rows through the head (`vocab`: the rows held): from the bf16 head
   //! directly, else through an fp32 copy (hf_, rows <= max_rows).
   void head_gemm(const bf16* h, long long rows, float* out, int vocab) {
@@ -714,7 +782,7 @@ class device_model {
 
   //! `one_sequence`: the ids are a prefill or appended chunk of slots[0] (logits of the last row);
   //! otherwise one id per slot (logits of every row).
-  std::vector<float> run(const std::vector<int>& slots, std::span<const std::int32_t> ids, bool one_sequence) {
+  std::vector<float> run(const std::vector<int>& slots, std::span<const std::int32_t> ids, bool one_sequence, bool all_rows = false) {
     const long long R = static_cast<long long>(ids.size());
     try {
       start(slots, ids, one_sequence);
@@ -725,7 +793,7 @@ class device_model {
         if (l == sched::encoder_layers) push_tail(R);
         finish_block(l, R);
       }
-      auto out = exit_logits(R, one_sequence);
+      auto out = exit_logits(R, one_sequence && !all_rows);
       stack_->end_call();
       return out;
     } catch (...) {

@@ -282,6 +282,67 @@ class attention_stack {
   }
   long long length(int slot) const { return lengths_.at(std::size_t(slot)); }
   long long page_bytes() const { return page_bytes_; }
+
+  //! What a sequence's later calls can change and not recompute: its length, its window rings
+  //! (slots are overwritten modulo the window) and its ratio-2 compressors' decode states. Global
+  //! entries and index keys past the length are never read, so they need no copy.
+  struct sequence_snapshot {
+    long long length = -1;
+    std::vector<runtime::device_buffer<std::uint8_t>> rings;  //!< per layer: the slot's window entries
+    std::map<int, runtime::device_buffer<float>> states_k, states_z;
+  };
+  //! Saves sequence `slot` into `into` (device copies on the stack's stream; buffers allocated on
+  //! first use and reused). Between calls only.
+  void save(int slot, sequence_snapshot& into) {
+    check_slot(slot);
+    if (call_) throw error("attention_stack::save: a call is in progress");
+    if (ced_pending_[std::size_t(slot)] >= 0)
+      throw error("attention_stack::save: sequence slot " + std::to_string(slot) + " waits for its CED replay");
+    const std::size_t ring_bytes = std::size_t(shape_.window) * window_layout::bytes;
+    into.rings.resize(rings_.size());
+    for (std::size_t l = 0; l < rings_.size(); ++l) {
+      if (into.rings[l].size() != ring_bytes) into.rings[l] = runtime::device_buffer<std::uint8_t>(ring_bytes);
+      DSV4_CUDA_CHECK(cudaMemcpyAsync(into.rings[l].data(), rings_[l].data() + std::size_t(slot) * ring_bytes, ring_bytes,
+                                      cudaMemcpyDeviceToDevice, stream_));
+    }
+    auto states = [&](std::map<int, runtime::device_buffer<float>>& from, std::map<int, runtime::device_buffer<float>>& to) {
+      for (auto& [l, buf] : from) {
+        const std::size_t n = std::size_t(wiring_[std::size_t(l)].ratio) * HeadDim;
+        auto& dst = to[l];
+        if (dst.size() != n) dst = runtime::device_buffer<float>(n);
+        DSV4_CUDA_CHECK(cudaMemcpyAsync(dst.data(), buf.data() + std::size_t(slot) * n, n * sizeof(float), cudaMemcpyDeviceToDevice,
+                                        stream_));
+      }
+    };
+    states(states_k_, into.states_k), states(states_z_, into.states_z);
+    into.length = lengths_[std::size_t(slot)];
+  }
+  //! Returns sequence `slot` to a state saved from it (its length may only have grown since, by
+  //! appends or decode steps: the rolled-back positions' pages go back to the pool).
+  void restore(int slot, const sequence_snapshot& from) {
+    check_slot(slot);
+    if (call_) throw error("attention_stack::restore: a call is in progress");
+    const long long len = lengths_[std::size_t(slot)];
+    if (from.length < 0 || from.length > len || from.rings.size() != rings_.size())
+      throw error("attention_stack::restore: the snapshot (" + std::to_string(from.length) + " tokens) is not from sequence slot " +
+                  std::to_string(slot) + " (" + std::to_string(len) + " tokens) before its later calls");
+    if (ced_pending_[std::size_t(slot)] >= 0)
+      throw error("attention_stack::restore: sequence slot " + std::to_string(slot) + " waits for its CED replay");
+    const std::size_t ring_bytes = std::size_t(shape_.window) * window_layout::bytes;
+    for (std::size_t l = 0; l < rings_.size(); ++l)
+      DSV4_CUDA_CHECK(cudaMemcpyAsync(rings_[l].data() + std::size_t(slot) * ring_bytes, from.rings[l].data(), ring_bytes,
+                                      cudaMemcpyDeviceToDevice, stream_));
+    auto states = [&](const std::map<int, runtime::device_buffer<float>>& saved, std::map<int, runtime::device_buffer<float>>& to) {
+      for (auto& [l, buf] : to) {
+        const std::size_t n = std::size_t(wiring_[std::size_t(l)].ratio) * HeadDim;
+        DSV4_CUDA_CHECK(cudaMemcpyAsync(buf.data() + std::size_t(slot) * n, saved.at(l).data(), n * sizeof(float),
+                                        cudaMemcpyDeviceToDevice, stream_));
+      }
+    };
+    states(from.states_k, states_k_), states(from.states_z, states_z_);
+    alloc_->truncate(slot_seq_[std::size_t(slot)], from.length);
+    lengths_[std::size_t(slot)] = from.length;
+  }
   //! A tensor-parallel rank's sum of the index scores over the ranks' index heads (model.py's
   //! all_reduce of index_score, bf16): called on the stack's stream with an index source's bf16
   //! scores [n] of the call's rows (a Full layer's [rows, visible width], a Reindex layer's
