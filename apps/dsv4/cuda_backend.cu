@@ -6,10 +6,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 
 #include "dsv4/kernels/gemm/wgmma_gemm.cuh"
+#include "dsv4/model/device_dspark.cuh"
 #include "dsv4/model/device_model.cuh"
+#include "dsv4/model/device_speculative.cuh"
 
 namespace dsv4::apps {
 
@@ -31,6 +34,11 @@ cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cl
   lim.max_seqs = 1;
   lim.max_rows = int(std::max<std::size_t>(prompt.size(), 1));
   lim.max_tokens = std::max(total, 1LL);
+  if (request.dspark) {  // a round: block + 1 rows in one call, every row's logits
+    const int round = request.dspark->block + 1;
+    lim.max_rows = std::max(lim.max_rows, round), lim.logit_rows = round;
+    lim.max_tokens += round;  // a round may run past the last kept token before its rollback
+  }
   lim.engram_host_tables = request.engram_host_tables;
   // --gemm wgmma: the process-wide GEMM choice for this generation (an error where wgmma cannot run).
   struct gemm_choice {
@@ -46,6 +54,15 @@ cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cl
   g.device = std::string("CUDA backend on ") + prop.name +
              (request.engram_host_tables ? ", Engram tables in host memory" : "") +
              (request.wgmma_gemms ? ", wgmma GEMMs" : "");
+  if (request.dspark) {  // prefill and generation in one loop, timed as the decode
+    model::device_dspark<models::tiny> dd(dm, *request.dspark, lim.max_seqs);
+    g.device += ", DSpark drafts on the GPU";
+    const auto t0 = std::chrono::steady_clock::now();
+    g.tokens = model::generate_speculative(dm, dd, slot, prompt, n_new, request.sampling, g.speculative,
+                                           request.ced ? model::prompt_prefill::ced : model::prompt_prefill::exact);
+    g.decode_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return g;
+  }
   cli::run_generation(
       request, g, [&] { return request.ced ? dm.prefill_ced(slot, prompt) : dm.prefill(slot, prompt); },
       [&] { return dm.length(slot); },  // the counter: the position of the token drawn, as the host backend's

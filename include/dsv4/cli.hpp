@@ -11,6 +11,7 @@
 #include <ostream>
 #include <span>
 #include <sstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,7 +64,8 @@ inline void usage(std::ostream& os) {
         "                       (an approximation; exact is the reference's semantics).\n"
         "                       --speculative dspark drafts with the DSpark stages and verifies\n"
         "                       the drafts against the backbone's tokens: the same tokens, plus\n"
-        "                       the drafts' acceptance counts\n"
+        "                       the drafts' acceptance counts (host: position by position; cuda:\n"
+        "                       a round verified in one call and rolled back)\n"
         "  serve [--config tiny] [--checkpoint PATH] [--host ADDR] [--port N] [--backend host|cuda]\n"
         "        [--max-tokens N] [--max-prompt-tokens N] [--max-requests N]\n"
         "                       an HTTP/1.1 JSON server over the model (default 127.0.0.1:8080;\n"
@@ -302,8 +304,6 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       if (backend == "cuda" && !extra.cuda)
         throw error("run: this dsv4 was built without CUDA (no nvcc at configure time); rebuild with a CUDA 13 toolkit "
                     "(cmake -DDSV4_CUDA=ON) or use --backend host");
-      if (backend == "cuda" && speculative != "off")
-        throw error("run: --speculative dspark runs on the host backend only (DSpark on CUDA is not built yet, issue 6)");
       const std::string engram_tables = o.named.count("engram-tables") ? o.named.at("engram-tables") : "device";
       if (engram_tables != "device" && engram_tables != "host")
         throw error("run: --engram-tables must be 'device' or 'host', got '" + engram_tables + "'");
@@ -347,9 +347,15 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       req.prompt = prompt, req.n_new = n_new, req.sampling = sp, req.ced = prefill_mode == "ced";
       req.engram_host_tables = engram_tables == "host";
       req.wgmma_gemms = gemm == "wgmma";
+      std::optional<model::dspark_weights> cuda_drafter;
+      if (backend == "cuda" && speculative == "dspark") {
+        cuda_drafter.emplace(model::dspark_weights_of<tiny>(ck));
+        req.dspark = &*cuda_drafter;
+        draft_block = cuda_drafter->block;
+      }
       if (backend == "cuda") {  // timed by the backend (device set-up and weight upload excluded)
         const generation g = extra.cuda(m, req);
-        generated = g.tokens, prefill_s = g.prefill_s, decode_s = g.decode_s, device = g.device;
+        generated = g.tokens, prefill_s = g.prefill_s, decode_s = g.decode_s, device = g.device, spec = g.speculative;
       } else if (speculative == "dspark") {  // prefill and generation in one loop: timed as decode
         const auto w = model::dspark_weights_of<tiny>(ck);
         draft_block = w.block;
@@ -360,7 +366,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
         const generation g = host_generate(m, req);  // (the tables' placement is already in `m`)
         generated = g.tokens, prefill_s = g.prefill_s, decode_s = g.decode_s;
       }
-      if (speculative == "dspark") {
+      if (speculative == "dspark" && backend == "host") {
         t2 = clock::now();
         prefill_s = std::chrono::duration<double>(t1 - t0).count();
         decode_s = std::chrono::duration<double>(t2 - t1).count();

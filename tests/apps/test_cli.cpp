@@ -95,9 +95,16 @@ BOOST_AUTO_TEST_CASE(run_rejects_what_it_cannot_do) {
 BOOST_AUTO_TEST_CASE(run_hands_the_request_to_another_backend) {
   dsv4::cli::backends extra;
   int calls = 0;
-  bool want_host_tables = false;
+  bool want_host_tables = false, want_drafter = false;
   extra.cuda = [&](const dsv4::model::host_model<dsv4::models::tiny>& m, const dsv4::cli::run_request& r) {
     ++calls;
+    BOOST_TEST((r.dspark != nullptr) == want_drafter);
+    if (r.dspark) {  // --speculative dspark: the drafter's weights, and its counts printed
+      BOOST_TEST(r.dspark->block == dsv4::models::tiny::dims.dspark.dspark_block_size);
+      dsv4::cli::generation g{{11, 12, 13}, 0, 0.75, "fake device"};
+      g.speculative.rounds = 2, g.speculative.drafted = 5, g.speculative.accepted = 1;
+      return g;
+    }
     BOOST_TEST(m.blocks.size() == std::size_t(dsv4::models::model_traits<dsv4::models::tiny>::schedule::num_layers));
     BOOST_TEST((std::vector<std::int32_t>(r.prompt.begin(), r.prompt.end()) == std::vector<std::int32_t>{5, 6, 7}));
     BOOST_TEST(r.n_new == 2);
@@ -123,10 +130,15 @@ BOOST_AUTO_TEST_CASE(run_hands_the_request_to_another_backend) {
                             out1, err1, extra) == 0,
              err1.str());
   BOOST_TEST(calls == 2);
+  want_drafter = true;
   std::ostringstream out2, err2;
-  BOOST_TEST(dsv4::cli::run({"run", "--backend", "cuda", "--speculative", "dspark"}, out2, err2, extra) == 2);
-  BOOST_TEST(has(err2.str(), "runs on the host backend only"));
-  BOOST_TEST(calls == 2);
+  BOOST_TEST(dsv4::cli::run({"run", "--backend", "cuda", "--speculative", "dspark", "--prompt", "5,6,7", "--tokens", "2", "--seed",
+                             "9", "--prefill", "ced"},
+                            out2, err2, extra) == 0,
+             err2.str());
+  BOOST_TEST(calls == 3);
+  BOOST_TEST(has(out2.str(), "generated: 11 12 13\n"));
+  BOOST_TEST(has(out2.str(), "2 rounds, 1 of 5 checked drafts accepted"));
 }
 
 // A user writes a random tiny checkpoint and checks it; a checkpoint of the wrong config is

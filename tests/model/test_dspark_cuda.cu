@@ -22,6 +22,7 @@
 #include "dsv4/io/checkpoint.hpp"
 #include "dsv4/model/device_dspark.cuh"
 #include "dsv4/model/device_model.cuh"
+#include "dsv4/model/device_speculative.cuh"
 #include "dsv4/model/dspark_reference.hpp"
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/tiny.hpp"
@@ -254,6 +255,50 @@ BOOST_AUTO_TEST_CASE(capture_and_pipeline_follow_the_host,
   dm.capture_main_hidden(false);
   dm.decode(slots, random_ids(2, 200));
   BOOST_TEST(dm.main_hidden_rows() == 0);
+}
+
+// Generation with drafts on the GPU (model/device_speculative.cuh): rounds verified in one call and
+// rolled back give plain decoding's tokens, with the untrained drafter (few accepted: a rollback
+// nearly every round) and with an oracle that drafts plain decoding's tokens (every draft
+// accepted: no rollback, fewer rounds). Greedy, so the tokens are the argmax of the logits; the
+// verification's rows come from a multi-row call (docs/decisions.md: not batch-invariant), which
+// can only matter at a near-tie of the last bits.
+BOOST_AUTO_TEST_CASE(speculative_generation_matches_plain_decoding,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  fixture f;
+  constexpr int B = c.dspark.dspark_block_size;
+  auto lim = limits(3);
+  lim.logit_rows = B + 1;
+  model::device_model<tiny> dm(f.m, lim);
+  model::device_dspark<tiny> dd(dm, f.w, 3);
+  const auto prompt = random_ids(25, 31);
+  const long long n = 20, P = (long long)prompt.size();
+  const kernels::sampling::sampling_params greedy{0.0f};
+  const int p = dm.add_sequence();
+  auto logits = dm.prefill(p, prompt);
+  std::vector<std::int32_t> plain;
+  for (long long i = 0; i < n; ++i) {
+    const std::int32_t tok = kernels::sampling::sample_reference(logits, greedy, 0, std::uint64_t(dm.length(p)));
+    plain.push_back(tok);
+    if (i + 1 < n) logits = dm.decode({p}, std::span<const std::int32_t>(&tok, 1));
+  }
+  model::speculative_stats untrained, oracle;
+  const auto got = model::generate_speculative(dm, dd, dm.add_sequence(), prompt, n, greedy, untrained);
+  const auto got_oracle = model::generate_speculative(dm, dd, dm.add_sequence(), prompt, n, greedy, oracle, model::prompt_prefill::exact,
+                                                      0, [&](long long first, std::vector<std::int32_t>& ids) {
+                                                        for (std::size_t i = 1; i < ids.size(); ++i) {
+                                                          const long long k = first + (long long)i - 1 - P;
+                                                          if (k >= 0 && k < n) ids[i] = plain[std::size_t(k)];
+                                                        }
+                                                      });
+  BOOST_TEST_MESSAGE("speculative on CUDA: untrained drafter " << untrained.rounds << " rounds, " << untrained.accepted << " of "
+                                                               << untrained.drafted << " accepted; oracle " << oracle.rounds
+                                                               << " rounds, " << oracle.accepted << " of " << oracle.drafted);
+  BOOST_TEST(got == plain, "untrained drafter: the tokens differ from plain decoding's");
+  BOOST_TEST(got_oracle == plain, "oracle drafter: the tokens differ from plain decoding's");
+  BOOST_TEST(oracle.accepted == oracle.drafted);
+  BOOST_TEST(oracle.rounds < untrained.rounds);
+  BOOST_TEST(untrained.rounds > 0);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

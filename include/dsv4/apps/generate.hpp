@@ -14,6 +14,7 @@
 
 #include "dsv4/kernels/sampling/reference.hpp"
 #include "dsv4/model/model_reference.hpp"
+#include "dsv4/model/speculative_reference.hpp"
 #include "dsv4/models/tiny.hpp"
 
 namespace dsv4::cli {
@@ -24,6 +25,7 @@ struct generation {
   double prefill_s = 0, decode_s = 0;
   std::string device;  //!< printed: "CUDA backend on <device name>"
   bool cancelled = false;  //!< run_request::cancelled said stop: `tokens` holds what was drawn by then
+  model::speculative_stats speculative{};  //!< run_request::dspark: how the drafts fared
 };
 
 //! What a front end asks of a backend besides the model.
@@ -34,6 +36,9 @@ struct run_request {
   bool ced = false;                           //!< --prefill ced
   bool engram_host_tables = false;            //!< --engram-tables host: the tables stay in host memory
   bool wgmma_gemms = false;                   //!< --gemm wgmma: few-token GEMMs on wgmma (CUDA backend)
+  //! --speculative dspark on the CUDA backend: draft with these weights (null: plain decoding).
+  //! Prefill and generation are then one loop, timed as the decode.
+  const model::dspark_weights* dspark = nullptr;
   //! Asked before each decode step (empty: never): true stops the generation there (a server's
   //! client went away; nobody would read the rest).
   std::function<bool()> cancelled;
