@@ -99,12 +99,6 @@ BOOST_AUTO_TEST_CASE(run_hands_the_request_to_another_backend) {
   extra.cuda = [&](const dsv4::model::host_model<dsv4::models::tiny>& m, const dsv4::cli::run_request& r) {
     ++calls;
     BOOST_TEST((r.dspark != nullptr) == want_drafter);
-    if (r.dspark) {  // --speculative dspark: the drafter's weights, and its counts printed
-      BOOST_TEST(r.dspark->block == dsv4::models::tiny::dims.dspark.dspark_block_size);
-      dsv4::cli::generation g{{11, 12, 13}, 0, 0.75, "fake device"};
-      g.speculative.rounds = 2, g.speculative.drafted = 5, g.speculative.accepted = 1;
-      return g;
-    }
     BOOST_TEST(m.blocks.size() == std::size_t(dsv4::models::model_traits<dsv4::models::tiny>::schedule::num_layers));
     BOOST_TEST((std::vector<std::int32_t>(r.prompt.begin(), r.prompt.end()) == std::vector<std::int32_t>{5, 6, 7}));
     BOOST_TEST(r.n_new == 2);
@@ -114,6 +108,12 @@ BOOST_AUTO_TEST_CASE(run_hands_the_request_to_another_backend) {
     // Host tables: the model reads them in place from the checkpoint (no copy of its own).
     BOOST_TEST(!m.engrams.empty());
     for (const auto& e : m.engrams) BOOST_TEST((e.mapped_embed.data() != nullptr) == want_host_tables);
+    if (r.dspark) {  // --speculative dspark: the drafter's weights, and its counts printed
+      BOOST_TEST(r.dspark->block == dsv4::models::tiny::dims.dspark.dspark_block_size);
+      dsv4::cli::generation g{{11, 12, 13}, 0, 0.75, "fake device"};
+      g.speculative.rounds = 2, g.speculative.drafted = 5, g.speculative.accepted = 1;
+      return g;
+    }
     return dsv4::cli::generation{{11, 12}, 0.5, 0.25, "fake device"};
   };
   std::ostringstream out, err;
@@ -130,7 +130,7 @@ BOOST_AUTO_TEST_CASE(run_hands_the_request_to_another_backend) {
                             out1, err1, extra) == 0,
              err1.str());
   BOOST_TEST(calls == 2);
-  want_drafter = true;
+  want_drafter = true, want_host_tables = false;
   std::ostringstream out2, err2;
   BOOST_TEST(dsv4::cli::run({"run", "--backend", "cuda", "--speculative", "dspark", "--prompt", "5,6,7", "--tokens", "2", "--seed",
                              "9", "--prefill", "ced"},

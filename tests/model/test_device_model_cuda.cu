@@ -242,9 +242,11 @@ BOOST_AUTO_TEST_CASE(cuda_model_matches_the_reference_logits, *utf::label("gpu")
 // A speculative round rolled back (save_sequence, append_all, restore_sequence) leaves no trace:
 // after it, appending the accepted tokens and decoding gives the same bits as a sequence that never
 // saw the round. The prompt is longer than the window (the round overwrites ring slots the later
-// steps read) and even, the round odd (ratio-2 groups complete inside it: the restored compressor
-// state matters), with Engram histories. The verification's rows are the logits of the positions
-// (its last row against a plain append of the same chunk).
+// steps read) and odd, the round even: the round completes the prompt's open ratio-2 group from
+// the compressor state and leaves its own last position there, so the append after the rollback
+// reads a state that only the restore puts back; with Engram histories; the pages the round took
+// go back to the pool. The verification's rows are the logits of the positions (its last row
+// against a plain append of the same chunk).
 BOOST_AUTO_TEST_CASE(rolled_back_rounds_leave_no_trace, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   const auto hm = load_tiny("device_model_rollback", 47);
   auto lim = tiny_limits(3, 64, 128);
@@ -257,20 +259,23 @@ BOOST_AUTO_TEST_CASE(rolled_back_rounds_leave_no_trace, *utf::label("gpu") * utf
     for (auto& id : v) id = std::int32_t(rng() % std::uint64_t(V));
     return v;
   };
-  const auto prompt = random_ids(30), round = random_ids(7), accepted = random_ids(3);
+  const auto prompt = random_ids(31), round = random_ids(8), accepted = random_ids(3);
   const int a = dm.add_sequence(), b = dm.add_sequence(), plain = dm.add_sequence();
   for (int s : {a, b, plain}) dm.prefill(s, prompt);
+  const long long pages_before = dm.attention().usage().pages_used;
   model::device_model<tiny>::sequence_snapshot snap;
   dm.save_sequence(a, snap);
   const auto verify = dm.append_all(a, round);
   BOOST_REQUIRE_EQUAL(verify.size(), round.size() * std::size_t(V));
-  BOOST_TEST(dm.length(a) == 37);
+  BOOST_TEST(dm.length(a) == 39);
+  BOOST_TEST(dm.attention().usage().pages_used > pages_before);  // (16-token pages: the round takes one)
+  dm.restore_sequence(a, snap);
+  BOOST_TEST(dm.length(a) == 31);
+  BOOST_TEST(dm.attention().usage().pages_used == pages_before);  // the round's page is back in the pool
   test::logit_stats last;
   last.add(std::span<const float>(verify).last(std::size_t(V)), dm.append(plain, round));
   BOOST_TEST_MESSAGE("append_all's last row vs a plain append: worst " << last.worst);
   BOOST_TEST(last.worst < 1e-4);  // the same rows; only the head GEMM's row count differs
-  dm.restore_sequence(a, snap);
-  BOOST_TEST(dm.length(a) == 30);
   auto same_bits = [](const std::vector<float>& x, const std::vector<float>& y) {
     return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
   };
@@ -282,7 +287,7 @@ BOOST_AUTO_TEST_CASE(rolled_back_rounds_leave_no_trace, *utf::label("gpu") * utf
   // Misuse: a snapshot from a longer state, too many rows for append_all.
   model::device_model<tiny>::sequence_snapshot later;
   dm.save_sequence(b, later);
-  dm.restore_sequence(a, snap);  // back to 30 tokens
+  dm.restore_sequence(a, snap);  // back to 31 tokens
   BOOST_TEST(test::throws_with([&] { dm.restore_sequence(a, later); }, "is not from sequence slot"));
   BOOST_TEST(test::throws_with([&] { dm.append_all(a, random_ids(9)); }, "limits::logit_rows"));
 }

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <numeric>
 #include <span>
 #include <string>
@@ -261,8 +262,9 @@ BOOST_AUTO_TEST_CASE(capture_and_pipeline_follow_the_host,
 // rolled back give plain decoding's tokens, with the untrained drafter (few accepted: a rollback
 // nearly every round) and with an oracle that drafts plain decoding's tokens (every draft
 // accepted: no rollback, fewer rounds). Greedy, so the tokens are the argmax of the logits; the
-// verification's rows come from a multi-row call (docs/decisions.md: not batch-invariant), which
-// can only matter at a near-tie of the last bits.
+// verification's rows come from multi-row appends, not decode steps (docs/decisions.md: not
+// batch-invariant), so the tokens must agree only up to plain decoding's first close call (top
+// two logits within 5% of the row's largest magnitude), and the matching length is reported.
 BOOST_AUTO_TEST_CASE(speculative_generation_matches_plain_decoding,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   fixture f;
@@ -277,28 +279,55 @@ BOOST_AUTO_TEST_CASE(speculative_generation_matches_plain_decoding,
   const int p = dm.add_sequence();
   auto logits = dm.prefill(p, prompt);
   std::vector<std::int32_t> plain;
+  long long clear = n;  // tokens before plain decoding's first close call
   for (long long i = 0; i < n; ++i) {
-    const std::int32_t tok = kernels::sampling::sample_reference(logits, greedy, 0, std::uint64_t(dm.length(p)));
+    const std::int32_t tok =
+        kernels::sampling::sample_reference(logits, greedy, 0, std::uint64_t(dm.length(p)));
     plain.push_back(tok);
+    std::vector<float> sorted(logits);
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+    float peak = 0;
+    for (float v : logits) peak = std::max(peak, std::fabs(v));
+    if (clear == n && sorted[0] - sorted[1] < 0.05f * peak) clear = i;
     if (i + 1 < n) logits = dm.decode({p}, std::span<const std::int32_t>(&tok, 1));
   }
   model::speculative_stats untrained, oracle;
   const auto got = model::generate_speculative(dm, dd, dm.add_sequence(), prompt, n, greedy, untrained);
-  const auto got_oracle = model::generate_speculative(dm, dd, dm.add_sequence(), prompt, n, greedy, oracle, model::prompt_prefill::exact,
-                                                      0, [&](long long first, std::vector<std::int32_t>& ids) {
+  const auto got_oracle = model::generate_speculative(dm, dd, dm.add_sequence(), prompt, n, greedy, oracle,
+                                                      model::prompt_prefill::exact, 0,
+                                                      [&](long long first, std::vector<std::int32_t>& ids) {
                                                         for (std::size_t i = 1; i < ids.size(); ++i) {
                                                           const long long k = first + (long long)i - 1 - P;
                                                           if (k >= 0 && k < n) ids[i] = plain[std::size_t(k)];
                                                         }
                                                       });
-  BOOST_TEST_MESSAGE("speculative on CUDA: untrained drafter " << untrained.rounds << " rounds, " << untrained.accepted << " of "
-                                                               << untrained.drafted << " accepted; oracle " << oracle.rounds
-                                                               << " rounds, " << oracle.accepted << " of " << oracle.drafted);
-  BOOST_TEST(got == plain, "untrained drafter: the tokens differ from plain decoding's");
-  BOOST_TEST(got_oracle == plain, "oracle drafter: the tokens differ from plain decoding's");
-  BOOST_TEST(oracle.accepted == oracle.drafted);
-  BOOST_TEST(oracle.rounds < untrained.rounds);
+  BOOST_TEST_MESSAGE("speculative on CUDA: untrained drafter "
+                     << untrained.rounds << " rounds, " << untrained.accepted << " of " << untrained.drafted
+                     << " accepted; oracle " << oracle.rounds << " rounds, " << oracle.accepted << " of "
+                     << oracle.drafted);
+  auto matching = [&](const std::vector<std::int32_t>& v) {
+    long long k = 0;
+    while (k < n && k < (long long)v.size() && v[std::size_t(k)] == plain[std::size_t(k)]) ++k;
+    return k;
+  };
+  BOOST_TEST_MESSAGE("plain decoding's first close call at token "
+                     << clear << " of " << n << "; tokens equal to plain decoding's: " << matching(got)
+                     << " (untrained), " << matching(got_oracle) << " (oracle)");
+  BOOST_TEST(got.size() == std::size_t(n));
+  BOOST_TEST(got_oracle.size() == std::size_t(n));
+  BOOST_TEST(matching(got) >= clear,
+             "untrained drafter: a token differs from plain decoding's before its first close call");
+  BOOST_TEST(matching(got_oracle) >= clear,
+             "oracle drafter: a token differs from plain decoding's before its first close call");
   BOOST_TEST(untrained.rounds > 0);
+  if (clear > B + 1) {  // at least the first round's drafts are plain decoding's clear tokens
+    BOOST_TEST(oracle.accepted_at[0] > 0);
+    BOOST_TEST(oracle.accepted > untrained.accepted);
+  }
+  if (clear == n) {
+    BOOST_TEST(oracle.accepted == oracle.drafted);
+    BOOST_TEST(oracle.rounds < untrained.rounds);
+  }
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -327,6 +327,8 @@ class device_model {
   int world() const { return comm_ ? comm_->size() : 1; }
   //! limits::max_rows: the most rows of one call (and of head_logits).
   int max_rows() const { return lim_.max_rows; }
+  //! The most rows of logits one call returns (append_all; limits::logit_rows).
+  int logit_rows() const { return logit_rows_; }
   //! Calls `observe` with each block's intermediates (block_reference.hpp's stages), copied to the
   //! host after a device synchronization: for parity work only, it serializes the forward.
   void set_observer(layer_observer observe) { observe_ = std::move(observe); }
@@ -396,7 +398,7 @@ class device_model {
   //! no trace, and appending the accepted tokens again gives the state plain decoding would have.
   struct sequence_snapshot {
     typename stack_t::sequence_snapshot attention;
-    std::vector<std::vector<std::int64_t>> histories;
+    std::vector<std::size_t> history_sizes;  //!< per Engram module (the histories only grow)
     runtime::device_buffer<bf16> tail_x, tail_h;
     runtime::device_buffer<float> tail_pre, tail_post, tail_comb;
   };
@@ -404,7 +406,8 @@ class device_model {
   void save_sequence(int slot, sequence_snapshot& into) {
     check_idle();
     stack_->save(slot, into.attention);
-    into.histories = histories_.at(std::size_t(slot));
+    into.history_sizes.clear();
+    for (const auto& h : histories_.at(std::size_t(slot))) into.history_sizes.push_back(h.size());
     if (lim_.ced_appends) tail_copy(slot, &into, nullptr);
   }
   //! Returns sequence `slot` to the state save_sequence saved from it (its length may only have
@@ -412,8 +415,15 @@ class device_model {
   void restore_sequence(int slot, const sequence_snapshot& from) {
     check_idle();
     if (lim_.ced_appends && !from.tail_x.size()) throw error("device_model::restore_sequence: the snapshot has no CED tail");
+    auto& histories = histories_.at(std::size_t(slot));
+    if (from.history_sizes.size() != histories.size())
+      throw error("device_model::restore_sequence: the snapshot is not from this model's sequence slot " + std::to_string(slot));
+    for (std::size_t j = 0; j < histories.size(); ++j)
+      if (from.history_sizes[j] > histories[j].size())
+        throw error("device_model::restore_sequence: the snapshot is not from sequence slot " + std::to_string(slot) +
+                    " before its later calls");
     stack_->restore(slot, from.attention);
-    histories_.at(std::size_t(slot)) = from.histories;
+    for (std::size_t j = 0; j < histories.size(); ++j) histories[j].resize(from.history_sizes[j]);
     if (lim_.ced_appends) tail_copy(slot, nullptr, &from);
   }
 

@@ -15,9 +15,11 @@
 //!           verification already is that state. The last call's capture holds the main_hidden rows
 //!           of the kept positions, which the next round's drafter step takes.
 //! So a round costs one drafter step and one or two backbone calls of up to B + 1 rows, and emits
-//! a + 1 tokens. Exact as the host loop by construction up to one caveat: the verification's rows
-//! come from a multi-row call, whose GEMM splits may differ from a decode step's (docs/decisions.md:
-//! not batch-invariant), so a draw at a near-tie of the last bits may differ from plain decoding's.
+//! a + 1 tokens; the sequence ends as plain decoding leaves it (the last token drawn, not fed).
+//! The rule is the host loop's, but the logits are not plain decoding's bits: the verification's
+//! rows come from a multi-row append (other GEMM splits, the appended-chunk operand; docs/decisions.md:
+//! not batch-invariant), so where plain decoding's top two logits are close a draw may differ from
+//! plain decoding's, and the generations part there.
 
 #include <cuda_runtime.h>
 
@@ -41,23 +43,27 @@ namespace dsv4::model {
 //! Returns the tokens and fills `stats` as generate_speculative (speculative_reference.hpp) does;
 //! `edit_drafts` likewise (tests: an oracle drafter). Turns dm's main_hidden capture on.
 template <class Model>
-std::vector<std::int32_t> generate_speculative(device_model<Model>& dm, device_dspark<Model>& dd, int slot,
-                                               std::span<const std::int32_t> prompt, long long n_new,
-                                               const kernels::sampling::sampling_params& sampling, speculative_stats& stats,
-                                               prompt_prefill mode = prompt_prefill::exact, std::uint64_t sequence = 0,
-                                               const std::function<void(long long, std::vector<std::int32_t>&)>& edit_drafts = {}) {
+std::vector<std::int32_t> generate_speculative(
+    device_model<Model>& dm, device_dspark<Model>& dd, int slot, std::span<const std::int32_t> prompt,
+    long long n_new, const kernels::sampling::sampling_params& sampling, speculative_stats& stats,
+    prompt_prefill mode = prompt_prefill::exact, std::uint64_t sequence = 0,
+    const std::function<void(long long, std::vector<std::int32_t>&)>& edit_drafts = {}) {
   constexpr models::model_config c = Model::dims;
   constexpr int W = c.attn.window_size, block = c.dspark.dspark_block_size;
-  static_assert(block + 1 <= W, "generate_speculative (CUDA): a round of block + 1 rows must fit the window (the drafter takes at "
-                                "most window main_hidden rows a step)");
-  constexpr std::size_t row = std::size_t(c.dim) * std::size_t(models::model_traits<Model>::schedule::drafter::targets::size);
+  static_assert(
+      block + 1 <= W,
+      "generate_speculative (CUDA): a round of block + 1 rows must fit the window (the drafter takes at "
+      "most window main_hidden rows a step)");
+  constexpr std::size_t row =
+      std::size_t(c.dim) * std::size_t(models::model_traits<Model>::schedule::drafter::targets::size);
   if (dm.length(slot) != 0)
-    throw error("generate_speculative (CUDA): sequence slot " + std::to_string(slot) + " must be empty (it holds " +
-                std::to_string(dm.length(slot)) + " tokens)");
+    throw error("generate_speculative (CUDA): sequence slot " + std::to_string(slot) +
+                " must be empty (it holds " + std::to_string(dm.length(slot)) + " tokens)");
   if (prompt.empty()) throw error("generate_speculative (CUDA): empty prompt");
   if (n_new < 0) throw error("generate_speculative (CUDA): negative token count");
-  if (dm.max_rows() < block + 1)
-    throw error("generate_speculative (CUDA): the backbone's max_rows (" + std::to_string(dm.max_rows()) +
+  if (dm.max_rows() < block + 1 || dm.logit_rows() < block + 1)
+    throw error("generate_speculative (CUDA): the backbone's limits::max_rows (" +
+                std::to_string(dm.max_rows()) + ") and logit_rows (" + std::to_string(dm.logit_rows()) +
                 ") must hold a round of block + 1 = " + std::to_string(block + 1) + " tokens");
   stats = speculative_stats{};
   stats.accepted_at.assign(std::size_t(block), 0);
@@ -70,8 +76,9 @@ std::vector<std::int32_t> generate_speculative(device_model<Model>& dm, device_d
   runtime::device_buffer<bf16> pending(std::size_t(block + 1) * row);
   long long pending_rows = 0;
   auto keep_pending = [&](long long first, long long rows) {
-    DSV4_CUDA_CHECK(cudaMemcpyAsync(pending.data(), dm.main_hidden() + std::size_t(first) * row, std::size_t(rows) * row * sizeof(bf16),
-                                    cudaMemcpyDeviceToDevice, dm.stream()));
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(pending.data(), dm.main_hidden() + std::size_t(first) * row,
+                                    std::size_t(rows) * row * sizeof(bf16), cudaMemcpyDeviceToDevice,
+                                    dm.stream()));
     pending_rows = rows;
   };
   auto draw = [&](std::span<const float> logits, long long position) {
@@ -102,27 +109,32 @@ std::vector<std::int32_t> generate_speculative(device_model<Model>& dm, device_d
     dspark_draft d = dd.decode(slot, t, pending.data(), pending_rows, pending_rows, sampling, sequence);
     if (edit_drafts) edit_drafts(q + 1, d.ids);
     if (d.ids.size() != std::size_t(block) + 1 || d.ids[0] != t)
-      throw error("generate_speculative (CUDA): a draft block must be block + 1 ids starting with the input token");
+      throw error(
+          "generate_speculative (CUDA): a draft block must be block + 1 ids starting with the input token");
     ++stats.rounds;
+    // Feed t and the first m drafts: their rows give every draw this round can still make (the
+    // budget: n_new - |out| more tokens), so the sequence never runs past the tokens kept.
+    const int m = int(std::min<long long>(block, n_new - (long long)out.size() - 1));
     dm.save_sequence(slot, snapshot);
-    const auto verify = dm.append_all(slot, d.ids);  // rows: the logits of q + 1 .. q + block + 1
+    const auto verify = dm.append_all(
+        slot, std::span<const std::int32_t>(d.ids).first(std::size_t(m) + 1));  // q + 1 .. q + m + 1
     int accepted = 0;
     std::int32_t next = draw(std::span<const float>(verify).first(V), q + 1);
-    for (int i = 1; i <= block && (long long)out.size() < n_new; ++i) {
+    for (int i = 1; i <= block && (long long)out.size() < n_new; ++i) {  // the host loop's checks and counts
       ++stats.drafted;
       if (next != d.ids[std::size_t(i)]) break;
       ++stats.accepted, ++stats.accepted_at[std::size_t(i - 1)], ++accepted;
       out.push_back(next);
       if ((long long)out.size() == n_new) break;
-      next = draw(std::span<const float>(verify).subspan(std::size_t(i) * V, V), q + 1 + i);
+      next = draw(std::span<const float>(verify).subspan(std::size_t(i) * V, V), q + 1 + i);  // (i <= m here)
     }
-    if ((long long)out.size() == n_new) break;
-    out.push_back(next);
-    if (accepted < block) {  // the rejected rows go: back to q, then the kept tokens again
+    if ((long long)out.size() < n_new) out.push_back(next);
+    const int kept = std::min(accepted, m);  // fed drafts that stay
+    if (kept < m) {  // a fed draft was rejected: back to q, then the kept tokens again
       dm.restore_sequence(slot, snapshot);
-      dm.append(slot, std::span<const std::int32_t>(d.ids).first(std::size_t(accepted) + 1));
+      dm.append(slot, std::span<const std::int32_t>(d.ids).first(std::size_t(kept) + 1));
     }
-    keep_pending(0, accepted + 1);  // the capture of the kept positions q .. q + accepted
+    keep_pending(0, kept + 1);  // the capture of the kept positions q .. q + kept
     t = next;
   }
   return out;
