@@ -37,7 +37,6 @@ cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cl
   if (request.dspark) {  // a round: block + 1 rows in one call, every row's logits
     const int round = request.dspark->block + 1;
     lim.max_rows = std::max(lim.max_rows, round), lim.logit_rows = round;
-    lim.max_tokens += round;  // a round may run past the last kept token before its rollback
   }
   lim.engram_host_tables = request.engram_host_tables;
   // --gemm wgmma: the process-wide GEMM choice for this generation (an error where wgmma cannot run).
