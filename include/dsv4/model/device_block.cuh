@@ -6,10 +6,13 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
+#include "dsv4/core/error.hpp"
 #include "dsv4/kernels/gemm/weight_tiles.hpp"
 #include "dsv4/kernels/mhc/mhc_step.cuh"
 #include "dsv4/kernels/moe/moe.cuh"
@@ -33,6 +36,20 @@ inline device_buffer<bf16> upload_bf16(const std::vector<float>& v) {
   std::vector<bf16> b(v.size());
   for (std::size_t i = 0; i < v.size(); ++i) b[i] = bf16::from_float(v[i]);
   return upload(b);
+}
+
+//! Whether every value of `v` is a bf16 value (NaN included). The CUDA MoE gate and the bf16
+//! layers take bf16 weights; a checkpoint may store some of them in F32 (the schema accepts both),
+//! which the host model keeps exact: the device models refuse rather than round.
+inline bool holds_bf16_values(const std::vector<float>& v) {
+  return std::all_of(v.begin(), v.end(),
+                     [](float f) { return f != f || bf16::from_float(f).to_float() == f; });
+}
+//! Throws, naming `what` and `who`, unless holds_bf16_values(v).
+inline void require_bf16(const std::vector<float>& v, const std::string& who, const std::string& what) {
+  if (!holds_bf16_values(v))
+    throw error(who + ": " + what +
+                " holds F32 values that bf16 cannot represent; the CUDA path takes bf16 there");
 }
 
 //! Matrices of several experts, each tiled, one after the other.

@@ -145,13 +145,8 @@ class device_dspark {
     if (noise_ < 0 || noise_ >= c.vocab_size)
       throw error("device_dspark: the noise token " + std::to_string(noise_) +
                   " is outside the vocabulary of " + std::to_string(c.vocab_size));
-    for (std::size_t s = 0; s < w.stages.size(); ++s)
-      for (float v : w.stages[s].gate.weight)
-        if (v == v &&
-            bf16::from_float(v).to_float() != v)  // as device_model refuses for the backbone's gates
-          throw error(
-              "device_dspark: mtp." + std::to_string(s) +
-              ".ffn.gate.weight holds F32 values that bf16 cannot represent; the CUDA MoE gate takes bf16");
+    for (std::size_t s = 0; s < w.stages.size(); ++s)  // (as device_model refuses for the backbone's gates)
+      require_bf16(w.stages[s].gate.weight, "device_dspark", "mtp." + std::to_string(s) + ".ffn.gate.weight");
     if (block_ <= 0 || block_ > sh.window)
       throw error("device_dspark: draft block " + std::to_string(block_) + " outside 1 .. window (" +
                   std::to_string(sh.window) + ")");

@@ -206,21 +206,12 @@ class device_model {
     if (comm_)  // model.py's all_reduce of the index scores, bf16
       stack_->set_index_score_sum([comm](bf16* v, std::size_t n, cudaStream_t st) { comm->all_reduce_sum(v, n, st); });
 
-    // The CUDA MoE gate and the bf16 layers take bf16 weights; a checkpoint may store some of them
-    // in F32 (the schema accepts both), which the host model keeps exact: refuse rather than round.
-    auto holds_bf16_values = [](const std::vector<float>& v) {
-      return std::all_of(v.begin(), v.end(), [](float f) { return f != f || bf16::from_float(f).to_float() == f; });
-    };
-    auto require_bf16 = [&](const std::vector<float>& v, const std::string& what) {
-      if (!holds_bf16_values(v))
-        throw error("device_model: " + what + " holds F32 values that bf16 cannot represent; the CUDA path takes bf16 there");
-    };
-    for (int l = 0; l < L; ++l) {
+    for (int l = 0; l < L; ++l) {  // (device_detail::require_bf16: why)
       const block_weights& b = m.blocks[std::size_t(l)];
       const std::string p = "layers." + std::to_string(l) + ".";
-      require_bf16(b.gate.weight, p + "ffn.gate.weight");
+      require_bf16(b.gate.weight, "device_model", p + "ffn.gate.weight");
       if (m.wiring[std::size_t(l)].role == schedule::attn_role::full && m.wiring[std::size_t(l)].ratio == 1)
-        require_bf16(b.attn.compressor.wkv, p + "attn.compressor.wkv.weight");
+        require_bf16(b.attn.compressor.wkv, "device_model", p + "attn.compressor.wkv.weight");
     }
     embed_ = upload_bf16(m.embed);
     // The head's fp32 GEMM on bf16 operands (linear_bf16_f32out: exact products, half the bytes
