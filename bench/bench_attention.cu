@@ -1,5 +1,7 @@
 //! \brief Sparse decode attention with sink, reading the packed caches (FP8 window + FP4 global).
-//! Usage: bench_attention [--json FILE]
+//! Usage: bench_attention [--json FILE] | bench_attention --profile
+//! `--profile` makes no measurement: one engine launch and one unsplit launch at batch 1 and 64
+//! (8K context) and exits, for ncu (`-k regex:sparse_attention`).
 //!
 //! V4.1 widths: 64 heads of 512, one query per sequence, 128 window entries + 512 selected global
 //! entries per step. Reports time, FLOPs, bytes, and the ratio to the roofline floor
@@ -79,8 +81,21 @@ struct operands {
 
 int main(int argc, char** argv) {
   std::string json;
-  if (!bench::parse_json_option(argc, argv, "bench_attention", json)) return 2;
+  const bool profile = argc == 2 && std::strcmp(argv[1], "--profile") == 0;
+  if (!profile && !bench::parse_json_option(argc, argv, "bench_attention", json)) return 2;
   try {
+    if (profile) {  // one launch of each kind, nothing timed: for ncu
+      auto ws = sparse_attention_workspace::for_device<dim>();
+      std::mt19937 rng(1);
+      for (int batch : {1, 64}) {
+        operands op(rng, batch, 1, 8192);
+        sparse_attention<dim>(op.args, op.kv, nullptr, &ws);
+        sparse_attention<dim>(op.args, op.kv);
+      }
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      std::printf("bench_attention --profile: done\n");
+      return 0;
+    }
     cudaDeviceProp prop{};
     DSV4_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf("device: %s\n", prop.name);
