@@ -306,6 +306,9 @@ BOOST_AUTO_TEST_CASE(device_reads_packed_caches, *utf::label("gpu") * utf::preco
   check_packed_operand<512>(1, 1, 64, 128, 1000, 640, 10);   // one decode step, V4.1 widths
   check_packed_operand<512>(5, 2, 64, 128, 300, 640, 11);    // batched sequences
   check_packed_operand<128>(3, 7, 4, 16, 40, 32, 12);        // tiny widths
+  // Tiny widths over several chunks (the staged pipeline with 4-byte copies of 132-byte window
+  // entries) and a partly dead second head tile.
+  check_packed_operand<128>(2, 3, 20, 16, 300, 200, 13);
 }
 
 // One decode row of 64 heads is one CTA unsplit: the launcher must spread its ten chunks over

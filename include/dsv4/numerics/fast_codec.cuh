@@ -56,21 +56,33 @@ DSV4_DEVICE bf16 fast_dequantize(std::uint8_t code, float s) {
   return bf16::from_float(__fmul_rn(fast_decode<typename F::element>(code), s));
 }
 
+//! Where a packed vector is read from: global memory through the read-only path (`__ldg`: loads
+//! the compiler may issue early, no aliasing with the caller's stores; entries 4-byte aligned), or
+//! any address space (a copy the caller staged in shared memory, 8-byte aligned).
+enum class packed_source { global, any };
+
+template <packed_source Src, class T>
+DSV4_DEVICE T load_packed(const T* p) {
+  if constexpr (Src == packed_source::global)
+    return __ldg(p);
+  else
+    return *p;
+}
+
 //! Dequantize channels [c0, c0 + 8) of one packed vector (packed_vector<F, Channels> layout:
 //! codes, then scales) into eight bf16 values. c0 must be a multiple of 8; the codes are read with
 //! aligned 4-byte loads, so entries need only be 4-byte aligned (a 128-channel FP8 entry is 132 B).
-template <class F, int Channels>
+template <class F, int Channels, packed_source Src = packed_source::global>
 DSV4_DEVICE void dequantize8(const std::uint8_t* entry, int c0, bf16 (&out)[8]) {
   using layout = packed_vector<F, Channels>;
-  // __ldg: read-only loads the compiler may issue early (no aliasing with the caller's stores).
-  const float s = decode<typename F::scale>(__ldg(entry + layout::scale_offset + c0 / F::block_size));
+  const float s = decode<typename F::scale>(load_packed<Src>(entry + layout::scale_offset + c0 / F::block_size));
   if constexpr (F::element::storage_bits == 8) {
-    const std::uint32_t lo = __ldg(reinterpret_cast<const unsigned*>(entry + c0));
-    const std::uint32_t hi = __ldg(reinterpret_cast<const unsigned*>(entry + c0 + 4));
+    const std::uint32_t lo = load_packed<Src>(reinterpret_cast<const unsigned*>(entry + c0));
+    const std::uint32_t hi = load_packed<Src>(reinterpret_cast<const unsigned*>(entry + c0 + 4));
     for (int i = 0; i < 4; ++i) out[i] = fast_dequantize<F>(std::uint8_t(lo >> (8 * i)), s);
     for (int i = 0; i < 4; ++i) out[4 + i] = fast_dequantize<F>(std::uint8_t(hi >> (8 * i)), s);
   } else {
-    const std::uint32_t w = __ldg(reinterpret_cast<const unsigned*>(entry + c0 / 2));
+    const std::uint32_t w = load_packed<Src>(reinterpret_cast<const unsigned*>(entry + c0 / 2));
     for (int i = 0; i < 8; ++i) out[i] = fast_dequantize<F>(std::uint8_t((w >> (4 * i)) & 0xf), s);
   }
 }
@@ -111,12 +123,12 @@ DSV4_DEVICE void e2m1x4_to_bf16x4(std::uint32_t v, std::uint32_t& w01, std::uint
 //! range; a NaN scale gives eight canonical NaNs, as bf16::from_float does. The window / activation
 //! format (E4M3 with a UE8M0 scale per 32) converts pairs in hardware. Other formats go through
 //! dequantize8.
-template <class F, int Channels>
+template <class F, int Channels, packed_source Src = packed_source::global>
 DSV4_DEVICE uint4 dequantize8_packed(const std::uint8_t* entry, int c0) {
   using layout = packed_vector<F, Channels>;
   if constexpr (std::is_same_v<typename F::element, e2m1> && std::is_same_v<typename F::scale, e4m3> && F::block_size % 8 == 0) {
-    const std::uint32_t sc = __ldg(entry + layout::scale_offset + c0 / F::block_size);
-    const std::uint32_t w = __ldg(reinterpret_cast<const unsigned*>(entry + c0 / 2));
+    const std::uint32_t sc = load_packed<Src>(entry + layout::scale_offset + c0 / F::block_size);
+    const std::uint32_t w = load_packed<Src>(reinterpret_cast<const unsigned*>(entry + c0 / 2));
     if ((sc & 0x7Fu) == 0x7Fu) {  // a NaN scale
       const std::uint32_t nan2 = std::uint32_t(bf16::canonical_nan_bits) * 0x10001u;
       return make_uint4(nan2, nan2, nan2, nan2);
@@ -133,9 +145,15 @@ DSV4_DEVICE uint4 dequantize8_packed(const std::uint8_t* entry, int c0) {
     // multiply (the same product dequantize8 forms, possibly an fp32 subnormal for tiny scales),
     // one packed rounding to bf16 (round to nearest even, as bf16::from_float); NaN results take
     // the canonical bits as bf16::from_float does.
-    const std::uint32_t sc = __ldg(entry + layout::scale_offset + c0 / F::block_size);
-    const std::uint32_t lo = __ldg(reinterpret_cast<const unsigned*>(entry + c0));
-    const std::uint32_t hi = __ldg(reinterpret_cast<const unsigned*>(entry + c0 + 4));
+    const std::uint32_t sc = load_packed<Src>(entry + layout::scale_offset + c0 / F::block_size);
+    std::uint32_t lo, hi;
+    if constexpr (Src == packed_source::any) {  // a staged copy, 8-byte aligned: one load (two would conflict in a bank)
+      const uint2 v = *reinterpret_cast<const uint2*>(entry + c0);
+      lo = v.x, hi = v.y;
+    } else {
+      lo = load_packed<Src>(reinterpret_cast<const unsigned*>(entry + c0));
+      hi = load_packed<Src>(reinterpret_cast<const unsigned*>(entry + c0 + 4));
+    }
     const float s = __uint_as_float(sc == 0 ? 0x00400000u : sc == 0xFFu ? 0x7fc00000u : sc << 23);
     std::uint32_t w[4];
 #pragma unroll
@@ -153,7 +171,7 @@ DSV4_DEVICE uint4 dequantize8_packed(const std::uint8_t* entry, int c0) {
     return make_uint4(w[0], w[1], w[2], w[3]);
   } else {
     bf16 v[8];
-    dequantize8<F, Channels>(entry, c0, v);
+    dequantize8<F, Channels, Src>(entry, c0, v);
     std::uint32_t w[4];
     for (int i = 0; i < 4; ++i) w[i] = std::uint32_t(v[2 * i].bits) | (std::uint32_t(v[2 * i + 1].bits) << 16);
     return make_uint4(w[0], w[1], w[2], w[3]);

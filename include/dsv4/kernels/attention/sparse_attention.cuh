@@ -7,8 +7,10 @@
 //!
 //! Work split (tensor cores, mma.sync bf16; the kernel's comment has the details): one CTA per
 //! (query row, up to 64 heads, KV split), up to sixteen warps: one to four head tiles of 16 (as
-//! the heads fill them) x four quarters of the channels. Each chunk of 64 indexed entries is dequantized once into shared memory and
-//! serves all of the CTA's heads, for the scores and for the values.
+//! the heads fill them) x four quarters (of a chunk's entries for the scores, of the channels
+//! for the values). Each chunk of 64 indexed entries is dequantized once into shared memory and
+//! serves all of the CTA's heads; its packed bytes are copied in while the chunk before it is
+//! computed.
 //!
 //! Split KV (decode): with few rows the (row, head group) grid leaves most SMs idle (one CTA for
 //! one decode row of 64 heads), so the index list is cut at chunk boundaries into splits that run
@@ -22,7 +24,8 @@
 //! the fp32 sums differ (the merge rescales each split's sum once instead of carrying one
 //! accumulator through every chunk). Without a workspace the kernel runs unsplit.
 
-#include <cuda_runtime.h>  // provides cudaFuncSetAttribute
+#include <cuda_pipeline.h>  // __pipeline_memcpy_async (cp.async)
+#include <cuda_runtime.h>   // provides cudaFuncSetAttribute
 
 #include <algorithm>
 #include <cstdint>
@@ -56,7 +59,11 @@ struct bf16_kv {
   //! bf16x2 words (the lower channel in the low half). Every KV operand below has this pair: the
   //! kernel locates a chunk's entries once (ring slots, block tables) and then streams their bytes.
   using entry_ref = const bf16*;
+  //! Bytes of an entry's staging slot in shared memory; 0: the kernel reads entries in place (a
+  //! bf16 row is 1 KB at Dim 512, too large to stage two chunks of).
+  static constexpr int stage_bytes = 0;
   DSV4_DEVICE entry_ref locate(int seq, int e) const { return kv + seq * seq_stride + e * row_stride; }
+  template <numerics::packed_source = numerics::packed_source::global>
   DSV4_DEVICE uint4 load8(entry_ref p, int /*e*/, int c0) const { return __ldg(reinterpret_cast<const uint4*>(p + c0)); }
   std::string check() const {
     if (entries > 0 && (!kv || reinterpret_cast<std::uintptr_t>(kv) % 16 || row_stride % 8 || seq_stride % 8))
@@ -82,7 +89,8 @@ struct window_ring {
     const long long ring = slots ? slots[seq] : seq;
     return base + ring * seq_stride + e * stride;
   }
-  DSV4_DEVICE uint4 load8(entry_ref p, int /*e*/, int c0) const { return numerics::dequantize8_packed<WindowFormat, Dim>(p, c0); }
+  template <numerics::packed_source Src = numerics::packed_source::global>
+  DSV4_DEVICE uint4 load8(entry_ref p, int /*e*/, int c0) const { return numerics::dequantize8_packed<WindowFormat, Dim, Src>(p, c0); }
   std::string check() const {
     if (rows > 0 && (!base || reinterpret_cast<std::uintptr_t>(base) % 4 || stride % 4 || seq_stride % 4))
       return "window cache must be 4-byte aligned with strides that are multiples of 4 bytes";
@@ -90,11 +98,31 @@ struct window_ring {
   }
 };
 
+//! What the packed operands below share: entry e is a WindowFormat vector where the operand's
+//! `windowed(e)` says so, else a GlobalFormat one. The kernel stages each chunk's packed bytes in
+//! shared memory (cp.async, `entry_bytes` each, in slots of `stage_bytes`) while it computes the
+//! chunk before, then dequantizes them from there (`load8` with packed_source::any); `load8` from
+//! global memory serves the kernel's tests of the codecs.
+template <class WindowFormat, class GlobalFormat, int Dim, class Operand>
+struct two_format_entries {
+  using window_layout = numerics::packed_vector<WindowFormat, Dim>;
+  using global_layout = numerics::packed_vector<GlobalFormat, Dim>;
+  static constexpr int stage_bytes = (std::max(window_layout::bytes, global_layout::bytes) + 15) / 16 * 16;
+  DSV4_DEVICE int entry_bytes(int e) const {
+    return static_cast<const Operand*>(this)->windowed(e) ? int(window_layout::bytes) : int(global_layout::bytes);
+  }
+  template <numerics::packed_source Src = numerics::packed_source::global>
+  DSV4_DEVICE uint4 load8(const std::uint8_t* p, int e, int c0) const {
+    return static_cast<const Operand*>(this)->windowed(e) ? numerics::dequantize8_packed<WindowFormat, Dim, Src>(p, c0)
+                                                          : numerics::dequantize8_packed<GlobalFormat, Dim, Src>(p, c0);
+  }
+};
+
 //! The packed caches of each sequence, as the reference concatenates them (spec §5 combine):
 //! index j < window.rows reads window row j, and j >= window.rows reads global entry
 //! j - window.rows (GlobalFormat, FP4 288 B at Dim 512), contiguous per sequence.
 template <class WindowFormat, class GlobalFormat, int Dim>
-struct packed_kv {
+struct packed_kv : two_format_entries<WindowFormat, GlobalFormat, Dim, packed_kv<WindowFormat, GlobalFormat, Dim>> {
   using global_layout = numerics::packed_vector<GlobalFormat, Dim>;
   window_ring<WindowFormat, Dim> window;
   const std::uint8_t* global = nullptr;
@@ -108,10 +136,7 @@ struct packed_kv {
     if (e < window.rows) return window.locate(seq, e);
     return global + seq * global_seq_stride + (e - window.rows) * global_stride;
   }
-  DSV4_DEVICE uint4 load8(entry_ref p, int e, int c0) const {
-    return e < window.rows ? numerics::dequantize8_packed<WindowFormat, Dim>(p, c0)
-                           : numerics::dequantize8_packed<GlobalFormat, Dim>(p, c0);
-  }
+  DSV4_DEVICE bool windowed(int e) const { return e < window.rows; }
   std::string check() const {
     if (global_rows > 0 &&
         (!global || reinterpret_cast<std::uintptr_t>(global) % 4 || global_stride % 4 || global_seq_stride % 4))
@@ -124,7 +149,7 @@ struct packed_kv {
 //! pool (cache/paged_cache.hpp), found through the sequence's block table. Index j < window.rows
 //! reads the ring; j >= window.rows reads global entry j - window.rows of the owner's region.
 template <class WindowFormat, class GlobalFormat, int Dim>
-struct paged_kv {
+struct paged_kv : two_format_entries<WindowFormat, GlobalFormat, Dim, paged_kv<WindowFormat, GlobalFormat, Dim>> {
   using global_layout = numerics::packed_vector<GlobalFormat, Dim>;
   window_ring<WindowFormat, Dim> window;
   const std::uint8_t* pool = nullptr;           //!< page pool base
@@ -141,10 +166,7 @@ struct paged_kv {
     const long long page = block_tables[static_cast<long long>(seq) * max_pages + g / entries_per_page];
     return pool + page * page_bytes + region_offset + static_cast<long long>(g % entries_per_page) * global_layout::bytes;
   }
-  DSV4_DEVICE uint4 load8(entry_ref p, int e, int c0) const {
-    return e < window.rows ? numerics::dequantize8_packed<WindowFormat, Dim>(p, c0)
-                           : numerics::dequantize8_packed<GlobalFormat, Dim>(p, c0);
-  }
+  DSV4_DEVICE bool windowed(int e) const { return e < window.rows; }
   std::string check() const {
     if (!pool || !block_tables || entries_per_page <= 0 || reinterpret_cast<std::uintptr_t>(pool) % 4 ||
         page_bytes % 4 || region_offset % 4)
@@ -158,7 +180,7 @@ struct paged_kv {
 //! entries (one sequence per call), and the rest reads global entries through the block table,
 //! when there is a global cache (pool not null).
 template <class WindowFormat, class GlobalFormat, int Dim>
-struct appended_kv {
+struct appended_kv : two_format_entries<WindowFormat, GlobalFormat, Dim, appended_kv<WindowFormat, GlobalFormat, Dim>> {
   using window_layout = numerics::packed_vector<WindowFormat, Dim>;
   using global_layout = numerics::packed_vector<GlobalFormat, Dim>;
   window_ring<WindowFormat, Dim> window;
@@ -180,10 +202,7 @@ struct appended_kv {
     const long long page = block_tables[static_cast<long long>(seq) * max_pages + g / entries_per_page];
     return pool + page * page_bytes + region_offset + static_cast<long long>(g % entries_per_page) * global_layout::bytes;
   }
-  DSV4_DEVICE uint4 load8(entry_ref p, int e, int c0) const {
-    return e < window.rows + chunk_rows ? numerics::dequantize8_packed<WindowFormat, Dim>(p, c0)
-                                        : numerics::dequantize8_packed<GlobalFormat, Dim>(p, c0);
-  }
+  DSV4_DEVICE bool windowed(int e) const { return e < window.rows + chunk_rows; }
   std::string check() const {
     if (chunk_rows > 0 && (!chunk || reinterpret_cast<std::uintptr_t>(chunk) % 4 || chunk_stride % 4))
       return "the chunk's window entries must be 4-byte aligned with a stride that is a multiple of 4 bytes";
@@ -273,18 +292,22 @@ DSV4_DEVICE std::uint32_t bf16x2_bits(float lo, float hi) {
   return std::uint32_t(bf16::from_float(lo).bits) | (std::uint32_t(bf16::from_float(hi).bits) << 16);
 }
 
-//! Shared memory of one CTA: the chunk's dequantized entries, the CTA's query heads, and each
-//! channel part's partial scores. Rows are padded by 16 bytes so that the eight row addresses of
-//! an ldmatrix fall in different banks.
-template <int Dim, int HeadTiles>
+//! Shared memory of one CTA: the chunk's dequantized entries, the CTA's query heads, the chunk's
+//! probabilities (bf16, the A operand of the value product), each entry quarter's per-head maxima
+//! and sums, and two slots per entry for the packed bytes of the next chunks (StageBytes each; 0:
+//! the operand is read in place). Rows of bf16 are padded by 16 bytes so that the eight row
+//! addresses of an ldmatrix fall in different banks.
+template <int Dim, int HeadTiles, int StageBytes>
 struct mma_smem {
   static constexpr int row = Dim + 8;                     // bf16 elements per entry / head row
-  static constexpr int score_row = sparse_chunk + 8;      // floats per partial-score row
+  static constexpr int p_row = sparse_chunk + 8;          // bf16 probabilities per head row
   static constexpr int heads = HeadTiles * head_tile;
   static constexpr std::size_t kv_bytes = std::size_t(sparse_chunk) * row * sizeof(bf16);
   static constexpr std::size_t q_bytes = std::size_t(heads) * row * sizeof(bf16);
-  static constexpr std::size_t score_bytes = std::size_t(channel_parts) * heads * score_row * sizeof(float);
-  static constexpr std::size_t bytes = kv_bytes + q_bytes + score_bytes;
+  static constexpr std::size_t p_bytes = std::size_t(heads) * p_row * sizeof(bf16);
+  static constexpr std::size_t reduce_bytes = std::size_t(2) * channel_parts * heads * sizeof(float);
+  static constexpr std::size_t stage_bytes = std::size_t(2) * sparse_chunk * StageBytes;
+  static constexpr std::size_t bytes = kv_bytes + q_bytes + p_bytes + reduce_bytes + stage_bytes;
 };
 
 //! Merges channels [c, c + 4) of one (row, head) from the splits' shares (see the merge kernel
@@ -312,15 +335,30 @@ DSV4_DEVICE long long group_barriers(int row) {
   return (static_cast<long long>(row) * gridDim.y + blockIdx.y) * sparse_attention_workspace::counters_per_group;
 }
 
+//! The staging slot a launch with operand KV uses: KV's own where two chunks of slots fit the
+//! CTA's shared memory beside the rest and the static index lists (~1.5 KB), else 0: the entries
+//! are read in place (bf16 operands; Dims beyond V4.1's 512). Not for one head tile either: its
+//! 128 threads leave room for a second CTA on the SM (registers and, unstaged, shared memory: 101.6
+//! KB against 153.6 KB staged at Dim 512), which hides the loads instead; from two tiles on the
+//! registers hold one CTA per SM (ptxas: 244 / 128 registers a thread), so staging costs nothing.
+template <int Dim, int HeadTiles, class KV>
+inline constexpr int stage_bytes_for =
+    HeadTiles >= 2 && mma_smem<Dim, HeadTiles, KV::stage_bytes>::bytes + 2048 <= 227 * 1024 ? KV::stage_bytes : 0;
+
 //! Sparse attention on the tensor cores. One CTA per (query row, 16 x HeadTiles heads, KV split);
-//! warp (t, p) owns head tile t and value channels [p Dim/4, (p + 1) Dim/4). Per 64-entry chunk:
-//! - the CTA dequantizes the chunk's entries once into shared memory (bf16, exact);
-//! - each warp multiplies its heads' queries by the entries over its quarter of the channels
-//!   (mma m16n8k16, fp32 accumulation), and the four quarters' partial scores are added in
-//!   quarter order through shared memory, so every warp of a head tile holds the same scores
-//!   (and the maximum pass of a split launch the same as the main pass);
-//! - the online softmax of the reference, per head: chunk maximum, running maximum m, alpha =
-//!   e^(m_old - m), probabilities rounded to bf16, which are the A operand of the value product;
+//! warp (t, p) owns head tile t, entries [16 p, 16 p + 16) of each chunk for the scores and value
+//! channels [p Dim/4, (p + 1) Dim/4). Per 64-entry chunk:
+//! - its packed bytes were copied into shared memory (cp.async) while the chunk before was
+//!   computed, and its index list and entry locations read one chunk earlier still: the loads of
+//!   the cache, the index list and the block tables overlap the tensor-core work (the sixteenth
+//!   session's ncu profile put 47% of the stall samples on these loads when they did not);
+//! - the CTA dequantizes the chunk's entries once into a bf16 tile (exact);
+//! - each warp forms its 16 heads' scores against its 16 entries over all channels (mma
+//!   m16n8k16, fp32 accumulation, one chain per score: every score is computed once, so the
+//!   maximum pass of a split launch sees the main pass's scores bit for bit);
+//! - the online softmax of the reference, per head: chunk maximum (the four entry quarters'
+//!   maxima through shared memory), running maximum m, alpha = e^(m_old - m), probabilities
+//!   rounded to bf16 into shared memory, where they are the A operand of the value product;
 //! - the chunk's value sum is formed first (an MMA chain from zero over the 64 entries, 8
 //!   channels at a time) and then added to the rescaled accumulator: acc = acc alpha + sum, as
 //!   the reference orders it.
@@ -329,17 +367,25 @@ DSV4_DEVICE long long group_barriers(int row) {
 template <int Dim, int HeadTiles, class KV>
 DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
     sparse_attention_kernel(sparse_attention_args a, KV kv, kv_split sp) {
-  using smem_t = mma_smem<Dim, HeadTiles>;
-  constexpr int kThreads = HeadTiles * channel_parts * 32, kRow = smem_t::row, kScoreRow = smem_t::score_row;
-  constexpr int kHeads = smem_t::heads, kPartCh = Dim / channel_parts;
+  constexpr int kStage = stage_bytes_for<Dim, HeadTiles, KV>;
+  using smem_t = mma_smem<Dim, HeadTiles, kStage>;
+  constexpr int kThreads = HeadTiles * channel_parts * 32, kWarps = kThreads / 32;
+  constexpr int kRow = smem_t::row, kPRow = smem_t::p_row, kHeads = smem_t::heads;
+  constexpr int kPartCh = Dim / channel_parts, kPartEntries = sparse_chunk / channel_parts;
   static_assert(kPartCh % 16 == 0, "sparse_attention: Dim / 4 must be a multiple of 16 (MMA k-steps and ldmatrix pairs)");
-  constexpr int kTiles = sparse_chunk / 8;  // 8-entry score tiles per chunk
+  static_assert(kPartEntries == 16, "sparse_attention: each warp scores 16 entries of a chunk (two 8-entry MMA tiles)");
+  static_assert((smem_t::kv_bytes + smem_t::q_bytes + smem_t::p_bytes + smem_t::reduce_bytes) % 16 == 0,
+                "sparse_attention: the staging slots must start 16-byte aligned (cp.async)");
   extern __shared__ uint4 dyn_smem[];
-  bf16* kv_tile = reinterpret_cast<bf16*>(dyn_smem);                          // [64][kRow]
-  bf16* q_tile = kv_tile + sparse_chunk * kRow;                               // [kHeads][kRow]
-  float* score_part = reinterpret_cast<float*>(q_tile + kHeads * kRow);       // [parts][kHeads][kScoreRow]
-  __shared__ std::int32_t chunk_idx[sparse_chunk];
-  __shared__ typename KV::entry_ref chunk_at[sparse_chunk];  // where each entry of the chunk lies
+  bf16* kv_tile = reinterpret_cast<bf16*>(dyn_smem);                    // [64][kRow]
+  bf16* q_tile = kv_tile + sparse_chunk * kRow;                         // [kHeads][kRow]
+  bf16* p_tile = q_tile + kHeads * kRow;                                // [kHeads][kPRow]
+  float* part_max = reinterpret_cast<float*>(p_tile + kHeads * kPRow);  // [parts][kHeads]
+  float* part_sum = part_max + channel_parts * kHeads;                  // [parts][kHeads]
+  std::uint8_t* stage = reinterpret_cast<std::uint8_t*>(part_sum + channel_parts * kHeads);  // [2][64][kStage]
+  // Two chunks' index lists and entry locations: the chunk being computed and the next.
+  __shared__ std::int32_t chunk_idx[2][sparse_chunk];
+  __shared__ typename KV::entry_ref chunk_at[2][sparse_chunk];
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, gid = lane / 4, quad = lane % 4;
   const int ht = warp / channel_parts, part = warp % channel_parts;
@@ -348,8 +394,9 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
   const int head0 = blockIdx.y * kHeads;
   const int tile_head0 = head0 + ht * head_tile;
   const bool tile_live = tile_head0 < a.heads;  // warp-uniform: a tile past the last head skips the math
-  // This thread's two heads: fragment rows gid and gid + 8 of its tile.
+  // This thread's two heads: fragment rows gid and gid + 8 of its tile (rows of the CTA's tiles).
   const int my_head[2] = {tile_head0 + gid, tile_head0 + gid + 8};
+  const int my_row[2] = {ht * head_tile + gid, ht * head_tile + gid + 8};
   const bool head_ok[2] = {my_head[0] < a.heads, my_head[1] < a.heads};
   const int split = blockIdx.z;
   const int first = sp.max_pass ? split * sparse_chunk : sp.partials ? split * sp.chunks_per_split * sparse_chunk : 0;
@@ -394,85 +441,131 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
 #pragma unroll
   for (int n = 0; n < kPartCh / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   const std::int32_t* row_idx = a.idx + static_cast<long long>(row) * a.topk;
-  const int ch0 = part * kPartCh;
+  const int ch0 = part * kPartCh, e0 = part * kPartEntries;
 
-  for (int c0 = first; c0 < last; c0 += sparse_chunk) {
-    const int n = min(sparse_chunk, last - c0);
-    __syncthreads();  // the previous chunk's entries and scores are no longer read
-    // Each entry is located once (its ring slot or page: a dependent load), by one thread, rather
-    // than by every thread that reads a part of it; the reads below then depend on nothing but
-    // shared memory, and four per thread are in flight at a time.
-    if (threadIdx.x < sparse_chunk) {
-      const int j = threadIdx.x < n ? row_idx[c0 + threadIdx.x] : -1;
-      chunk_idx[threadIdx.x] = j;
-      chunk_at[threadIdx.x] = j >= 0 ? kv.locate(seq, j) : typename KV::entry_ref{};
+  // Threads < 64: entry t of the chunk at c0 (-1 past the list), and where it lies. Each entry is
+  // located once (its ring slot or page: a dependent load), by one thread, rather than by every
+  // thread that reads a part of it.
+  auto read_index = [&](int c0) {
+    return threadIdx.x < sparse_chunk && c0 + int(threadIdx.x) < last ? row_idx[c0 + threadIdx.x] : -1;
+  };
+  auto locate = [&](int j) { return j >= 0 ? kv.locate(seq, j) : typename KV::entry_ref{}; };
+  // Starts copying buffer b's entries into its staging slots: a warp per entry at a time, 16-byte
+  // cp.async where the entry allows it, else 4-byte ones (check() guarantees 4-byte aligned
+  // entries), else (a size that is not a multiple of 4: narrow Dims) plain loads and stores, which
+  // the next barrier makes visible.
+  auto stage_chunk = [&](int b) {
+    if constexpr (kStage > 0) {
+      for (int e = warp; e < sparse_chunk; e += kWarps) {
+        const int j = chunk_idx[b][e];
+        if (j < 0) continue;
+        const std::uint8_t* src = chunk_at[b][e];
+        std::uint8_t* dst = stage + (b * sparse_chunk + e) * kStage;
+        const int bytes = kv.entry_bytes(j);
+        if (bytes % 16 == 0 && reinterpret_cast<std::uintptr_t>(src) % 16 == 0)
+          for (int o = 16 * lane; o < bytes; o += 16 * 32) __pipeline_memcpy_async(dst + o, src + o, 16);
+        else if (bytes % 4 == 0)
+          for (int o = 4 * lane; o < bytes; o += 4 * 32) __pipeline_memcpy_async(dst + o, src + o, 4);
+        else
+          for (int o = lane; o < bytes; o += 32) dst[o] = src[o];
+      }
+      __pipeline_commit();
     }
-    __syncthreads();
+  };
+  // Buffer b's entries as bf16 into the tile; empty slots are zeros: they must not feed NaN
+  // garbage to 0 * x.
+  auto dequantize_chunk = [&](int b) {
     constexpr int kInFlight = Dim > 512 ? 2 : 4;  // beyond V4.1's 512 channels the registers run short
 #pragma unroll kInFlight
     for (int t = threadIdx.x; t < sparse_chunk * (Dim / 8); t += kThreads) {
       const int e = t / (Dim / 8), c = (t % (Dim / 8)) * 8;
-      const int j = chunk_idx[e];
-      // Empty slots are zeros: they must not feed NaN garbage to 0 * x.
-      *reinterpret_cast<uint4*>(kv_tile + e * kRow + c) = j >= 0 ? kv.load8(chunk_at[e], j, c) : make_uint4(0, 0, 0, 0);
+      const int j = chunk_idx[b][e];
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (j >= 0) {
+        if constexpr (kStage > 0)
+          v = kv.template load8<numerics::packed_source::any>(stage + (b * sparse_chunk + e) * kStage, j, c);
+        else
+          v = kv.load8(chunk_at[b][e], j, c);
+      }
+      *reinterpret_cast<uint4*>(kv_tile + e * kRow + c) = v;
     }
+  };
+
+  // The pipeline's start: the first chunk located and its copy started, the second located.
+  if (threadIdx.x < sparse_chunk) {
+    const int j = read_index(first);
+    chunk_idx[0][threadIdx.x] = j, chunk_at[0][threadIdx.x] = locate(j);
+  }
+  __syncthreads();
+  stage_chunk(0);
+  if (threadIdx.x < sparse_chunk) {
+    const int j = read_index(first + sparse_chunk);
+    chunk_idx[1][threadIdx.x] = j, chunk_at[1][threadIdx.x] = locate(j);
+  }
+
+  int b = 0;  // the buffer of the chunk at c0
+  for (int c0 = first; c0 < last; c0 += sparse_chunk, b ^= 1) {
+    if constexpr (kStage > 0) __pipeline_wait_prior(0);
+    // This chunk's bytes have landed (every thread's copies), the next chunk is located, and the
+    // previous chunk's tile and probabilities are no longer read.
+    __syncthreads();
+    stage_chunk(b ^ 1);                                       // the next chunk travels meanwhile
+    const int after_next = read_index(c0 + 2 * sparse_chunk);  // in flight until it is located below
+    dequantize_chunk(b);
     __syncthreads();
 
-    // This quarter's partial scores: 16 heads x 64 entries over channels [ch0, ch0 + kPartCh).
-    float s[kTiles][4];
-#pragma unroll
-    for (int t = 0; t < kTiles; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.0f;
+    // Scores of this warp's 16 heads x 16 entries over all channels, in two chains (even and odd
+    // k-steps) per 8-entry tile, added at the end: half the MMA latency chain of one.
+    float s[2][4] = {};
     if (tile_live) {
+      float s_odd[2][4] = {};
+#pragma unroll 4
+      for (int k = 0; k < Dim; k += 32) {
 #pragma unroll
-      for (int k = 0; k < kPartCh; k += 16) {
-        std::uint32_t qa[4];  // rows lane % 16, channels k + 8 (lane / 16) ..
-        ldmatrix_x4<false>(qa, q_tile + (ht * head_tile + lane % 16) * kRow + ch0 + k + (lane / 16) * 8);
-#pragma unroll
-        for (int t = 0; t < kTiles; t += 2) {
-          std::uint32_t kb[4];  // entries of tiles t, t + 1; channels k .. k + 15
-          ldmatrix_x4<false>(kb, kv_tile + ((t + lane / 16) * 8 + lane % 8) * kRow + ch0 + k + ((lane / 8) % 2) * 8);
-          mma_bf16(s[t], qa, kb[0], kb[1]);
-          mma_bf16(s[t + 1], qa, kb[2], kb[3]);
+        for (int h = 0; h < 2; ++h) {
+          std::uint32_t qa[4], kb[4];  // rows lane % 16, channels k + 16 h + 8 (lane / 16) ..; entries e0 ..
+          ldmatrix_x4<false>(qa, q_tile + (ht * head_tile + lane % 16) * kRow + k + 16 * h + (lane / 16) * 8);
+          ldmatrix_x4<false>(kb, kv_tile + (e0 + (lane / 16) * 8 + lane % 8) * kRow + k + 16 * h + ((lane / 8) % 2) * 8);
+          mma_bf16(h ? s_odd[0] : s[0], qa, kb[0], kb[1]);
+          mma_bf16(h ? s_odd[1] : s[1], qa, kb[2], kb[3]);
         }
       }
-      float* mine = score_part + (part * kHeads + ht * head_tile + gid) * kScoreRow + 2 * quad;
 #pragma unroll
-      for (int t = 0; t < kTiles; ++t) {
-        *reinterpret_cast<float2*>(mine + t * 8) = make_float2(s[t][0], s[t][1]);
-        *reinterpret_cast<float2*>(mine + 8 * kScoreRow + t * 8) = make_float2(s[t][2], s[t][3]);
-      }
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[t][i] += s_odd[t][i];
     }
-    __syncthreads();
-    // The full scores: the four quarters added in order, scaled; empty slots -inf.
+    // Scaled scores (empty slots -inf) and this quarter's maxima; then the chunk's maxima.
     float cmax[2] = {-INFINITY, -INFINITY};
     if (tile_live) {
 #pragma unroll
-      for (int t = 0; t < kTiles; ++t)
+      for (int t = 0; t < 2; ++t)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // fragment elements 2h, 2h + 1: head row gid + 8h, entries e, e + 1
-          const int r = ht * head_tile + gid + 8 * h, e = t * 8 + 2 * quad;
-          float2 sum = *reinterpret_cast<const float2*>(score_part + r * kScoreRow + e);
-#pragma unroll
-          for (int p = 1; p < channel_parts; ++p) {
-            const float2 more = *reinterpret_cast<const float2*>(score_part + (p * kHeads + r) * kScoreRow + e);
-            sum.x += more.x, sum.y += more.y;
-          }
-          s[t][2 * h] = chunk_idx[e] >= 0 ? sum.x * a.scale : -INFINITY;
-          s[t][2 * h + 1] = chunk_idx[e + 1] >= 0 ? sum.y * a.scale : -INFINITY;
-          cmax[h] = fmaxf(cmax[h], fmaxf(s[t][2 * h], s[t][2 * h + 1]));
+        for (int i = 0; i < 4; ++i) {  // fragment element i: head row gid + 8 (i / 2), entry e0 + 8 t + 2 quad + i % 2
+          s[t][i] = chunk_idx[b][e0 + 8 * t + 2 * quad + i % 2] >= 0 ? s[t][i] * a.scale : -INFINITY;
+          cmax[i / 2] = fmaxf(cmax[i / 2], s[t][i]);
         }
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         cmax[i] = fmaxf(cmax[i], __shfl_xor_sync(0xffffffffu, cmax[i], 1));
         cmax[i] = fmaxf(cmax[i], __shfl_xor_sync(0xffffffffu, cmax[i], 2));
+        if (quad == 0) part_max[part * kHeads + my_row[i]] = cmax[i];
       }
     }
+    __syncthreads();
+    if (tile_live)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        cmax[i] = part_max[my_row[i]];
+#pragma unroll
+        for (int p = 1; p < channel_parts; ++p) cmax[i] = fmaxf(cmax[i], part_max[p * kHeads + my_row[i]]);
+      }
     if (sp.max_pass || sp.barriers) {  // this chunk's maximum for the splits after it
       if (tile_live && part == 0 && quad == 0)
 #pragma unroll
         for (int i = 0; i < 2; ++i)
           if (head_ok[i]) sp.chunk_max[(static_cast<long long>(row) * a.heads + my_head[i]) * sp.chunks + split] = cmax[i];
-      if (sp.max_pass) continue;
+      if (sp.max_pass) continue;  // one chunk per CTA in the maximum pass: the loop ends here
       // Single launch (one chunk per split): wait for every split's maximum, then start from the
       // maximum of the chunks before this one, as the split pass of the three-launch form does.
       // Every thread of the CTA arrives here, dead tiles too.
@@ -484,51 +577,74 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
             for (int c = 0; c < split; ++c)
               m[i] = fmaxf(m[i], __ldcg(sp.chunk_max + (static_cast<long long>(row) * a.heads + my_head[i]) * sp.chunks + c));
     }
-    if (!tile_live) continue;
-    float alpha[2], psum[2] = {0.0f, 0.0f};
+    // Probabilities: fp32 for the denominator (each quarter's sum through shared memory), bf16 into
+    // the tile that is the value product's A operand.
+    float alpha[2] = {1.0f, 1.0f};
+    if (tile_live) {
+      float psum[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float m_new = fmaxf(m[i], cmax[i]);
-      alpha[i] = expf(m[i] - m_new);
-      m[i] = m_new;
-    }
-    // Probabilities (fp32 for the denominator, bf16 for the values) as the A operand of P V:
-    // the C fragment of score tiles 2k, 2k + 1 is the A fragment of entries 16k .. 16k + 15.
-    std::uint32_t pa[sparse_chunk / 16][4];
-#pragma unroll
-    for (int t = 0; t < kTiles; ++t) {
-      float p[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        p[i] = expf(s[t][i] - m[i / 2]);  // exp(-inf) = 0 for empty slots
-        psum[i / 2] += p[i];
-      }
-      pa[t / 2][(t % 2) * 2 + 0] = bf16x2_bits(p[0], p[1]);
-      pa[t / 2][(t % 2) * 2 + 1] = bf16x2_bits(p[2], p[3]);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      psum[i] += __shfl_xor_sync(0xffffffffu, psum[i], 1);
-      psum[i] += __shfl_xor_sync(0xffffffffu, psum[i], 2);
-      l[i] = l[i] * alpha[i] + psum[i];
-    }
-    // acc <- acc alpha + (the chunk's sum of bf16(p_j) kv_j), 16 channels at a time.
-#pragma unroll
-    for (int nb = 0; nb < kPartCh / 16; ++nb) {
-      float sum[2][4] = {};
-#pragma unroll
-      for (int k = 0; k < sparse_chunk / 16; ++k) {
-        std::uint32_t vb[4];  // entries 16k .. 16k + 15, channels ch0 + 16 nb .. + 15, transposed
-        ldmatrix_x4<true>(vb, kv_tile + (16 * k + ((lane / 8) % 2) * 8 + lane % 8) * kRow + ch0 + 16 * nb + (lane / 16) * 8);
-        mma_bf16(sum[0], pa[k], vb[0], vb[1]);
-        mma_bf16(sum[1], pa[k], vb[2], vb[3]);
+      for (int i = 0; i < 2; ++i) {
+        const float m_new = fmaxf(m[i], cmax[i]);
+        alpha[i] = expf(m[i] - m_new);
+        m[i] = m_new;
       }
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int t = 0; t < 2; ++t) {
+        float p[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[2 * nb + h][i] = __fadd_rn(__fmul_rn(acc[2 * nb + h][i], alpha[i / 2]), sum[h][i]);
+        for (int i = 0; i < 4; ++i) {
+          p[i] = expf(s[t][i] - m[i / 2]);  // exp(-inf) = 0 for empty slots
+          psum[i / 2] += p[i];
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<std::uint32_t*>(p_tile + my_row[h] * kPRow + e0 + 8 * t + 2 * quad) = bf16x2_bits(p[2 * h], p[2 * h + 1]);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        psum[i] += __shfl_xor_sync(0xffffffffu, psum[i], 1);
+        psum[i] += __shfl_xor_sync(0xffffffffu, psum[i], 2);
+        if (quad == 0) part_sum[part * kHeads + my_row[i]] = psum[i];
+      }
     }
+    __syncthreads();
+    // The chunk after next: located now (the index arrived during the scores; a page lookup is one
+    // more load), stored after the value product, before the next iteration's barrier.
+    const typename KV::entry_ref after_next_at = threadIdx.x < sparse_chunk ? locate(after_next) : typename KV::entry_ref{};
+    if (tile_live) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float psum = part_sum[my_row[i]];
+#pragma unroll
+        for (int p = 1; p < channel_parts; ++p) psum += part_sum[p * kHeads + my_row[i]];
+        l[i] = l[i] * alpha[i] + psum;
+      }
+      std::uint32_t pa[sparse_chunk / 16][4];  // heads x entries 16 k .. 16 k + 15
+#pragma unroll
+      for (int k = 0; k < sparse_chunk / 16; ++k)
+        ldmatrix_x4<false>(pa[k], p_tile + (ht * head_tile + lane % 16) * kPRow + 16 * k + (lane / 16) * 8);
+      // acc <- acc alpha + (the chunk's sum of bf16(p_j) kv_j), 16 channels at a time.
+#pragma unroll
+      for (int nb = 0; nb < kPartCh / 16; ++nb) {
+        float sum[2][4] = {};
+#pragma unroll
+        for (int k = 0; k < sparse_chunk / 16; ++k) {
+          std::uint32_t vb[4];  // entries 16k .. 16k + 15, channels ch0 + 16 nb .. + 15, transposed
+          ldmatrix_x4<true>(vb, kv_tile + (16 * k + ((lane / 8) % 2) * 8 + lane % 8) * kRow + ch0 + 16 * nb + (lane / 16) * 8);
+          mma_bf16(sum[0], pa[k], vb[0], vb[1]);
+          mma_bf16(sum[1], pa[k], vb[2], vb[3]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[2 * nb + h][i] = __fadd_rn(__fmul_rn(acc[2 * nb + h][i], alpha[i / 2]), sum[h][i]);
+      }
+    }
+    if (threadIdx.x < sparse_chunk) chunk_idx[b][threadIdx.x] = after_next, chunk_at[b][threadIdx.x] = after_next_at;
   }
+  // Nothing is in flight here (the last chunk's successor lies past `last`: no copies; the maximum
+  // pass has one chunk), but a copy must never outlive the CTA's shared memory.
+  if constexpr (kStage > 0) __pipeline_wait_prior(0);
   if (sp.max_pass) return;
   // Fragment element i of channel tile n: head my_head[i / 2], channel ch0 + 8 n + 2 quad + i % 2.
   if (sp.partials && tile_live) {  // the split's share; the merge adds the sink
@@ -613,9 +729,9 @@ template <int Dim, class KV>
 std::string can_implement(const sparse_attention_args& a, const KV& kv) {
   static_assert(Dim % 64 == 0,
                 "sparse_attention<Dim>: Dim must be a multiple of 64 (four warps share the channels, 16 at a time)");
-  static_assert(detail::mma_smem<Dim, detail::max_head_tiles>::bytes <= 227 * 1024,
+  static_assert(detail::mma_smem<Dim, detail::max_head_tiles, 0>::bytes <= 227 * 1024,
                 "sparse_attention<Dim>: a CTA of 64 heads would need more shared memory than an sm_90 block can have "
-                "(227 KB): Dim is too large for this kernel (at most 576)");
+                "(227 KB): Dim is too large for this kernel (at most 576, reading the entries in place)");
   if (a.batch < 0 || a.rows < 0 || a.heads <= 0 || a.topk < 0) return "batch, rows, topk must be >= 0 and heads > 0";
   if (static_cast<long long>(a.batch) * a.rows > 0x7fffffffll) return "batch * rows exceeds the grid limit";
   if (a.heads > 65535) return "heads exceed the grid limit (65535)";
@@ -677,9 +793,11 @@ void sparse_attention(const sparse_attention_args& a, const KV& kv, cudaStream_t
                                  stream, a, sp);
     DSV4_CUDA_CHECK_LAUNCH();
   };
-  if (tiles == 1) return run(detail::sparse_attention_kernel<Dim, 1, KV>, detail::mma_smem<Dim, 1>{});
-  if (tiles == 2) return run(detail::sparse_attention_kernel<Dim, 2, KV>, detail::mma_smem<Dim, 2>{});
-  run(detail::sparse_attention_kernel<Dim, detail::max_head_tiles, KV>, detail::mma_smem<Dim, detail::max_head_tiles>{});
+  using detail::mma_smem, detail::stage_bytes_for, detail::max_head_tiles;
+  if (tiles == 1) return run(detail::sparse_attention_kernel<Dim, 1, KV>, mma_smem<Dim, 1, stage_bytes_for<Dim, 1, KV>>{});
+  if (tiles == 2) return run(detail::sparse_attention_kernel<Dim, 2, KV>, mma_smem<Dim, 2, stage_bytes_for<Dim, 2, KV>>{});
+  run(detail::sparse_attention_kernel<Dim, max_head_tiles, KV>,
+      mma_smem<Dim, max_head_tiles, stage_bytes_for<Dim, max_head_tiles, KV>>{});
 }
 
 }  // namespace dsv4::kernels::attention
