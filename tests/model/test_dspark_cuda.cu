@@ -204,7 +204,9 @@ BOOST_AUTO_TEST_CASE(capture_and_pipeline_follow_the_host,
   dm.capture_main_hidden(true);
   const std::vector<std::vector<std::int32_t>> prompts = {random_ids(40, 11), random_ids(9, 12)};
   std::vector<model::host_sequence> host(2);
-  std::vector<model::dspark_state> states(2);
+  // states: the host drafter on the host backbone's main_hidden; mirror: the host drafter on the
+  // device's capture (the same input as the device drafter: its own error, without the backbone's).
+  std::vector<model::dspark_state> states(2), mirror(2);
   std::vector<int> slots;
   double capture_worst = 0;
   const std::size_t width = std::size_t(T) * D;
@@ -218,12 +220,14 @@ BOOST_AUTO_TEST_CASE(capture_and_pipeline_follow_the_host,
     runtime::device_buffer<bf16> copy(rows * width);
     DSV4_CUDA_CHECK(
         cudaMemcpy(copy.data(), dm.main_hidden(), rows * width * sizeof(bf16), cudaMemcpyDeviceToDevice));
-    capture_worst = std::max(capture_worst, worst_relative(copy.download(), last_rows(mh, rows)));
+    const auto captured = copy.download();
+    capture_worst = std::max(capture_worst, worst_relative(captured, last_rows(mh, rows)));
     model::dspark_prefill<tiny>(f.w, states[s], mh);
+    model::dspark_prefill<tiny>(f.w, mirror[s], captured, (long long)(prompts[s].size() - rows));
     dd.prefill(slots[s], dm.main_hidden(), (long long)rows, (long long)(prompts[s].size() - rows));
   }
-  test::logit_stats stats;
-  double conf_worst = 0;
+  test::logit_stats stats, mirror_stats;
+  double conf_worst = 0, mirror_conf_worst = 0;
   for (int step = 0; step < 4; ++step) {
     const auto tok = random_ids(2, 100 + std::uint64_t(step));
     dm.decode(slots, tok);
@@ -235,27 +239,36 @@ BOOST_AUTO_TEST_CASE(capture_and_pipeline_follow_the_host,
       runtime::device_buffer<bf16> row(width);
       DSV4_CUDA_CHECK(cudaMemcpy(row.data(), dm.main_hidden() + s * width, width * sizeof(bf16),
                                  cudaMemcpyDeviceToDevice));
-      capture_worst = std::max(capture_worst, worst_relative(row.download(), mh));
+      const auto captured = row.download();
+      capture_worst = std::max(capture_worst, worst_relative(captured, mh));
       const std::int32_t input =
           std::int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
       const auto want = model::dspark_decode<tiny>(f.m, f.w, states[s], input, mh);
       const auto got = dd.decode(slots[s], input, dm.main_hidden() + s * width, 1, 1, {0.0f}, 0, want.ids);
       compare(got, want, stats, conf_worst);
+      const auto same_input = model::dspark_decode<tiny>(f.m, f.w, mirror[s], input, captured, {0.0f}, 0, want.ids);
+      compare(got, same_input, mirror_stats, mirror_conf_worst);
     }
   }
   BOOST_TEST_MESSAGE("main_hidden capture vs host: worst "
                      << capture_worst << "; DSpark pipeline on CUDA vs host: logits worst " << stats.worst
                      << ", cosine >= " << stats.min_cosine << ", argmax " << stats.argmax_same << "/"
-                     << stats.rows << "; confidence worst " << conf_worst);
+                     << stats.rows << "; confidence worst " << conf_worst << "; against the host drafter on the capture: logits worst "
+                     << mirror_stats.worst << ", argmax " << mirror_stats.argmax_same << "/" << mirror_stats.rows
+                     << ", confidence worst " << mirror_conf_worst);
   // The capture carries the backbone's device-vs-host differences (test_device_model_cuda: worst
   // 6-17% of the logit range on tiny's random layers), the drafts those and the drafter's own.
   BOOST_TEST(capture_worst < 0.3);
   BOOST_TEST(stats.worst < 0.3);
   BOOST_TEST(stats.min_cosine > 0.95);
-  // The confidence is one raw scalar per row, so the backbone's drift reaches it undiluted: 0.33
-  // was seen on the H200 (seed 2317124738697656007, sixteenth session); the same-input case above
-  // keeps the drafter's own bound.
-  BOOST_TEST(conf_worst < 0.5);
+  // The confidence is one raw scalar per row, a projection of the un-normalized hc_pre output:
+  // the backbone's drift reaches it undiluted (0.33 and 1.74 of the block's largest |confidence|
+  // were seen on the H200, sixteenth session), so against the host pipeline it is only reported.
+  // Against the host drafter fed the device's own capture the drafter alone is measured: the
+  // same-input case's bounds.
+  BOOST_TEST(mirror_stats.worst < 0.1);
+  BOOST_TEST(mirror_stats.min_cosine > 0.99);
+  BOOST_TEST(mirror_conf_worst < 0.05);
   dm.capture_main_hidden(false);
   dm.decode(slots, random_ids(2, 200));
   BOOST_TEST(dm.main_hidden_rows() == 0);

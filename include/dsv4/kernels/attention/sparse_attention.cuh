@@ -515,20 +515,23 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
     __syncthreads();
 
     // Scores of this warp's 16 heads x 16 entries over all channels, in two chains (even and odd
-    // k-steps) per 8-entry tile, added at the end: half the MMA latency chain of one.
+    // k-steps) per 8-entry tile, added at the end: half the MMA latency chain of one. Each step's
+    // fragments are loaded one step ahead (the ldmatrix latency behind the MMAs before).
     float s[2][4] = {};
     if (tile_live) {
       float s_odd[2][4] = {};
-#pragma unroll 4
-      for (int k = 0; k < Dim; k += 32) {
+      std::uint32_t qa[2][4], kb[2][4];  // rows lane % 16, channels k + 8 (lane / 16) ..; entries e0 ..
+      auto load_step = [&](int k, int slot) {
+        ldmatrix_x4<false>(qa[slot], q_tile + (ht * head_tile + lane % 16) * kRow + k + (lane / 16) * 8);
+        ldmatrix_x4<false>(kb[slot], kv_tile + (e0 + (lane / 16) * 8 + lane % 8) * kRow + k + ((lane / 8) % 2) * 8);
+      };
+      load_step(0, 0);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          std::uint32_t qa[4], kb[4];  // rows lane % 16, channels k + 16 h + 8 (lane / 16) ..; entries e0 ..
-          ldmatrix_x4<false>(qa, q_tile + (ht * head_tile + lane % 16) * kRow + k + 16 * h + (lane / 16) * 8);
-          ldmatrix_x4<false>(kb, kv_tile + (e0 + (lane / 16) * 8 + lane % 8) * kRow + k + 16 * h + ((lane / 8) % 2) * 8);
-          mma_bf16(h ? s_odd[0] : s[0], qa, kb[0], kb[1]);
-          mma_bf16(h ? s_odd[1] : s[1], qa, kb[2], kb[3]);
-        }
+      for (int step = 0; step < Dim / 16; ++step) {
+        const int slot = step % 2;
+        if (step + 1 < Dim / 16) load_step(16 * (step + 1), 1 - slot);
+        mma_bf16(slot ? s_odd[0] : s[0], qa[slot], kb[slot][0], kb[slot][1]);
+        mma_bf16(slot ? s_odd[1] : s[1], qa[slot], kb[slot][2], kb[slot][3]);
       }
 #pragma unroll
       for (int t = 0; t < 2; ++t)
