@@ -336,10 +336,14 @@ void check_moe(const moe_case& c, std::uint64_t salt, const moe_bounds& bounds =
       route_diff += sel[std::size_t(t) * c.k + j] != routes[std::size_t(t)].experts[std::size_t(j)];
   BOOST_TEST(route_diff == 0u, "experts " << c.experts << ": " << route_diff << " routing slots differ");
 
+  // exact / compared: over the tokens without a requantized block (those are bounded on their own:
+  // a requantized block moves most of its token's outputs, so one such token of one would sink
+  // the share; seen with the wgmma GEMMs, sixteenth session).
   std::size_t nan_differs = 0, nan = 0, compared = 0, bad = 0, exact = 0, requantized_tokens = 0;
   double worst = 0;
   for (long long t = 0; t < c.tokens; ++t) {
     bool requantized = false;
+    std::size_t token_compared = 0, token_exact = 0;
     double rms = 0;
     for (int d = 0; d < c.dim; ++d) {
       const double v = want[std::size_t(t) * c.dim + d].to_float();
@@ -356,7 +360,7 @@ void check_moe(const moe_case& c, std::uint64_t salt, const moe_bounds& bounds =
         nan += std::isnan(ref);
         continue;
       }
-      ++compared;
+      ++token_compared;
       // A one-ulp difference in an intermediate bf16 (g, u, h, an expert output) moves the sum by
       // about 2^-8 of one term: allow 2^-6 of the token's rms on top of one output ulp.
       const double tol = std::fabs(ref) * 0x1p-7 + rms * 0x1p-6;
@@ -370,13 +374,14 @@ void check_moe(const moe_case& c, std::uint64_t salt, const moe_bounds& bounds =
         requantized = true;
       else
         bad += err > tol;
-      exact += got == ref;
+      token_exact += got == ref;
     }
     requantized_tokens += requantized;
+    if (!requantized) compared += token_compared, exact += token_exact;
   }
   BOOST_TEST_MESSAGE("moe experts " << c.experts << " top-" << c.k << " tokens " << c.tokens << ": " << exact
                                     << " of " << compared
-                                    << " finite outputs bit-equal, worst error / tolerance " << worst << ", "
+                                    << " finite outputs of tokens without a requantized block bit-equal, worst error / tolerance " << worst << ", "
                                     << nan << " NaN on the host, " << requantized_tokens
                                     << " tokens with a requantized FP8 block");
   BOOST_TEST(nan_differs == 0u, nan_differs << " outputs are NaN on one side only (or differ in NaN bits)");
@@ -387,7 +392,9 @@ void check_moe(const moe_case& c, std::uint64_t salt, const moe_bounds& bounds =
              requantized_tokens << " of " << c.tokens << " tokens have a requantized FP8 block (at most "
                                 << 100 * bounds.max_requantized << "% may)");
   BOOST_TEST(double(exact) >= bounds.min_exact * double(compared),
-             "fewer than " << 100 * bounds.min_exact << "% of the finite outputs are bit-equal to the host");
+             "experts " << c.experts << " tokens " << c.tokens << ": " << exact << " of " << compared
+                        << " finite outputs (tokens without a requantized block) bit-equal to the host, fewer than "
+                        << 100 * bounds.min_exact << "%");
 }
 
 //! The gate logits on their own grid (experts x token groups of up to 8, one warp per token):
