@@ -62,10 +62,14 @@ cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cl
     g.decode_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return g;
   }
-  cli::run_generation(
-      request, g, [&] { return request.ced ? dm.prefill_ced(slot, prompt) : dm.prefill(slot, prompt); },
-      [&] { return dm.length(slot); },  // the counter: the position of the token drawn, as the host backend's
-      [&](std::int32_t next) { return dm.decode({slot}, std::span<const std::int32_t>(&next, 1)); });
+  // Draws on the device (kernels/sampling/sampling.cuh): the decode steps' logits stay there.
+  cli::run_generation_drawing(
+      request, g, [&] { request.ced ? dm.prefill_ced(slot, prompt) : dm.prefill(slot, prompt); },
+      [&] {  // the counter: the position of the token drawn, as the host backend's
+        const kernels::sampling::row_request draw{request.sampling, 0, std::uint64_t(dm.length(slot))};
+        return dm.sample(std::span(&draw, 1))[0];
+      },
+      [&](std::int32_t next) { dm.decode_on_device({slot}, std::span<const std::int32_t>(&next, 1)); });
   return g;
 }
 

@@ -292,6 +292,37 @@ BOOST_AUTO_TEST_CASE(rolled_back_rounds_leave_no_trace, *utf::label("gpu") * utf
   BOOST_TEST(test::throws_with([&] { dm.append_all(a, random_ids(9)); }, "limits::logit_rows"));
 }
 
+// Draws on the device (decode_on_device + sample) are the host sampler's draws from the same
+// logits: two sequences decoded together with different parameters, and a prefill's last row.
+BOOST_AUTO_TEST_CASE(device_draws_follow_the_host_sampler, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  const auto hm = load_tiny("device_model_sampling", 48);
+  model::device_model<tiny> dm(hm, tiny_limits(2, 64, 96));
+  const int a = dm.add_sequence(), b = dm.add_sequence();
+  const std::vector<std::int32_t> prompt = {5, 17, 3, 99, 42, 7};
+  const auto first = dm.prefill(a, prompt);
+  dm.prefill(b, prompt);
+  using kernels::sampling::row_request;
+  const row_request warm{{0.9f, 0, 0.8f, 21}, 1, 6};
+  BOOST_TEST(dm.sample(std::span(&warm, 1))[0] == kernels::sampling::sample_reference(first, warm.params, 1, 6));
+  std::vector<std::int32_t> tok = {dm.sample(std::span(&warm, 1))[0], 11};
+  for (int step = 0; step < 6; ++step) {
+    const std::vector<row_request> req = {{{0.7f, 20, 1.0f, 5}, 0, std::uint64_t(7 + step)},
+                                          {{1.0f, 0, 0.9f, 6}, 1, std::uint64_t(7 + step)}};
+    const auto logits = dm.decode({a, b}, tok);  // the host's copy of the step's logits
+    const auto got = dm.sample(req);
+    const std::size_t V = std::size_t(tiny::dims.vocab_size);
+    for (std::size_t r = 0; r < 2; ++r)
+      BOOST_TEST(got[r] == kernels::sampling::sample_reference(std::span<const float>(logits).subspan(r * V, V), req[r].params,
+                                                               req[r].sequence, req[r].step),
+                 "step " << step << " row " << r);
+    tok = got;
+  }
+  dm.decode_on_device({a, b}, tok);  // nothing comes back; the draws read the device's logits
+  BOOST_TEST(dm.sample(std::vector<row_request>(2)).size() == 2u);
+  BOOST_TEST(test::throws_with([&] { dm.sample(std::vector<row_request>(1)); }, "1 requests for 2 rows of logits"));
+  BOOST_TEST_MESSAGE("rows drawn on the host: " << dm.sampler_fallback_rows());
+}
+
 BOOST_AUTO_TEST_CASE(ced_prefill, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   const auto hm = load_tiny("device_model_ced", 45);
   model::device_model<tiny> dm(hm, tiny_limits(4, 64, 64));

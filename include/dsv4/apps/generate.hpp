@@ -58,29 +58,41 @@ struct backends {
   generate_fn cuda;
 };
 
-//! What every backend's generation shares: `prefill()` (its logits) timed as the prefill, then
-//! request.n_new tokens drawn with the host sampler at the sequence's length (`position()`, the
-//! counter), one decode step `step(token)` (the next logits) between draws, timed as the decode;
-//! fewer tokens, with g.cancelled, if request.cancelled says stop before a step.
-template <class Prefill, class Position, class Step>
-void run_generation(const run_request& r, generation& g, Prefill prefill, Position position, Step step) {
+//! What every backend's generation shares: `prefill()` timed as the prefill, then request.n_new
+//! tokens, each from `draw()`, one decode step `step(token)` between draws, timed as the decode;
+//! fewer tokens, with g.cancelled, if request.cancelled says stop before a step. Draws use the
+//! sampler's counters (sequence 0, the position of the token drawn) on every backend, so backends
+//! differ only where their logits do.
+template <class Prefill, class Draw, class Step>
+void run_generation_drawing(const run_request& r, generation& g, Prefill prefill, Draw draw, Step step) {
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
-  std::vector<float> logits = prefill();
+  prefill();
   const auto t1 = clock::now();
   for (long long i = 0; i < r.n_new; ++i) {
-    const std::int32_t next = kernels::sampling::sample_reference(logits, r.sampling, 0, std::uint64_t(position()));
+    const std::int32_t next = draw();
     g.tokens.push_back(next);
     if (i + 1 == r.n_new) break;
     if (stop_requested(r)) {
       g.cancelled = true;
       break;
     }
-    logits = step(next);
+    step(next);
   }
   const auto t2 = clock::now();
   g.prefill_s = std::chrono::duration<double>(t1 - t0).count();
   g.decode_s = std::chrono::duration<double>(t2 - t1).count();
+}
+
+//! run_generation_drawing with the host sampler: `prefill()` and `step(token)` return the logits
+//! of the position to draw, drawn at the sequence's length `position()`.
+template <class Prefill, class Position, class Step>
+void run_generation(const run_request& r, generation& g, Prefill prefill, Position position, Step step) {
+  std::vector<float> logits;
+  run_generation_drawing(
+      r, g, [&] { logits = prefill(); },
+      [&] { return kernels::sampling::sample_reference(logits, r.sampling, 0, std::uint64_t(position())); },
+      [&](std::int32_t next) { logits = step(next); });
 }
 
 //! The host reference backend: a fresh sequence, the prompt's prefill (exact or CED), then

@@ -61,6 +61,7 @@
 #include "dsv4/kernels/gemm/weight_tiles.hpp"
 #include "dsv4/kernels/mhc/mhc_step.cuh"
 #include "dsv4/kernels/moe/moe.cuh"
+#include "dsv4/kernels/sampling/sampling.cuh"
 #include "dsv4/model/device_block.cuh"
 #include "dsv4/model/model_reference.hpp"
 #include "dsv4/numerics/convert.cuh"
@@ -424,6 +425,33 @@ class device_model {
     return finish_call();
   }
 
+  //! decode without the way back: the step's logits stay in device memory, for sample(). At V4.1's
+  //! vocabulary a step of 64 rows would otherwise copy 33 MB of fp32 logits to the host.
+  void decode_on_device(const std::vector<int>& slots, std::span<const std::int32_t> ids) {
+    begin_decode(slots, ids);
+    logits_stay_ = true;
+    struct restore {
+      bool& flag;
+      ~restore() { flag = false; }
+    } r{logits_stay_};
+    finish_call();
+  }
+  //! One token per row of the last call's logits (its last row for a prefill or append, a row per
+  //! sequence for a decode step; requests[r] for row r), drawn on the device as the host sampler
+  //! draws them (kernels/sampling/sampling.cuh). Not on a tensor-parallel rank (its logits are
+  //! gathered by vocabulary part).
+  std::vector<std::int32_t> sample(std::span<const kernels::sampling::row_request> requests) {
+    if (comm_) throw error("device_model::sample: not on a tensor-parallel rank (its logits are split by vocabulary)");
+    if (logit_rows_ready_ == 0) throw error("device_model::sample: no logits yet (run a prefill, append or decode first)");
+    if (static_cast<long long>(requests.size()) != logit_rows_ready_)
+      throw error("device_model::sample: " + std::to_string(requests.size()) + " requests for " +
+                  std::to_string(logit_rows_ready_) + " rows of logits");
+    if (!sampler_) sampler_.emplace(std::max(logit_rows_, lim_.max_seqs));
+    return sampler_->sample(logits_.data(), c.vocab_size, requests, stream());
+  }
+  //! Rows the device sampler handed to the host so far (too flat for its shared memory).
+  long long sampler_fallback_rows() const { return sampler_ ? sampler_->fallback_rows() : 0; }
+
   //! A call in two steps, for tensor-parallel drivers (parallel/tp_device_model.cuh): begin_*
   //! makes every check of the call and sets up the attention stack's metadata, but joins no
   //! collective and launches no kernel of the forward; finish_call runs it. The driver lets
@@ -535,6 +563,9 @@ class device_model {
   runtime::device_buffer<bf16> head16_;  //!< the head when its values are bf16 (else head_, fp32)
   runtime::device_buffer<float> head_, hf_, logits_, logits_part_, entry_pre_, a_pre_, a_post_, a_comb_, f_pre_, f_post_, f_comb_;
   runtime::pinned_buffer<float> logits_host_;  //!< the logits' way back (an asynchronous copy needs pinned memory)
+  bool logits_stay_ = false;                   //!< decode_on_device: exit_logits copies nothing back
+  long long logit_rows_ready_ = 0;             //!< rows of logits_ the last call left (sample)
+  std::optional<kernels::sampling::device_sampler> sampler_;
   //! limits::ced_appends: per sequence slot, the first decoder layer's input of its last `window`
   //! positions ([slot, position mod window] rows), and the current call's row maps into it.
   runtime::device_buffer<bf16> tail_x_, tail_h_;
@@ -770,6 +801,8 @@ class device_model {
       head_gemm(h_.data() + first * D, rows, logits_part_.data(), int(vocab_part_));
       comm_->all_gather(logits_part_.data(), std::size_t(rows) * std::size_t(vocab_part_), logits_.data(), stream());
     }
+    logit_rows_ready_ = rows;
+    if (logits_stay_) return {};  // decode_on_device: sample() reads them there
     DSV4_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), n * sizeof(float), cudaMemcpyDeviceToHost, stream()));
     DSV4_CUDA_CHECK(cudaStreamSynchronize(stream()));  // the call's one wait for the device
     if (!comm_) return std::vector<float>(logits_host_.data(), logits_host_.data() + n);
@@ -806,6 +839,7 @@ class device_model {
   //! A call failed: the stack forgets it, and a rank releases the others from its collectives.
   void fail_call() {
     main_hidden_rows_ = 0;  // (a capture the failed call began is not the call's)
+    logit_rows_ready_ = 0;  // (logits_ may hold a part of the failed call's)
     stack_->abort_call();
     if (comm_) comm_->abandon();
   }
