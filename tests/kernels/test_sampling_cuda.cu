@@ -11,9 +11,9 @@
 
 #include "dsv4/kernels/sampling/sampling.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
+#include "support/errors.hpp"
 #include "support/gpu.hpp"
 #include "support/random.hpp"
-#include "support/errors.hpp"
 
 namespace utf = boost::unit_test;
 using namespace dsv4;
@@ -41,9 +41,8 @@ std::vector<float> make_logits(std::mt19937_64& rng, int rows, long long vocab) 
 }
 
 const sampling_params kParams[] = {
-    {0.0f, 0, 1.0f, 1},      {0.7f, 0, 1.0f, 2},    {1.0f, 50, 1.0f, 3},  {0.8f, 0, 0.9f, 4},
-    {1.2f, 40, 0.95f, 5},    {1.0f, 1, 1.0f, 6},    {1.0f, 0, 0.01f, 7},  {0.6f, 2000, 1.0f, 8},
-    {1.0f, 0, 0.5f, 9},      {2.0f, 10, 1.0f, 10},
+    {0.0f, 0, 1.0f, 1}, {0.7f, 0, 1.0f, 2},  {1.0f, 50, 1.0f, 3},   {0.8f, 0, 0.9f, 4}, {1.2f, 40, 0.95f, 5},
+    {1.0f, 1, 1.0f, 6}, {1.0f, 0, 0.01f, 7}, {0.6f, 2000, 1.0f, 8}, {1.0f, 0, 0.5f, 9}, {2.0f, 10, 1.0f, 10},
 };
 
 void check_vocab(long long vocab, int rows, std::uint64_t salt, int steps) {
@@ -55,33 +54,37 @@ void check_vocab(long long vocab, int rows, std::uint64_t salt, int steps) {
   for (const sampling_params& p : kParams)
     for (int step = 0; step < steps; ++step) {
       std::vector<row_request> req(static_cast<std::size_t>(rows));
-      for (int r = 0; r < rows; ++r) req[std::size_t(r)] = {p, std::uint64_t(r) * 7 + 1, std::uint64_t(step) + 100};
+      for (int r = 0; r < rows; ++r)
+        req[std::size_t(r)] = {p, std::uint64_t(r) * 7 + 1, std::uint64_t(step) + 100};
       const auto got = sampler.sample(dx.data(), vocab, req);
       for (int r = 0; r < rows; ++r) {
         const std::span<const float> row(x.data() + std::size_t(r) * std::size_t(vocab), std::size_t(vocab));
         const int want = sample_reference(row, p, req[std::size_t(r)].sequence, req[std::size_t(r)].step);
         ++draws;
         same += got[std::size_t(r)] == want;
-        BOOST_TEST(got[std::size_t(r)] == want, "vocab " << vocab << " row " << r << " (shape " << r % 6 << ") step " << step
-                                                         << " T " << p.temperature << " top_k " << p.top_k << " top_p "
-                                                         << p.top_p);
+        BOOST_TEST(got[std::size_t(r)] == want, "vocab " << vocab << " row " << r << " (shape " << r % 6
+                                                         << ") step " << step << " T " << p.temperature
+                                                         << " top_k " << p.top_k << " top_p " << p.top_p);
       }
     }
-  BOOST_TEST_MESSAGE("device sampler, vocab " << vocab << ": " << same << " of " << draws
-                                              << " draws equal to the host's; rows drawn on the host: " << sampler.fallback_rows());
+  BOOST_TEST_MESSAGE("device sampler, vocab "
+                     << vocab << ": " << same << " of " << draws
+                     << " draws equal to the host's; rows drawn on the host: " << sampler.fallback_rows());
 }
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(sampling_cuda)
 
-BOOST_AUTO_TEST_CASE(device_draws_the_host_tokens, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+BOOST_AUTO_TEST_CASE(device_draws_the_host_tokens,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   check_vocab(129280, 12, 1, 3);  // V4.1's vocabulary
   check_vocab(1000, 18, 2, 4);
 }
 
 // A flat row with top-p near 1 keeps more candidates than shared memory holds: drawn on the host
 // from a copy of the row, the same token.
-BOOST_AUTO_TEST_CASE(flat_rows_fall_back_to_the_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+BOOST_AUTO_TEST_CASE(flat_rows_fall_back_to_the_host,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   const long long vocab = 20000;
   std::vector<float> x(static_cast<std::size_t>(vocab));
   auto rng = test::make_rng(3);
@@ -102,7 +105,8 @@ BOOST_AUTO_TEST_CASE(flat_rows_fall_back_to_the_host, *utf::label("gpu") * utf::
   BOOST_TEST(sampler.fallback_rows() == 1);
 }
 
-BOOST_AUTO_TEST_CASE(nan_logits_and_bad_parameters_are_errors, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+BOOST_AUTO_TEST_CASE(nan_logits_and_bad_parameters_are_errors,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   const long long vocab = 500;
   std::vector<float> x(std::size_t(3 * vocab), 0.25f);
   x[std::size_t(2 * vocab + 17)] = NAN;
@@ -112,7 +116,8 @@ BOOST_AUTO_TEST_CASE(nan_logits_and_bad_parameters_are_errors, *utf::label("gpu"
   BOOST_TEST(test::throws_with([&] { sampler.sample(dx.data(), vocab, req); }, "row 2: logit 17 is NaN"));
   req.resize(2);
   req[1].params.top_p = 0.0f;
-  BOOST_TEST(test::throws_with([&] { sampler.sample(dx.data(), vocab, req); }, "row 1: top_p must be in (0, 1]"));
+  BOOST_TEST(
+      test::throws_with([&] { sampler.sample(dx.data(), vocab, req); }, "row 1: top_p must be in (0, 1]"));
   req[1].params = {-1.0f, 0, 1.0f, 0};
   BOOST_TEST(test::throws_with([&] { sampler.sample(dx.data(), vocab, req); }, "row 1: temperature"));
   req.resize(4);

@@ -48,8 +48,10 @@ struct row_request {
 namespace detail {
 inline constexpr int sampler_threads = 1024;
 inline constexpr int max_candidates = 4096;  // 32 KB of (probability, id) keys in shared memory
-inline constexpr int prob_bins = 512;  // 16 a binary octave (a factor 1.044 apart), 32 octaves below the largest
-inline constexpr double top_p_margin = 1e-9;  // the candidates' mass must pass top_p by this (sum orders differ)
+inline constexpr int prob_bins =
+    512;  // 16 a binary octave (a factor 1.044 apart), 32 octaves below the largest
+inline constexpr double top_p_margin =
+    1e-9;  // the candidates' mass must pass top_p by this (sum orders differ)
 
 enum row_status : int { drawn = 0, nan_logit = 1, too_flat = 2 };
 
@@ -63,8 +65,12 @@ struct argmax_pair {
   float v;
   int i;
 };
-DSV4_DEVICE bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
-DSV4_DEVICE bool better_score(double v, int i, double bv, int bi) { return v > bv || (v == bv && i < bi); }
+DSV4_DEVICE bool better(float v, int i, float bv, int bi) {
+  return v > bv || (v == bv && i < bi);
+}
+DSV4_DEVICE bool better_score(double v, int i, double bv, int bi) {
+  return v > bv || (v == bv && i < bi);
+}
 
 //! Block-wide reductions through shared memory (sampler_threads threads, 32 warps).
 template <class T, class Op>
@@ -82,17 +88,23 @@ DSV4_DEVICE T block_reduce(T v, T* scratch, Op op) {
 }
 
 //! exp as the host computes it in float (see the file comment).
-DSV4_DEVICE float host_expf(float x) { return float(::exp(double(x))); }
+DSV4_DEVICE float host_expf(float x) {
+  return float(::exp(double(x)));
+}
 
 //! A positive float's exponent and top four mantissa bits: monotone in the value.
-DSV4_DEVICE int prob_key(float p) { return int(__float_as_uint(p) >> 19); }
+DSV4_DEVICE int prob_key(float p) {
+  return int(__float_as_uint(p) >> 19);
+}
 //! Bin of a positive probability: how many sixteenths of an octave it lies below the row's largest
 //! (0 .. prob_bins - 1, the last holding everything further down). Monotone: p >= q gives
 //! bin(p) <= bin(q), so every bin prefix is a prefix of the (p descending) order.
-DSV4_DEVICE int prob_bin(float p, int max_key) { return min(prob_bins - 1, max(0, max_key - prob_key(p))); }
+DSV4_DEVICE int prob_bin(float p, int max_key) {
+  return min(prob_bins - 1, max(0, max_key - prob_key(p)));
+}
 
-DSV4_KERNEL void __launch_bounds__(sampler_threads) sample_kernel(const float* logits, long long vocab, const row_request* requests,
-                                                                  row_result* results) {
+DSV4_KERNEL void __launch_bounds__(sampler_threads)
+    sample_kernel(const float* logits, long long vocab, const row_request* requests, row_result* results) {
   __shared__ float f_scratch[32];
   __shared__ int i_scratch[32];
   __shared__ long long ll_scratch[32];
@@ -129,7 +141,8 @@ DSV4_KERNEL void __launch_bounds__(sampler_threads) sample_kernel(const float* l
     best = bv;
   }
   const sampling_params& sp = rq.params;
-  if (sp.temperature == 0.0f || best == -INFINITY) {  // greedy; or nothing drawable (the host falls back to the argmax)
+  if (sp.temperature == 0.0f ||
+      best == -INFINITY) {  // greedy; or nothing drawable (the host falls back to the argmax)
     if (tid == 0) *res = {best_i, drawn, 0};
     return;
   }
@@ -189,7 +202,8 @@ DSV4_KERNEL void __launch_bounds__(sampler_threads) sample_kernel(const float* l
       const float p = prob(i);
       if (p <= 0.0f || prob_bin(p, max_key) > last_bin) continue;
       const int slot = atomicAdd(&keep_count, 1);
-      keys[slot] = (static_cast<unsigned long long>(__float_as_uint(p)) << 32) | (0xFFFFFFFFu - std::uint32_t(i));
+      keys[slot] =
+          (static_cast<unsigned long long>(__float_as_uint(p)) << 32) | (0xFFFFFFFFu - std::uint32_t(i));
     }
     __syncthreads();
     int n = 1;
@@ -213,7 +227,8 @@ DSV4_KERNEL void __launch_bounds__(sampler_threads) sample_kernel(const float* l
       if (sp.top_p < 1.0f) {
         double mass = 0;
         int m = 0;
-        while (m < keep && mass < double(sp.top_p)) mass += double(__uint_as_float(std::uint32_t(keys[m++] >> 32)));
+        while (m < keep && mass < double(sp.top_p))
+          mass += double(__uint_as_float(std::uint32_t(keys[m++] >> 32)));
         keep = max(m, 1);
       }
       keep_count = keep;
@@ -238,7 +253,9 @@ DSV4_KERNEL void __launch_bounds__(sampler_threads) sample_kernel(const float* l
   }
   const double bs = block_reduce(score, d_scratch, [](double a, double b) { return fmax(a, b); });
   score_i = block_reduce(score == bs ? score_i : INT_MAX, i_scratch, [](int a, int b) { return min(a, b); });
-  if (tid == 0) *res = {score_i == INT_MAX ? best_i : score_i, drawn, 0};  // none drawable: the host's fallback, the argmax
+  if (tid == 0)
+    *res = {score_i == INT_MAX ? best_i : score_i, drawn,
+            0};  // none drawable: the host's fallback, the argmax
 }
 }  // namespace detail
 
@@ -246,36 +263,44 @@ DSV4_KERNEL void __launch_bounds__(sampler_threads) sample_kernel(const float* l
 class device_sampler {
  public:
   explicit device_sampler(int max_rows = 256)
-      : max_rows_(max_rows), requests_(std::size_t(max_rows)), results_(std::size_t(max_rows)),
-        results_host_(std::size_t(max_rows)), requests_host_(std::size_t(max_rows)) {
+      : max_rows_(max_rows),
+        requests_(std::size_t(max_rows)),
+        results_(std::size_t(max_rows)),
+        results_host_(std::size_t(max_rows)),
+        requests_host_(std::size_t(max_rows)) {
     if (max_rows <= 0) throw error("device_sampler: max_rows must be positive");
   }
 
   //! One token id per row of `logits` ([rows, vocab] fp32 in device memory, rows = requests.size()),
   //! drawn as sample_reference(row, requests[r].params, requests[r].sequence, requests[r].step)
   //! draws it. Blocks until the ids are back. Errors name the row and the problem.
-  std::vector<std::int32_t> sample(const float* logits, long long vocab, std::span<const row_request> requests,
-                                   cudaStream_t stream = nullptr) {
+  std::vector<std::int32_t> sample(const float* logits, long long vocab,
+                                   std::span<const row_request> requests, cudaStream_t stream = nullptr) {
     const int rows = int(requests.size());
     if (rows == 0) return {};
     if (rows > max_rows_)
       throw error("device_sampler: " + std::to_string(rows) + " rows, at most " + std::to_string(max_rows_));
-    if (!logits || vocab <= 0 || vocab > INT_MAX) throw error("device_sampler: null logits or a vocabulary outside [1, 2^31)");
+    if (!logits || vocab <= 0 || vocab > INT_MAX)
+      throw error("device_sampler: null logits or a vocabulary outside [1, 2^31)");
     for (int r = 0; r < rows; ++r) {
       const sampling_params& p = requests[std::size_t(r)].params;
       const std::string where = "device_sampler: row " + std::to_string(r) + ": ";
       if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature))
-        throw error(where + "temperature must be a finite value >= 0 (got " + std::to_string(p.temperature) + ")");
+        throw error(where + "temperature must be a finite value >= 0 (got " + std::to_string(p.temperature) +
+                    ")");
       if (p.top_k < 0) throw error(where + "top_k must be >= 0 (0 turns it off)");
-      if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) throw error(where + "top_p must be in (0, 1] (1 turns it off)");
+      if (!(p.top_p > 0.0f && p.top_p <= 1.0f))
+        throw error(where + "top_p must be in (0, 1] (1 turns it off)");
       requests_host_.data()[r] = requests[std::size_t(r)];
     }
-    DSV4_CUDA_CHECK(cudaMemcpyAsync(requests_.data(), requests_host_.data(), std::size_t(rows) * sizeof(row_request),
-                                    cudaMemcpyHostToDevice, stream));
-    detail::sample_kernel<<<rows, detail::sampler_threads, 0, stream>>>(logits, vocab, requests_.data(), results_.data());
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(requests_.data(), requests_host_.data(),
+                                    std::size_t(rows) * sizeof(row_request), cudaMemcpyHostToDevice, stream));
+    detail::sample_kernel<<<rows, detail::sampler_threads, 0, stream>>>(logits, vocab, requests_.data(),
+                                                                        results_.data());
     DSV4_CUDA_CHECK_LAUNCH();
-    DSV4_CUDA_CHECK(cudaMemcpyAsync(results_host_.data(), results_.data(), std::size_t(rows) * sizeof(detail::row_result),
-                                    cudaMemcpyDeviceToHost, stream));
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(results_host_.data(), results_.data(),
+                                    std::size_t(rows) * sizeof(detail::row_result), cudaMemcpyDeviceToHost,
+                                    stream));
     DSV4_CUDA_CHECK(cudaStreamSynchronize(stream));
     std::vector<std::int32_t> ids(static_cast<std::size_t>(rows));
     for (int r = 0; r < rows; ++r) {
@@ -285,10 +310,11 @@ class device_sampler {
                     " is NaN (the model produced an invalid value)");
       if (res.status == detail::too_flat) {  // more candidates than shared memory holds: this row on the host
         std::vector<float> row(static_cast<std::size_t>(vocab));
-        DSV4_CUDA_CHECK(cudaMemcpy(row.data(), logits + static_cast<long long>(r) * vocab, row.size() * sizeof(float),
-                                   cudaMemcpyDeviceToHost));
-        ids[std::size_t(r)] = sample_reference(row, requests[std::size_t(r)].params, requests[std::size_t(r)].sequence,
-                                               requests[std::size_t(r)].step);
+        DSV4_CUDA_CHECK(cudaMemcpy(row.data(), logits + static_cast<long long>(r) * vocab,
+                                   row.size() * sizeof(float), cudaMemcpyDeviceToHost));
+        ids[std::size_t(r)] =
+            sample_reference(row, requests[std::size_t(r)].params, requests[std::size_t(r)].sequence,
+                             requests[std::size_t(r)].step);
         ++fallback_rows_;
         continue;
       }
