@@ -428,6 +428,7 @@ class device_model {
   //! decode without the way back: the step's logits stay in device memory, for sample(). At V4.1's
   //! vocabulary a step of 64 rows would otherwise copy 33 MB of fp32 logits to the host.
   void decode_on_device(const std::vector<int>& slots, std::span<const std::int32_t> ids) {
+    if (comm_) throw error("device_model::decode_on_device: not on a tensor-parallel rank (use decode: its logits are split by vocabulary)");
     begin_decode(slots, ids);
     logits_stay_ = true;
     struct restore {
@@ -460,21 +461,21 @@ class device_model {
   //! a collective. prefill(slot, ids) == begin_prefill(slot, ids) + finish_call().
   // (Each begin_* copies the call first, so that once the stack has begun, nothing can throw.)
   void begin_prefill(int slot, std::span<const std::int32_t> ids) {
-    check_idle();
+    begin_call();
     check_ids(ids);
     pending_call p{pending_call::kind::normal, {slot}, {ids.begin(), ids.end()}, true};
     stack_->begin_prefill(slot, int(ids.size()));
     pending_ = std::move(p);
   }
   void begin_append(int slot, std::span<const std::int32_t> ids) {
-    check_idle();
+    begin_call();
     check_ids(ids);
     pending_call p{pending_call::kind::normal, {slot}, {ids.begin(), ids.end()}, true};
     stack_->begin_append(slot, int(ids.size()));
     pending_ = std::move(p);
   }
   void begin_decode(const std::vector<int>& slots, std::span<const std::int32_t> ids) {
-    check_idle();
+    begin_call();
     if (ids.size() != slots.size()) throw error("device_model::decode: one token id per sequence");
     check_ids(ids);
     pending_call p{pending_call::kind::normal, slots, {ids.begin(), ids.end()}, false};
@@ -483,7 +484,7 @@ class device_model {
   }
   void begin_prefill_ced(int slot, std::span<const std::int32_t> ids) {
     static_assert(ced_prefill_possible<sched>(), "device_model::prefill_ced: every decoder KV owner must be the first decoder layer");
-    check_idle();
+    begin_call();
     check_ids(ids);
     pending_call p{pending_call::kind::ced, {slot}, {ids.begin(), ids.end()}, true};
     stack_->begin_prefill(slot, int(ids.size()));
@@ -491,7 +492,7 @@ class device_model {
   }
   void begin_append_ced(int slot, std::span<const std::int32_t> ids) {
     static_assert(ced_prefill_possible<sched>(), "device_model::append_ced: every decoder KV owner must be the first decoder layer");
-    check_idle();
+    begin_call();
     check_ids(ids);
     if (!lim_.ced_appends)
       throw error("device_model::append_ced: the model was built without limits::ced_appends (it keeps no sequence's "
@@ -533,6 +534,7 @@ class device_model {
   }
   //! Drops a begun call (its sequences become unusable, as after a failed call: release them).
   void cancel_call() {
+    logit_rows_ready_ = 0;
     if (!pending_) return;
     pending_.reset();
     stack_->abort_call();
@@ -595,6 +597,12 @@ class device_model {
 
   void check_idle() const {
     if (pending_) throw error("device_model: a begun call was neither finished nor cancelled");
+  }
+  //! Every begin_*'s start: no call pending, and the last call's logits no longer drawable
+  //! (sample() must not read them after this call fails or is cancelled).
+  void begin_call() {
+    check_idle();
+    logit_rows_ready_ = 0;
   }
   void check_ids(std::span<const std::int32_t> ids) const {
     if (ids.empty()) throw error("device_model: no tokens");

@@ -53,13 +53,18 @@ DSV4_HOST_DEVICE double exponential_noise(std::uint64_t seed, std::uint64_t sequ
 #endif
 }
 
+//! Checks the parameters; throws dsv4::error naming the problem after `where` (the caller and row).
+inline void check_sampling_params(const sampling_params& p, const std::string& where) {
+  if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature))
+    throw error(where + "temperature must be a finite value >= 0 (got " + std::to_string(p.temperature) + ")");
+  if (p.top_k < 0) throw error(where + "top_k must be >= 0 (0 turns it off)");
+  if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) throw error(where + "top_p must be in (0, 1] (1 turns it off)");
+}
+
 //! Checks the logits and the parameters; throws dsv4::error naming the problem.
 inline void check_sampling(std::span<const float> logits, const sampling_params& p) {
   if (logits.empty()) throw error("sample: empty logits");
-  if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature))
-    throw error("sample: temperature must be a finite value >= 0 (got " + std::to_string(p.temperature) + ")");
-  if (p.top_k < 0) throw error("sample: top_k must be >= 0 (0 turns it off)");
-  if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) throw error("sample: top_p must be in (0, 1] (1 turns it off)");
+  check_sampling_params(p, "sample: ");
   for (std::size_t i = 0; i < logits.size(); ++i)
     if (std::isnan(logits[i]))
       throw error("sample: logit " + std::to_string(i) + " is NaN (the model produced an invalid value)");
