@@ -285,7 +285,8 @@ class device_sampler {
     if (!logits || vocab <= 0 || vocab > INT_MAX)
       throw error("device_sampler: null logits or a vocabulary outside [1, 2^31)");
     for (int r = 0; r < rows; ++r) {
-      check_sampling_params(requests[std::size_t(r)].params, "device_sampler: row " + std::to_string(r) + ": ");
+      check_sampling_params(requests[std::size_t(r)].params,
+                            "device_sampler: row " + std::to_string(r) + ": ");
       requests_host_.data()[r] = requests[std::size_t(r)];
     }
     DSV4_CUDA_CHECK(cudaMemcpyAsync(requests_.data(), requests_host_.data(),
