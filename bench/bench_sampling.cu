@@ -3,11 +3,11 @@
 //! Usage: bench_sampling
 //!
 //! V4.1's vocabulary (129,280), 1 / 8 / 64 rows of logits resident in device memory (normal(0, 2)
-//! with a few strong tokens, like a trained model's peaked rows), greedy and temperature 0.8 with
-//! top-p 0.95. Both paths are timed end to end as a decode loop sees them (ids on the host),
-//! median of 30 after warm-up; beside them the pinned device-to-host copy of the logits alone and
-//! the device sampler's floor (its passes' reads of the logits at the copy bandwidth measured in
-//! the same run).
+//! with a few strong tokens, like a trained model's peaked rows), greedy, temperature 1 without
+//! filters, temperature 0.8 with top-k 50 and with top-p 0.95. Both paths are timed end to end as a decode
+//! loop sees them (ids on the host), median of 30 after warm-up; beside them the pinned device-to-host copy
+//! of the logits alone and the device sampler's floor (its passes' reads of the logits at the copy bandwidth
+//! measured in the same run).
 
 #include <cstdio>
 #include <random>
@@ -42,7 +42,8 @@ int main() {
                 "copy us", "GPU floor us", "speedup");
     for (int rows : {1, 8, 64})
       for (const sampling_params p :
-           {sampling_params{0.0f, 0, 1.0f, 1}, sampling_params{0.8f, 0, 0.95f, 1}}) {
+           {sampling_params{0.0f, 0, 1.0f, 1}, sampling_params{1.0f, 0, 1.0f, 1},
+            sampling_params{0.8f, 50, 1.0f, 1}, sampling_params{0.8f, 0, 0.95f, 1}}) {
         std::vector<row_request> req(static_cast<std::size_t>(rows));
         for (int r = 0; r < rows; ++r) req[std::size_t(r)] = {p, std::uint64_t(r), 100};
         std::vector<std::int32_t> gpu_ids, host_ids(static_cast<std::size_t>(rows));
@@ -60,11 +61,16 @@ int main() {
             },
             2, 10);
         if (gpu_ids != host_ids) throw error("bench_sampling: the GPU's draws differ from the host's");
-        // Passes over the logits: greedy 1; with temperature 2 (+1 drawing, +2 with filters: bins, gather).
-        const int passes = p.temperature == 0.0f ? 1 : p.top_p < 1.0f ? 4 : 3;
+        // Row-sized passes: greedy reads the logits once; with a temperature they are read twice and
+        // the exponentials written once, then read once to draw, or twice with filters (bins, gather).
+        const bool filtered = p.top_k > 0 || p.top_p < 1.0f;
+        const int passes = p.temperature == 0.0f ? 1 : filtered ? 5 : 4;
         const double floor_us = double(bytes) * passes / (copy_bps / 2) * 1e6;
-        std::printf("%5d %-16s %12.1f %12.1f %12.1f %12.2f %8.1fx\n", rows,
-                    p.temperature == 0.0f ? "greedy" : "T 0.8, top-p .95", gpu_ms * 1e3, host_ms * 1e3,
+        const char* name = p.temperature == 0.0f ? "greedy"
+                           : p.top_k > 0         ? "T 0.8, top-k 50"
+                           : filtered            ? "T 0.8, top-p .95"
+                                                 : "T 1";
+        std::printf("%5d %-16s %12.1f %12.1f %12.1f %12.2f %8.1fx\n", rows, name, gpu_ms * 1e3, host_ms * 1e3,
                     copy_ms * 1e3, floor_us, host_ms / gpu_ms);
       }
     std::printf("rows drawn on the host by the GPU sampler (too flat): %lld\n", sampler.fallback_rows());

@@ -3,6 +3,7 @@
 
 #include <boost/test/unit_test.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -18,7 +19,8 @@ namespace {
 //! Empirical frequencies of `draws` samples (steps 0 .. draws - 1 of sequence 7).
 std::vector<double> frequencies(const std::vector<float>& logits, const sampling_params& p, int draws) {
   std::vector<double> f(logits.size(), 0.0);
-  for (int s = 0; s < draws; ++s) f[std::size_t(sample_reference(logits, p, 7, std::uint64_t(s)))] += 1.0 / draws;
+  for (int s = 0; s < draws; ++s)
+    f[std::size_t(sample_reference(logits, p, 7, std::uint64_t(s)))] += 1.0 / draws;
   return f;
 }
 
@@ -53,7 +55,8 @@ BOOST_AUTO_TEST_CASE(draws_follow_the_tempered_softmax) {
     const auto f = frequencies(logits, p, 40000);
     const auto want = softmax(logits, t);
     for (std::size_t i = 0; i < f.size(); ++i)
-      BOOST_TEST(std::fabs(f[i] - want[i]) < 0.01, "T " << t << " token " << i << ": " << f[i] << " vs " << want[i]);
+      BOOST_TEST(std::fabs(f[i] - want[i]) < 0.01,
+                 "T " << t << " token " << i << ": " << f[i] << " vs " << want[i]);
     BOOST_TEST(f[4] == 0.0);  // a -inf logit is never drawn
   }
 }
@@ -100,6 +103,55 @@ BOOST_AUTO_TEST_CASE(a_draw_depends_only_on_seed_sequence_step) {
   BOOST_TEST(differ_seed > 150);
 }
 
+// The sampler's own exponential and logarithm (the same bits on host and device by construction):
+// within an ulp of the correctly rounded values, exact at the ends.
+BOOST_AUTO_TEST_CASE(own_exp_and_log_are_accurate) {
+  BOOST_TEST(sampler_exp(0.0f) == 1.0f);
+  BOOST_TEST(sampler_exp(-INFINITY) == 0.0f);
+  BOOST_TEST(sampler_exp(-88.0f) == 0.0f);  // below FLT_MIN: no subnormals
+  int off = 0, checked = 0;
+  for (float x = -87.0f; x <= 0.0f; x += 0.0013f) {
+    const float want = float(std::exp(double(x)));  // glibc's fp64 exp rounded: within half an ulp + tiny
+    const float got = sampler_exp(x);
+    BOOST_TEST(std::fabs(got - want) <= std::nextafter(want, 2.0f) - want,
+               "x " << x << ": " << got << " vs " << want);
+    off += got != want;
+    ++checked;
+  }
+  BOOST_TEST(off * 1000 < checked, off << " of " << checked << " differ by an ulp");
+  BOOST_TEST(sampler_log(1.0) == 0.0);
+  double worst = 0;
+  for (double u = 0x1p-53; u < 1.0; u *= 1.0137) {
+    const double want = std::log(u);
+    worst = std::max(worst, std::fabs(sampler_log(u) - want) / std::fabs(want));
+  }
+  BOOST_TEST(worst < 4e-16, "sampler_log's worst relative error " << worst);
+}
+
+// The fixed-point denominator and masses are sums of integers: any order gives the same bits.
+BOOST_AUTO_TEST_CASE(fixed_point_sums_ignore_the_order) {
+  std::vector<float> v(5000);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = sampler_exp(-float(i % 997) * 0.037f);
+  fixed_sum fwd, rev, pairs;
+  for (const float e : v) fwd.add(to_fixed62(e));
+  for (auto it = v.rbegin(); it != v.rend(); ++it) rev.add(to_fixed62(*it));
+  for (std::size_t h = 0; h < v.size() / 2; ++h) {
+    fixed_sum a, b;
+    a.add(to_fixed62(v[h]));
+    b.add(to_fixed62(v[v.size() - 1 - h]));
+    a.add(b);
+    pairs.add(a);
+  }
+  BOOST_TEST((fwd.hi == rev.hi && fwd.lo == rev.lo && fwd.hi == pairs.hi && fwd.lo == pairs.lo));
+  double plain = 0;
+  for (const float e : v) plain += double(e);
+  BOOST_TEST(std::fabs(fwd.value() - plain) <= 1e-12 * plain);
+  const auto p = probabilities(std::vector<float>{0.0f, -1.0f, 2.0f, -INFINITY}, 1.0f);
+  BOOST_TEST(std::fabs(p[0] + p[1] + p[2] - 1.0) < 1e-6);
+  BOOST_TEST(p[3] == 0.0f);
+  BOOST_TEST(probabilities(std::vector<float>(3, -INFINITY), 1.0f).empty());
+}
+
 BOOST_AUTO_TEST_CASE(bad_inputs_are_errors) {
   sampling_params p;
   std::vector<float> logits = {1.0f, std::nanf(""), 2.0f};
@@ -113,7 +165,10 @@ BOOST_AUTO_TEST_CASE(bad_inputs_are_errors) {
   p.top_p = 1.0f;
   p.top_k = -3;
   BOOST_TEST(test::throws_with([&] { sample_reference(logits, p, 0, 0); }, "top_k"));
-  BOOST_TEST(test::throws_with([&] { sample_reference(std::span<const float>(), sampling_params{}, 0, 0); }, "empty"));
+  BOOST_TEST(test::throws_with([&] { sample_reference(std::span<const float>(), sampling_params{}, 0, 0); },
+                               "empty"));
+  // Every logit -inf: nothing is drawable, the first token (as greedy would take it).
+  BOOST_TEST(sample_reference(std::vector<float>(4, -INFINITY), sampling_params{}, 0, 0) == 0);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
