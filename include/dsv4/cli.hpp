@@ -18,6 +18,7 @@
 #include "dsv4/apps/generate.hpp"
 #include "dsv4/apps/serve.hpp"
 #include "dsv4/dsv4.hpp"
+#include "dsv4/engram/token_map.hpp"
 #include "dsv4/io/checkpoint.hpp"
 #include "dsv4/io/npy.hpp"
 #include "dsv4/kernels/sampling/reference.hpp"
@@ -92,6 +93,11 @@ inline void usage(std::ostream& os) {
         "                       write the inference/config.json of a built-in model (default\n"
         "                       tiny) in the official file's format, to FILE or stdout; with\n"
         "                       --multipliers, also its Engram hash multipliers as JSON\n"
+        "  token-map --tokenizer FILE [--config NAME] [--out FILE]\n"
+        "                       build the Engram compressed token map of a tokenizer.json as\n"
+        "                       engram.py does (spec 10) and print its size; with --config, check\n"
+        "                       it against the model's engram_compressed_vocab_size (v41-flash:\n"
+        "                       99092); --out writes it as a map file (one compressed id a line)\n"
         "  version              print the dsv4 version\n"
         "  help                 print this text\n";
 }
@@ -474,6 +480,29 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
         out << text;
       }
       if (o.named.count("multipliers")) write(o.named.at("multipliers"), mult);
+      return 0;
+    }
+    if (cmd == "token-map") {
+      const auto o = detail::parse(args, cmd, {"tokenizer", "config", "out"});
+      if (!o.positional.empty()) throw error("token-map: unexpected argument '" + o.positional[0] + "'");
+      if (!o.named.count("tokenizer")) throw error("token-map: --tokenizer FILE (a tokenizer.json) is required");
+      const std::string& path = o.named.at("tokenizer");
+      const engram::token_map m = engram::build_token_map(engram::read_tokenizer_vocabulary(path));
+      out << path << ": " << m.ids.size() << " tokens, " << m.compressed_vocab_size << " compressed ids\n";
+      if (o.named.count("config")) {
+        const std::string& config = o.named.at("config");
+        if (config == models::v41_flash::name)
+          engram::check_token_map<models::v41_flash>(m);
+        else if (config == models::tiny::name)
+          engram::check_token_map<models::tiny>(m);
+        else
+          models::describe_builtin(config);  // throws the "unknown model config" error
+        out << "matches " << config << "'s engram_compressed_vocab_size\n";
+      }
+      if (o.named.count("out")) {
+        engram::save_token_map(o.named.at("out"), m);
+        out << "wrote the map to " << o.named.at("out") << "\n";
+      }
       return 0;
     }
     if (cmd == "random-checkpoint") {

@@ -268,4 +268,24 @@ BOOST_AUTO_TEST_CASE(config_json_round_trips) {
   std::filesystem::remove(mult);
 }
 
+// token-map: the synthetic DeepSeek-shaped tokenizer (348 tokens, 270 compressed ids), its map file
+// read back, the config check's message, and the missing option.
+BOOST_AUTO_TEST_CASE(token_map_builds_checks_and_writes) {
+  const std::string tok = std::string(DSV4_TEST_DATA) + "/engram/tokenizer.json";
+  const auto path = (std::filesystem::temp_directory_path() / "dsv4_test_cli_token_map.txt").string();
+  result r = run({"token-map", "--tokenizer", tok, "--out", path});
+  BOOST_TEST(r.code == 0, r.err);
+  BOOST_TEST(has(r.out, ": 348 tokens, 270 compressed ids\n"), r.out);
+  BOOST_TEST(has(r.out, "wrote the map to " + path));
+  const auto m = dsv4::engram::load_token_map(path);
+  BOOST_TEST(m.compressed_vocab_size == 270);
+  BOOST_TEST(m.ids == dsv4::engram::build_token_map(dsv4::engram::read_tokenizer_vocabulary(tok)).ids);
+  r = run({"token-map", "--tokenizer", tok, "--config", "v41-flash"});
+  BOOST_TEST(r.code == 2);
+  BOOST_TEST(has(r.err, "270 compressed ids, but v41-flash's config has engram_compressed_vocab_size 99092"), r.err);
+  BOOST_TEST(has(run({"token-map"}).err, "--tokenizer FILE (a tokenizer.json) is required"));
+  BOOST_TEST(has(run({"token-map", "--tokenizer", "/nonexistent.json"}).err, "/nonexistent.json: cannot open"));
+  std::filesystem::remove(path);
+}
+
 BOOST_AUTO_TEST_SUITE_END()

