@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "dsv4/apps/batching.hpp"
 #include "dsv4/apps/generate.hpp"
 #include "dsv4/apps/serve.hpp"
 #include "dsv4/dsv4.hpp"
@@ -68,15 +69,18 @@ inline void usage(std::ostream& os) {
         "                       the drafts' acceptance counts (host: position by position; cuda:\n"
         "                       a round verified in one call and rolled back)\n"
         "  serve [--config tiny] [--checkpoint PATH] [--host ADDR] [--port N] [--backend host|cuda]\n"
-        "        [--max-tokens N] [--max-prompt-tokens N] [--max-requests N]\n"
+        "        [--max-tokens N] [--max-prompt-tokens N] [--max-requests N] [--max-batch N]\n"
+        "        [--max-queued N]\n"
         "                       an HTTP/1.1 JSON server over the model (default 127.0.0.1:8080;\n"
         "                       --port 0 picks a free port and prints it): GET /health, GET\n"
         "                       /v1/model, POST /v1/generate {\"prompt\": [ids], \"max_tokens\": N,\n"
         "                       \"temperature\", \"top_k\", \"top_p\", \"seed\", \"prefill\": \"exact\"|\"ced\"}\n"
-        "                       answered with the tokens `run` would draw; one request at a time;\n"
-        "                       --max-tokens / --max-prompt-tokens cap a request's generated\n"
-        "                       and prompt tokens (defaults 4096 / 4096); --max-requests N exits\n"
-        "                       after N answers\n"
+        "                       answered with the tokens `run` would draw; requests that arrive\n"
+        "                       together are decoded together, up to --max-batch N sequences\n"
+        "                       (default 8; 1: one request at a time), and up to --max-queued N\n"
+        "                       more wait for room (default 64; beyond, a 503); --max-tokens /\n"
+        "                       --max-prompt-tokens cap a request's generated and prompt tokens\n"
+        "                       (defaults 4096 / 4096); --max-requests N exits after N answers\n"
         "  logits --checkpoint PATH [--config tiny] --prompt IDS [--decode IDS] --out FILE\n"
         "         [--index-keys ownership|upstream]\n"
         "                       exact prefill of the prompt, then the decode ids fed one at a\n"
@@ -262,7 +266,8 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
     }
     if (cmd == "serve") {
       const auto o = detail::parse(args, cmd,
-                                   {"config", "checkpoint", "host", "port", "backend", "max-requests", "max-tokens", "max-prompt-tokens"});
+                                   {"config", "checkpoint", "host", "port", "backend", "max-requests", "max-tokens", "max-prompt-tokens",
+                                    "max-batch", "max-queued"});
       if (!o.positional.empty()) throw error("serve: unexpected argument '" + o.positional[0] + "'");
       const std::string config = detail::host_config(cmd, o);
       const std::string backend = o.named.count("backend") ? o.named.at("backend") : "host";
@@ -283,14 +288,35 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
         limits.max_prompt_tokens = detail::parse_integer(cmd, "max-prompt-tokens", o.named.at("max-prompt-tokens"));
       if (limits.max_prompt_tokens < 1)
         throw error("serve: --max-prompt-tokens must be >= 1, got " + std::to_string(limits.max_prompt_tokens));
+      const long long max_batch = o.named.count("max-batch") ? detail::parse_integer(cmd, "max-batch", o.named.at("max-batch")) : 8;
+      const long long max_queued = o.named.count("max-queued") ? detail::parse_integer(cmd, "max-queued", o.named.at("max-queued")) : 64;
+      if (max_batch < 1 || max_batch > 256) throw error("serve: --max-batch must be in 1..256, got " + std::to_string(max_batch));
+      if (max_queued > 1024) throw error("serve: --max-queued must be in 0..1024, got " + std::to_string(max_queued));
+      if (backend == "cuda" && max_batch > 1 && !extra.cuda_engine)
+        throw error("serve: this dsv4's CUDA backend cannot batch (no engine linked in); use --max-batch 1");
       const std::string path = o.named.count("checkpoint") ? o.named.at("checkpoint") : "";
       io::checkpoint ck = detail::open_tiny_checkpoint(path, err);
       const auto m = model::host_model<models::tiny>::load(ck, detail::tiny_token_map());
-      const serve::generation_service service(m, backend == "cuda" ? extra.cuda : generate_fn(host_generate), backend, limits);
-      http::server srv(host, int(port), [&](const http::request& r) { return service(r); });
+      // --max-batch 1: one generation at a time, answered in arrival order (a fresh sequence each);
+      // otherwise a scheduler whose engine holds max_batch sequences and decodes them together,
+      // with a connection thread for every request it can hold (running or queued).
+      std::optional<batch_scheduler> scheduler;
+      if (max_batch > 1) {
+        const engine_limits el{int(max_batch), limits.max_prompt_tokens, limits.max_new_tokens};
+        scheduler.emplace(backend == "cuda" ? extra.cuda_engine(m, el) : std::make_unique<host_engine>(m, el),
+                          batch_scheduler::options{int(max_queued)});
+      }
+      const serve::generation_service service =
+          scheduler ? serve::generation_service(*scheduler, backend, limits)
+                    : serve::generation_service(m, backend == "cuda" ? extra.cuda : generate_fn(host_generate), backend, limits);
+      http::server srv(host, int(port), [&](const http::request& r) { return service(r); }, std::size_t(1) << 20, 10,
+                       scheduler ? int(max_batch + max_queued) : 1);
       out << "dsv4 serve: model " << config << (!path.empty() ? " from " + path : std::string(" (built-in random weights, seed 42)"))
-          << ", " << backend << " backend, listening on http://" << host << ":" << srv.port()
-          << " (GET /health, GET /v1/model, POST /v1/generate)" << std::endl;
+          << ", " << backend << " backend, "
+          << (scheduler ? "up to " + std::to_string(max_batch) + " requests decoded together"
+                        : std::string("one request at a time"))
+          << ", listening on http://" << host << ":" << srv.port() << " (GET /health, GET /v1/model, POST /v1/generate)"
+          << std::endl;
       srv.serve(max_requests);
       return 0;
     }

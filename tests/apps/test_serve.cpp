@@ -175,6 +175,10 @@ BOOST_AUTO_TEST_CASE(serve_command_rejects_bad_options_before_loading) {
   BOOST_TEST((code == 2 && has(err, "--max-prompt-tokens must be >= 1")), err);
   std::tie(code, err) = run({"serve", "--backend", "cuda"});
   BOOST_TEST((code == 2 && has(err, "built without CUDA")), err);
+  std::tie(code, err) = run({"serve", "--max-batch", "0"});
+  BOOST_TEST((code == 2 && has(err, "--max-batch must be in 1..256, got 0")), err);
+  std::tie(code, err) = run({"serve", "--max-queued", "5000"});
+  BOOST_TEST((code == 2 && has(err, "--max-queued must be in 0..1024, got 5000")), err);
 }
 
 // Half a request and then silence: the server answers 408 when its (here 1 s) timeout ends.
@@ -297,6 +301,39 @@ BOOST_AUTO_TEST_CASE(host_generation_stops_when_asked) {
   BOOST_TEST(asked == 3);
   BOOST_REQUIRE(part.tokens.size() == 3u);
   BOOST_TEST(std::equal(part.tokens.begin(), part.tokens.end(), full.tokens.begin()));
+}
+
+// Several clients at once over a batching service (apps/batching.hpp): every answer holds the
+// tokens host_generate draws for its request, whatever else was decoded beside it.
+BOOST_AUTO_TEST_CASE(concurrent_clients_get_their_own_tokens) {
+  std::ostringstream quiet;
+  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
+  const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  cli::batch_scheduler scheduler(std::make_unique<cli::host_engine>(m, cli::engine_limits{4, 8, 8}));
+  const serve::generation_service service(scheduler, "host", {.max_new_tokens = 8, .max_prompt_tokens = 8});
+  constexpr int clients = 5;
+  http::server srv("127.0.0.1", 0, [&](const http::request& r) { return service(r); }, 4096, 10, clients);
+  std::thread th([&] { srv.serve(clients); });
+  std::vector<std::string> answers(clients);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < clients; ++i)
+    threads.emplace_back([&, i] {
+      answers[std::size_t(i)] = exchange(srv.port(), post("/v1/generate", "{\"prompt\": [" + std::to_string(10 + i) + ", 3], \"max_tokens\": " +
+                                                                           std::to_string(2 + i) + ", \"seed\": " + std::to_string(i) + "}"));
+    });
+  for (auto& t : threads) t.join();
+  th.join();
+  for (int i = 0; i < clients; ++i) {
+    const std::vector<std::int32_t> prompt{10 + i, 3};
+    cli::run_request req;
+    req.prompt = prompt, req.n_new = 2 + i, req.sampling.seed = std::uint64_t(i);
+    const cli::generation want = cli::host_generate(m, req);
+    std::string tokens = "\"tokens\": [";
+    for (std::size_t k = 0; k < want.tokens.size(); ++k) tokens += (k ? ", " : "") + std::to_string(want.tokens[k]);
+    BOOST_TEST(has(answers[std::size_t(i)], "HTTP/1.1 200 OK"), answers[std::size_t(i)]);
+    BOOST_TEST(has(answers[std::size_t(i)], tokens + "]"), "client " << i << ": " << answers[std::size_t(i)]);
+  }
+  BOOST_TEST(scheduler.stats().requests == clients);
 }
 
 BOOST_AUTO_TEST_CASE(stop_ends_serving) {

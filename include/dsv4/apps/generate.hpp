@@ -3,11 +3,13 @@
 //! What a front end (the `dsv4` command line, the HTTP server) asks of a backend, and the host
 //! reference backend itself: prefill a prompt (exact or CED), then draw tokens one decode step
 //! at a time with the host sampler at the position counters. Other backends (CUDA: apps/dsv4)
-//! plug in through `generate_fn`.
+//! plug in through `generate_fn` (one generation at a time) and `engine_fn` (a `sequence_engine`
+//! that holds many sequences and steps them together, for the server's batches: apps/batching.hpp).
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -53,9 +55,42 @@ inline bool stop_requested(const run_request& r) { return r.cancelled && r.cance
 //! in place from the checkpoint (model::engram_tables::mapped).
 using generate_fn = std::function<generation(const model::host_model<models::tiny>&, const run_request&)>;
 
+//! Many sequences alive at once, stepped together: what a batching front end (apps/batching.hpp)
+//! asks of a backend. A handle names a sequence from start() to release(). Every token is drawn
+//! at the sampler's counters of a one-sequence generation (sequence 0, the token's position), so a
+//! sequence's tokens depend on its own request only, and where the backend's logits do not depend
+//! on the batch (the host reference), they are `run`'s tokens.
+class sequence_engine {
+ public:
+  virtual ~sequence_engine() = default;
+  virtual std::string device() const = 0;
+  //! Sequences alive at once.
+  virtual int capacity() const = 0;
+  //! A new sequence: the prefill of `prompt` (CED if `ced`) and the first token, drawn with `sampling`.
+  struct started {
+    int handle;
+    std::int32_t token;
+  };
+  virtual started start(std::span<const std::int32_t> prompt, bool ced, const kernels::sampling::sampling_params& sampling) = 0;
+  //! One decode step of the sequences `handles` together, sequence i fed ids[i]: the next token
+  //! of each, drawn with sampling[i].
+  virtual std::vector<std::int32_t> step(std::span<const int> handles, std::span<const std::int32_t> ids,
+                                         std::span<const kernels::sampling::sampling_params> sampling) = 0;
+  //! The sequence is done: its caches go back to the pool.
+  virtual void release(int handle) = 0;
+};
+
+//! What an engine is built for: sequences alive at once, and the longest prompt and generation.
+struct engine_limits {
+  int max_sequences = 8;
+  long long max_prompt_tokens = 4096, max_new_tokens = 4096;
+};
+using engine_fn = std::function<std::unique_ptr<sequence_engine>(const model::host_model<models::tiny>&, const engine_limits&)>;
+
 //! The backends an app links in besides the host reference (apps/dsv4: CUDA when built with it).
 struct backends {
   generate_fn cuda;
+  engine_fn cuda_engine;  //!< the CUDA backend as a sequence_engine (`dsv4 serve --backend cuda`)
 };
 
 //! What every backend's generation shares: `prefill()` timed as the prefill, then request.n_new

@@ -1,11 +1,12 @@
 #pragma once
 //! \file
-//! A small HTTP/1.1 server for `dsv4 serve` (POSIX sockets, no dependencies): one connection at
-//! a time, one request per connection (`Connection: close`), bodies by Content-Length only. It
-//! is a front end for a single-model inference process on a trusted network, not a
-//! general-purpose web server: requests are answered in arrival order, and a slow client holds
-//! the others for at most the timeout twice over (the whole request must arrive within it, the
-//! whole response must leave within it) plus a second of lingering close.
+//! A small HTTP/1.1 server for `dsv4 serve` (POSIX sockets, no dependencies): up to
+//! `max_connections` connections at a time (a thread each; one, the default, answers them in
+//! arrival order on the serving thread), one request per connection (`Connection: close`), bodies
+//! by Content-Length only. It is a front end for a single-model inference process on a trusted
+//! network, not a general-purpose web server: a slow client holds its connection's place for at
+//! most the timeout twice over (the whole request must arrive within it, the whole response must
+//! leave within it) plus a second of lingering close.
 //!
 //! The parser is a pure function (tested on its own); every malformed request gets a status
 //! code and a message that says what was wrong, also when the client stops sending half-way;
@@ -21,14 +22,18 @@
 #include <atomic>
 #include <chrono>
 #include <cctype>
+#include <condition_variable>
+#include <deque>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/core/utf8.hpp"
@@ -66,6 +71,7 @@ inline const char* reason(int status) {
     case 499: return "Client Closed Request";  // (nginx's; read only by a client that half-closed)
     case 500: return "Internal Server Error";
     case 501: return "Not Implemented";
+    case 503: return "Service Unavailable";
     case 505: return "HTTP Version Not Supported";
     default: return "Status";
   }
@@ -199,14 +205,16 @@ inline parse_result parse_request(std::string_view data, std::size_t max_body) {
 }
 
 //! Listens on host:port (IPv4; port 0 picks a free one) and answers requests with `handler`,
-//! one connection at a time. A handler's exception becomes a 500 with its message.
+//! up to `max_connections` connections at a time (the handler is then called from that many
+//! threads at once). A handler's exception becomes a 500 with its message.
 class server {
  public:
   using handler_fn = std::function<response(const request&)>;
 
   server(const std::string& host, int port, handler_fn handler, std::size_t max_body = std::size_t(1) << 20,
-         int receive_timeout_s = 10)
-      : handler_(std::move(handler)), max_body_(max_body), timeout_s_(receive_timeout_s) {
+         int receive_timeout_s = 10, int max_connections = 1)
+      : handler_(std::move(handler)), max_body_(max_body), timeout_s_(receive_timeout_s), max_connections_(max_connections) {
+    if (max_connections < 1) throw error("serve: max_connections must be >= 1, got " + std::to_string(max_connections));
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
     addr.sin_port = htons(static_cast<std::uint16_t>(port));
@@ -234,8 +242,10 @@ class server {
 
   int port() const { return port_; }
 
-  //! Serves until `max_requests` requests were answered (< 0: no limit) or stop() is called.
+  //! Serves until `max_requests` requests were answered (< 0: no limit) or stop() is called; with
+  //! several connections at a time, returns once the last accepted one is answered.
   void serve(long long max_requests = -1) {
+    if (max_connections_ > 1) return serve_concurrently(max_requests);
     for (long long answered = 0; max_requests < 0 || answered < max_requests; ++answered) {
       const int c = ::accept(fd_, nullptr, nullptr);
       if (c < 0) {
@@ -262,9 +272,67 @@ class server {
  private:
   handler_fn handler_;
   std::size_t max_body_;
-  int timeout_s_;
+  int timeout_s_, max_connections_;
   int fd_ = -1, port_ = 0;
   std::atomic<bool> stopping_{false};
+
+  //! The next connection, or -1 when serving should end (stop(), or a socket that cannot accept).
+  int accept_one() {
+    for (;;) {
+      const int c = ::accept(fd_, nullptr, nullptr);
+      if (c >= 0) return c;
+      if (stopping_ || errno == EINVAL || errno == EBADF) return -1;  // stop() shut the socket down
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        std::fprintf(stderr, "serve: accept: %s (retrying)\n", std::strerror(errno));
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+  }
+
+  //! max_connections_ threads answer the accepted connections; the serving thread accepts one
+  //! whenever a thread is free, so no accepted connection waits for a thread.
+  void serve_concurrently(long long max_requests) {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<int> ready;
+    int idle = max_connections_;
+    bool closing = false;
+    std::vector<std::thread> workers;
+    for (int w = 0; w < max_connections_; ++w)
+      workers.emplace_back([&] {
+        std::unique_lock lk(mu);
+        for (;;) {
+          cv.wait(lk, [&] { return closing || !ready.empty(); });
+          if (ready.empty()) return;  // closing, and nothing left to answer
+          const int c = ready.front();
+          ready.pop_front();
+          --idle;
+          lk.unlock();
+          answer(c);
+          ::close(c);
+          lk.lock();
+          ++idle;
+          cv.notify_all();
+        }
+      });
+    for (long long accepted = 0; max_requests < 0 || accepted < max_requests; ++accepted) {
+      {
+        std::unique_lock lk(mu);  // stop() does not know this condition: look at its flag now and then
+        while (idle <= int(ready.size()) && !stopping_) cv.wait_for(lk, std::chrono::milliseconds(100));
+      }
+      const int c = stopping_ ? -1 : accept_one();
+      if (c < 0) break;
+      std::lock_guard lk(mu);
+      ready.push_back(c);
+      cv.notify_all();
+    }
+    {
+      std::lock_guard lk(mu);
+      closing = true;
+    }
+    cv.notify_all();
+    for (auto& t : workers) t.join();
+  }
 
   //! Waits until `c` is readable (POLLIN) or writable (POLLOUT) or `deadline` passes.
   static bool wait_for(int c, short events, std::chrono::steady_clock::time_point deadline) {

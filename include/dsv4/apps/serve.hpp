@@ -13,6 +13,8 @@
 //! field and what it must be; unknown fields are errors too (a misspelt "max_token" must not
 //! silently generate 16 tokens). Tokens are drawn exactly as `dsv4 run` draws them. A client that
 //! closes its connection while its tokens are drawn stops the generation at the next decode step.
+//! Over a batch_scheduler (apps/batching.hpp) requests that arrive together are decoded together;
+//! one that finds the scheduler's queue full gets a 503.
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "dsv4/apps/batching.hpp"
 #include "dsv4/apps/generate.hpp"
 #include "dsv4/apps/http.hpp"
 #include "dsv4/io/json.hpp"
@@ -35,9 +38,17 @@ struct service_limits {
 
 class generation_service {
  public:
+  //! One generation at a time, each by `generate` on `m`.
   generation_service(const model::host_model<models::tiny>& m, cli::generate_fn generate, std::string backend,
                      service_limits limits = {})
-      : m_(m), generate_(std::move(generate)), backend_(std::move(backend)), limits_(limits) {}
+      : generate_([&m, g = std::move(generate)](const cli::run_request& r) { return g(m, r); }),
+        backend_(std::move(backend)),
+        limits_(limits) {}
+  //! Requests run by `scheduler` (which must outlive the service), decoded together.
+  generation_service(cli::batch_scheduler& scheduler, std::string backend, service_limits limits = {})
+      : generate_([&scheduler](const cli::run_request& r) { return scheduler.submit(r); }),
+        backend_(std::move(backend)),
+        limits_(limits) {}
 
   http::response operator()(const http::request& r) const {
     const std::string path = r.target.substr(0, r.target.find('?'));
@@ -61,8 +72,7 @@ class generation_service {
   }
 
  private:
-  const model::host_model<models::tiny>& m_;
-  cli::generate_fn generate_;
+  std::function<cli::generation(const cli::run_request&)> generate_;
   std::string backend_;
   service_limits limits_;
 
@@ -147,7 +157,12 @@ class generation_service {
                                            std::to_string(drawn) + " tokens");
     };
     if (client_gone && client_gone()) return gone(0);  // gave up while waiting for the slot: no prefill
-    const cli::generation g = generate_(m_, req);
+    cli::generation g;
+    try {
+      g = generate_(req);
+    } catch (const cli::server_busy& e) {
+      return http::error_response(503, e.what());
+    }
     if (g.cancelled) return gone(g.tokens.size());
     std::string out = "{\"tokens\": [";
     for (std::size_t i = 0; i < g.tokens.size(); ++i) out += (i ? ", " : "") + std::to_string(g.tokens[i]);

@@ -1,0 +1,277 @@
+#pragma once
+//! \file
+//! Serving several requests at once: a `batch_scheduler` owns a `sequence_engine` (generate.hpp)
+//! and one thread that runs it, and callers on any thread `submit` a request and wait for its
+//! tokens. Between decode steps the scheduler admits queued requests while the engine has room
+//! (each one's prefill and first token), then runs one decode step of every sequence still
+//! drawing, so requests that arrive together are decoded together (continuous batching: a request
+//! joins or leaves the batch at any step). A request whose `cancelled` says stop leaves at the next
+//! step; a full queue refuses new requests at once (`server_busy`). `host_engine` is the host
+//! reference as an engine (each sequence's logits computed on their own, so every request gets
+//! `dsv4 run`'s tokens whatever else is in the batch).
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dsv4/apps/generate.hpp"
+#include "dsv4/core/error.hpp"
+
+namespace dsv4::cli {
+
+//! A request refused because the scheduler's queue is full (a server answers 503).
+struct server_busy : error {
+  using error::error;
+};
+
+//! The host reference backend as a sequence_engine: one host_sequence per handle.
+class host_engine final : public sequence_engine {
+ public:
+  host_engine(const model::host_model<models::tiny>& m, const engine_limits& lim)
+      : m_(m), sequences_(std::size_t(lim.max_sequences)), used_(std::size_t(lim.max_sequences), false) {
+    if (lim.max_sequences < 1) throw error("host_engine: max_sequences must be >= 1");
+  }
+  std::string device() const override { return "host reference backend"; }
+  int capacity() const override { return int(sequences_.size()); }
+  started start(std::span<const std::int32_t> prompt, bool ced, const kernels::sampling::sampling_params& sp) override {
+    int h = 0;
+    while (h < capacity() && used_[std::size_t(h)]) ++h;
+    if (h == capacity()) throw error("host_engine: all " + std::to_string(capacity()) + " sequences are in use");
+    model::host_sequence& seq = sequences_[std::size_t(h)] = model::host_sequence{};
+    const auto logits = ced ? model::forward_ced(m_, seq, prompt) : model::forward(m_, seq, prompt);
+    used_[std::size_t(h)] = true;
+    return {h, kernels::sampling::sample_reference(logits, sp, 0, std::uint64_t(seq.length))};
+  }
+  std::vector<std::int32_t> step(std::span<const int> handles, std::span<const std::int32_t> ids,
+                                 std::span<const kernels::sampling::sampling_params> sp) override {
+    std::vector<std::int32_t> next(handles.size());
+    for (std::size_t i = 0; i < handles.size(); ++i) {
+      model::host_sequence& seq = sequence(handles[i]);
+      const auto logits = model::forward(m_, seq, ids.subspan(i, 1));
+      next[i] = kernels::sampling::sample_reference(logits, sp[i], 0, std::uint64_t(seq.length));
+    }
+    return next;
+  }
+  void release(int handle) override {
+    sequence(handle) = model::host_sequence{};
+    used_[std::size_t(handle)] = false;
+  }
+
+ private:
+  const model::host_model<models::tiny>& m_;
+  std::vector<model::host_sequence> sequences_;
+  std::vector<bool> used_;
+  model::host_sequence& sequence(int h) {
+    if (h < 0 || h >= capacity() || !used_[std::size_t(h)]) throw error("host_engine: no sequence " + std::to_string(h));
+    return sequences_[std::size_t(h)];
+  }
+};
+
+//! How many requests a batch_scheduler lets wait.
+struct batch_options {
+  int max_queued = 64;  //!< requests waiting for room in the engine; more are refused (server_busy)
+};
+
+class batch_scheduler {
+ public:
+  using options = batch_options;
+  //! What the scheduler has done so far.
+  struct statistics {
+    long long requests = 0;      //!< finished (answered, cancelled or failed)
+    long long steps = 0;         //!< decode steps run
+    long long stepped_rows = 0;  //!< sequences in them, summed
+    int largest_batch = 0;       //!< the most sequences one step ran
+  };
+
+  explicit batch_scheduler(std::unique_ptr<sequence_engine> engine, options o = {})
+      : engine_(std::move(engine)), options_(o) {
+    if (!engine_) throw error("batch_scheduler: no engine");
+    if (o.max_queued < 0) throw error("batch_scheduler: max_queued must be >= 0");
+    thread_ = std::thread([this] { loop(); });
+  }
+  //! Stops the thread; requests still queued or running get an error.
+  ~batch_scheduler() {
+    {
+      std::lock_guard lk(mu_);
+      stopping_ = true;
+    }
+    work_.notify_all();
+    thread_.join();
+  }
+  batch_scheduler(const batch_scheduler&) = delete;
+  batch_scheduler& operator=(const batch_scheduler&) = delete;
+
+  std::string device() const { return engine_->device(); }
+  int capacity() const { return engine_->capacity(); }
+  //! Requests waiting for room in the engine now.
+  std::size_t queued() const {
+    std::lock_guard lk(mu_);
+    return queue_.size();
+  }
+  statistics stats() const {
+    std::lock_guard lk(mu_);
+    return stats_;
+  }
+
+  //! Runs `r` among the others and returns its generation (tokens, times; `cancelled` if
+  //! r.cancelled said stop first). Blocks until then. Throws server_busy when the queue is full,
+  //! and the engine's error if the request failed. `r` and what it refers to must stay valid
+  //! until it returns.
+  generation submit(const run_request& r) {
+    job j{&r};
+    std::unique_lock lk(mu_);
+    if (stopping_) throw error("batch_scheduler: stopping");
+    if (queue_.size() >= std::size_t(options_.max_queued))
+      throw server_busy("the server is busy: " + std::to_string(queue_.size()) + " requests are waiting (at most " +
+                        std::to_string(options_.max_queued) + ")");
+    queue_.push_back(&j);
+    work_.notify_all();
+    done_.wait(lk, [&] { return j.done; });
+    if (j.failure) std::rethrow_exception(j.failure);
+    return std::move(j.result);
+  }
+
+ private:
+  using clock = std::chrono::steady_clock;
+  struct job {
+    const run_request* request;
+    generation result{};
+    std::exception_ptr failure{};
+    bool done = false;
+    int handle = -1;
+    clock::time_point decode_start{};
+  };
+
+  std::unique_ptr<sequence_engine> engine_;
+  options options_;
+  mutable std::mutex mu_;
+  std::condition_variable work_, done_;
+  std::deque<job*> queue_;
+  bool stopping_ = false;
+  statistics stats_;
+  std::thread thread_;
+
+  void finish(job* j) {
+    if (j->handle >= 0) {
+      try {
+        engine_->release(j->handle);
+      } catch (...) {  // a sequence that cannot be released leaves the engine short of one slot
+      }
+      j->handle = -1;
+    }
+    if (j->decode_start != clock::time_point{})
+      j->result.decode_s = std::chrono::duration<double>(clock::now() - j->decode_start).count();
+    {
+      std::lock_guard lk(mu_);
+      j->done = true;
+      ++stats_.requests;
+    }
+    done_.notify_all();
+  }
+  void fail(job* j, std::exception_ptr e) {
+    j->failure = e;
+    finish(j);
+  }
+
+  //! Prefill and first token; false if the job is finished already.
+  bool admit(job* j) {
+    const run_request& r = *j->request;
+    j->result.device = engine_->device();
+    if (stop_requested(r)) {  // gave up while queued
+      j->result.cancelled = true;
+      finish(j);
+      return false;
+    }
+    try {
+      const auto t0 = clock::now();
+      const sequence_engine::started s = engine_->start(r.prompt, r.ced, r.sampling);
+      j->handle = s.handle;
+      j->decode_start = clock::now();
+      j->result.prefill_s = std::chrono::duration<double>(j->decode_start - t0).count();
+      if (r.n_new > 0) j->result.tokens.push_back(s.token);
+    } catch (...) {
+      fail(j, std::current_exception());
+      return false;
+    }
+    if ((long long)j->result.tokens.size() >= r.n_new) {
+      finish(j);
+      return false;
+    }
+    return true;
+  }
+
+  void loop() {
+    std::vector<job*> active;
+    for (;;) {
+      std::vector<job*> arrivals;
+      {
+        std::unique_lock lk(mu_);
+        work_.wait(lk, [&] { return stopping_ || !queue_.empty() || !active.empty(); });
+        if (stopping_) {
+          arrivals.assign(queue_.begin(), queue_.end());
+          queue_.clear();
+          lk.unlock();
+          for (job* j : active) fail(j, std::make_exception_ptr(error("batch_scheduler: the server is stopping")));
+          for (job* j : arrivals) fail(j, std::make_exception_ptr(error("batch_scheduler: the server is stopping")));
+          return;
+        }
+        while (int(active.size() + arrivals.size()) < engine_->capacity() && !queue_.empty()) {
+          arrivals.push_back(queue_.front());
+          queue_.pop_front();
+        }
+      }
+      for (job* j : arrivals)
+        if (admit(j)) active.push_back(j);
+      // Requests whose client went away leave before the step (as run_generation_drawing stops).
+      std::erase_if(active, [&](job* j) {
+        if (!stop_requested(*j->request)) return false;
+        j->result.cancelled = true;
+        finish(j);
+        return true;
+      });
+      if (active.empty()) continue;
+      std::vector<int> handles;
+      std::vector<std::int32_t> ids;
+      std::vector<kernels::sampling::sampling_params> sampling;
+      for (job* j : active) {
+        handles.push_back(j->handle);
+        ids.push_back(j->result.tokens.back());
+        sampling.push_back(j->request->sampling);
+      }
+      std::vector<std::int32_t> next;
+      try {
+        next = engine_->step(handles, ids, sampling);
+        if (next.size() != active.size())
+          throw error("batch_scheduler: the engine returned " + std::to_string(next.size()) + " tokens for " +
+                      std::to_string(active.size()) + " sequences");
+      } catch (...) {  // the step's sequences cannot go on
+        const auto e = std::current_exception();
+        for (job* j : active) fail(j, e);
+        active.clear();
+        continue;
+      }
+      {
+        std::lock_guard lk(mu_);
+        ++stats_.steps;
+        stats_.stepped_rows += (long long)active.size();
+        stats_.largest_batch = std::max(stats_.largest_batch, int(active.size()));
+      }
+      for (std::size_t i = 0; i < active.size(); ++i) active[i]->result.tokens.push_back(next[i]);
+      std::erase_if(active, [&](job* j) {
+        if ((long long)j->result.tokens.size() < j->request->n_new) return false;
+        finish(j);
+        return true;
+      });
+    }
+  }
+};
+
+}  // namespace dsv4::cli

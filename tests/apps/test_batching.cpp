@@ -1,0 +1,183 @@
+// Continuous batching (apps/batching.hpp): the scheduler decodes requests that arrive together in
+// one step, each request still gets `dsv4 run`'s tokens (host engine), requests join and leave
+// at any step, a cancelled one leaves at the next step, a full queue refuses at once, an engine
+// failure fails the step's requests and not the scheduler; and `dsv4 serve` answering several
+// clients at once over a real socket.
+
+#include <boost/test/unit_test.hpp>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dsv4/apps/batching.hpp"
+#include "dsv4/apps/serve.hpp"
+#include "dsv4/cli.hpp"
+#include "support/errors.hpp"
+
+using namespace dsv4;
+using namespace std::chrono_literals;
+
+namespace {
+
+const model::host_model<models::tiny>& tiny() {
+  static const auto m = [] {
+    std::ostringstream quiet;
+    io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
+    return model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  }();
+  return m;
+}
+
+//! A host engine whose start() waits for `gate` the first time (so the test can queue requests
+//! behind it), which counts its steps' sizes and can be told to fail a step.
+class gated_engine final : public cli::sequence_engine {
+ public:
+  gated_engine(int capacity, std::shared_future<void> gate) : inner_(tiny(), {capacity, 64, 64}), gate_(std::move(gate)) {}
+  std::string device() const override { return "gated host engine"; }
+  int capacity() const override { return inner_.capacity(); }
+  started start(std::span<const std::int32_t> prompt, bool ced, const kernels::sampling::sampling_params& sp) override {
+    ++entered;
+    if (!opened_) gate_.wait(), opened_ = true;
+    ++starts;
+    return inner_.start(prompt, ced, sp);
+  }
+  std::vector<std::int32_t> step(std::span<const int> h, std::span<const std::int32_t> ids,
+                                 std::span<const kernels::sampling::sampling_params> sp) override {
+    if (fail_next_step.exchange(false)) throw error("gated_engine: a failed step");
+    step_sizes.push_back(int(h.size()));
+    return inner_.step(h, ids, sp);
+  }
+  void release(int h) override {
+    ++releases;
+    inner_.release(h);
+  }
+  std::atomic<int> entered{0}, starts{0}, releases{0};
+  std::atomic<bool> fail_next_step{false};
+  std::vector<int> step_sizes;  // read only after the scheduler's work is done
+
+ private:
+  cli::host_engine inner_;
+  std::shared_future<void> gate_;
+  bool opened_ = false;
+};
+
+struct request_set {
+  std::vector<std::vector<std::int32_t>> prompts;
+  std::vector<cli::run_request> requests;
+  explicit request_set(int n) : prompts(std::size_t(n)), requests(std::size_t(n)) {
+    for (int i = 0; i < n; ++i) {
+      for (int k = 0; k <= i % 4; ++k) prompts[std::size_t(i)].push_back(std::int32_t(3 + 17 * i + k));
+      cli::run_request& r = requests[std::size_t(i)];
+      r.prompt = prompts[std::size_t(i)];
+      r.n_new = 3 + i % 5;  // sequences leave the batch at different steps
+      r.sampling.seed = std::uint64_t(100 + i);
+      r.sampling.temperature = i % 3 == 0 ? 0.0f : 0.9f;
+      r.sampling.top_p = i % 2 ? 0.9f : 1.0f;
+      r.ced = i % 4 == 3;
+    }
+  }
+};
+
+void wait_until(const std::function<bool()>& ready) {
+  const auto end = std::chrono::steady_clock::now() + 20s;
+  while (!ready() && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(1ms);
+  BOOST_REQUIRE(ready());
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(batching)
+
+// Six requests: the first one's prefill waits at the engine's gate while the other five queue
+// behind it; they are admitted together after its first step, so the steps hold 1, 6, 5, 4, 3, 2, 1
+// sequences as requests of 3 .. 7 tokens leave; every request's tokens are host_generate's.
+BOOST_AUTO_TEST_CASE(requests_that_arrive_together_are_decoded_together) {
+  std::promise<void> gate;
+  auto engine = std::make_unique<gated_engine>(8, gate.get_future().share());
+  gated_engine& e = *engine;
+  cli::batch_scheduler s(std::move(engine));
+  constexpr int n = 6;
+  request_set set(n);
+  std::vector<std::future<cli::generation>> got;
+  auto submit = [&](int i) { got.push_back(std::async(std::launch::async, [&, i] { return s.submit(set.requests[std::size_t(i)]); })); };
+  submit(0);
+  wait_until([&] { return e.entered.load() == 1; });  // taken: waiting at the gate
+  for (int i = 1; i < n; ++i) submit(i);
+  wait_until([&] { return s.queued() == std::size_t(n - 1); });
+  gate.set_value();
+  for (int i = 0; i < n; ++i) {
+    const cli::generation g = got[std::size_t(i)].get();
+    const cli::generation want = cli::host_generate(tiny(), set.requests[std::size_t(i)]);
+    BOOST_TEST(g.tokens == want.tokens, "request " << i);
+    BOOST_TEST(!g.cancelled);
+    BOOST_TEST(g.device == "gated host engine");
+  }
+  const auto st = s.stats();
+  BOOST_TEST(st.requests == n);
+  BOOST_TEST(st.largest_batch == n);
+  BOOST_TEST(st.steps == 7);
+  BOOST_TEST(st.stepped_rows == 22);  // the requests' tokens after their first, 2 + 3 + 4 + 5 + 6 + 2
+  BOOST_TEST(e.step_sizes == (std::vector<int>{1, 6, 5, 4, 3, 2, 1}));
+  BOOST_TEST(e.releases.load() == n);  // every sequence went back to the pool
+}
+
+// A request joins a batch already decoding, and a cancelled request leaves at the next step while
+// the others go on and still get their tokens.
+BOOST_AUTO_TEST_CASE(requests_join_and_leave_at_any_step) {
+  std::promise<void> gate;
+  gate.set_value();
+  cli::batch_scheduler s(std::make_unique<gated_engine>(4, gate.get_future().share()));
+  request_set set(3);
+  set.requests[0].n_new = 14;
+  std::atomic<int> asked{0};
+  set.requests[1].n_new = 14;
+  set.requests[1].cancelled = [&] { return ++asked > 4; };  // gone after a few steps
+  auto long_one = std::async(std::launch::async, [&] { return s.submit(set.requests[0]); });
+  auto cancelled = std::async(std::launch::async, [&] { return s.submit(set.requests[1]); });
+  wait_until([&] { return s.stats().steps >= 3; });
+  const cli::generation late = s.submit(set.requests[2]);  // joins mid-way
+  BOOST_TEST(late.tokens == cli::host_generate(tiny(), set.requests[2]).tokens);
+  const cli::generation c = cancelled.get();
+  BOOST_TEST(c.cancelled);
+  BOOST_TEST(c.tokens.size() < 14u);
+  cli::run_request uncancelled = set.requests[1];
+  uncancelled.cancelled = {};
+  const auto full = cli::host_generate(tiny(), uncancelled).tokens;
+  BOOST_TEST(std::equal(c.tokens.begin(), c.tokens.end(), full.begin()));  // a prefix of the full run
+  BOOST_TEST(long_one.get().tokens == cli::host_generate(tiny(), set.requests[0]).tokens);
+  BOOST_TEST(s.stats().largest_batch >= 2);
+}
+
+// A full queue refuses at once with server_busy; a failed step fails its requests, not the
+// scheduler, and the pool gets the sequences back.
+BOOST_AUTO_TEST_CASE(a_full_queue_refuses_and_a_failed_step_fails_only_its_requests) {
+  std::promise<void> gate;
+  auto engine = std::make_unique<gated_engine>(2, gate.get_future().share());
+  gated_engine& e = *engine;
+  cli::batch_scheduler s(std::move(engine), {.max_queued = 1});
+  request_set set(3);
+  auto first = std::async(std::launch::async, [&] { return s.submit(set.requests[0]); });
+  wait_until([&] { return e.entered.load() == 1; });  // the first one waits at the gate
+  auto second = std::async(std::launch::async, [&] { return s.submit(set.requests[1]); });
+  wait_until([&] { return s.queued() == 1; });
+  BOOST_TEST(test::throws_with([&] { s.submit(set.requests[2]); }, "the server is busy: 1 requests are waiting (at most 1)"));
+  e.fail_next_step = true;
+  gate.set_value();
+  BOOST_TEST(test::throws_with([&] { first.get(); }, "gated_engine: a failed step"));
+  // The second request was queued behind the first: admitted after the failed step, it runs.
+  BOOST_TEST(second.get().tokens == cli::host_generate(tiny(), set.requests[1]).tokens);
+  BOOST_TEST(s.submit(set.requests[2]).tokens == cli::host_generate(tiny(), set.requests[2]).tokens);
+  BOOST_TEST(e.releases.load() == e.starts.load());
+}
+
+BOOST_AUTO_TEST_SUITE_END()
