@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <random>
 #include <limits>
 #include <vector>
 
@@ -81,6 +83,44 @@ BOOST_AUTO_TEST_CASE(filters_keep_only_the_most_probable) {
   p.top_p = 0.01f;  // at least one token always stays: the most probable
   f = frequencies(logits, p, 1000);
   BOOST_TEST(f[0] > 0.999999);
+}
+
+// apply_filters sorts only the ranking's head; it keeps exactly the set that sorting the whole row
+// (stable, by p descending: ties by id) and walking it keeps, on peaked, flat and tied rows.
+BOOST_AUTO_TEST_CASE(filters_keep_what_a_full_sort_keeps) {
+  auto full_sort = [](std::vector<float> p, int top_k, float top_p) {
+    std::vector<std::size_t> order(p.size());
+    std::iota(order.begin(), order.end(), std::size_t(0));
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return p[a] > p[b]; });
+    std::size_t keep = top_k > 0 ? std::min<std::size_t>(std::size_t(top_k), p.size()) : p.size();
+    if (top_p < 1.0f) {
+      std::uint64_t mass = 0;
+      std::size_t n = 0;
+      while (n < keep && mass < top_p_threshold(top_p)) mass += to_fixed62(p[order[n++]]);
+      keep = std::max<std::size_t>(n, 1);
+    }
+    for (std::size_t r = keep; r < order.size(); ++r) p[order[r]] = 0.0f;
+    return p;
+  };
+  std::mt19937 rng(17);
+  int cases = 0;
+  for (const int vocab : {1, 7, 300, 5000}) {
+    for (const float spread : {0.0f, 0.5f, 3.0f, 12.0f}) {
+      std::normal_distribution<float> n(0.0f, spread);
+      std::vector<float> logits(static_cast<std::size_t>(vocab));
+      for (auto& v : logits) v = spread == 0.0f ? 1.0f : std::round(n(rng) * 4.0f) / 4.0f;  // many ties
+      const auto p = probabilities(logits, 1.0f);
+      for (const int k : {0, 1, 5, 256, 1000, 100000})
+        for (const float top_p : {1.0f, 0.01f, 0.5f, 0.9f, 0.999f}) {
+          if (k == 0 && top_p == 1.0f) continue;
+          auto got = p;
+          apply_filters(got, k, top_p);
+          BOOST_TEST(got == full_sort(p, k, top_p), "vocab " << vocab << " spread " << spread << " k " << k << " p " << top_p);
+          ++cases;
+        }
+    }
+  }
+  BOOST_TEST(cases == 4 * 4 * 29);
 }
 
 BOOST_AUTO_TEST_CASE(a_draw_depends_only_on_seed_sequence_step) {

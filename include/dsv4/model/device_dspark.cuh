@@ -22,8 +22,9 @@
 //! The window entries are packed FP8 exactly as the backbone's ring: FP8QDQ(RoPE(kv_norm(wkv x))).
 //! The head: the backbone's fp32 head GEMM on norm(hc_pre(streams, pre)); the Markov bias of row i
 //! (e_i = markov_embed[id_i], an fp32 GEMV on the device) is added before row i is sampled, on the
-//! host, with sample_reference at step p + 2 + i, which gives id_{i+1}: one small copy and one
-//! wait per draft row. The confidence is an fp32 dot product on the device.
+//! device (kernels/sampling: sample_reference's draw at step p + 2 + i, bit for bit), which gives
+//! id_{i+1}: one id back and one wait per draft row; the rows' logits come back once, after the
+//! chain. The confidence is an fp32 dot product on the device.
 //!
 //! Differences from the host drafter are summation orders only (cuBLAS's fp32 GEMV and head,
 //! the MMA sums of the GEMMs and attention, the confidence's fp32 tree against the host's double
@@ -52,6 +53,7 @@
 #include "dsv4/kernels/output/output.cuh"
 #include "dsv4/kernels/rope/rope.cuh"
 #include "dsv4/kernels/sampling/reference.hpp"
+#include "dsv4/kernels/sampling/sampling.cuh"
 #include "dsv4/model/device_block.cuh"
 #include "dsv4/model/device_model.cuh"
 #include "dsv4/model/dspark_reference.hpp"
@@ -340,14 +342,17 @@ class device_dspark {
                                    row, static_cast<const float*>(bias_.data()),
                                    static_cast<long long>(c.vocab_size));
       DSV4_CUDA_CHECK_LAUNCH();
-      float* host_row = logits_host_.data() + std::size_t(i) * V;
-      DSV4_CUDA_CHECK(cudaMemcpyAsync(host_row, row, V * sizeof(float), cudaMemcpyDeviceToHost, stream()));
-      DSV4_CUDA_CHECK(cudaStreamSynchronize(stream()));
-      out.ids[std::size_t(i) + 1] =
-          forced.empty() ? kernels::sampling::sample_reference(std::span<const float>(host_row, V), sampling,
-                                                               sequence, std::uint64_t(p + 2 + i))
-                         : forced[std::size_t(i) + 1];
+      if (forced.empty()) {  // drawn on the device (the host sampler's draw, bit for bit): one id comes back
+        const kernels::sampling::row_request draw{sampling, sequence, std::uint64_t(p + 2 + i)};
+        out.ids[std::size_t(i) + 1] = sampler_.sample(row, c.vocab_size, std::span(&draw, 1), stream())[0];
+      } else {
+        out.ids[std::size_t(i) + 1] = forced[std::size_t(i) + 1];
+      }
     }
+    // The draft rows' logits, for the caller (one copy after the chain instead of one per row).
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), std::size_t(B) * V * sizeof(float),
+                                    cudaMemcpyDeviceToHost, stream()));
+    DSV4_CUDA_CHECK(cudaStreamSynchronize(stream()));
     out.logits.assign(logits_host_.data(), logits_host_.data() + std::size_t(B) * V);
     inputs_.begin_pack();
     const std::int32_t* row_ids = inputs_.put(std::span<const std::int32_t>(out.ids).first(std::size_t(B)),
@@ -388,6 +393,7 @@ class device_dspark {
   runtime::device_buffer<float> a_pre_, a_post_, a_comb_, f_pre_, f_post_, f_comb_, one_hot_, logits_, bias_,
       conf_;
   runtime::pinned_buffer<float> logits_host_, conf_host_;
+  kernels::sampling::device_sampler sampler_{1};  //!< one draft row at a time (the Markov chain)
   runtime::upload_arena inputs_;
   std::optional<kernels::gemm::gemm_workspace> gemm_ws_;
   std::optional<kernels::output::output_workspace> out_ws_;

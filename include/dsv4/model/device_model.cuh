@@ -384,6 +384,24 @@ class device_model {
     return finish_call();
   }
 
+  //! append_all without the way back: the rows' logits stay in device memory, for sample() (a
+  //! speculative round's draws; at V4.1's vocabulary a round of 6 rows would copy 3 MB back).
+  void append_all_on_device(int slot, std::span<const std::int32_t> ids) {
+    if (comm_)
+      throw error("device_model::append_all_on_device: not on a tensor-parallel rank (use append_all: its logits are split by vocabulary)");
+    if (static_cast<long long>(ids.size()) > logit_rows_)
+      throw error("device_model::append_all_on_device: " + std::to_string(ids.size()) + " tokens, but limits::logit_rows holds " +
+                  std::to_string(logit_rows_) + " rows of logits");
+    begin_append(slot, ids);
+    pending_->all_rows = true;
+    logits_stay_ = true;
+    struct restore {
+      bool& flag;
+      ~restore() { flag = false; }
+    } r{logits_stay_};
+    finish_call();
+  }
+
   //! A sequence's state that later calls change and cannot recompute (the attention caches'
   //! length, window rings and compressor states, the Engram histories, the CED tail): with
   //! save_sequence before a speculative round and restore_sequence after, the rejected rows leave

@@ -7,9 +7,10 @@
 //! sequence, q); a draft is accepted when that draw equals it; the first differing draw ends the
 //! round. A round at backbone length q with input token t:
 //!   drafts  d_1 .. d_B = device_dspark::decode(t, the main_hidden rows the drafter has not seen);
-//!   verify  save_sequence, then append_all([t, d_1 .. d_B]): row i holds the logits of q + 1 + i;
-//!           draw q + 1 from row 0, and while the draw equals d_{i+1} accept it and draw from row
-//!           i + 1;
+//!   verify  save_sequence, then append_all_on_device([t, d_1 .. d_B]): row i holds the logits of
+//!           q + 1 + i, and every row is drawn on the device at once (the device sampler: the host
+//!           sampler's draws); the draw of q + 1 (row 0) is taken, and while a draw equals d_{i+1}
+//!           it is accepted and the next row's draw taken;
 //!   keep    with a drafts accepted and a < B: restore_sequence and append [t, d_1 .. d_a] again
 //!           (the same positions and history: the state plain decoding leaves); with a == B the
 //!           verification already is that state. The last call's capture holds the main_hidden rows
@@ -81,14 +82,17 @@ std::vector<std::int32_t> generate_speculative(
                                     dm.stream()));
     pending_rows = rows;
   };
-  auto draw = [&](std::span<const float> logits, long long position) {
-    return kernels::sampling::sample_reference(logits, sampling, sequence, std::uint64_t(position));
+  // Tokens are drawn on the device from the last call's rows of logits (kernels/sampling: the host
+  // sampler's draws, bit for bit), row i at position `position + i`.
+  auto draw_rows = [&](long long rows, long long position) {
+    std::vector<kernels::sampling::row_request> req(static_cast<std::size_t>(rows));
+    for (long long i = 0; i < rows; ++i) req[std::size_t(i)] = {sampling, sequence, std::uint64_t(position + i)};
+    return dm.sample(req);
   };
-  const std::size_t V = std::size_t(c.vocab_size);
 
-  auto logits = mode == prompt_prefill::ced ? dm.prefill_ced(slot, prompt) : dm.prefill(slot, prompt);
+  mode == prompt_prefill::ced ? dm.prefill_ced(slot, prompt) : dm.prefill(slot, prompt);
   const long long rows = dm.main_hidden_rows(), first = dm.length(slot) - rows;
-  std::int32_t t = draw(logits, dm.length(slot));
+  std::int32_t t = draw_rows(1, dm.length(slot))[0];
   out.push_back(t);
   if (rows >= 2) {  // the drafter's rings from every captured row but the last, which the first round takes
     dd.prefill(slot, dm.main_hidden(), rows - 1, first);
@@ -96,9 +100,9 @@ std::vector<std::int32_t> generate_speculative(
   } else {  // a one-row prompt: seed with it, then one plain step gives the first pending row
     dd.prefill(slot, dm.main_hidden(), rows, first);
     if ((long long)out.size() == n_new) return out;
-    logits = dm.decode({slot}, std::span<const std::int32_t>(&t, 1));
+    dm.decode_on_device({slot}, std::span<const std::int32_t>(&t, 1));
     keep_pending(0, 1);
-    t = draw(logits, dm.length(slot));
+    t = draw_rows(1, dm.length(slot))[0];
     out.push_back(t);
   }
   typename device_model<Model>::sequence_snapshot snapshot;
@@ -116,17 +120,20 @@ std::vector<std::int32_t> generate_speculative(
     // budget: n_new - |out| more tokens), so the sequence never runs past the tokens kept.
     const int m = int(std::min<long long>(block, n_new - (long long)out.size() - 1));
     dm.save_sequence(slot, snapshot);
-    const auto verify = dm.append_all(
-        slot, std::span<const std::int32_t>(d.ids).first(std::size_t(m) + 1));  // q + 1 .. q + m + 1
+    dm.append_all_on_device(slot,
+                            std::span<const std::int32_t>(d.ids).first(std::size_t(m) + 1));  // q + 1 .. q + m + 1
+    // Every row's draw at once (a draw depends only on its row and position): the checks below
+    // take them in order and stop at the first that differs from its draft.
+    const std::vector<std::int32_t> drawn = draw_rows(m + 1, q + 1);
     int accepted = 0;
-    std::int32_t next = draw(std::span<const float>(verify).first(V), q + 1);
+    std::int32_t next = drawn[0];
     for (int i = 1; i <= block && (long long)out.size() < n_new; ++i) {  // the host loop's checks and counts
       ++stats.drafted;
       if (next != d.ids[std::size_t(i)]) break;
       ++stats.accepted, ++stats.accepted_at[std::size_t(i - 1)], ++accepted;
       out.push_back(next);
       if ((long long)out.size() == n_new) break;
-      next = draw(std::span<const float>(verify).subspan(std::size_t(i) * V, V), q + 1 + i);  // (i <= m here)
+      next = drawn[std::size_t(i)];  // (i <= m here)
     }
     if ((long long)out.size() < n_new) out.push_back(next);
     const int kept = std::min(accepted, m);  // fed drafts that stay

@@ -53,65 +53,75 @@ DSV4_HOST_DEVICE std::uint64_t splitmix64(std::uint64_t x) {
 }
 
 //! exp(x) for x <= 0 as a float, identical on host and device: x = k ln2 + r (|r| <= ln2 / 2), a
-//! degree-12 Taylor polynomial of exp(r) in fp64 (truncation < 2e-16), the power of two from bits,
-//! one rounding to float. Results below FLT_MIN are 0 (no subnormals: none reach a draw).
+//! degree-12 Taylor polynomial of exp(r) by Horner's rule in fp64 (truncation < 2e-16; each step a
+//! product and a sum, rounded apart), the power of two from bits, one rounding to float. Results
+//! below FLT_MIN are 0 (no subnormals: none reach a draw).
 DSV4_HOST_DEVICE float sampler_exp(float x) {
+  using numerics::add_rn;
+  using numerics::mul_rn;
   if (!(x > -87.5f)) return 0.0f;  // e^-87.5 < FLT_MIN; also -inf (and NaN, which callers exclude)
   const double xd = x;
-  const double k = numerics::round_half_even(numerics::mul_rn(xd, 1.4426950408889634));  // x / ln2
-  double r = numerics::fma_rn(-k, 6.93147180369123816490e-01, xd);  // ln2's high part (exact product)
-  r = numerics::fma_rn(-k, 1.90821492927058770002e-10, r);          // and its low part
-  using numerics::fma_rn;                                           // Horner's rule, one rounding a step
-  double q = fma_rn(1.0 / 479001600, r, 1.0 / 39916800);
-  q = fma_rn(q, r, 1.0 / 3628800);
-  q = fma_rn(q, r, 1.0 / 362880);
-  q = fma_rn(q, r, 1.0 / 40320);
-  q = fma_rn(q, r, 1.0 / 5040);
-  q = fma_rn(q, r, 1.0 / 720);
-  q = fma_rn(q, r, 1.0 / 120);
-  q = fma_rn(q, r, 1.0 / 24);
-  q = fma_rn(q, r, 1.0 / 6);
-  q = fma_rn(q, r, 0.5);
-  q = fma_rn(q, r, 1.0);
-  q = fma_rn(q, r, 1.0);
+  const double k = numerics::round_half_even(mul_rn(xd, 1.4426950408889634));  // x / ln2
+  // ln2's high part has 21 trailing zero bits: k times it is exact for |k| <= 127.
+  double r = add_rn(xd, mul_rn(-k, 6.93147180369123816490e-01));
+  r = add_rn(r, mul_rn(-k, 1.90821492927058770002e-10));  // and its low part
+  double q = add_rn(mul_rn(1.0 / 479001600, r), 1.0 / 39916800);
+  q = add_rn(mul_rn(q, r), 1.0 / 3628800);
+  q = add_rn(mul_rn(q, r), 1.0 / 362880);
+  q = add_rn(mul_rn(q, r), 1.0 / 40320);
+  q = add_rn(mul_rn(q, r), 1.0 / 5040);
+  q = add_rn(mul_rn(q, r), 1.0 / 720);
+  q = add_rn(mul_rn(q, r), 1.0 / 120);
+  q = add_rn(mul_rn(q, r), 1.0 / 24);
+  q = add_rn(mul_rn(q, r), 1.0 / 6);
+  q = add_rn(mul_rn(q, r), 0.5);
+  q = add_rn(mul_rn(q, r), 1.0);
+  q = add_rn(mul_rn(q, r), 1.0);
   const double two_k = numerics::bits_to_double(std::uint64_t(1023 + int(k)) << 52);  // k in [-127, 0]
-  const float e = numerics::to_float_rn(numerics::mul_rn(q, two_k));
+  const float e = numerics::to_float_rn(mul_rn(q, two_k));
   return e >= 1.17549435e-38f ? e : 0.0f;
 }
 
 //! log(u) for u in (0, 1] in fp64, identical on host and device: u = 2^k m with m in
 //! [sqrt(1/2), sqrt(2)), log m = 2 atanh((m - 1) / (m + 1)) by its series to s^23 (|s| < 0.172:
-//! truncation < 1e-18), plus k ln2.
+//! truncation < 1e-18; Horner's rule, products and sums rounded apart), plus k ln2.
 DSV4_HOST_DEVICE double sampler_log(double u) {
+  using numerics::add_rn;
+  using numerics::mul_rn;
   const std::uint64_t b = numerics::double_to_bits(u);
   int k = int((b >> 52) & 0x7ff) - 1023;  // u is a normal double: u >= 2^-53
   double m = numerics::bits_to_double((b & 0x000fffffffffffffull) | 0x3ff0000000000000ull);  // [1, 2)
-  if (m > 1.4142135623730951) m = numerics::mul_rn(m, 0.5), ++k;
-  const double s = numerics::div_rn(numerics::add_rn(m, -1.0), numerics::add_rn(m, 1.0));
-  const double z = numerics::mul_rn(s, s);
-  using numerics::fma_rn;
-  double q = fma_rn(2.0 / 23, z, 2.0 / 21);
-  q = fma_rn(q, z, 2.0 / 19);
-  q = fma_rn(q, z, 2.0 / 17);
-  q = fma_rn(q, z, 2.0 / 15);
-  q = fma_rn(q, z, 2.0 / 13);
-  q = fma_rn(q, z, 2.0 / 11);
-  q = fma_rn(q, z, 2.0 / 9);
-  q = fma_rn(q, z, 2.0 / 7);
-  q = fma_rn(q, z, 2.0 / 5);
-  q = fma_rn(q, z, 2.0 / 3);
-  // log m = 2s + s z q; then + k ln2 (high and low parts)
-  const double log_m = fma_rn(numerics::mul_rn(s, z), q, numerics::mul_rn(2.0, s));
+  if (m > 1.4142135623730951) m = mul_rn(m, 0.5), ++k;
+  const double s = numerics::div_rn(add_rn(m, -1.0), add_rn(m, 1.0));
+  const double z = mul_rn(s, s);
+  double q = add_rn(mul_rn(2.0 / 23, z), 2.0 / 21);
+  q = add_rn(mul_rn(q, z), 2.0 / 19);
+  q = add_rn(mul_rn(q, z), 2.0 / 17);
+  q = add_rn(mul_rn(q, z), 2.0 / 15);
+  q = add_rn(mul_rn(q, z), 2.0 / 13);
+  q = add_rn(mul_rn(q, z), 2.0 / 11);
+  q = add_rn(mul_rn(q, z), 2.0 / 9);
+  q = add_rn(mul_rn(q, z), 2.0 / 7);
+  q = add_rn(mul_rn(q, z), 2.0 / 5);
+  q = add_rn(mul_rn(q, z), 2.0 / 3);
+  // log m = 2s + s z q; then + k ln2 (high part exact in the product, low part)
+  const double log_m = add_rn(mul_rn(mul_rn(s, z), q), mul_rn(2.0, s));
   const double kd = double(k);
-  return fma_rn(kd, 6.93147180369123816490e-01, fma_rn(kd, 1.90821492927058770002e-10, log_m));
+  return add_rn(mul_rn(kd, 6.93147180369123816490e-01), add_rn(mul_rn(kd, 1.90821492927058770002e-10), log_m));
 }
 
-//! Exp(1) noise of one (seed, sequence, step, token): -log(u), u = (k + 1) / 2^53 in (0, 1].
+//! The uniform draw behind one (seed, sequence, step, token)'s noise: u = (k + 1) / 2^53 in (0, 1]
+//! from a SplitMix64 hash.
+DSV4_HOST_DEVICE double noise_uniform(std::uint64_t seed, std::uint64_t sequence, std::uint64_t step,
+                                      std::uint64_t token) {
+  const std::uint64_t h = splitmix64(splitmix64(splitmix64(splitmix64(seed) ^ sequence) ^ step) ^ token);
+  return double((h >> 11) + 1) * 0x1p-53;  // exact: an integer below 2^54 times a power of 2
+}
+
+//! Exp(1) noise of one (seed, sequence, step, token): -log(u).
 DSV4_HOST_DEVICE double exponential_noise(std::uint64_t seed, std::uint64_t sequence, std::uint64_t step,
                                           std::uint64_t token) {
-  const std::uint64_t h = splitmix64(splitmix64(splitmix64(splitmix64(seed) ^ sequence) ^ step) ^ token);
-  const double u = double((h >> 11) + 1) * 0x1p-53;  // exact: an integer below 2^54 times a power of 2
-  return -sampler_log(u);
+  return -sampler_log(noise_uniform(seed, sequence, step, token));
 }
 
 //! A value in [0, 2) as a fixed-point integer, a multiple of 2^-62, truncated: the sums of these
@@ -132,11 +142,11 @@ struct fixed_sum {
     add(o.lo);
     hi += o.hi;
   }
-  //! The sum as a double: (hi 2^64 + lo) 2^-62, one rounding of lo and one of the fma.
-  DSV4_HOST_DEVICE double value() const {
-    return numerics::mul_rn(
-        numerics::fma_rn(numerics::u64_to_double_rn(hi), 0x1p64, numerics::u64_to_double_rn(lo)),
-        fixed62_unit);
+  //! The sum as a double: (hi 2^64 + lo) 2^-62, one rounding of lo and one of the sum.
+  DSV4_HOST_DEVICE double value() const {  // hi 2^64 is exact (hi < 2^53)
+    return numerics::mul_rn(numerics::add_rn(numerics::mul_rn(numerics::u64_to_double_rn(hi), 0x1p64),
+                                             numerics::u64_to_double_rn(lo)),
+                            fixed62_unit);
   }
 };
 
@@ -190,20 +200,42 @@ inline std::vector<float> probabilities(std::span<const float> logits, float tem
 }
 
 //! Zeroes every probability the top-k and top-p filters remove (ranking: p descending, then id).
+//! Only the ranking's head is sorted: its first n entries (nth_element, then a sort), n growing
+//! fourfold until the walk ends inside them; the same kept set as sorting the whole row (a
+//! vocabulary of 129,280 took 19 ms that way), in O(vocab + kept log kept).
 inline void apply_filters(std::vector<float>& p, int top_k, float top_p) {
   if (top_k == 0 && top_p >= 1.0f) return;
-  std::vector<std::size_t> order(p.size());
-  std::iota(order.begin(), order.end(), std::size_t(0));
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return p[a] > p[b]; });
-  std::size_t keep = top_k > 0 ? std::min<std::size_t>(std::size_t(top_k), p.size()) : p.size();
+  const std::size_t V = p.size();
+  const std::size_t keep_k = top_k > 0 ? std::min<std::size_t>(std::size_t(top_k), V) : V;
+  const auto before = [&](std::uint32_t a, std::uint32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); };
+  std::vector<std::uint32_t> order(V);
+  std::iota(order.begin(), order.end(), std::uint32_t(0));
+  std::size_t sorted = 0;  // order[0 .. sorted) is the ranking's head, in order
+  auto sort_head = [&](std::size_t n) {
+    n = std::min(n, V);
+    if (n <= sorted) return;
+    if (n < V) std::nth_element(order.begin() + std::ptrdiff_t(sorted), order.begin() + std::ptrdiff_t(n), order.end(), before);
+    std::sort(order.begin() + std::ptrdiff_t(sorted), order.begin() + std::ptrdiff_t(n), before);
+    sorted = n;
+  };
+  std::size_t keep = keep_k;
   if (top_p < 1.0f) {  // the masses in fixed point: exact, so a parallel prefix sum finds the same end
     const std::uint64_t threshold = top_p_threshold(top_p);
     std::uint64_t mass = 0;
     std::size_t n = 0;
-    while (n < keep && mass < threshold) mass += to_fixed62(p[order[n++]]);
+    for (std::size_t head = std::min<std::size_t>(keep_k, 256);; head *= 4) {
+      sort_head(std::min(head, keep_k));
+      while (n < std::min(sorted, keep_k) && mass < threshold) mass += to_fixed62(p[order[n++]]);
+      if (mass >= threshold || n >= keep_k) break;
+    }
     keep = std::max<std::size_t>(n, 1);
+  } else if (keep_k < V) {  // top-k alone: the set is enough, not its order
+    std::nth_element(order.begin(), order.begin() + std::ptrdiff_t(keep_k), order.end(), before);
   }
-  for (std::size_t r = keep; r < order.size(); ++r) p[order[r]] = 0.0f;
+  std::vector<bool> kept(V, false);
+  for (std::size_t r = 0; r < keep; ++r) kept[order[r]] = true;
+  for (std::size_t i = 0; i < V; ++i)
+    if (!kept[i]) p[i] = 0.0f;
 }
 
 //! One token id from `logits` (one row) at decode step `step` of sequence `sequence`.
@@ -216,13 +248,23 @@ inline int sample_reference(std::span<const float> logits, const sampling_params
   if (p.empty())  // every logit -inf: nothing is drawable, the argmax (the first token) as the device
     return int(std::max_element(logits.begin(), logits.end()) - logits.begin());
   apply_filters(p, params.top_k, params.top_p);
+  // argmax of p / E, ties to the lower id. Since E = -log(u) >= 1 - u, a token's score is at most
+  // p / (1 - u) (widened by 2^-45 for the roundings), so the logarithm is taken only where that bound
+  // can reach the best score so far, starting from the most probable token: the same argmax for a
+  // fraction of the logarithms.
   int best = -1;
   double best_score = -1.0;
-  for (std::size_t i = 0; i < p.size(); ++i) {
-    if (p[i] <= 0.0f) continue;  // filtered out, or underflowed: cannot be drawn
-    const double score = double(p[i]) / exponential_noise(params.seed, sequence, step, i);
-    if (score > best_score) best_score = score, best = int(i);
-  }
+  auto consider = [&](std::size_t i) {
+    if (p[i] <= 0.0f) return;  // filtered out, or underflowed: cannot be drawn
+    const double u = noise_uniform(params.seed, sequence, step, i);
+    if (best >= 0 && u < 1.0 && numerics::mul_rn(double(p[i]) / (1.0 - u), 1.0 + 0x1p-45) < best_score) return;
+    const double score = numerics::div_rn(double(p[i]), -sampler_log(u));
+    if (score > best_score || (score == best_score && int(i) < best)) best_score = score, best = int(i);
+  };
+  const std::size_t top = std::size_t(std::max_element(p.begin(), p.end()) - p.begin());
+  consider(top);
+  for (std::size_t i = 0; i < p.size(); ++i)
+    if (i != top) consider(i);
   if (best < 0)  // every probability underflowed but the maximum's is 1: unreachable, kept defined
     best = int(std::max_element(logits.begin(), logits.end()) - logits.begin());
   return best;
