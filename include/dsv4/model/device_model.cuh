@@ -394,12 +394,7 @@ class device_model {
                   std::to_string(logit_rows_) + " rows of logits");
     begin_append(slot, ids);
     pending_->all_rows = true;
-    logits_stay_ = true;
-    struct restore {
-      bool& flag;
-      ~restore() { flag = false; }
-    } r{logits_stay_};
-    finish_call();
+    finish_on_device();
   }
 
   //! A sequence's state that later calls change and cannot recompute (the attention caches'
@@ -448,12 +443,7 @@ class device_model {
   void decode_on_device(const std::vector<int>& slots, std::span<const std::int32_t> ids) {
     if (comm_) throw error("device_model::decode_on_device: not on a tensor-parallel rank (use decode: its logits are split by vocabulary)");
     begin_decode(slots, ids);
-    logits_stay_ = true;
-    struct restore {
-      bool& flag;
-      ~restore() { flag = false; }
-    } r{logits_stay_};
-    finish_call();
+    finish_on_device();
   }
   //! One token per row of the last call's logits (its last row for a prefill or append, a row per
   //! sequence for a decode step; requests[r] for row r), drawn on the device as the host sampler
@@ -560,6 +550,16 @@ class device_model {
 
  private:
   using device_block = device_detail::device_block;
+  //! finish_call for decode_on_device / append_all_on_device: exit_logits copies nothing back.
+  void finish_on_device() {
+    logits_stay_ = true;
+    struct restore {
+      bool& flag;
+      ~restore() { flag = false; }
+    } r{logits_stay_};
+    finish_call();
+  }
+
   struct device_engram {
     runtime::device_buffer<std::uint8_t> embed, embed_scale, wkv, wkv_scale;
     runtime::device_buffer<float> qk;
