@@ -124,6 +124,8 @@ cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cl
     g.tokens = model::generate_speculative(dm, dd, slot, prompt, n_new, request.sampling, g.speculative,
                                            request.ced ? model::prompt_prefill::ced : model::prompt_prefill::exact);
     g.decode_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (request.on_token)  // the loop returns its tokens together: a stream gets them at the end
+      for (const std::int32_t t : g.tokens) request.on_token(t);
     return g;
   }
   // Draws on the device (kernels/sampling/sampling.cuh): the decode steps' logits stay there.

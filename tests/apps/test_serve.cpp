@@ -336,6 +336,50 @@ BOOST_AUTO_TEST_CASE(concurrent_clients_get_their_own_tokens) {
   BOOST_TEST(scheduler.stats().requests == clients);
 }
 
+// "stream": true: a chunked text/event-stream with one event per token as it is drawn, then the
+// whole answer in a "done" event; over the one-at-a-time service and over the batching one.
+BOOST_AUTO_TEST_CASE(streamed_answers_send_each_token_as_it_is_drawn) {
+  std::ostringstream quiet;
+  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
+  const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  const std::vector<std::int32_t> prompt{4, 9};
+  cli::run_request req;
+  req.prompt = prompt, req.n_new = 4, req.sampling.seed = 3;
+  const cli::generation want = cli::host_generate(m, req);
+  const std::string body = R"({"prompt": [4, 9], "max_tokens": 4, "seed": 3, "stream": true})";
+  auto check = [&](const std::string& got, const std::string& which) {
+    BOOST_TEST(has(got, "HTTP/1.1 200 OK"), which << ": " << got);
+    BOOST_TEST(has(got, "Content-Type: text/event-stream\r\nTransfer-Encoding: chunked"), which << ": " << got);
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < want.tokens.size(); ++i) {
+      const std::string event = "data: {\"token\": " + std::to_string(want.tokens[i]) + ", \"index\": " + std::to_string(i) + "}\n\n";
+      const std::size_t found = got.find(event, at);
+      BOOST_TEST(found != std::string::npos, which << ": event " << i << " missing or out of order: " << got);
+      if (found != std::string::npos) at = found;
+    }
+    std::string tokens = "\"tokens\": [";
+    for (std::size_t k = 0; k < want.tokens.size(); ++k) tokens += (k ? ", " : "") + std::to_string(want.tokens[k]);
+    BOOST_TEST(has(got, "data: {\"done\": true, " + tokens + "], \"prompt_tokens\": 2, \"generated_tokens\": 4"), which << ": " << got);
+    BOOST_TEST(got.size() >= 5u);
+    BOOST_TEST(got.substr(got.size() - 5) == "0\r\n\r\n", which << ": the body ends with the last chunk");
+  };
+  {
+    const serve::generation_service service(m, cli::host_generate, "host");
+    http::server srv("127.0.0.1", 0, [&](const http::request& r) { return service(r); });
+    std::thread th([&] { srv.serve(2); });
+    check(exchange(srv.port(), post("/v1/generate", body)), "one at a time");
+    const std::string bad = exchange(srv.port(), post("/v1/generate", R"({"prompt": [1], "stream": 1})"));
+    BOOST_TEST((has(bad, "HTTP/1.1 400") && has(bad, "field 'stream' must be true or false")), bad);
+    th.join();
+  }
+  cli::batch_scheduler scheduler(std::make_unique<cli::host_engine>(m, cli::engine_limits{2, 8, 8}));
+  const serve::generation_service service(scheduler, "host");
+  http::server srv("127.0.0.1", 0, [&](const http::request& r) { return service(r); }, 4096, 10, 3);
+  std::thread th([&] { srv.serve(1); });
+  check(exchange(srv.port(), post("/v1/generate", body)), "batched");
+  th.join();
+}
+
 BOOST_AUTO_TEST_CASE(stop_ends_serving) {
   http::server srv("127.0.0.1", 0, [](const http::request&) { return http::response{200, "{}"}; });
   std::thread th([&] { srv.serve(); });

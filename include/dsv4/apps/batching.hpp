@@ -196,7 +196,10 @@ class batch_scheduler {
       j->handle = s.handle;
       j->decode_start = clock::now();
       j->result.prefill_s = std::chrono::duration<double>(j->decode_start - t0).count();
-      if (r.n_new > 0) j->result.tokens.push_back(s.token);
+      if (r.n_new > 0) {
+        j->result.tokens.push_back(s.token);
+        if (r.on_token) r.on_token(s.token);
+      }
     } catch (...) {
       fail(j, std::current_exception());
       return false;
@@ -264,7 +267,10 @@ class batch_scheduler {
         stats_.stepped_rows += (long long)active.size();
         stats_.largest_batch = std::max(stats_.largest_batch, int(active.size()));
       }
-      for (std::size_t i = 0; i < active.size(); ++i) active[i]->result.tokens.push_back(next[i]);
+      for (std::size_t i = 0; i < active.size(); ++i) {
+        active[i]->result.tokens.push_back(next[i]);
+        if (active[i]->request->on_token) active[i]->request->on_token(next[i]);
+      }
       std::erase_if(active, [&](job* j) {
         if ((long long)j->result.tokens.size() < j->request->n_new) return false;
         finish(j);

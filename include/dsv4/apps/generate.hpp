@@ -44,6 +44,9 @@ struct run_request {
   //! Asked before each decode step (empty: never): true stops the generation there (a server's
   //! client went away; nobody would read the rest).
   std::function<bool()> cancelled;
+  //! Called with each token as soon as it is drawn, on the drawing thread (empty: never); it must
+  //! not block (a batch's other sequences wait on it): a streaming server queues the token.
+  std::function<void(std::int32_t)> on_token;
 };
 
 //! True when the request says stop (before a decode step).
@@ -107,6 +110,7 @@ void run_generation_drawing(const run_request& r, generation& g, Prefill prefill
   for (long long i = 0; i < r.n_new; ++i) {
     const std::int32_t next = draw();
     g.tokens.push_back(next);
+    if (r.on_token) r.on_token(next);
     if (i + 1 == r.n_new) break;
     if (stop_requested(r)) {
       g.cancelled = true;

@@ -44,7 +44,8 @@ struct request {
   std::string method, target;
   std::map<std::string, std::string> headers;  //!< names in lower case
   std::string body;
-  //! Set by the server for its handler, valid during the handler's call only: true once the client
+  //! Set by the server for its handler, valid during the handler's call and its response's stream
+  //! only: true once the client
   //! has closed the connection or reset it (nobody will read the response, so long work may stop).
   //! A client that only shuts down its sending side after the request looks the same, as to nginx
   //! (HTTP/1.1 clients keep it open until the response has come; `ncat` without --no-shutdown
@@ -52,10 +53,17 @@ struct request {
   std::function<bool()> client_gone;
 };
 
+//! Sends one piece of a streamed body; false once the client cannot take it (gone, or not reading
+//! within the timeout): the producer should stop.
+using chunk_writer = std::function<bool(std::string_view)>;
+
 struct response {
   int status = 200;
   std::string body;  //!< JSON
   std::string content_type = "application/json";
+  //! A streamed body instead of `body` (chunked transfer encoding): called once, on the
+  //! connection's thread, with a writer for each piece; the server ends the body when it returns.
+  std::function<void(const chunk_writer&)> stream{};
 };
 
 inline const char* reason(int status) {
@@ -80,6 +88,19 @@ inline const char* reason(int status) {
 inline std::string serialize(const response& r) {
   return "HTTP/1.1 " + std::to_string(r.status) + " " + reason(r.status) + "\r\nContent-Type: " + r.content_type +
          "\r\nContent-Length: " + std::to_string(r.body.size()) + "\r\nConnection: close\r\n\r\n" + r.body;
+}
+
+//! The head of a streamed response (its body follows in chunks).
+inline std::string serialize_stream_head(const response& r) {
+  return "HTTP/1.1 " + std::to_string(r.status) + " " + reason(r.status) + "\r\nContent-Type: " + r.content_type +
+         "\r\nTransfer-Encoding: chunked\r\nCache-Control: no-cache\r\nConnection: close\r\n\r\n";
+}
+
+//! One chunk of a chunked body (an empty `data` would end the body: the caller never sends one).
+inline std::string chunk(std::string_view data) {
+  char size[24];
+  std::snprintf(size, sizeof size, "%zx\r\n", data.size());
+  return size + std::string(data) + "\r\n";
 }
 
 //! `text` as a JSON string literal (quotes, backslashes and control characters escaped; bytes
@@ -365,6 +386,19 @@ class server {
     return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
   }
 
+  //! Sends `out` within the timeout; false if the client did not take it all.
+  bool send_all(int c, std::string_view out) const {
+    const auto send_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s_);
+    for (std::size_t sent = 0; sent < out.size();) {
+      if (!wait_for(c, POLLOUT, send_deadline)) return false;
+      const ssize_t n = ::send(c, out.data() + sent, out.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+      if (n <= 0) return false;
+      sent += std::size_t(n);
+    }
+    return true;
+  }
+
   void answer(int c) {
     // The whole request must arrive within the timeout, not each piece of it: a client that
     // trickles bytes cannot hold the (single) connection slot longer than that.
@@ -402,15 +436,23 @@ class server {
       }
       data.append(buf, std::size_t(n));
     }
-    // The response, within its own timeout: a client that stops reading cannot hold the slot.
-    const std::string out = serialize(r);
-    const auto send_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s_);
-    for (std::size_t sent = 0; sent < out.size();) {
-      if (!wait_for(c, POLLOUT, send_deadline)) return;
-      const ssize_t n = ::send(c, out.data() + sent, out.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
-      if (n <= 0) return;
-      sent += std::size_t(n);
+    // The response, within its own timeout: a client that stops reading cannot hold the slot. A
+    // streamed one: the head, then each piece within a timeout of its own, then the last chunk.
+    if (r.stream) {
+      if (!send_all(c, serialize_stream_head(r))) return;
+      bool open = true;
+      try {
+        r.stream([&](std::string_view piece) {
+          if (open && !piece.empty()) open = send_all(c, chunk(piece));
+          return open;
+        });
+      } catch (const std::exception& e) {  // the head is out: the body ends unfinished (no last chunk)
+        std::fprintf(stderr, "serve: a streamed response failed: %s\n", e.what());
+        open = false;
+      }
+      if (!open || !send_all(c, "0\r\n\r\n")) return;
+    } else if (!send_all(c, serialize(r))) {
+      return;
     }
     // A lingering close: closing with unread input (a refused body) would reset the connection
     // and could destroy the response before the client reads it. Signal the end of the response,

@@ -5,9 +5,11 @@
 //!   GET  /health       {"status": "ok"}
 //!   GET  /v1/model     the model's name, vocabulary, position limit, backend
 //!   POST /v1/generate  {"prompt": [ids], "max_tokens": 16, "temperature": 1.0, "top_k": 0,
-//!                       "top_p": 1.0, "seed": 0, "prefill": "exact" | "ced"}
+//!                       "top_p": 1.0, "seed": 0, "prefill": "exact" | "ced", "stream": false}
 //!                      -> {"tokens": [...], "prompt_tokens", "generated_tokens",
 //!                          "prefill_seconds", "decode_seconds", "backend"}
+//!                      with "stream": true, server-sent events as the tokens are drawn:
+//!                      data: {"token": id, "index": i} ... then data: {"done": true, <the above>}
 //!
 //! Only "prompt" is required. Every problem with a request body is a 400 whose message names the
 //! field and what it must be; unknown fields are errors too (a misspelt "max_token" must not
@@ -17,7 +19,13 @@
 //! one that finds the scheduler's queue full gets a 503.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <variant>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -96,6 +104,7 @@ class generation_service {
     cli::run_request req;
     long long max_tokens = std::min<long long>(16, limits_.max_new_tokens);  // the default, within the limit
     std::string prefill = "exact";
+    bool stream = false;
     auto integer = [](const io::json& v, const std::string& field, long long lo, long long hi) {
       if (!v.is_number() || !v.integral || v.integer < lo || v.integer > hi)
         throw error("field '" + field + "' must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
@@ -127,13 +136,16 @@ class generation_service {
           req.sampling.top_p = float(p);
         } else if (key == "seed") {
           req.sampling.seed = std::uint64_t(integer(v, key, 0, (1LL << 53)));
+        } else if (key == "stream") {
+          if (!std::holds_alternative<bool>(v.value)) throw error("field 'stream' must be true or false");
+          stream = std::get<bool>(v.value);
         } else if (key == "prefill") {
           if (!v.is_string() || (v.string() != "exact" && v.string() != "ced"))
             throw error("field 'prefill' must be \"exact\" or \"ced\"");
           prefill = v.string();
         } else {
           throw error("unknown field '" + key +
-                      "' (fields: prompt, max_tokens, temperature, top_k, top_p, seed, prefill)");
+                      "' (fields: prompt, max_tokens, temperature, top_k, top_p, seed, prefill, stream)");
         }
       }
       if (prompt.empty()) throw error("field 'prompt' is required (an array of token ids)");
@@ -157,6 +169,7 @@ class generation_service {
                                            std::to_string(drawn) + " tokens");
     };
     if (client_gone && client_gone()) return gone(0);  // gave up while waiting for the slot: no prefill
+    if (stream) return streamed(std::move(prompt), req, client_gone);
     cli::generation g;
     try {
       g = generate_(req);
@@ -164,13 +177,80 @@ class generation_service {
       return http::error_response(503, e.what());
     }
     if (g.cancelled) return gone(g.tokens.size());
-    std::string out = "{\"tokens\": [";
+    return {200, summary(g, prompt.size(), "")};
+  }
+
+  //! The answer's JSON object; `first` goes before its fields (the stream's last event: "done").
+  static std::string summary(const cli::generation& g, std::size_t prompt_tokens, const std::string& first) {
+    std::string out = "{" + first + "\"tokens\": [";
     for (std::size_t i = 0; i < g.tokens.size(); ++i) out += (i ? ", " : "") + std::to_string(g.tokens[i]);
     char tail[256];
     std::snprintf(tail, sizeof tail, "], \"prompt_tokens\": %zu, \"generated_tokens\": %zu, \"prefill_seconds\": %.6f, "
                                      "\"decode_seconds\": %.6f, \"backend\": ",
-                  prompt.size(), g.tokens.size(), g.prefill_s, g.decode_s);
-    return {200, out + tail + http::json_string(g.device) + "}"};
+                  prompt_tokens, g.tokens.size(), g.prefill_s, g.decode_s);
+    return out + tail + http::json_string(g.device) + "}";
+  }
+
+  //! "stream": true: a text/event-stream whose events are `{"token": id, "index": i}` as each token
+  //! is drawn, then `{"done": true, ...}` with the whole answer (or `{"error": ..., "status": n}`).
+  //! The generation runs on a helper thread and hands its tokens over through a queue, so a slow
+  //! client never holds the batch; a client that stops reading (or leaves) cancels it.
+  http::response streamed(std::vector<std::int32_t> prompt, const cli::run_request& base,
+                          const std::function<bool()>& client_gone) const {
+    http::response r;
+    r.content_type = "text/event-stream";
+    r.stream = [this, prompt = std::move(prompt), base, client_gone](const http::chunk_writer& write) {
+      std::mutex mu;
+      std::condition_variable cv;
+      std::deque<std::int32_t> ready;
+      bool finished = false;
+      std::atomic<bool> write_failed{false};
+      cli::generation g;
+      std::string failure;
+      int failure_status = 500;
+      cli::run_request req = base;
+      req.prompt = prompt;
+      req.cancelled = [&] { return write_failed.load() || (client_gone && client_gone()); };
+      req.on_token = [&](std::int32_t t) {
+        {
+          std::lock_guard lk(mu);
+          ready.push_back(t);
+        }
+        cv.notify_one();
+      };
+      std::thread worker([&] {
+        try {
+          g = generate_(req);
+        } catch (const cli::server_busy& e) {
+          failure = e.what(), failure_status = 503;
+        } catch (const std::exception& e) {
+          failure = e.what();
+        }
+        {
+          std::lock_guard lk(mu);
+          finished = true;
+        }
+        cv.notify_one();
+      });
+      std::size_t index = 0;
+      for (;;) {
+        std::unique_lock lk(mu);
+        cv.wait(lk, [&] { return finished || !ready.empty(); });
+        if (ready.empty()) break;  // finished, every token sent
+        const std::int32_t t = ready.front();
+        ready.pop_front();
+        lk.unlock();
+        if (!write_failed && !write("data: {\"token\": " + std::to_string(t) + ", \"index\": " + std::to_string(index++) + "}\n\n"))
+          write_failed = true;  // the generation stops at its next step
+      }
+      worker.join();
+      if (write_failed || g.cancelled) return;  // nobody is reading
+      if (!failure.empty())
+        write("data: {\"error\": " + http::json_string(failure) + ", \"status\": " + std::to_string(failure_status) + "}\n\n");
+      else
+        write("data: " + summary(g, prompt.size(), "\"done\": true, ") + "\n\n");
+    };
+    return r;
   }
 };
 
