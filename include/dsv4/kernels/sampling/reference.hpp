@@ -118,10 +118,16 @@ DSV4_HOST_DEVICE double noise_uniform(std::uint64_t seed, std::uint64_t sequence
   return double((h >> 11) + 1) * 0x1p-53;  // exact: an integer below 2^54 times a power of 2
 }
 
-//! Exp(1) noise of one (seed, sequence, step, token): -log(u).
+//! Exp(1) noise from its uniform draw: -log(u), +0 at u = 1 (not -0, whose p / E would be -inf).
+DSV4_HOST_DEVICE double noise_of(double u) {
+  const double l = sampler_log(u);
+  return l == 0.0 ? 0.0 : -l;
+}
+
+//! Exp(1) noise of one (seed, sequence, step, token).
 DSV4_HOST_DEVICE double exponential_noise(std::uint64_t seed, std::uint64_t sequence, std::uint64_t step,
                                           std::uint64_t token) {
-  return -sampler_log(noise_uniform(seed, sequence, step, token));
+  return noise_of(noise_uniform(seed, sequence, step, token));
 }
 
 //! A value in [0, 2) as a fixed-point integer, a multiple of 2^-62, truncated: the sums of these
@@ -258,7 +264,7 @@ inline int sample_reference(std::span<const float> logits, const sampling_params
     if (p[i] <= 0.0f) return;  // filtered out, or underflowed: cannot be drawn
     const double u = noise_uniform(params.seed, sequence, step, i);
     if (best >= 0 && u < 1.0 && numerics::mul_rn(double(p[i]) / (1.0 - u), 1.0 + 0x1p-45) < best_score) return;
-    const double score = numerics::div_rn(double(p[i]), -sampler_log(u));
+    const double score = numerics::div_rn(double(p[i]), noise_of(u));
     if (score > best_score || (score == best_score && int(i) < best)) best_score = score, best = int(i);
   };
   const std::size_t top = std::size_t(std::max_element(p.begin(), p.end()) - p.begin());

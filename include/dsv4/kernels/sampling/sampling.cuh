@@ -26,6 +26,13 @@
 
 #include <cuda_runtime.h>
 
+// Flush-to-zero arithmetic (which --use_fast_math turns on) changes comparisons, conversions and
+// divisions of subnormal values on the device and not on the host: the draws would no longer be
+// the host's. (-ftz=true alone defines no macro: it must be left off as well.)
+#if defined(__USE_FAST_MATH__)
+#error "dsv4/kernels/sampling/sampling.cuh: compile without --use_fast_math (its flush-to-zero arithmetic breaks the host sampler's exact draws)"
+#endif
+
 #include <climits>
 #include <cstdint>
 #include <span>
@@ -54,6 +61,7 @@ inline constexpr int max_candidates = 4096;  // 32 KB of (probability, id) keys 
 inline constexpr int prob_bins =
     512;  // 16 a binary octave (a factor 1.044 apart), 32 octaves below the largest
 inline constexpr int tail_bin = prob_bins - 1;
+static_assert(sampler_threads == 1024, "the block reductions and the scan take one value per warp of 32 warps");
 static_assert(max_candidates == 4 * sampler_threads, "the walk's prefix sum gives each thread 4 sorted keys");
 static_assert(prob_bins == 16 * 32, "one warp chooses the bin prefix, 16 bins a lane");
 
@@ -334,16 +342,18 @@ DSV4_KERNEL void __launch_bounds__(sampler_threads)
 }
 }  // namespace detail
 
-//! Draws tokens from device-resident logits; holds the launch's small buffers (one per engine).
+//! Draws tokens from device-resident logits; holds the launch's small buffers (one per engine: it
+//! is not safe to call from two threads at once). Rows whose top-k / top-p prefix exceeds
+//! detail::max_candidates (a flat row under top-p near 1, or any top_k above it) are drawn on the
+//! host from a copy of the row.
 class device_sampler {
  public:
   explicit device_sampler(int max_rows = 256)
-      : max_rows_(max_rows),
+      : max_rows_(max_rows > 0 ? max_rows : throw error("device_sampler: max_rows must be positive")),
         requests_(std::size_t(max_rows)),
         results_(std::size_t(max_rows)),
         results_host_(std::size_t(max_rows)),
         requests_host_(std::size_t(max_rows)) {
-    if (max_rows <= 0) throw error("device_sampler: max_rows must be positive");
   }
 
   //! One token id per row of `logits` ([rows, vocab] fp32 in device memory, rows = requests.size()),
