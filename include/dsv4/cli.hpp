@@ -291,7 +291,8 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       const long long max_batch = o.named.count("max-batch") ? detail::parse_integer(cmd, "max-batch", o.named.at("max-batch")) : 8;
       const long long max_queued = o.named.count("max-queued") ? detail::parse_integer(cmd, "max-queued", o.named.at("max-queued")) : 64;
       if (max_batch < 1 || max_batch > 256) throw error("serve: --max-batch must be in 1..256, got " + std::to_string(max_batch));
-      if (max_queued > 1024) throw error("serve: --max-queued must be in 0..1024, got " + std::to_string(max_queued));
+      if (max_queued < 0 || max_queued > 1024)
+        throw error("serve: --max-queued must be in 0..1024, got " + std::to_string(max_queued));
       if (backend == "cuda" && max_batch > 1 && !extra.cuda_engine)
         throw error("serve: this dsv4's CUDA backend cannot batch (no engine linked in); use --max-batch 1");
       const std::string path = o.named.count("checkpoint") ? o.named.at("checkpoint") : "";
@@ -299,7 +300,8 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       const auto m = model::host_model<models::tiny>::load(ck, detail::tiny_token_map());
       // --max-batch 1: one generation at a time, answered in arrival order (a fresh sequence each);
       // otherwise a scheduler whose engine holds max_batch sequences and decodes them together,
-      // with a connection thread for every request it can hold (running or queued).
+      // with a connection thread for every request it can hold (running or queued) and a few more
+      // (so /health and the 503s of a full queue are answered while every request thread is busy).
       std::optional<batch_scheduler> scheduler;
       if (max_batch > 1) {
         const engine_limits el{int(max_batch), limits.max_prompt_tokens, limits.max_new_tokens};
@@ -310,7 +312,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
           scheduler ? serve::generation_service(*scheduler, backend, limits)
                     : serve::generation_service(m, backend == "cuda" ? extra.cuda : generate_fn(host_generate), backend, limits);
       http::server srv(host, int(port), [&](const http::request& r) { return service(r); }, std::size_t(1) << 20, 10,
-                       scheduler ? int(max_batch + max_queued) : 1);
+                       scheduler ? int(max_batch + max_queued + 4) : 1);
       out << "dsv4 serve: model " << config << (!path.empty() ? " from " + path : std::string(" (built-in random weights, seed 42)"))
           << ", " << backend << " backend, "
           << (scheduler ? "up to " + std::to_string(max_batch) + " requests decoded together"

@@ -88,6 +88,21 @@ struct request_set {
   }
 };
 
+//! The engines' gate: opened once, by release() or, if a requirement fails first, by a
+//! `gate::on_exit` declared after the futures (so it runs before they wait for their requests).
+struct gate {
+  std::promise<void> p;
+  std::shared_future<void> f = p.get_future().share();
+  bool opened = false;
+  void release() {
+    if (!opened) opened = true, p.set_value();
+  }
+  struct on_exit {
+    gate& g;
+    ~on_exit() { g.release(); }
+  };
+};
+
 void wait_until(const std::function<bool()>& ready) {
   const auto end = std::chrono::steady_clock::now() + 20s;
   while (!ready() && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(1ms);
@@ -102,19 +117,20 @@ BOOST_AUTO_TEST_SUITE(batching)
 // behind it; they are admitted together after its first step, so the steps hold 1, 6, 5, 4, 3, 2, 1
 // sequences as requests of 3 .. 7 tokens leave; every request's tokens are host_generate's.
 BOOST_AUTO_TEST_CASE(requests_that_arrive_together_are_decoded_together) {
-  std::promise<void> gate;
-  auto engine = std::make_unique<gated_engine>(8, gate.get_future().share());
+  gate g;
+  auto engine = std::make_unique<gated_engine>(8, g.f);
   gated_engine& e = *engine;
   cli::batch_scheduler s(std::move(engine));
   constexpr int n = 6;
   request_set set(n);
   std::vector<std::future<cli::generation>> got;
+  gate::on_exit open_anyway{g};
   auto submit = [&](int i) { got.push_back(std::async(std::launch::async, [&, i] { return s.submit(set.requests[std::size_t(i)]); })); };
   submit(0);
   wait_until([&] { return e.entered.load() == 1; });  // taken: waiting at the gate
   for (int i = 1; i < n; ++i) submit(i);
   wait_until([&] { return s.queued() == std::size_t(n - 1); });
-  gate.set_value();
+  g.release();
   for (int i = 0; i < n; ++i) {
     const cli::generation g = got[std::size_t(i)].get();
     const cli::generation want = cli::host_generate(tiny(), set.requests[std::size_t(i)]);
@@ -134,18 +150,19 @@ BOOST_AUTO_TEST_CASE(requests_that_arrive_together_are_decoded_together) {
 // A request joins a batch already decoding, and a cancelled request leaves at the next step while
 // the others go on and still get their tokens.
 BOOST_AUTO_TEST_CASE(requests_join_and_leave_at_any_step) {
-  std::promise<void> gate;
-  gate.set_value();
-  cli::batch_scheduler s(std::make_unique<gated_engine>(4, gate.get_future().share()));
+  gate g;
+  g.release();
+  cli::batch_scheduler s(std::make_unique<gated_engine>(4, g.f));
   request_set set(3);
   set.requests[0].n_new = 14;
-  std::atomic<int> asked{0};
+  std::atomic<bool> leave{false};
   set.requests[1].n_new = 14;
-  set.requests[1].cancelled = [&] { return ++asked > 4; };  // gone after a few steps
+  set.requests[1].cancelled = [&] { return leave.load(); };  // gone once the late request is done
   auto long_one = std::async(std::launch::async, [&] { return s.submit(set.requests[0]); });
   auto cancelled = std::async(std::launch::async, [&] { return s.submit(set.requests[1]); });
   wait_until([&] { return s.stats().steps >= 3; });
   const cli::generation late = s.submit(set.requests[2]);  // joins mid-way
+  leave = true;
   BOOST_TEST(late.tokens == cli::host_generate(tiny(), set.requests[2]).tokens);
   const cli::generation c = cancelled.get();
   BOOST_TEST(c.cancelled);
@@ -155,29 +172,76 @@ BOOST_AUTO_TEST_CASE(requests_join_and_leave_at_any_step) {
   const auto full = cli::host_generate(tiny(), uncancelled).tokens;
   BOOST_TEST(std::equal(c.tokens.begin(), c.tokens.end(), full.begin()));  // a prefix of the full run
   BOOST_TEST(long_one.get().tokens == cli::host_generate(tiny(), set.requests[0]).tokens);
-  BOOST_TEST(s.stats().largest_batch >= 2);
+  BOOST_TEST(s.stats().largest_batch == 3);  // the late request ran beside the other two
 }
 
-// A full queue refuses at once with server_busy; a failed step fails its requests, not the
-// scheduler, and the pool gets the sequences back.
+// The queue holds max_queued requests beyond the engine's free room, and refuses more at once with
+// server_busy; a failed step fails its requests, not the scheduler, and the pool gets the
+// sequences back; a request whose own callback throws fails alone.
 BOOST_AUTO_TEST_CASE(a_full_queue_refuses_and_a_failed_step_fails_only_its_requests) {
-  std::promise<void> gate;
-  auto engine = std::make_unique<gated_engine>(2, gate.get_future().share());
+  gate g;
+  auto engine = std::make_unique<gated_engine>(2, g.f);
   gated_engine& e = *engine;
   cli::batch_scheduler s(std::move(engine), {.max_queued = 1});
-  request_set set(3);
-  auto first = std::async(std::launch::async, [&] { return s.submit(set.requests[0]); });
-  wait_until([&] { return e.entered.load() == 1; });  // the first one waits at the gate
-  auto second = std::async(std::launch::async, [&] { return s.submit(set.requests[1]); });
-  wait_until([&] { return s.queued() == 1; });
-  BOOST_TEST(test::throws_with([&] { s.submit(set.requests[2]); }, "the server is busy: 1 requests are waiting (at most 1)"));
+  request_set set(5);
+  std::vector<std::future<cli::generation>> got;
+  gate::on_exit open_anyway{g};
+  auto submit = [&](int i) { got.push_back(std::async(std::launch::async, [&, i] { return s.submit(set.requests[std::size_t(i)]); })); };
+  submit(0);
+  wait_until([&] { return e.entered.load() == 1; });  // running, at the gate: one free place
+  submit(1);
+  submit(2);  // the free place and max_queued
+  wait_until([&] { return s.queued() == 2; });
+  BOOST_TEST(test::throws_with([&] { s.submit(set.requests[3]); },
+                               "the server is busy: 1 requests running, 2 waiting (at most 1 beyond the 2 that run together)"));
   e.fail_next_step = true;
-  gate.set_value();
-  BOOST_TEST(test::throws_with([&] { first.get(); }, "gated_engine: a failed step"));
-  // The second request was queued behind the first: admitted after the failed step, it runs.
-  BOOST_TEST(second.get().tokens == cli::host_generate(tiny(), set.requests[1]).tokens);
-  BOOST_TEST(s.submit(set.requests[2]).tokens == cli::host_generate(tiny(), set.requests[2]).tokens);
+  g.release();
+  BOOST_TEST(test::throws_with([&] { got[0].get(); }, "gated_engine: a failed step"));
+  // The two queued behind it were admitted after the failed step, together, and run.
+  for (int i = 1; i <= 2; ++i) BOOST_TEST(got[std::size_t(i)].get().tokens == cli::host_generate(tiny(), set.requests[std::size_t(i)]).tokens);
+  cli::run_request bad = set.requests[4];
+  bad.on_token = [](std::int32_t) { throw error("a client callback that throws"); };
+  BOOST_TEST(test::throws_with([&] { s.submit(bad); }, "a client callback that throws"));
+  BOOST_TEST(s.submit(set.requests[3]).tokens == cli::host_generate(tiny(), set.requests[3]).tokens);
   BOOST_TEST(e.releases.load() == e.starts.load());
+}
+
+// The destructor fails what is queued or running and waits for its callers to leave submit().
+BOOST_AUTO_TEST_CASE(destroying_the_scheduler_fails_its_waiting_requests) {
+  gate g;
+  std::future<cli::generation> running, queued;
+  request_set set(2);
+  {
+    auto engine = std::make_unique<gated_engine>(1, g.f);
+    gated_engine& e = *engine;
+    cli::batch_scheduler s(std::move(engine));
+    running = std::async(std::launch::async, [&] { return s.submit(set.requests[0]); });
+    wait_until([&] { return e.entered.load() == 1; });
+    queued = std::async(std::launch::async, [&] { return s.submit(set.requests[1]); });
+    wait_until([&] { return s.queued() == 1; });
+    std::thread opener([&] {
+      std::this_thread::sleep_for(50ms);
+      g.release();  // the running prefill finishes; the scheduler then sees it must stop
+    });
+    opener.detach();
+  }  // ~batch_scheduler
+  BOOST_TEST(test::throws_with([&] { queued.get(); }, "the server is stopping"));
+  try {
+    running.get();  // finished before the stop was seen, or failed by it
+  } catch (const std::exception& ex) {
+    BOOST_TEST(std::string(ex.what()).find("stopping") != std::string::npos, ex.what());
+  }
+  struct no_room final : cli::sequence_engine {
+    std::string device() const override { return "none"; }
+    int capacity() const override { return 0; }
+    started start(std::span<const std::int32_t>, bool, const kernels::sampling::sampling_params&) override { return {}; }
+    std::vector<std::int32_t> step(std::span<const int>, std::span<const std::int32_t>,
+                                   std::span<const kernels::sampling::sampling_params>) override {
+      return {};
+    }
+    void release(int) override {}
+  };
+  BOOST_TEST(test::throws_with([] { cli::batch_scheduler bad(std::make_unique<no_room>()); }, "the engine holds no sequence"));
 }
 
 BOOST_AUTO_TEST_SUITE_END()

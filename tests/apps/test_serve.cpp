@@ -177,6 +177,8 @@ BOOST_AUTO_TEST_CASE(serve_command_rejects_bad_options_before_loading) {
   BOOST_TEST((code == 2 && has(err, "built without CUDA")), err);
   std::tie(code, err) = run({"serve", "--max-batch", "0"});
   BOOST_TEST((code == 2 && has(err, "--max-batch must be in 1..256, got 0")), err);
+  std::tie(code, err) = run({"serve", "--max-queued", "-1"});
+  BOOST_TEST((code == 2 && has(err, "--max-queued")), err);
   std::tie(code, err) = run({"serve", "--max-queued", "5000"});
   BOOST_TEST((code == 2 && has(err, "--max-queued must be in 0..1024, got 5000")), err);
 }

@@ -94,23 +94,28 @@ class batch_scheduler {
   explicit batch_scheduler(std::unique_ptr<sequence_engine> engine, options o = {})
       : engine_(std::move(engine)), options_(o) {
     if (!engine_) throw error("batch_scheduler: no engine");
+    if (engine_->capacity() < 1) throw error("batch_scheduler: the engine holds no sequence (capacity < 1)");
     if (o.max_queued < 0) throw error("batch_scheduler: max_queued must be >= 0");
+    capacity_ = engine_->capacity();
+    device_ = engine_->device();
     thread_ = std::thread([this] { loop(); });
   }
-  //! Stops the thread; requests still queued or running get an error.
+  //! Stops the thread; requests still queued or running get an error, and it waits until their
+  //! callers have left submit() (the mutex they wake on lives here).
   ~batch_scheduler() {
-    {
-      std::lock_guard lk(mu_);
-      stopping_ = true;
-    }
+    std::unique_lock lk(mu_);
+    stopping_ = true;
+    lk.unlock();
     work_.notify_all();
     thread_.join();
+    lk.lock();
+    done_.wait(lk, [&] { return submitters_ == 0; });
   }
   batch_scheduler(const batch_scheduler&) = delete;
   batch_scheduler& operator=(const batch_scheduler&) = delete;
 
-  std::string device() const { return engine_->device(); }
-  int capacity() const { return engine_->capacity(); }
+  std::string device() const { return device_; }
+  int capacity() const { return capacity_; }
   //! Requests waiting for room in the engine now.
   std::size_t queued() const {
     std::lock_guard lk(mu_);
@@ -121,20 +126,27 @@ class batch_scheduler {
     return stats_;
   }
 
-  //! Runs `r` among the others and returns its generation (tokens, times; `cancelled` if
-  //! r.cancelled said stop first). Blocks until then. Throws server_busy when the queue is full,
-  //! and the engine's error if the request failed. `r` and what it refers to must stay valid
-  //! until it returns.
+  //! Runs `r` among the others and returns its generation (tokens, times; `cancelled`, with no
+  //! tokens if it had not started, if r.cancelled said stop first). Blocks until then. Throws
+  //! server_busy when max_queued requests already wait beyond the engine's free room, and the
+  //! engine's error if the request failed. `r` and what it refers to must stay valid until it
+  //! returns; r.cancelled and r.on_token are called on the scheduler's thread (an exception from
+  //! them fails this request only).
   generation submit(const run_request& r) {
     job j{&r};
     std::unique_lock lk(mu_);
     if (stopping_) throw error("batch_scheduler: stopping");
-    if (queue_.size() >= std::size_t(options_.max_queued))
-      throw server_busy("the server is busy: " + std::to_string(queue_.size()) + " requests are waiting (at most " +
-                        std::to_string(options_.max_queued) + ")");
+    const std::size_t room = std::size_t(capacity_ - running_);  // taken at the next admission
+    if (queue_.size() >= room + std::size_t(options_.max_queued))
+      throw server_busy("the server is busy: " + std::to_string(running_) + " requests running, " +
+                        std::to_string(queue_.size()) + " waiting (at most " + std::to_string(options_.max_queued) +
+                        " beyond the " + std::to_string(capacity_) + " that run together)");
     queue_.push_back(&j);
+    ++submitters_;
     work_.notify_all();
     done_.wait(lk, [&] { return j.done; });
+    --submitters_;
+    if (submitters_ == 0) done_.notify_all();  // a destructor may wait for this
     if (j.failure) std::rethrow_exception(j.failure);
     return std::move(j.result);
   }
@@ -146,12 +158,17 @@ class batch_scheduler {
     generation result{};
     std::exception_ptr failure{};
     bool done = false;
+    bool admitted = false;  //!< counted in running_
     int handle = -1;
     clock::time_point decode_start{};
   };
 
   std::unique_ptr<sequence_engine> engine_;
   options options_;
+  int capacity_ = 0;
+  std::string device_;
+  int running_ = 0;      //!< admitted and not finished (under mu_)
+  int submitters_ = 0;   //!< callers inside submit() (under mu_)
   mutable std::mutex mu_;
   std::condition_variable work_, done_;
   std::deque<job*> queue_;
@@ -171,6 +188,7 @@ class batch_scheduler {
       j->result.decode_s = std::chrono::duration<double>(clock::now() - j->decode_start).count();
     {
       std::lock_guard lk(mu_);
+      if (j->admitted) --running_;
       j->done = true;
       ++stats_.requests;
     }
@@ -184,13 +202,14 @@ class batch_scheduler {
   //! Prefill and first token; false if the job is finished already.
   bool admit(job* j) {
     const run_request& r = *j->request;
-    j->result.device = engine_->device();
-    if (stop_requested(r)) {  // gave up while queued
-      j->result.cancelled = true;
-      finish(j);
-      return false;
-    }
+    j->result.device = device_;
     try {
+      j->result.tokens.reserve(std::size_t(std::max<long long>(r.n_new, 0)));
+      if (stop_requested(r)) {  // gave up while queued: no prefill, no tokens
+        j->result.cancelled = true;
+        finish(j);
+        return false;
+      }
       const auto t0 = clock::now();
       const sequence_engine::started s = engine_->start(r.prompt, r.ced, r.sampling);
       j->handle = s.handle;
@@ -200,7 +219,7 @@ class batch_scheduler {
         j->result.tokens.push_back(s.token);
         if (r.on_token) r.on_token(s.token);
       }
-    } catch (...) {
+    } catch (...) {  // the engine's start, or the request's own callbacks
       fail(j, std::current_exception());
       return false;
     }
@@ -211,10 +230,18 @@ class batch_scheduler {
     return true;
   }
 
+  // No allocation outside a try in the loop: its vectors are reserved to the engine's capacity and
+  // a job's tokens to its count at admission, so an exception can only come from the engine or a
+  // request's callbacks, and fails those requests instead of ending the thread.
   void loop() {
-    std::vector<job*> active;
+    std::vector<job*> active, arrivals;
+    std::vector<int> handles;
+    std::vector<std::int32_t> ids;
+    std::vector<kernels::sampling::sampling_params> sampling;
+    for (auto* v : {&active, &arrivals}) v->reserve(std::size_t(capacity_));
+    handles.reserve(std::size_t(capacity_)), ids.reserve(std::size_t(capacity_)), sampling.reserve(std::size_t(capacity_));
     for (;;) {
-      std::vector<job*> arrivals;
+      arrivals.clear();
       {
         std::unique_lock lk(mu_);
         work_.wait(lk, [&] { return stopping_ || !queue_.empty() || !active.empty(); });
@@ -226,24 +253,28 @@ class batch_scheduler {
           for (job* j : arrivals) fail(j, std::make_exception_ptr(error("batch_scheduler: the server is stopping")));
           return;
         }
-        while (int(active.size() + arrivals.size()) < engine_->capacity() && !queue_.empty()) {
+        while (int(active.size() + arrivals.size()) < capacity_ && !queue_.empty()) {
           arrivals.push_back(queue_.front());
           queue_.pop_front();
+          arrivals.back()->admitted = true;
+          ++running_;
         }
       }
       for (job* j : arrivals)
         if (admit(j)) active.push_back(j);
       // Requests whose client went away leave before the step (as run_generation_drawing stops).
       std::erase_if(active, [&](job* j) {
-        if (!stop_requested(*j->request)) return false;
-        j->result.cancelled = true;
-        finish(j);
+        try {
+          if (!stop_requested(*j->request)) return false;
+          j->result.cancelled = true;
+          finish(j);
+        } catch (...) {
+          fail(j, std::current_exception());
+        }
         return true;
       });
       if (active.empty()) continue;
-      std::vector<int> handles;
-      std::vector<std::int32_t> ids;
-      std::vector<kernels::sampling::sampling_params> sampling;
+      handles.clear(), ids.clear(), sampling.clear();
       for (job* j : active) {
         handles.push_back(j->handle);
         ids.push_back(j->result.tokens.back());
@@ -268,11 +299,16 @@ class batch_scheduler {
         stats_.largest_batch = std::max(stats_.largest_batch, int(active.size()));
       }
       for (std::size_t i = 0; i < active.size(); ++i) {
-        active[i]->result.tokens.push_back(next[i]);
-        if (active[i]->request->on_token) active[i]->request->on_token(next[i]);
+        job* j = active[i];
+        j->result.tokens.push_back(next[i]);
+        try {
+          if (j->request->on_token) j->request->on_token(next[i]);
+        } catch (...) {
+          j->failure = std::current_exception();
+        }
       }
       std::erase_if(active, [&](job* j) {
-        if ((long long)j->result.tokens.size() < j->request->n_new) return false;
+        if (!j->failure && (long long)j->result.tokens.size() < j->request->n_new) return false;
         finish(j);
         return true;
       });

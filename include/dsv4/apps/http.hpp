@@ -319,8 +319,18 @@ class server {
     int idle = max_connections_;
     bool closing = false;
     std::vector<std::thread> workers;
-    for (int w = 0; w < max_connections_; ++w)
-      workers.emplace_back([&] {
+    workers.reserve(std::size_t(max_connections_));
+    auto close_pool = [&] {
+      {
+        std::lock_guard lk(mu);
+        closing = true;
+      }
+      cv.notify_all();
+      for (auto& t : workers) t.join();
+    };
+    try {
+      for (int w = 0; w < max_connections_; ++w)
+        workers.emplace_back([&] {
         std::unique_lock lk(mu);
         for (;;) {
           cv.wait(lk, [&] { return closing || !ready.empty(); });
@@ -329,13 +339,21 @@ class server {
           ready.pop_front();
           --idle;
           lk.unlock();
-          answer(c);
+          try {
+            answer(c);
+          } catch (...) {  // out of memory in the parser or the response: this connection only
+            std::fprintf(stderr, "serve: a connection failed and was closed\n");
+          }
           ::close(c);
           lk.lock();
           ++idle;
           cv.notify_all();
         }
       });
+    } catch (...) {  // a thread could not start: the started ones end, then the caller hears of it
+      close_pool();
+      throw;
+    }
     for (long long accepted = 0; max_requests < 0 || accepted < max_requests; ++accepted) {
       {
         std::unique_lock lk(mu);  // stop() does not know this condition: look at its flag now and then
@@ -347,12 +365,7 @@ class server {
       ready.push_back(c);
       cv.notify_all();
     }
-    {
-      std::lock_guard lk(mu);
-      closing = true;
-    }
-    cv.notify_all();
-    for (auto& t : workers) t.join();
+    close_pool();
   }
 
   //! Waits until `c` is readable (POLLIN) or writable (POLLOUT) or `deadline` passes.
@@ -414,7 +427,8 @@ class server {
       }
       if (p.st == parse_result::state::complete) {
         request req = std::move(p.req);
-        req.client_gone = [c] { return peer_closed(c); };
+        // A server told to stop counts every client as gone: generations end at their next step.
+        req.client_gone = [this, c] { return stopping_.load() || peer_closed(c); };
         try {
           r = handler_(req);
         } catch (const std::exception& e) {
