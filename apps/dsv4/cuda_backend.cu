@@ -37,11 +37,15 @@ cudaDeviceProp visible_device(const std::string& who) {
 //! logits nearly tie a sequence's token can differ from the one-sequence run's.
 class device_engine final : public cli::sequence_engine {
  public:
-  device_engine(const model::host_model<models::tiny>& m, const cli::engine_limits& el, const cudaDeviceProp& prop)
-      : device_(std::string("CUDA backend on ") + prop.name), dm_(m, limits_of(el)), capacity_(el.max_sequences) {}
+  device_engine(const model::host_model<models::tiny>& m, const cli::engine_limits& el,
+                const cudaDeviceProp& prop)
+      : device_(std::string("CUDA backend on ") + prop.name),
+        dm_(m, limits_of(el)),
+        capacity_(el.max_sequences) {}
   std::string device() const override { return device_; }
   int capacity() const override { return capacity_; }
-  started start(std::span<const std::int32_t> prompt, bool ced, const kernels::sampling::sampling_params& sp) override {
+  started start(std::span<const std::int32_t> prompt, bool ced,
+                const kernels::sampling::sampling_params& sp) override {
     const int slot = dm_.add_sequence();
     try {
       ced ? dm_.prefill_ced(slot, prompt) : dm_.prefill(slot, prompt);
@@ -77,12 +81,14 @@ class device_engine final : public cli::sequence_engine {
 };
 }  // namespace
 
-std::unique_ptr<cli::sequence_engine> cuda_engine(const model::host_model<models::tiny>& m, const cli::engine_limits& limits) {
+std::unique_ptr<cli::sequence_engine> cuda_engine(const model::host_model<models::tiny>& m,
+                                                  const cli::engine_limits& limits) {
   const cudaDeviceProp prop = visible_device("serve --backend cuda");
   const long long total = limits.max_prompt_tokens + limits.max_new_tokens;
   if (total > models::tiny::dims.rope.max_position_embeddings)
     throw error("serve --backend cuda: --max-prompt-tokens plus --max-tokens (" + std::to_string(total) +
-                ") exceed the model's " + std::to_string(models::tiny::dims.rope.max_position_embeddings) + " positions");
+                ") exceed the model's " + std::to_string(models::tiny::dims.rope.max_position_embeddings) +
+                " positions");
   return std::make_unique<device_engine>(m, limits, prop);
 }
 

@@ -16,6 +16,7 @@ cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cl
 //! `dsv4 serve --backend cuda`: the model uploaded once, `limits.max_sequences` sequences decoded
 //! together (model::device_model's batched decode), tokens drawn on the device. Throws
 //! dsv4::error when no CUDA device is visible.
-std::unique_ptr<cli::sequence_engine> cuda_engine(const model::host_model<models::tiny>& m, const cli::engine_limits& limits);
+std::unique_ptr<cli::sequence_engine> cuda_engine(const model::host_model<models::tiny>& m,
+                                                  const cli::engine_limits& limits);
 
 }  // namespace dsv4::apps

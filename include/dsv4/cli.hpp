@@ -22,10 +22,10 @@
 #include "dsv4/engram/token_map.hpp"
 #include "dsv4/io/checkpoint.hpp"
 #include "dsv4/io/npy.hpp"
+#include "dsv4/io/random_checkpoint.hpp"
 #include "dsv4/kernels/sampling/reference.hpp"
 #include "dsv4/model/model_reference.hpp"
 #include "dsv4/model/speculative_reference.hpp"
-#include "dsv4/io/random_checkpoint.hpp"
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/config_json.hpp"
 #include "dsv4/schedule/prefill_work.hpp"
@@ -39,7 +39,8 @@ inline void usage(std::ostream& os) {
         "                       built-in model (";
   std::string names;
   for (const auto& n : models::builtin_names()) names += (names.empty() ? "" : ", ") + n;
-  os << names << "; default v41-flash)\n"
+  os << names
+     << "; default v41-flash)\n"
         "  check-checkpoint PATH [--config NAME] [--config-json FILE]\n"
         "                       check that a checkpoint (a .safetensors file, or a folder with\n"
         "                       model.safetensors.index.json) holds every tensor of the model\n"
@@ -74,7 +75,8 @@ inline void usage(std::ostream& os) {
         "                       an HTTP/1.1 JSON server over the model (default 127.0.0.1:8080;\n"
         "                       --port 0 picks a free port and prints it): GET /health, GET\n"
         "                       /v1/model, POST /v1/generate {\"prompt\": [ids], \"max_tokens\": N,\n"
-        "                       \"temperature\", \"top_k\", \"top_p\", \"seed\", \"prefill\": \"exact\"|\"ced\"}\n"
+        "                       \"temperature\", \"top_k\", \"top_p\", \"seed\", \"prefill\": "
+        "\"exact\"|\"ced\"}\n"
         "                       answered with the tokens `run` would draw; requests that arrive\n"
         "                       together are decoded together, up to --max-batch N sequences\n"
         "                       (default 8; 1: one request at a time), and up to --max-queued N\n"
@@ -266,8 +268,8 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
     }
     if (cmd == "serve") {
       const auto o = detail::parse(args, cmd,
-                                   {"config", "checkpoint", "host", "port", "backend", "max-requests", "max-tokens", "max-prompt-tokens",
-                                    "max-batch", "max-queued"});
+                                   {"config", "checkpoint", "host", "port", "backend", "max-requests",
+                                    "max-tokens", "max-prompt-tokens", "max-batch", "max-queued"});
       if (!o.positional.empty()) throw error("serve: unexpected argument '" + o.positional[0] + "'");
       const std::string config = detail::host_config(cmd, o);
       const std::string backend = o.named.count("backend") ? o.named.at("backend") : "host";
@@ -288,9 +290,13 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
         limits.max_prompt_tokens = detail::parse_integer(cmd, "max-prompt-tokens", o.named.at("max-prompt-tokens"));
       if (limits.max_prompt_tokens < 1)
         throw error("serve: --max-prompt-tokens must be >= 1, got " + std::to_string(limits.max_prompt_tokens));
-      const long long max_batch = o.named.count("max-batch") ? detail::parse_integer(cmd, "max-batch", o.named.at("max-batch")) : 8;
-      const long long max_queued = o.named.count("max-queued") ? detail::parse_integer(cmd, "max-queued", o.named.at("max-queued")) : 64;
-      if (max_batch < 1 || max_batch > 256) throw error("serve: --max-batch must be in 1..256, got " + std::to_string(max_batch));
+      const long long max_batch =
+          o.named.count("max-batch") ? detail::parse_integer(cmd, "max-batch", o.named.at("max-batch")) : 8;
+      const long long max_queued = o.named.count("max-queued")
+                                       ? detail::parse_integer(cmd, "max-queued", o.named.at("max-queued"))
+                                       : 64;
+      if (max_batch < 1 || max_batch > 256)
+        throw error("serve: --max-batch must be in 1..256, got " + std::to_string(max_batch));
       if (max_queued < 0 || max_queued > 1024)
         throw error("serve: --max-queued must be in 0..1024, got " + std::to_string(max_queued));
       if (backend == "cuda" && max_batch > 1 && !extra.cuda_engine)
@@ -310,15 +316,18 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       }
       const serve::generation_service service =
           scheduler ? serve::generation_service(*scheduler, backend, limits)
-                    : serve::generation_service(m, backend == "cuda" ? extra.cuda : generate_fn(host_generate), backend, limits);
-      http::server srv(host, int(port), [&](const http::request& r) { return service(r); }, std::size_t(1) << 20, 10,
-                       scheduler ? int(max_batch + max_queued + 4) : 1);
-      out << "dsv4 serve: model " << config << (!path.empty() ? " from " + path : std::string(" (built-in random weights, seed 42)"))
-          << ", " << backend << " backend, "
+                    : serve::generation_service(
+                          m, backend == "cuda" ? extra.cuda : generate_fn(host_generate), backend, limits);
+      http::server srv(
+          host, int(port), [&](const http::request& r) { return service(r); }, std::size_t(1) << 20, 10,
+          scheduler ? int(max_batch + max_queued + 4) : 1);
+      out << "dsv4 serve: model " << config
+          << (!path.empty() ? " from " + path : std::string(" (built-in random weights, seed 42)")) << ", "
+          << backend << " backend, "
           << (scheduler ? "up to " + std::to_string(max_batch) + " requests decoded together"
                         : std::string("one request at a time"))
-          << ", listening on http://" << host << ":" << srv.port() << " (GET /health, GET /v1/model, POST /v1/generate)"
-          << std::endl;
+          << ", listening on http://" << host << ":" << srv.port()
+          << " (GET /health, GET /v1/model, POST /v1/generate)" << std::endl;
       srv.serve(max_requests);
       return 0;
     }
@@ -513,7 +522,8 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
     if (cmd == "token-map") {
       const auto o = detail::parse(args, cmd, {"tokenizer", "config", "out"});
       if (!o.positional.empty()) throw error("token-map: unexpected argument '" + o.positional[0] + "'");
-      if (!o.named.count("tokenizer")) throw error("token-map: --tokenizer FILE (a tokenizer.json) is required");
+      if (!o.named.count("tokenizer"))
+        throw error("token-map: --tokenizer FILE (a tokenizer.json) is required");
       const std::string& path = o.named.at("tokenizer");
       const engram::token_map m = engram::build_token_map(engram::read_tokenizer_vocabulary(path));
       out << path << ": " << m.ids.size() << " tokens, " << m.compressed_vocab_size << " compressed ids\n";

@@ -42,10 +42,12 @@ const model::host_model<models::tiny>& tiny() {
 //! behind it), which counts its steps' sizes and can be told to fail a step.
 class gated_engine final : public cli::sequence_engine {
  public:
-  gated_engine(int capacity, std::shared_future<void> gate) : inner_(tiny(), {capacity, 64, 64}), gate_(std::move(gate)) {}
+  gated_engine(int capacity, std::shared_future<void> gate)
+      : inner_(tiny(), {capacity, 64, 64}), gate_(std::move(gate)) {}
   std::string device() const override { return "gated host engine"; }
   int capacity() const override { return inner_.capacity(); }
-  started start(std::span<const std::int32_t> prompt, bool ced, const kernels::sampling::sampling_params& sp) override {
+  started start(std::span<const std::int32_t> prompt, bool ced,
+                const kernels::sampling::sampling_params& sp) override {
     ++entered;
     if (!opened_) gate_.wait(), opened_ = true;
     ++starts;
@@ -125,7 +127,9 @@ BOOST_AUTO_TEST_CASE(requests_that_arrive_together_are_decoded_together) {
   request_set set(n);
   std::vector<std::future<cli::generation>> got;
   gate::on_exit open_anyway{g};
-  auto submit = [&](int i) { got.push_back(std::async(std::launch::async, [&, i] { return s.submit(set.requests[std::size_t(i)]); })); };
+  auto submit = [&](int i) {
+    got.push_back(std::async(std::launch::async, [&, i] { return s.submit(set.requests[std::size_t(i)]); }));
+  };
   submit(0);
   wait_until([&] { return e.entered.load() == 1; });  // taken: waiting at the gate
   for (int i = 1; i < n; ++i) submit(i);
@@ -186,19 +190,24 @@ BOOST_AUTO_TEST_CASE(a_full_queue_refuses_and_a_failed_step_fails_only_its_reque
   request_set set(5);
   std::vector<std::future<cli::generation>> got;
   gate::on_exit open_anyway{g};
-  auto submit = [&](int i) { got.push_back(std::async(std::launch::async, [&, i] { return s.submit(set.requests[std::size_t(i)]); })); };
+  auto submit = [&](int i) {
+    got.push_back(std::async(std::launch::async, [&, i] { return s.submit(set.requests[std::size_t(i)]); }));
+  };
   submit(0);
   wait_until([&] { return e.entered.load() == 1; });  // running, at the gate: one free place
   submit(1);
   submit(2);  // the free place and max_queued
   wait_until([&] { return s.queued() == 2; });
-  BOOST_TEST(test::throws_with([&] { s.submit(set.requests[3]); },
-                               "the server is busy: 1 requests running, 2 waiting (at most 1 beyond the 2 that run together)"));
+  BOOST_TEST(test::throws_with(
+      [&] { s.submit(set.requests[3]); },
+      "the server is busy: 1 requests running, 2 waiting (at most 1 beyond the 2 that run together)"));
   e.fail_next_step = true;
   g.release();
   BOOST_TEST(test::throws_with([&] { got[0].get(); }, "gated_engine: a failed step"));
   // The two queued behind it were admitted after the failed step, together, and run.
-  for (int i = 1; i <= 2; ++i) BOOST_TEST(got[std::size_t(i)].get().tokens == cli::host_generate(tiny(), set.requests[std::size_t(i)]).tokens);
+  for (int i = 1; i <= 2; ++i)
+    BOOST_TEST(got[std::size_t(i)].get().tokens ==
+               cli::host_generate(tiny(), set.requests[std::size_t(i)]).tokens);
   cli::run_request bad = set.requests[4];
   bad.on_token = [](std::int32_t) { throw error("a client callback that throws"); };
   BOOST_TEST(test::throws_with([&] { s.submit(bad); }, "a client callback that throws"));
@@ -234,14 +243,17 @@ BOOST_AUTO_TEST_CASE(destroying_the_scheduler_fails_its_waiting_requests) {
   struct no_room final : cli::sequence_engine {
     std::string device() const override { return "none"; }
     int capacity() const override { return 0; }
-    started start(std::span<const std::int32_t>, bool, const kernels::sampling::sampling_params&) override { return {}; }
+    started start(std::span<const std::int32_t>, bool, const kernels::sampling::sampling_params&) override {
+      return {};
+    }
     std::vector<std::int32_t> step(std::span<const int>, std::span<const std::int32_t>,
                                    std::span<const kernels::sampling::sampling_params>) override {
       return {};
     }
     void release(int) override {}
   };
-  BOOST_TEST(test::throws_with([] { cli::batch_scheduler bad(std::make_unique<no_room>()); }, "the engine holds no sequence"));
+  BOOST_TEST(test::throws_with([] { cli::batch_scheduler bad(std::make_unique<no_room>()); },
+                               "the engine holds no sequence"));
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -282,9 +282,11 @@ BOOST_AUTO_TEST_CASE(token_map_builds_checks_and_writes) {
   BOOST_TEST(m.ids == dsv4::engram::build_token_map(dsv4::engram::read_tokenizer_vocabulary(tok)).ids);
   r = run({"token-map", "--tokenizer", tok, "--config", "v41-flash"});
   BOOST_TEST(r.code == 2);
-  BOOST_TEST(has(r.err, "270 compressed ids, but v41-flash's config has engram_compressed_vocab_size 99092"), r.err);
+  BOOST_TEST(has(r.err, "270 compressed ids, but v41-flash's config has engram_compressed_vocab_size 99092"),
+             r.err);
   BOOST_TEST(has(run({"token-map"}).err, "--tokenizer FILE (a tokenizer.json) is required"));
-  BOOST_TEST(has(run({"token-map", "--tokenizer", "/nonexistent.json"}).err, "/nonexistent.json: cannot open"));
+  BOOST_TEST(
+      has(run({"token-map", "--tokenizer", "/nonexistent.json"}).err, "/nonexistent.json: cannot open"));
   std::filesystem::remove(path);
 }
 

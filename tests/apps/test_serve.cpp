@@ -314,14 +314,17 @@ BOOST_AUTO_TEST_CASE(concurrent_clients_get_their_own_tokens) {
   cli::batch_scheduler scheduler(std::make_unique<cli::host_engine>(m, cli::engine_limits{4, 8, 8}));
   const serve::generation_service service(scheduler, "host", {.max_new_tokens = 8, .max_prompt_tokens = 8});
   constexpr int clients = 5;
-  http::server srv("127.0.0.1", 0, [&](const http::request& r) { return service(r); }, 4096, 10, clients);
+  http::server srv(
+      "127.0.0.1", 0, [&](const http::request& r) { return service(r); }, 4096, 10, clients);
   std::thread th([&] { srv.serve(clients); });
   std::vector<std::string> answers(clients);
   std::vector<std::thread> threads;
   for (int i = 0; i < clients; ++i)
     threads.emplace_back([&, i] {
-      answers[std::size_t(i)] = exchange(srv.port(), post("/v1/generate", "{\"prompt\": [" + std::to_string(10 + i) + ", 3], \"max_tokens\": " +
-                                                                           std::to_string(2 + i) + ", \"seed\": " + std::to_string(i) + "}"));
+      answers[std::size_t(i)] =
+          exchange(srv.port(), post("/v1/generate", "{\"prompt\": [" + std::to_string(10 + i) +
+                                                        ", 3], \"max_tokens\": " + std::to_string(2 + i) +
+                                                        ", \"seed\": " + std::to_string(i) + "}"));
     });
   for (auto& t : threads) t.join();
   th.join();
@@ -331,7 +334,8 @@ BOOST_AUTO_TEST_CASE(concurrent_clients_get_their_own_tokens) {
     req.prompt = prompt, req.n_new = 2 + i, req.sampling.seed = std::uint64_t(i);
     const cli::generation want = cli::host_generate(m, req);
     std::string tokens = "\"tokens\": [";
-    for (std::size_t k = 0; k < want.tokens.size(); ++k) tokens += (k ? ", " : "") + std::to_string(want.tokens[k]);
+    for (std::size_t k = 0; k < want.tokens.size(); ++k)
+      tokens += (k ? ", " : "") + std::to_string(want.tokens[k]);
     BOOST_TEST(has(answers[std::size_t(i)], "HTTP/1.1 200 OK"), answers[std::size_t(i)]);
     BOOST_TEST(has(answers[std::size_t(i)], tokens + "]"), "client " << i << ": " << answers[std::size_t(i)]);
   }
@@ -351,17 +355,22 @@ BOOST_AUTO_TEST_CASE(streamed_answers_send_each_token_as_it_is_drawn) {
   const std::string body = R"({"prompt": [4, 9], "max_tokens": 4, "seed": 3, "stream": true})";
   auto check = [&](const std::string& got, const std::string& which) {
     BOOST_TEST(has(got, "HTTP/1.1 200 OK"), which << ": " << got);
-    BOOST_TEST(has(got, "Content-Type: text/event-stream\r\nTransfer-Encoding: chunked"), which << ": " << got);
+    BOOST_TEST(has(got, "Content-Type: text/event-stream\r\nTransfer-Encoding: chunked"),
+               which << ": " << got);
     std::size_t at = 0;
     for (std::size_t i = 0; i < want.tokens.size(); ++i) {
-      const std::string event = "data: {\"token\": " + std::to_string(want.tokens[i]) + ", \"index\": " + std::to_string(i) + "}\n\n";
+      const std::string event = "data: {\"token\": " + std::to_string(want.tokens[i]) +
+                                ", \"index\": " + std::to_string(i) + "}\n\n";
       const std::size_t found = got.find(event, at);
       BOOST_TEST(found != std::string::npos, which << ": event " << i << " missing or out of order: " << got);
       if (found != std::string::npos) at = found;
     }
     std::string tokens = "\"tokens\": [";
-    for (std::size_t k = 0; k < want.tokens.size(); ++k) tokens += (k ? ", " : "") + std::to_string(want.tokens[k]);
-    BOOST_TEST(has(got, "data: {\"done\": true, " + tokens + "], \"prompt_tokens\": 2, \"generated_tokens\": 4"), which << ": " << got);
+    for (std::size_t k = 0; k < want.tokens.size(); ++k)
+      tokens += (k ? ", " : "") + std::to_string(want.tokens[k]);
+    BOOST_TEST(
+        has(got, "data: {\"done\": true, " + tokens + "], \"prompt_tokens\": 2, \"generated_tokens\": 4"),
+        which << ": " << got);
     BOOST_TEST(got.size() >= 5u);
     BOOST_TEST(got.substr(got.size() - 5) == "0\r\n\r\n", which << ": the body ends with the last chunk");
   };
@@ -376,7 +385,8 @@ BOOST_AUTO_TEST_CASE(streamed_answers_send_each_token_as_it_is_drawn) {
   }
   cli::batch_scheduler scheduler(std::make_unique<cli::host_engine>(m, cli::engine_limits{2, 8, 8}));
   const serve::generation_service service(scheduler, "host");
-  http::server srv("127.0.0.1", 0, [&](const http::request& r) { return service(r); }, 4096, 10, 3);
+  http::server srv(
+      "127.0.0.1", 0, [&](const http::request& r) { return service(r); }, 4096, 10, 3);
   std::thread th([&] { srv.serve(1); });
   check(exchange(srv.port(), post("/v1/generate", body)), "batched");
   th.join();

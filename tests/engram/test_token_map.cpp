@@ -285,7 +285,9 @@ BOOST_AUTO_TEST_CASE(tokenizer_json_errors_name_the_file_and_field) {
 // V4.1's checkpoint tokenizer (129,280 tokens: the same BPE tokens, 1,280 added ones, among them
 // <｜deepseek_image｜> at 129264) must then give 97,812 + 1,280 = 99,092, the config's size:
 // token_map_for_model checks it.
-bool real_tokenizer_given(boost::unit_test::test_unit_id) { return std::getenv("DSV4_REAL_TOKENIZER") != nullptr; }
+bool real_tokenizer_given(boost::unit_test::test_unit_id) {
+  return std::getenv("DSV4_REAL_TOKENIZER") != nullptr;
+}
 BOOST_AUTO_TEST_CASE(real_deepseek_tokenizer, *boost::unit_test::precondition(real_tokenizer_given)) {
   const std::string path = std::getenv("DSV4_REAL_TOKENIZER");
   const auto tokens = engram::read_tokenizer_vocabulary(path);
@@ -294,16 +296,20 @@ BOOST_AUTO_TEST_CASE(real_deepseek_tokenizer, *boost::unit_test::precondition(re
   for (const std::int64_t v : m.ids)
     for (int b = 0; b < 8; ++b) h = (h ^ ((std::uint64_t(v) >> (8 * b)) & 0xff)) * 0x100000001b3ull;
   std::int64_t from_bpe = 0;
-  for (std::size_t i = 0; i < std::min<std::size_t>(m.ids.size(), 128000); ++i) from_bpe = std::max(from_bpe, m.ids[i] + 1);
-  BOOST_TEST_MESSAGE(path << ": " << tokens.size() << " tokens, " << m.compressed_vocab_size << " compressed ids ("
-                          << from_bpe << " from the first 128,000), map hash " << std::hex << h);
+  for (std::size_t i = 0; i < std::min<std::size_t>(m.ids.size(), 128000); ++i)
+    from_bpe = std::max(from_bpe, m.ids[i] + 1);
+  BOOST_TEST_MESSAGE(path << ": " << tokens.size() << " tokens, " << m.compressed_vocab_size
+                          << " compressed ids (" << from_bpe << " from the first 128,000), map hash "
+                          << std::hex << h);
   BOOST_TEST(from_bpe == 97812);
-  BOOST_TEST(m.compressed_vocab_size == from_bpe + std::int64_t(tokens.size()) - 128000);  // each added token new
-  if (tokens.size() == 128815) {  // DeepSeek V3's tokenizer
+  BOOST_TEST(m.compressed_vocab_size ==
+             from_bpe + std::int64_t(tokens.size()) - 128000);  // each added token new
+  if (tokens.size() == 128815) {                                // DeepSeek V3's tokenizer
     BOOST_TEST(m.compressed_vocab_size == 98627);
     BOOST_TEST(h == 0xebf3dc2e65569c3full);  // the map tokenizers 0.23.2 builds by engram.py's loop
   } else {
-    BOOST_TEST(tokens.size() == 129280u, "a DeepSeek V3 (128,815) or V4.1 (129,280) tokenizer, not " << tokens.size());
+    BOOST_TEST(tokens.size() == 129280u,
+               "a DeepSeek V3 (128,815) or V4.1 (129,280) tokenizer, not " << tokens.size());
     BOOST_TEST(engram::token_map_for_model<models::v41_flash>(m).size() == 129280u);  // 99,092, checked
   }
 }

@@ -5,9 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
-#include <limits>
 #include <vector>
 
 #include "dsv4/kernels/sampling/reference.hpp"
@@ -115,7 +115,8 @@ BOOST_AUTO_TEST_CASE(filters_keep_what_a_full_sort_keeps) {
           if (k == 0 && top_p == 1.0f) continue;
           auto got = p;
           apply_filters(got, k, top_p);
-          BOOST_TEST(got == full_sort(p, k, top_p), "vocab " << vocab << " spread " << spread << " k " << k << " p " << top_p);
+          BOOST_TEST(got == full_sort(p, k, top_p),
+                     "vocab " << vocab << " spread " << spread << " k " << k << " p " << top_p);
           ++cases;
         }
     }

@@ -113,8 +113,10 @@ BOOST_AUTO_TEST_CASE(device_numbers_are_the_host_bits,
   std::vector<double> u(n);
   for (int i = 0; i < n; ++i) x[std::size_t(i)] = ux(rng), u[std::size_t(i)] = double(uk(rng) + 1) * 0x1p-53;
   x[0] = 0.0f, x[1] = -INFINITY, x[2] = -87.4f, u[0] = 1.0, u[1] = 0x1p-53;
-  runtime::device_buffer<float> dx{std::span<const float>(x)}, de(static_cast<std::size_t>(n)), dp(static_cast<std::size_t>(n));
-  runtime::device_buffer<double> du{std::span<const double>(u)}, dl(static_cast<std::size_t>(n)), dn(static_cast<std::size_t>(n));
+  runtime::device_buffer<float> dx{std::span<const float>(x)}, de(static_cast<std::size_t>(n)),
+      dp(static_cast<std::size_t>(n));
+  runtime::device_buffer<double> du{std::span<const double>(u)}, dl(static_cast<std::size_t>(n)),
+      dn(static_cast<std::size_t>(n));
   sampler_numbers<<<n / 256, 256>>>(dx.data(), du.data(), de.data(), dl.data(), dp.data(), dn.data(), n);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   const auto e = de.download(), p = dp.download();

@@ -158,7 +158,8 @@ BOOST_AUTO_TEST_CASE(drafter_matches_host_on_the_same_input,
   // MoE route) moved the stages, it carries that drift undiluted, as the logits' worst shows for
   // the same rows (seed 12579890409632215566 on the H200: logits worst 0.058, confidence 0.204;
   // other seeds 1e-7 .. 2e-4 for both). Bound: 0.05, or four times the logits' worst.
-  BOOST_TEST(conf_worst < std::max(0.05, 4.0 * stats.worst), "confidence worst " << conf_worst << ", logits worst " << stats.worst);
+  BOOST_TEST(conf_worst < std::max(0.05, 4.0 * stats.worst),
+             "confidence worst " << conf_worst << ", logits worst " << stats.worst);
 
   // Unforced (greedy, the sampling path): each draft is the argmax of its row's returned logits,
   // the Markov bias of the draft before it included. (Against the host's own unforced drafts only

@@ -41,10 +41,12 @@ class host_engine final : public sequence_engine {
   }
   std::string device() const override { return "host reference backend"; }
   int capacity() const override { return int(sequences_.size()); }
-  started start(std::span<const std::int32_t> prompt, bool ced, const kernels::sampling::sampling_params& sp) override {
+  started start(std::span<const std::int32_t> prompt, bool ced,
+                const kernels::sampling::sampling_params& sp) override {
     int h = 0;
     while (h < capacity() && used_[std::size_t(h)]) ++h;
-    if (h == capacity()) throw error("host_engine: all " + std::to_string(capacity()) + " sequences are in use");
+    if (h == capacity())
+      throw error("host_engine: all " + std::to_string(capacity()) + " sequences are in use");
     model::host_sequence& seq = sequences_[std::size_t(h)] = model::host_sequence{};
     const auto logits = ced ? model::forward_ced(m_, seq, prompt) : model::forward(m_, seq, prompt);
     used_[std::size_t(h)] = true;
@@ -70,7 +72,8 @@ class host_engine final : public sequence_engine {
   std::vector<model::host_sequence> sequences_;
   std::vector<bool> used_;
   model::host_sequence& sequence(int h) {
-    if (h < 0 || h >= capacity() || !used_[std::size_t(h)]) throw error("host_engine: no sequence " + std::to_string(h));
+    if (h < 0 || h >= capacity() || !used_[std::size_t(h)])
+      throw error("host_engine: no sequence " + std::to_string(h));
     return sequences_[std::size_t(h)];
   }
 };
@@ -139,8 +142,9 @@ class batch_scheduler {
     const std::size_t room = std::size_t(capacity_ - running_);  // taken at the next admission
     if (queue_.size() >= room + std::size_t(options_.max_queued))
       throw server_busy("the server is busy: " + std::to_string(running_) + " requests running, " +
-                        std::to_string(queue_.size()) + " waiting (at most " + std::to_string(options_.max_queued) +
-                        " beyond the " + std::to_string(capacity_) + " that run together)");
+                        std::to_string(queue_.size()) + " waiting (at most " +
+                        std::to_string(options_.max_queued) + " beyond the " + std::to_string(capacity_) +
+                        " that run together)");
     queue_.push_back(&j);
     ++submitters_;
     work_.notify_all();
@@ -167,8 +171,8 @@ class batch_scheduler {
   options options_;
   int capacity_ = 0;
   std::string device_;
-  int running_ = 0;      //!< admitted and not finished (under mu_)
-  int submitters_ = 0;   //!< callers inside submit() (under mu_)
+  int running_ = 0;     //!< admitted and not finished (under mu_)
+  int submitters_ = 0;  //!< callers inside submit() (under mu_)
   mutable std::mutex mu_;
   std::condition_variable work_, done_;
   std::deque<job*> queue_;
@@ -239,7 +243,8 @@ class batch_scheduler {
     std::vector<std::int32_t> ids;
     std::vector<kernels::sampling::sampling_params> sampling;
     for (auto* v : {&active, &arrivals}) v->reserve(std::size_t(capacity_));
-    handles.reserve(std::size_t(capacity_)), ids.reserve(std::size_t(capacity_)), sampling.reserve(std::size_t(capacity_));
+    handles.reserve(std::size_t(capacity_)), ids.reserve(std::size_t(capacity_)),
+        sampling.reserve(std::size_t(capacity_));
     for (;;) {
       arrivals.clear();
       {
@@ -249,8 +254,10 @@ class batch_scheduler {
           arrivals.assign(queue_.begin(), queue_.end());
           queue_.clear();
           lk.unlock();
-          for (job* j : active) fail(j, std::make_exception_ptr(error("batch_scheduler: the server is stopping")));
-          for (job* j : arrivals) fail(j, std::make_exception_ptr(error("batch_scheduler: the server is stopping")));
+          for (job* j : active)
+            fail(j, std::make_exception_ptr(error("batch_scheduler: the server is stopping")));
+          for (job* j : arrivals)
+            fail(j, std::make_exception_ptr(error("batch_scheduler: the server is stopping")));
           return;
         }
         while (int(active.size() + arrivals.size()) < capacity_ && !queue_.empty()) {

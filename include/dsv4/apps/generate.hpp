@@ -74,7 +74,8 @@ class sequence_engine {
     int handle;
     std::int32_t token;
   };
-  virtual started start(std::span<const std::int32_t> prompt, bool ced, const kernels::sampling::sampling_params& sampling) = 0;
+  virtual started start(std::span<const std::int32_t> prompt, bool ced,
+                        const kernels::sampling::sampling_params& sampling) = 0;
   //! One decode step of the sequences `handles` together, sequence i fed ids[i]: the next token
   //! of each, drawn with sampling[i].
   virtual std::vector<std::int32_t> step(std::span<const int> handles, std::span<const std::int32_t> ids,
@@ -88,7 +89,8 @@ struct engine_limits {
   int max_sequences = 8;
   long long max_prompt_tokens = 4096, max_new_tokens = 4096;
 };
-using engine_fn = std::function<std::unique_ptr<sequence_engine>(const model::host_model<models::tiny>&, const engine_limits&)>;
+using engine_fn = std::function<std::unique_ptr<sequence_engine>(const model::host_model<models::tiny>&,
+                                                                 const engine_limits&)>;
 
 //! The backends an app links in besides the host reference (apps/dsv4: CUDA when built with it).
 struct backends {

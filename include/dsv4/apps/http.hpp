@@ -20,13 +20,13 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cctype>
-#include <condition_variable>
-#include <deque>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -79,7 +79,8 @@ inline const char* reason(int status) {
     case 499: return "Client Closed Request";  // (nginx's; read only by a client that half-closed)
     case 500: return "Internal Server Error";
     case 501: return "Not Implemented";
-    case 503: return "Service Unavailable";
+    case 503:
+      return "Service Unavailable";
     case 505: return "HTTP Version Not Supported";
     default: return "Status";
   }
@@ -92,7 +93,8 @@ inline std::string serialize(const response& r) {
 
 //! The head of a streamed response (its body follows in chunks).
 inline std::string serialize_stream_head(const response& r) {
-  return "HTTP/1.1 " + std::to_string(r.status) + " " + reason(r.status) + "\r\nContent-Type: " + r.content_type +
+  return "HTTP/1.1 " + std::to_string(r.status) + " " + reason(r.status) +
+         "\r\nContent-Type: " + r.content_type +
          "\r\nTransfer-Encoding: chunked\r\nCache-Control: no-cache\r\nConnection: close\r\n\r\n";
 }
 
@@ -234,8 +236,12 @@ class server {
 
   server(const std::string& host, int port, handler_fn handler, std::size_t max_body = std::size_t(1) << 20,
          int receive_timeout_s = 10, int max_connections = 1)
-      : handler_(std::move(handler)), max_body_(max_body), timeout_s_(receive_timeout_s), max_connections_(max_connections) {
-    if (max_connections < 1) throw error("serve: max_connections must be >= 1, got " + std::to_string(max_connections));
+      : handler_(std::move(handler)),
+        max_body_(max_body),
+        timeout_s_(receive_timeout_s),
+        max_connections_(max_connections) {
+    if (max_connections < 1)
+      throw error("serve: max_connections must be >= 1, got " + std::to_string(max_connections));
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
     addr.sin_port = htons(static_cast<std::uint16_t>(port));
@@ -331,25 +337,25 @@ class server {
     try {
       for (int w = 0; w < max_connections_; ++w)
         workers.emplace_back([&] {
-        std::unique_lock lk(mu);
-        for (;;) {
-          cv.wait(lk, [&] { return closing || !ready.empty(); });
-          if (ready.empty()) return;  // closing, and nothing left to answer
-          const int c = ready.front();
-          ready.pop_front();
-          --idle;
-          lk.unlock();
-          try {
-            answer(c);
-          } catch (...) {  // out of memory in the parser or the response: this connection only
-            std::fprintf(stderr, "serve: a connection failed and was closed\n");
+          std::unique_lock lk(mu);
+          for (;;) {
+            cv.wait(lk, [&] { return closing || !ready.empty(); });
+            if (ready.empty()) return;  // closing, and nothing left to answer
+            const int c = ready.front();
+            ready.pop_front();
+            --idle;
+            lk.unlock();
+            try {
+              answer(c);
+            } catch (...) {  // out of memory in the parser or the response: this connection only
+              std::fprintf(stderr, "serve: a connection failed and was closed\n");
+            }
+            ::close(c);
+            lk.lock();
+            ++idle;
+            cv.notify_all();
           }
-          ::close(c);
-          lk.lock();
-          ++idle;
-          cv.notify_all();
-        }
-      });
+        });
     } catch (...) {  // a thread could not start: the started ones end, then the caller hears of it
       close_pool();
       throw;

@@ -22,14 +22,14 @@
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
-#include <deque>
-#include <mutex>
-#include <thread>
-#include <variant>
 #include <cstdint>
 #include <cstdio>
+#include <deque>
 #include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <variant>
 #include <vector>
 
 #include "dsv4/apps/batching.hpp"
@@ -185,8 +185,9 @@ class generation_service {
     std::string out = "{" + first + "\"tokens\": [";
     for (std::size_t i = 0; i < g.tokens.size(); ++i) out += (i ? ", " : "") + std::to_string(g.tokens[i]);
     char tail[256];
-    std::snprintf(tail, sizeof tail, "], \"prompt_tokens\": %zu, \"generated_tokens\": %zu, \"prefill_seconds\": %.6f, "
-                                     "\"decode_seconds\": %.6f, \"backend\": ",
+    std::snprintf(tail, sizeof tail,
+                  "], \"prompt_tokens\": %zu, \"generated_tokens\": %zu, \"prefill_seconds\": %.6f, "
+                  "\"decode_seconds\": %.6f, \"backend\": ",
                   prompt_tokens, g.tokens.size(), g.prefill_s, g.decode_s);
     return out + tail + http::json_string(g.device) + "}";
   }
@@ -240,13 +241,15 @@ class generation_service {
         const std::int32_t t = ready.front();
         ready.pop_front();
         lk.unlock();
-        if (!write_failed && !write("data: {\"token\": " + std::to_string(t) + ", \"index\": " + std::to_string(index++) + "}\n\n"))
+        if (!write_failed && !write("data: {\"token\": " + std::to_string(t) +
+                                    ", \"index\": " + std::to_string(index++) + "}\n\n"))
           write_failed = true;  // the generation stops at its next step
       }
       worker.join();
       if (write_failed || g.cancelled) return;  // nobody is reading
       if (!failure.empty())
-        write("data: {\"error\": " + http::json_string(failure) + ", \"status\": " + std::to_string(failure_status) + "}\n\n");
+        write("data: {\"error\": " + http::json_string(failure) +
+              ", \"status\": " + std::to_string(failure_status) + "}\n\n");
       else
         write("data: " + summary(g, prompt.size(), "\"done\": true, ") + "\n\n");
     };

@@ -388,10 +388,12 @@ class device_model {
   //! speculative round's draws; at V4.1's vocabulary a round of 6 rows would copy 3 MB back).
   void append_all_on_device(int slot, std::span<const std::int32_t> ids) {
     if (comm_)
-      throw error("device_model::append_all_on_device: not on a tensor-parallel rank (use append_all: its logits are split by vocabulary)");
+      throw error(
+          "device_model::append_all_on_device: not on a tensor-parallel rank (use append_all: its logits are "
+          "split by vocabulary)");
     if (static_cast<long long>(ids.size()) > logit_rows_)
-      throw error("device_model::append_all_on_device: " + std::to_string(ids.size()) + " tokens, but limits::logit_rows holds " +
-                  std::to_string(logit_rows_) + " rows of logits");
+      throw error("device_model::append_all_on_device: " + std::to_string(ids.size()) +
+                  " tokens, but limits::logit_rows holds " + std::to_string(logit_rows_) + " rows of logits");
     begin_append(slot, ids);
     pending_->all_rows = true;
     finish_on_device();

@@ -86,7 +86,8 @@ std::vector<std::int32_t> generate_speculative(
   // sampler's draws, bit for bit), row i at position `position + i`.
   auto draw_rows = [&](long long rows, long long position) {
     std::vector<kernels::sampling::row_request> req(static_cast<std::size_t>(rows));
-    for (long long i = 0; i < rows; ++i) req[std::size_t(i)] = {sampling, sequence, std::uint64_t(position + i)};
+    for (long long i = 0; i < rows; ++i)
+      req[std::size_t(i)] = {sampling, sequence, std::uint64_t(position + i)};
     return dm.sample(req);
   };
 
@@ -120,8 +121,9 @@ std::vector<std::int32_t> generate_speculative(
     // budget: n_new - |out| more tokens), so the sequence never runs past the tokens kept.
     const int m = int(std::min<long long>(block, n_new - (long long)out.size() - 1));
     dm.save_sequence(slot, snapshot);
-    dm.append_all_on_device(slot,
-                            std::span<const std::int32_t>(d.ids).first(std::size_t(m) + 1));  // q + 1 .. q + m + 1
+    dm.append_all_on_device(
+        slot,
+        std::span<const std::int32_t>(d.ids).first(std::size_t(m) + 1));  // q + 1 .. q + m + 1
     // Every row's draw at once (a draw depends only on its row and position): the checks below
     // take them in order and stop at the first that differs from its draft.
     const std::vector<std::int32_t> drawn = draw_rows(m + 1, q + 1);

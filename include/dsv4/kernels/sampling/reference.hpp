@@ -107,7 +107,8 @@ DSV4_HOST_DEVICE double sampler_log(double u) {
   // log m = 2s + s z q; then + k ln2 (high part exact in the product, low part)
   const double log_m = add_rn(mul_rn(mul_rn(s, z), q), mul_rn(2.0, s));
   const double kd = double(k);
-  return add_rn(mul_rn(kd, 6.93147180369123816490e-01), add_rn(mul_rn(kd, 1.90821492927058770002e-10), log_m));
+  return add_rn(mul_rn(kd, 6.93147180369123816490e-01),
+                add_rn(mul_rn(kd, 1.90821492927058770002e-10), log_m));
 }
 
 //! The uniform draw behind one (seed, sequence, step, token)'s noise: u = (k + 1) / 2^53 in (0, 1]
@@ -213,14 +214,18 @@ inline void apply_filters(std::vector<float>& p, int top_k, float top_p) {
   if (top_k == 0 && top_p >= 1.0f) return;
   const std::size_t V = p.size();
   const std::size_t keep_k = top_k > 0 ? std::min<std::size_t>(std::size_t(top_k), V) : V;
-  const auto before = [&](std::uint32_t a, std::uint32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); };
+  const auto before = [&](std::uint32_t a, std::uint32_t b) {
+    return p[a] > p[b] || (p[a] == p[b] && a < b);
+  };
   std::vector<std::uint32_t> order(V);
   std::iota(order.begin(), order.end(), std::uint32_t(0));
   std::size_t sorted = 0;  // order[0 .. sorted) is the ranking's head, in order
   auto sort_head = [&](std::size_t n) {
     n = std::min(n, V);
     if (n <= sorted) return;
-    if (n < V) std::nth_element(order.begin() + std::ptrdiff_t(sorted), order.begin() + std::ptrdiff_t(n), order.end(), before);
+    if (n < V)
+      std::nth_element(order.begin() + std::ptrdiff_t(sorted), order.begin() + std::ptrdiff_t(n), order.end(),
+                       before);
     std::sort(order.begin() + std::ptrdiff_t(sorted), order.begin() + std::ptrdiff_t(n), before);
     sorted = n;
   };
@@ -263,7 +268,8 @@ inline int sample_reference(std::span<const float> logits, const sampling_params
   auto consider = [&](std::size_t i) {
     if (p[i] <= 0.0f) return;  // filtered out, or underflowed: cannot be drawn
     const double u = noise_uniform(params.seed, sequence, step, i);
-    if (best >= 0 && u < 1.0 && numerics::mul_rn(double(p[i]) / (1.0 - u), 1.0 + 0x1p-45) < best_score) return;
+    if (best >= 0 && u < 1.0 && numerics::mul_rn(double(p[i]) / (1.0 - u), 1.0 + 0x1p-45) < best_score)
+      return;
     const double score = numerics::div_rn(double(p[i]), noise_of(u));
     if (score > best_score || (score == best_score && int(i) < best)) best_score = score, best = int(i);
   };

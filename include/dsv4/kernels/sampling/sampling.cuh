@@ -30,7 +30,7 @@
 // divisions of subnormal values on the device and not on the host: the draws would no longer be
 // the host's. (-ftz=true alone defines no macro: it must be left off as well.)
 #if defined(__USE_FAST_MATH__)
-#error "dsv4/kernels/sampling/sampling.cuh: compile without --use_fast_math (its flush-to-zero arithmetic breaks the host sampler's exact draws)"
+#error "sampling.cuh: compile without --use_fast_math (flush-to-zero breaks the exact draws)"
 #endif
 
 #include <climits>
@@ -61,7 +61,8 @@ inline constexpr int max_candidates = 4096;  // 32 KB of (probability, id) keys 
 inline constexpr int prob_bins =
     512;  // 16 a binary octave (a factor 1.044 apart), 32 octaves below the largest
 inline constexpr int tail_bin = prob_bins - 1;
-static_assert(sampler_threads == 1024, "the block reductions and the scan take one value per warp of 32 warps");
+static_assert(sampler_threads == 1024,
+              "the block reductions and the scan take one value per warp of 32 warps");
 static_assert(max_candidates == 4 * sampler_threads, "the walk's prefix sum gives each thread 4 sorted keys");
 static_assert(prob_bins == 16 * 32, "one warp chooses the bin prefix, 16 bins a lane");
 
@@ -353,8 +354,7 @@ class device_sampler {
         requests_(std::size_t(max_rows)),
         results_(std::size_t(max_rows)),
         results_host_(std::size_t(max_rows)),
-        requests_host_(std::size_t(max_rows)) {
-  }
+        requests_host_(std::size_t(max_rows)) {}
 
   //! One token id per row of `logits` ([rows, vocab] fp32 in device memory, rows = requests.size()),
   //! drawn as sample_reference(row, requests[r].params, requests[r].sequence, requests[r].step)
