@@ -48,7 +48,8 @@ DSV4_HOST_DEVICE float mul_rn(float a, float b) {
 #endif
 }
 
-//! Correctly rounded fp32 quotient (IEEE division, also under nvcc's fast-math flags).
+//! Correctly rounded fp32 quotient (IEEE division under nvcc's -prec-div=false too; -ftz=true, as
+//! --use_fast_math sets, still flushes subnormal operands and results to zero).
 DSV4_HOST_DEVICE float div_rn(float a, float b) {
 #if DSV4_DEVICE_PASS
   return __fdiv_rn(a, b);
