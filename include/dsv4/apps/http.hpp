@@ -274,18 +274,8 @@ class server {
   void serve(long long max_requests = -1) {
     if (max_connections_ > 1) return serve_concurrently(max_requests);
     for (long long answered = 0; max_requests < 0 || answered < max_requests; ++answered) {
-      const int c = ::accept(fd_, nullptr, nullptr);
-      if (c < 0) {
-        if (stopping_ || errno == EINVAL || errno == EBADF) return;  // stop() shut the socket down
-        --answered;
-        // Out of descriptors or buffers: wait for some to come back. A connection that failed
-        // on its way in (ECONNABORTED, EPROTO, network errors Linux passes on): the next one.
-        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-          std::fprintf(stderr, "serve: accept: %s (retrying)\n", std::strerror(errno));
-          std::this_thread::sleep_for(std::chrono::milliseconds(100));
-        }
-        continue;
-      }
+      const int c = accept_one();
+      if (c < 0) return;
       answer(c);
       ::close(c);
     }
@@ -309,6 +299,8 @@ class server {
       const int c = ::accept(fd_, nullptr, nullptr);
       if (c >= 0) return c;
       if (stopping_ || errno == EINVAL || errno == EBADF) return -1;  // stop() shut the socket down
+      // Out of descriptors or buffers: wait for some to come back. A connection that failed on its
+      // way in (ECONNABORTED, EPROTO, network errors Linux passes on): the next one.
       if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
         std::fprintf(stderr, "serve: accept: %s (retrying)\n", std::strerror(errno));
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
