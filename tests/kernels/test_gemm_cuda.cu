@@ -3,6 +3,7 @@
 
 #include <boost/test/unit_test.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -12,6 +13,7 @@
 #include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
 #include "dsv4/kernels/gemm/dequant_gemm.cuh"
 #include "dsv4/kernels/gemm/reference.hpp"
+#include "dsv4/kernels/gemm/streamed_gemm.cuh"
 #include "dsv4/kernels/gemm/wgmma_gemm.cuh"
 #include "dsv4/kernels/norm/reference.hpp"
 #include "dsv4/kernels/norm/rmsnorm.cuh"
@@ -278,79 +280,128 @@ BOOST_AUTO_TEST_CASE(wgmma_matches_host, *utf::label("gpu") * utf::precondition(
     }
 }
 
-// The grouped form (the MoE's experts) directly, mma.sync and wgmma: a tile list over three
-// groups' weights with ragged tiles (5, 16, 3 and 1 rows), C rows reading A rows through
-// a_row_index, a pair (a second weight set and output in the same launch) and more CTAs than
-// tiles (max_tiles 6 for 4), FP8 and FP4, N = 200 (a ragged last row tile and row group).
-BOOST_AUTO_TEST_CASE(grouped_gemms_match_host, *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
-  const int K = 512, N = 200, groups_n = 3, a_rows = 30;
-  struct tile {
-    int group, row0, rows;
-  };
-  const std::vector<tile> tiles = {{0, 0, 5}, {2, 5, 16}, {1, 21, 3}, {2, 24, 1}};
-  const int M = 25;
-  for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32}) {
-    const bool fp8 = wf == weight_format::fp8_tile32;
-    auto rng = test::make_rng(fp8 ? 81 : 82);
-    const gemm_operands acts({a_rows, 32, K}, wf, rng);  // its a / a_s: 30 rows of activations
-    std::vector<int> a_row_index(M);
-    for (auto& r : a_row_index) r = int(rng() % a_rows);
-    // weights[pair][group]
-    std::vector<std::vector<gemm_operands>> weights(2);
-    std::vector<std::uint8_t> codes[2], scales[2];
-    std::size_t code_stride = 0, scale_stride = 0;
-    for (int pair = 0; pair < 2; ++pair)
-      for (int gi = 0; gi < groups_n; ++gi) {
-        weights[pair].emplace_back(gemm_shape{1, N, K}, wf, rng);
-        const auto& w = weights[pair].back();
-        const auto t = kernels::gemm::tile_weight(wf, N, K, w.w, w.w_s);
-        code_stride = t.codes.size(), scale_stride = t.scales.size();
-        codes[pair].insert(codes[pair].end(), t.codes.begin(), t.codes.end());
-        scales[pair].insert(scales[pair].end(), t.scales.begin(), t.scales.end());
-      }
-    // Host: each C row is one row of A times its tile's group weight.
-    std::vector<bf16> want[2], mag[2];
-    for (int pair = 0; pair < 2; ++pair)
-      for (const auto& t : tiles)
-        for (int r = t.row0; r < t.row0 + t.rows; ++r) {
-          gemm_operands row = weights[pair][std::size_t(t.group)];
-          row.s = {1, N, K};
-          row.a.assign(acts.a.begin() + std::size_t(a_row_index[std::size_t(r)]) * K,
-                       acts.a.begin() + std::size_t(a_row_index[std::size_t(r)] + 1) * K);
-          row.a_s.assign(acts.a_s.begin() + std::size_t(a_row_index[std::size_t(r)]) * (K / 32),
-                         acts.a_s.begin() + std::size_t(a_row_index[std::size_t(r)] + 1) * (K / 32));
-          const auto v = row.reference(), m = row.reference(true);
-          want[pair].insert(want[pair].end(), v.begin(), v.end());
-          mag[pair].insert(mag[pair].end(), m.begin(), m.end());
-        }
-    std::vector<int> tile_group, tile_row0, tile_rows;
-    for (const auto& t : tiles) tile_group.push_back(t.group), tile_row0.push_back(t.row0), tile_rows.push_back(t.rows);
-    for (int pad = 0; pad < 2; ++pad) tile_group.push_back(-1), tile_row0.push_back(-1), tile_rows.push_back(-1);  // past tile_count
-    const int count = int(tiles.size());
-    device_buffer<int> d_group{std::span<const int>(tile_group)}, d_row0{std::span<const int>(tile_row0)},
-        d_rows{std::span<const int>(tile_rows)}, d_count{std::span<const int>(&count, 1)},
-        d_index{std::span<const int>(a_row_index)};
-    device_buffer<std::uint8_t> da{std::span<const std::uint8_t>(acts.a)}, das{std::span<const std::uint8_t>(acts.a_s)},
-        dw0{std::span<const std::uint8_t>(codes[0])}, dws0{std::span<const std::uint8_t>(scales[0])},
-        dw1{std::span<const std::uint8_t>(codes[1])}, dws1{std::span<const std::uint8_t>(scales[1])};
-    device_buffer<bf16> dc0(std::size_t(M) * N), dc1(std::size_t(M) * N);
-    const kernels::gemm::gemm_groups groups{d_group.data(), d_row0.data(), d_rows.data(),        d_count.data(),
-                                            d_index.data(), (long long)code_stride, (long long)scale_stride};
-    const kernels::gemm::block_scaled_gemm_args g0{{M, N, K}, da.data(), das.data(), dw0.data(), dws0.data(), dc0.data()},
-        g1{{M, N, K}, da.data(), das.data(), dw1.data(), dws1.data(), dc1.data()};
-    for (const bool on_wgmma : {false, true}) {
-      dc0.fill_bytes(0xFF), dc1.fill_bytes(0xFF);
-      if (on_wgmma)
-        kernels::gemm::grouped_wgmma_gemm(g0, groups, wf, 6, 2, nullptr, &g1);
-      else
-        kernels::gemm::grouped_block_scaled_gemm(g0, groups, wf, 6, 2, nullptr, &g1);
-      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-      const std::string name = std::string(on_wgmma ? "grouped wgmma " : "grouped mma.sync ") + (fp8 ? "fp8" : "fp4");
-      const double mag_tol = on_wgmma ? 0x1p-9 : 0x1p-16, min_exact = on_wgmma ? 0.5 : 0.9;
-      expect_close(dc0.download(), want[0], mag[0], (name + ", first of the pair").c_str(), mag_tol, min_exact);
-      expect_close(dc1.download(), want[1], mag[1], (name + ", second of the pair").c_str(), mag_tol, min_exact);
+// The grouped form (the MoE's experts) directly, on its three kernels (per-tile mma.sync, streamed,
+// wgmma): a tile list over `groups_n` groups' weights with ragged tiles, C rows reading A rows
+// through a_row_index, a pair (a second weight set and output in the same launch) and more
+// CTAs than tiles (max_tiles > the tile count), each run twice (the same bits again).
+struct grouped_tile {
+  int group, row0, rows;
+};
+void check_grouped(weight_format wf, int K, int N, int groups_n, int a_rows, const std::vector<grouped_tile>& tiles,
+                   int max_tiles, std::uint64_t salt) {
+  const bool fp8 = wf == weight_format::fp8_tile32;
+  int M = 0;
+  for (const auto& t : tiles) M = std::max(M, t.row0 + t.rows);
+  auto rng = test::make_rng(salt);
+  const gemm_operands acts({a_rows, 32, K}, wf, rng);  // its a / a_s: the rows of activations
+  std::vector<int> a_row_index(std::size_t(M), 0);
+  for (auto& r : a_row_index) r = int(rng() % a_rows);
+  // weights[pair][group]
+  std::vector<std::vector<gemm_operands>> weights(2);
+  std::vector<std::uint8_t> codes[2], scales[2];
+  std::size_t code_stride = 0, scale_stride = 0;
+  for (int pair = 0; pair < 2; ++pair)
+    for (int gi = 0; gi < groups_n; ++gi) {
+      weights[pair].emplace_back(gemm_shape{1, N, K}, wf, rng);
+      const auto& w = weights[pair].back();
+      const auto t = kernels::gemm::tile_weight(wf, N, K, w.w, w.w_s);
+      code_stride = t.codes.size(), scale_stride = t.scales.size();
+      codes[pair].insert(codes[pair].end(), t.codes.begin(), t.codes.end());
+      scales[pair].insert(scales[pair].end(), t.scales.begin(), t.scales.end());
     }
+  // Host: each C row of a tile is one row of A times its tile's group weight; rows in no tile are
+  // never written (they stay NaN on both sides and are not compared).
+  std::vector<bf16> want[2], mag[2];
+  std::vector<std::size_t> covered;  // C elements the tiles write
+  for (const auto& t : tiles)
+    for (int r = t.row0; r < t.row0 + t.rows; ++r)
+      for (int n = 0; n < N; ++n) covered.push_back(std::size_t(r) * N + n);
+  for (int pair = 0; pair < 2; ++pair)
+    for (const auto& t : tiles)
+      for (int r = t.row0; r < t.row0 + t.rows; ++r) {
+        gemm_operands row = weights[pair][std::size_t(t.group)];
+        row.s = {1, N, K};
+        const std::size_t ar = std::size_t(a_row_index[std::size_t(r)]);
+        row.a.assign(acts.a.begin() + ar * K, acts.a.begin() + (ar + 1) * K);
+        row.a_s.assign(acts.a_s.begin() + ar * (K / 32), acts.a_s.begin() + (ar + 1) * (K / 32));
+        const auto v = row.reference(), m = row.reference(true);
+        want[pair].insert(want[pair].end(), v.begin(), v.end());
+        mag[pair].insert(mag[pair].end(), m.begin(), m.end());
+      }
+  std::vector<int> tile_group, tile_row0, tile_rows;
+  for (const auto& t : tiles) tile_group.push_back(t.group), tile_row0.push_back(t.row0), tile_rows.push_back(t.rows);
+  for (std::size_t pad = tiles.size(); pad < std::size_t(max_tiles); ++pad)  // past tile_count
+    tile_group.push_back(-1), tile_row0.push_back(-1), tile_rows.push_back(-1);
+  const int count = int(tiles.size());
+  const int token_tiles = std::any_of(tiles.begin(), tiles.end(), [](const grouped_tile& t) { return t.rows > 8; }) ? 2 : 1;
+  device_buffer<int> d_group{std::span<const int>(tile_group)}, d_row0{std::span<const int>(tile_row0)},
+      d_rows{std::span<const int>(tile_rows)}, d_count{std::span<const int>(&count, 1)},
+      d_index{std::span<const int>(a_row_index)};
+  device_buffer<std::uint8_t> da{std::span<const std::uint8_t>(acts.a)}, das{std::span<const std::uint8_t>(acts.a_s)},
+      dw0{std::span<const std::uint8_t>(codes[0])}, dws0{std::span<const std::uint8_t>(scales[0])},
+      dw1{std::span<const std::uint8_t>(codes[1])}, dws1{std::span<const std::uint8_t>(scales[1])};
+  device_buffer<bf16> dc0(std::size_t(M) * N), dc1(std::size_t(M) * N);
+  const kernels::gemm::gemm_groups groups{d_group.data(), d_row0.data(), d_rows.data(),        d_count.data(),
+                                          d_index.data(), (long long)code_stride, (long long)scale_stride};
+  const kernels::gemm::block_scaled_gemm_args g0{{M, N, K}, da.data(), das.data(), dw0.data(), dws0.data(), dc0.data()},
+      g1{{M, N, K}, da.data(), das.data(), dw1.data(), dws1.data(), dc1.data()};
+  const std::string shape = " K" + std::to_string(K) + " N" + std::to_string(N) + " " + std::to_string(count) + " tiles";
+  for (const char* kernel : {"per-tile mma.sync", "streamed", "wgmma"}) {
+    const std::string k = kernel;
+    if (k == "streamed" && !kernels::gemm::streamed_grouped_gemm_unfit(g0, groups, wf, token_tiles, &g1).empty()) {
+      BOOST_TEST_MESSAGE("streamed grouped GEMM skipped: " << kernels::gemm::streamed_grouped_gemm_unfit(g0, groups, wf, token_tiles, &g1));
+      continue;
+    }
+    std::vector<bf16> runs[2][2];
+    for (auto& run : runs) {
+      dc0.fill_bytes(0xFF), dc1.fill_bytes(0xFF);  // NaN: every covered output must be written
+      if (k == "wgmma")
+        kernels::gemm::grouped_wgmma_gemm(g0, groups, wf, max_tiles, token_tiles, nullptr, &g1);
+      else if (k == "streamed")
+        kernels::gemm::streamed_grouped_gemm(g0, groups, wf, max_tiles, token_tiles, nullptr, &g1);
+      else
+        kernels::gemm::grouped_block_scaled_gemm(g0, groups, wf, max_tiles, token_tiles, nullptr, &g1);
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto c0 = dc0.download(), c1 = dc1.download();
+      for (const std::size_t at : covered) run[0].push_back(c0[at]), run[1].push_back(c1[at]);
+    }
+    std::size_t differ = 0;
+    for (int pair = 0; pair < 2; ++pair)
+      for (std::size_t i = 0; i < runs[0][pair].size(); ++i) differ += runs[0][pair][i].bits != runs[1][pair][i].bits;
+    BOOST_TEST(differ == 0u, k << ": a second run changed " << differ << " outputs");
+    const std::string name = "grouped " + k + (fp8 ? " fp8" : " fp4") + shape;
+    // wgmma: reduced-precision FP8 accumulation (wgmma_matches_host); the streamed kernel adds the
+    // blocks in the host's order, so all but outputs of inexact block sums must be bit-equal.
+    const double mag_tol = k == "wgmma" ? 0x1p-9 : 0x1p-16;
+    const double min_exact = k == "wgmma" ? 0.5 : k == "streamed" ? 0.99 : 0.9;
+    expect_close(runs[1][0], want[0], mag[0], (name + ", first of the pair").c_str(), mag_tol, min_exact);
+    expect_close(runs[1][1], want[1], mag[1], (name + ", second of the pair").c_str(), mag_tol, min_exact);
   }
+}
+
+// Ragged tiles (5, 16, 3 and 1 rows), N = 200 (a ragged last row tile and row group), max_tiles
+// 6 for 4 tiles.
+BOOST_AUTO_TEST_CASE(grouped_gemms_match_host, *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
+  for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32})
+    check_grouped(wf, 512, 200, 3, 30, {{0, 0, 5}, {2, 5, 16}, {1, 21, 3}, {2, 24, 1}}, 6,
+                  wf == weight_format::fp8_tile32 ? 81 : 82);
+}
+
+// More units than the streamed kernel has warps (2 GEMMs x 12 tiles x 144 row tiles = 3,456 >
+// 132 SMs x 3 CTAs x 8 warps), so warps take several units and refill their rings across unit
+// boundaries; K = 1056 (33 blocks: a last stage of one FP4 block, of one of four FP8 blocks);
+// one-row tiles (the decode case), a tile list with two tiles of one group and an empty group.
+BOOST_AUTO_TEST_CASE(grouped_gemms_with_many_units_match_host,
+                     *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
+  std::vector<grouped_tile> tiles;
+  int row = 0;
+  for (int t = 0; t < 12; ++t) {
+    const int rows = t % 4 == 0 ? 1 : t % 4 == 1 ? 7 : t % 4 == 2 ? 1 : 3;
+    tiles.push_back({t % 7 == 3 ? 0 : t % 7, row, rows});  // group 3 empty, group 0 twice
+    row += rows;
+  }
+  for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32})
+    check_grouped(wf, 1056, 2304, 7, 40, tiles, 14, wf == weight_format::fp8_tile32 ? 83 : 84);
 }
 
 // The switch routes block_scaled_linear's few-token GEMMs to wgmma, and back.

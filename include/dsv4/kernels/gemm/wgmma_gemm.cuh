@@ -33,6 +33,7 @@
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
+#include "dsv4/kernels/gemm/streamed_gemm.cuh"
 #include "dsv4/kernels/wgmma.cuh"
 #include "dsv4/runtime/device_info.cuh"
 #include "dsv4/runtime/pdl.cuh"
@@ -460,12 +461,15 @@ inline void grouped_wgmma_gemm(const block_scaled_gemm_args& g, const gemm_group
   detail::wgmma_gemm_launches().fetch_add(1);
 }
 
-//! The grouped GEMM as chosen by set_decode_gemm.
+//! The grouped GEMM as chosen by set_decode_gemm and, on the mma.sync path, set_expert_gemm.
 inline void decode_grouped_gemm(const block_scaled_gemm_args& g, const gemm_groups& groups, weight_format wf,
                                 int max_tiles, int token_tiles, cudaStream_t stream = nullptr,
                                 const block_scaled_gemm_args* second = nullptr) {
   if (current_decode_gemm() == decode_gemm::wgmma)
     return grouped_wgmma_gemm(g, groups, wf, max_tiles, token_tiles, stream, second);
+  if (current_expert_gemm() == expert_gemm::streamed &&
+      streamed_grouped_gemm_unfit(g, groups, wf, token_tiles, second).empty())
+    return streamed_grouped_gemm(g, groups, wf, max_tiles, token_tiles, stream, second);
   grouped_block_scaled_gemm(g, groups, wf, max_tiles, token_tiles, stream, second);
 }
 
