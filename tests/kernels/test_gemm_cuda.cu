@@ -404,6 +404,62 @@ BOOST_AUTO_TEST_CASE(grouped_gemms_with_many_units_match_host,
     check_grouped(wf, 1056, 2304, 7, 40, tiles, 14, wf == weight_format::fp8_tile32 ? 83 : 84);
 }
 
+// The streamed kernel's scale products come from the codes' exponent sum, with a redo of the
+// stage on exactly decoded scales wherever that is not the product (codes of 255, products that
+// leave the normal range). Here: activation scale code 0 beside large weight codes (a normal
+// product: the fast path must treat code 0 as 2^-127), products that underflow, one that
+// overflows, and a NaN weight scale, in a full stage (K block 2) and in the last, partial one
+// (K block 32 of 33), for one-token (lean) and three-token tiles, FP4 and FP8. Every output
+// must equal the host's class (NaN, infinity) and be within tolerance elsewhere.
+BOOST_AUTO_TEST_CASE(streamed_grouped_gemm_exact_at_extreme_scales,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  const int K = 1056, N = 64, KB = K / 32;
+  for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32})
+    for (const int M : {1, 3}) {
+      auto rng = test::make_rng(wf == weight_format::fp8_tile32 ? 91 + M : 95 + M);
+      gemm_operands op({M, N, K}, wf, rng);
+      const bool fp8 = wf == weight_format::fp8_tile32;
+      auto w_scale = [&](int row, int kb) -> std::uint8_t& {
+        return fp8 ? op.w_s[std::size_t(row / 32) * KB + kb] : op.w_s[std::size_t(row) * KB + kb];
+      };
+      for (int i = 0; i < M; ++i) {
+        op.a_s[std::size_t(i) * KB + 2] = 0;   // 2^-127 ...
+        op.a_s[std::size_t(i) * KB + 32] = 0;
+      }
+      for (int row = 0; row < N; row += fp8 ? 32 : 1) {
+        w_scale(row, 2) = 200;  // ... times 2^73: a normal product (fast path)
+        w_scale(row, 32) = std::uint8_t(row < 32 ? 20 : 210);  // 2^-234: underflow (redo) / normal
+      }
+      op.a_s[3] = 250;  // token 0, block 3: 2^123 ...
+      w_scale(0, 3) = 250;  // ... times 2^123 for rows 0..31 (FP8) / row 0 (FP4): overflow (redo)
+      w_scale(40, 5) = 255;  // NaN: row 40 (FP4), rows 32..63 (FP8) are NaN for every token
+      const auto want = op.reference(), mag = op.reference(true);
+      auto d = op.upload();
+      const int zero = 0, one = 1;
+      device_buffer<int> d_group{std::span<const int>(&zero, 1)}, d_row0{std::span<const int>(&zero, 1)},
+          d_rows{std::span<const int>(&M, 1)}, d_count{std::span<const int>(&one, 1)};
+      const kernels::gemm::gemm_groups groups{d_group.data(), d_row0.data(), d_rows.data(), d_count.data(), nullptr, 0, 0};
+      kernels::gemm::streamed_grouped_gemm(d.args(), groups, wf, 1, 1);
+      const auto got = d.c_after_sync();
+      std::vector<bf16> got_f, want_f, mag_f;
+      std::size_t class_mismatch = 0, specials = 0;
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        const float g = got[i].to_float(), w = want[i].to_float();
+        if (std::isnan(w) || std::isinf(w)) {
+          ++specials;
+          class_mismatch += !(std::isnan(w) ? std::isnan(g) : g == w);
+        } else {
+          got_f.push_back(got[i]), want_f.push_back(want[i]), mag_f.push_back(mag[i]);
+        }
+      }
+      const std::string name = std::string("streamed ") + (fp8 ? "fp8" : "fp4") + " M" + std::to_string(M) + " extreme scales";
+      BOOST_TEST_MESSAGE(name << ": " << specials << " NaN / infinite outputs on the host");
+      BOOST_TEST(specials > 0u, name << ": the case must produce the host's NaN and infinity");
+      BOOST_TEST(class_mismatch == 0u, name << ": " << class_mismatch << " NaN / infinite outputs differ from the host");
+      expect_close(got_f, want_f, mag_f, name.c_str(), 0x1p-16, 0.99);
+    }
+}
+
 // The switch routes block_scaled_linear's few-token GEMMs to wgmma, and back.
 BOOST_AUTO_TEST_CASE(decode_gemm_switch_routes_the_linear_layer, *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
   auto rng = test::make_rng(70);

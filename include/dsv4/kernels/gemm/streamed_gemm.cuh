@@ -15,10 +15,13 @@
 //!   K range, owned by one warp. Units are dealt out warp-major over a grid that fills the GPU
 //!   once (warp w of CTA b takes units w * grid + b, + warps * grid, ...), so every SM gets the same
 //!   share whatever the tile count.
-//! - Each warp has a ring of `stream_stages` stages of 2 KB of weight codes (8 FP4 / 4 FP8 K
+//! - Each warp has a ring of `stream_stages` (6) stages of 2 KB of weight codes (8 FP4 / 4 FP8 K
 //!   blocks; FP4 scales beside them). One lane keeps the ring full with bulk copies, across unit
-//!   boundaries, so a warp always has three stages (6 KB) in flight and an SM about 80 KB: enough
-//!   to cover DRAM latency at full bandwidth, without registers.
+//!   boundaries, so a warp has five stages (10 KB) in flight and an SM up to 160 KB: enough to
+//!   cover DRAM latency at full bandwidth, without registers. Two CTAs of 8 warps per SM.
+//! - The loop is compact: full stages are unrolled with no per-block branch, the last partial
+//!   one runs block by block, and all bookkeeping is 32-bit and incremental (a first version's
+//!   64-bit divisions per stage cost as many instructions as the math, ncu: 121 a K block).
 //! - The activations (a few rows, read by every warp of the tile) come from L1 / L2 with ordinary
 //!   loads, issued for a whole stage before waiting on its barrier.
 //! - Per K block: the m16n8k32 E4M3 product of the per-tile kernel (FP4 -> E4M3 exactly, two f16
@@ -57,7 +60,7 @@ inline std::atomic<expert_gemm>& expert_gemm_choice() {
 }
 
 inline constexpr int stream_warps = 8;                // per CTA
-inline constexpr int stream_stages = 4;               // per warp
+inline constexpr int stream_stages = 6;               // per warp
 inline constexpr int stream_stage_code_bytes = 2048;  // weight codes per stage
 
 //! Shared-memory layout of the streamed kernel: the warps' barriers, then their rings.
@@ -74,7 +77,7 @@ struct stream_layout {
 };
 
 template <weight_format WF, int TokenTiles>
-DSV4_KERNEL void __launch_bounds__(stream_warps * 32, TokenTiles == 1 ? 3 : 2)
+DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     streamed_grouped_gemm_kernel(block_scaled_gemm_args g, gemm_groups groups, int max_tiles,
                                  block_scaled_gemm_args g_second, int gemms) {
   using L = stream_layout<WF>;
@@ -91,48 +94,55 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, TokenTiles == 1 ? 3 : 2)
   // The tile list comes from the kernels before (runtime/pdl.cuh).
   runtime::start_after_previous_grid();
 
+  // 32-bit bookkeeping throughout (the host checks that the units fit): a 64-bit division is a
+  // hundred-instruction subroutine, and the producer's used to cost as much as the math.
   const int N = g.shape.n, KB = g.shape.k / 32, row_tiles = (N + 15) / 16;
   const int tiles = min(*groups.tile_count, max_tiles);
-  const long long per_gemm = (long long)tiles * row_tiles, units = gemms * per_gemm;
-  const long long warps_total = (long long)gridDim.x * stream_warps;
-  const long long first_unit = (long long)warp * gridDim.x + blockIdx.x;
+  const int per_gemm = tiles * row_tiles, units = gemms * per_gemm;
+  const int warps_total = int(gridDim.x) * stream_warps;
+  const int first_unit = warp * int(gridDim.x) + int(blockIdx.x);
   if (first_unit >= units) return;
   const int chunks = (KB + kStageBlocks - 1) / kStageBlocks;
-  const long long my_units = (units - first_unit + warps_total - 1) / warps_total;
-  const long long my_chunks = my_units * chunks;
 
   struct unit {
     int gemm, tile, rt;
   };
-  auto unit_of = [&](long long i) {  // the warp's i-th unit
-    const long long u = first_unit + i * warps_total;
-    const long long r = u % per_gemm;
-    return unit{int(u / per_gemm), int(r / row_tiles), int(r % row_tiles)};
+  auto unit_at = [&](int u) {
+    const int r = u % per_gemm;
+    return unit{u / per_gemm, r / row_tiles, r % row_tiles};
   };
   const std::uint64_t policy = bulk_copy::evict_first_policy();
-  // Lane 0: the copies of the warp's chunk q (unit q / chunks, its K blocks from (q % chunks) * kStageBlocks).
-  auto issue = [&](long long q) {
-    const unit un = unit_of(q / chunks);
-    const int kb0 = int(q % chunks) * kStageBlocks, nkb = min(kStageBlocks, KB - kb0);
-    const long long group = groups.tile_group[un.tile];
-    const std::uint8_t* w = (un.gemm ? g_second.w : g.w) + group * groups.w_group_bytes +
-                            ((long long)un.rt * KB + kb0) * L::block_bytes;
-    unsigned char* stage = ring + int(q % kS) * L::stage_bytes;
-    std::uint64_t* bar = bars + int(q % kS);
-    bulk_copy::expect_bytes(bar, unsigned(nkb * (L::block_bytes + L::block_scale_bytes)));
-    bulk_copy::copy(stage, w, unsigned(nkb * L::block_bytes), bar, policy);
-    if constexpr (!kFp8) {
-      const std::uint8_t* ws = (un.gemm ? g_second.w_s : g.w_s) + group * groups.ws_group_bytes +
-                               ((long long)un.rt * KB + kb0) * L::block_scale_bytes;
-      bulk_copy::copy(stage + stream_stage_code_bytes, ws, unsigned(nkb * L::block_scale_bytes), bar, policy);
+  // The producer (lane 0): the next chunk to copy is chunk p_chunk of unit p_unit (a unit index of
+  // the whole grid), into stage p_stage; p_codes / p_scales point at that unit's first K block.
+  int p_unit = first_unit, p_chunk = 0, p_stage = 0;
+  const std::uint8_t *p_codes = nullptr, *p_scales = nullptr;
+  auto issue_next = [&] {
+    if (p_unit >= units) return;
+    if (p_chunk == 0) {
+      const unit un = unit_at(p_unit);
+      const long long group = groups.tile_group[un.tile];
+      p_codes = (un.gemm ? g_second.w : g.w) + group * groups.w_group_bytes + (long long)un.rt * KB * L::block_bytes;
+      p_scales = (un.gemm ? g_second.w_s : g.w_s) + group * groups.ws_group_bytes +
+                 (long long)un.rt * KB * L::block_scale_bytes;
     }
+    const int kb0 = p_chunk * kStageBlocks, nkb = min(kStageBlocks, KB - kb0);
+    unsigned char* stage = ring + p_stage * L::stage_bytes;
+    std::uint64_t* bar = bars + p_stage;
+    bulk_copy::expect_bytes(bar, unsigned(nkb * (L::block_bytes + L::block_scale_bytes)));
+    bulk_copy::copy(stage, p_codes + kb0 * L::block_bytes, unsigned(nkb * L::block_bytes), bar, policy);
+    if constexpr (!kFp8)
+      bulk_copy::copy(stage + stream_stage_code_bytes, p_scales + kb0 * L::block_scale_bytes,
+                      unsigned(nkb * L::block_scale_bytes), bar, policy);
+    p_stage = p_stage + 1 == kS ? 0 : p_stage + 1;
+    if (++p_chunk == chunks) p_chunk = 0, p_unit += warps_total;
   };
   if (lane == 0)
-    for (long long q = 0; q < kS && q < my_chunks; ++q) issue(q);
+    for (int s = 0; s < kS; ++s) issue_next();
 
-  long long q = 0;  // the warp's next chunk to consume
-  for (long long i = 0; i < my_units; ++i) {
-    const unit un = unit_of(i);
+  int c_stage = 0;
+  unsigned c_parity = 0;  // the consumer's stage and the phase it waits for
+  for (int u = first_unit; u < units; u += warps_total) {
+    const unit un = unit_at(u);
     // (Fields picked one by one: a reference to either parameter struct would copy both to the stack.)
     numerics::bf16* const c_out = un.gemm ? g_second.c : g.c;
     const std::uint8_t* const w_s = un.gemm ? g_second.w_s : g.w_s;
@@ -158,66 +168,122 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, TokenTiles == 1 ? 3 : 2)
     const std::uint8_t* ws8 = w_s + (long long)group * groups.ws_group_bytes + (long long)(un.rt / 2) * KB;
     float acc[TokenTiles][4] = {};
 
-    auto run = [&](auto lean) {
-      constexpr bool kLean = decltype(lean)::value;
-      constexpr int kTokScales = kLean ? 1 : 2;
-      for (int c = 0; c < chunks; ++c, ++q) {
-        const int kb0 = c * kStageBlocks, nkb = min(kStageBlocks, KB - kb0);
-        // The stage's activations first: their loads overlap the wait for the weights.
-        uint2 af[kStageBlocks][TokenTiles];
-        std::uint32_t asc[kStageBlocks][TokenTiles][2];
-        [[maybe_unused]] std::uint32_t ws8c[kFp8 ? kStageBlocks : 1];
-#pragma unroll
-        for (int j = 0; j < kStageBlocks; ++j) {
-          const bool ok = j < nkb;
-#pragma unroll
-          for (int t = 0; t < TokenTiles; ++t) {
-            af[j][t] = ok && tok_ok[t] ? *reinterpret_cast<const uint2*>(a_row[t] + (kb0 + j) * 32) : make_uint2(0, 0);
-#pragma unroll
-            for (int h = 0; h < kTokScales; ++h) asc[j][t][h] = ok ? *(as_row[t][h] + kb0 + j) : 127u;
-          }
-          if constexpr (kFp8) ws8c[j] = ok ? __ldg(ws8 + kb0 + j) : 127u;
+    // One K block from stage slot j: the weight fragment from shared memory, the activations'
+    // fragments and scales as loaded by the caller. `exact` false: each scale product comes from
+    // the codes' exponent sum, 2^(ca + cw - 254) = bits (ca + cw - 127) << 23, which equals the
+    // product of the decoded scales (a code of 0 included) wherever it is a normal float and
+    // neither code is 255 (NaN); `unsafe` records any product where that does not hold, and the
+    // caller then redoes the blocks with `exact` (ue8m0_value and an fp32 multiply, the per-tile
+    // kernel's arithmetic). Two integer instructions instead of a decode (six) per scale and a
+    // multiply per product.
+    bool unsafe = false;
+    auto block = [&](const unsigned char* stage, int j, const uint2 (&af)[TokenTiles],
+                     const std::uint32_t (&asc)[TokenTiles][2], std::uint32_t ws8c, auto lean, auto exact) {
+      constexpr bool kLean = decltype(lean)::value, kExact = decltype(exact)::value;
+      std::uint32_t frag[4], wc0, wc1;
+      if constexpr (kFp8) {
+        const uint4 v = *reinterpret_cast<const uint4*>(stage + j * L::block_bytes + lane * 16);
+        frag[0] = v.x, frag[2] = v.y, frag[1] = v.z, frag[3] = v.w;
+        wc0 = wc1 = ws8c;
+      } else {
+        (void)ws8c;
+        const uint2 v = *reinterpret_cast<const uint2*>(stage + j * L::block_bytes + lane * 8);
+        fp4_lane_word_to_e4m3(v.x, frag[0], frag[2]);
+        fp4_lane_word_to_e4m3(v.y, frag[1], frag[3]);
+        const unsigned char* sc = stage + stream_stage_code_bytes + j * L::block_scale_bytes;
+        wc0 = sc[gid], wc1 = sc[gid + 8];
+      }
+      auto product = [&](std::uint32_t ca, std::uint32_t cw) {
+        if constexpr (kExact) {
+          return __fmul_rn(ue8m0_value(ca), ue8m0_value(cw));
+        } else {
+          const std::uint32_t e = ca + cw - 127u;
+          unsafe |= (e - 1u > 253u) | (cw > 254u);  // not normal, or a NaN weight scale
+          return __uint_as_float(e << 23);
         }
-        const int s = int(q % kS);
-        bulk_copy::wait(bars + s, unsigned(q / kS) & 1u);
-        const unsigned char* stage = ring + s * L::stage_bytes;
+      };
+      const e4m3_fragment a16(frag);
 #pragma unroll
-        for (int j = 0; j < kStageBlocks; ++j) {
-          if (j >= nkb) break;
-          std::uint32_t frag[4];
-          float ws0, ws1;
-          if constexpr (kFp8) {
-            const uint4 v = *reinterpret_cast<const uint4*>(stage + j * L::block_bytes + lane * 16);
-            frag[0] = v.x, frag[2] = v.y, frag[1] = v.z, frag[3] = v.w;
-            ws0 = ws1 = ue8m0_value(ws8c[j]);
-          } else {
-            const uint2 v = *reinterpret_cast<const uint2*>(stage + j * L::block_bytes + lane * 8);
-            fp4_lane_word_to_e4m3(v.x, frag[0], frag[2]);
-            fp4_lane_word_to_e4m3(v.y, frag[1], frag[3]);
-            const unsigned char* sc = stage + stream_stage_code_bytes + j * L::block_scale_bytes;
-            ws0 = ue8m0_value(sc[gid]), ws1 = ue8m0_value(sc[gid + 8]);
-          }
-          const e4m3_fragment a16(frag);
+      for (int t = 0; t < TokenTiles; ++t) {
+        float d[4];
+        mma_e4m3(a16, af[t].x, af[t].y, d);
+        if constexpr (!kExact) unsafe |= asc[t][0] > 254u || (!kLean && asc[t][1] > 254u);
+        acc[t][0] = __fmaf_rn(d[0], product(asc[t][0], wc0), acc[t][0]);
+        acc[t][2] = __fmaf_rn(d[2], product(asc[t][0], wc1), acc[t][2]);
+        if constexpr (!kLean) {
+          acc[t][1] = __fmaf_rn(d[1], product(asc[t][1], wc0), acc[t][1]);
+          acc[t][3] = __fmaf_rn(d[3], product(asc[t][1], wc1), acc[t][3]);
+        }
+      }
+    };
+    // The activations of K block kb (addresses always valid: rows past the tile read its first row,
+    // whose values are then dropped, so the loads need no branch).
+    auto load_activations = [&](int kb, uint2 (&af)[TokenTiles], std::uint32_t (&asc)[TokenTiles][2],
+                                std::uint32_t& ws8c, auto lean) {
+      constexpr int kTokScales = decltype(lean)::value ? 1 : 2;
 #pragma unroll
-          for (int t = 0; t < TokenTiles; ++t) {
-            float d[4];
-            mma_e4m3(a16, af[j][t].x, af[j][t].y, d);
-            const float as0 = ue8m0_value(asc[j][t][0]);
-            acc[t][0] = __fmaf_rn(d[0], __fmul_rn(as0, ws0), acc[t][0]);
-            acc[t][2] = __fmaf_rn(d[2], __fmul_rn(as0, ws1), acc[t][2]);
-            if constexpr (!kLean) {
-              const float as1 = ue8m0_value(asc[j][t][1]);
-              acc[t][1] = __fmaf_rn(d[1], __fmul_rn(as1, ws0), acc[t][1]);
-              acc[t][3] = __fmaf_rn(d[3], __fmul_rn(as1, ws1), acc[t][3]);
-            }
+      for (int t = 0; t < TokenTiles; ++t) {
+        const uint2 v = *reinterpret_cast<const uint2*>(a_row[t] + kb * 32);
+        af[t] = tok_ok[t] ? v : make_uint2(0, 0);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) asc[t][h] = h < kTokScales ? std::uint32_t(as_row[t][h][kb]) : 127u;
+      }
+      ws8c = kFp8 ? std::uint32_t(__ldg(ws8 + kb)) : 127u;
+    };
+    // Blocks [kb0, kb0 + n) of the stage one at a time, each loading its own activations.
+    auto blocks_one_by_one = [&](const unsigned char* stage, int kb0, int n, auto lean, auto exact) {
+#pragma unroll 1
+      for (int j = 0; j < n; ++j) {
+        uint2 af[TokenTiles];
+        std::uint32_t asc[TokenTiles][2], ws8c;
+        load_activations(kb0 + j, af, asc, ws8c, lean);
+        block(stage, j, af, asc, ws8c, lean, exact);
+      }
+    };
+    auto run = [&](auto lean) {
+      using fast = std::false_type;
+      for (int c = 0; c < chunks; ++c) {
+        const int kb0 = c * kStageBlocks, nkb = min(kStageBlocks, KB - kb0);
+        const unsigned char* stage = ring + c_stage * L::stage_bytes;
+        float saved[TokenTiles][4];  // the sums before the stage, for a redo with exact scales
+#pragma unroll
+        for (int t = 0; t < TokenTiles; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) saved[t][e] = acc[t][e];
+        unsafe = false;
+        if (nkb == kStageBlocks) {
+          // A full stage, unrolled: its activations are loaded before the wait for its weights
+          // (with two token tiles, in two halves, to stay within the registers).
+          constexpr int kPart = kStageBlocks / TokenTiles;
+#pragma unroll
+          for (int p = 0; p < kStageBlocks; p += kPart) {
+            uint2 af[kPart][TokenTiles];
+            std::uint32_t asc[kPart][TokenTiles][2], ws8c[kPart];
+#pragma unroll
+            for (int j = 0; j < kPart; ++j) load_activations(kb0 + p + j, af[j], asc[j], ws8c[j], lean);
+            if (p == 0) bulk_copy::wait(bars + c_stage, c_parity);
+#pragma unroll
+            for (int j = 0; j < kPart; ++j) block(stage, p + j, af[j], asc[j], ws8c[j], lean, fast{});
           }
+        } else {
+          // The last, partial stage: one block at a time.
+          bulk_copy::wait(bars + c_stage, c_parity);
+          blocks_one_by_one(stage, kb0, nkb, lean, fast{});
+        }
+        if (__any_sync(0xFFFFFFFFu, unsafe)) {  // rare: redo the stage with exactly decoded scales
+#pragma unroll
+          for (int t = 0; t < TokenTiles; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[t][e] = saved[t][e];
+          blocks_one_by_one(stage, kb0, nkb, lean, std::true_type{});
         }
         // The stage is read: refill it with the chunk kS ahead (possibly the next unit's).
         __syncwarp();
-        if (lane == 0 && q + kS < my_chunks) {
+        if (lane == 0) {
           bulk_copy::fence_before_refill();
-          issue(q + kS);
+          issue_next();
         }
+        if (++c_stage == kS) c_stage = 0, c_parity ^= 1u;
       }
     };
     // A tile of one row needs only the C fragment's even token columns (as in the per-tile kernel).
@@ -308,6 +374,9 @@ inline void streamed_grouped_gemm(const block_scaled_gemm_args& g, const gemm_gr
   if (max_tiles <= 0 || g.shape.n == 0) return;
   const int gemms = second ? 2 : 1;
   const long long max_units = (long long)gemms * max_tiles * ((g.shape.n + 15) / 16);
+  if (max_units >= (1LL << 31) - 1LL * detail::stream_warps * 65536)
+    throw error("streamed_grouped_gemm: " + std::to_string(max_units) +
+                " units of work (GEMMs x tiles x 16-row tiles) exceed the kernel's 32-bit count");
   auto go = [&](auto kernel, int ctas_per_sm, int smem) {
     const long long fill = (long long)std::max(1, ctas_per_sm) * detail::sm_count();
     const unsigned grid = unsigned(std::min(fill, max_units));
