@@ -152,11 +152,9 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     // Rows gid and gid + 8 of the tile; token gid of each token tile (B), tokens 2q, 2q + 1 (C).
     const std::uint8_t* a_row[TokenTiles];
     const std::uint8_t* as_row[TokenTiles][2];
-    bool tok_ok[TokenTiles];
 #pragma unroll
     for (int t = 0; t < TokenTiles; ++t) {
       const int tok = tok_base + t * 8 + gid;
-      tok_ok[t] = tok < tok_end;
       a_row[t] = g.a + (long long)a_index(tok < tok_end ? tok : tok_base) * g.shape.k + quad * 8;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -216,15 +214,15 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
         }
       }
     };
-    // The activations of K block kb (addresses always valid: rows past the tile read its first row,
-    // whose values are then dropped, so the loads need no branch).
+    // The activations of K block kb. Addresses are always valid: B columns past the tile read the
+    // tile's first row, and what they compute lands in C columns (tokens) that are never written
+    // (an MMA's columns do not mix), so the loads need neither a branch nor a select.
     auto load_activations = [&](int kb, uint2 (&af)[TokenTiles], std::uint32_t (&asc)[TokenTiles][2],
                                 std::uint32_t& ws8c, auto lean) {
       constexpr int kTokScales = decltype(lean)::value ? 1 : 2;
 #pragma unroll
       for (int t = 0; t < TokenTiles; ++t) {
-        const uint2 v = *reinterpret_cast<const uint2*>(a_row[t] + kb * 32);
-        af[t] = tok_ok[t] ? v : make_uint2(0, 0);
+        af[t] = *reinterpret_cast<const uint2*>(a_row[t] + kb * 32);
 #pragma unroll
         for (int h = 0; h < 2; ++h) asc[t][h] = h < kTokScales ? std::uint32_t(as_row[t][h][kb]) : 127u;
       }
