@@ -167,13 +167,9 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     float acc[TokenTiles][4] = {};
 
     // One K block from stage slot j: the weight fragment from shared memory, the activations'
-    // fragments and scales as loaded by the caller. `exact` false: each scale product comes from
-    // the codes' exponent sum, 2^(ca + cw - 254) = bits (ca + cw - 127) << 23, which equals the
-    // product of the decoded scales (a code of 0 included) wherever it is a normal float and
-    // neither code is 255 (NaN); `unsafe` records any product where that does not hold, and the
-    // caller then redoes the blocks with `exact` (ue8m0_value and an fp32 multiply, the per-tile
-    // kernel's arithmetic). Two integer instructions instead of a decode (six) per scale and a
-    // multiply per product.
+    // fragments and scales as loaded by the caller, added with the fast scale arithmetic or, for
+    // a stage where that could round differently (`unsafe`, rare: extreme or NaN scales), redone
+    // with the exact one (see `accumulate`).
     bool unsafe = false;
     auto block = [&](const unsigned char* stage, int j, const uint2 (&af)[TokenTiles],
                      const std::uint32_t (&asc)[TokenTiles][2], std::uint32_t ws8c, auto lean, auto exact) {
@@ -191,13 +187,19 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
         const unsigned char* sc = stage + stream_stage_code_bytes + j * L::block_scale_bytes;
         wc0 = sc[gid], wc1 = sc[gid + 8];
       }
-      auto product = [&](std::uint32_t ca, std::uint32_t cw) {
+      // acc += (d * a_scale) * w_scale, the reference's order (reference.hpp). Exact path: that
+      // formula on decoded scales (three roundings, as the reference). Fast path: one FMA with
+      // 2^(ca + cw - 254) = bits (ca + cw - 127) << 23, which rounds once to the same value where
+      // neither multiply rounds: a nonzero block sum has |d| in [2^-18, 2^23] (E4M3 x E4M3; E2M1
+      // weights: [2^-10, 2^17]), so ca in [19, 231] keeps d * a_scale normal and finite, and
+      // ca + cw - 127 in [19, 231] keeps the product so; cw 255 (NaN) goes the exact way too.
+      auto accumulate = [&](float& sum, float d, std::uint32_t ca, std::uint32_t cw) {
         if constexpr (kExact) {
-          return __fmul_rn(ue8m0_value(ca), ue8m0_value(cw));
+          sum = __fadd_rn(sum, __fmul_rn(__fmul_rn(d, ue8m0_value(ca)), ue8m0_value(cw)));
         } else {
           const std::uint32_t e = ca + cw - 127u;
-          unsafe |= (e - 1u > 253u) | (cw > 254u);  // not normal, or a NaN weight scale
-          return __uint_as_float(e << 23);
+          unsafe |= (e - 19u > 212u) | (cw > 254u);
+          sum = __fmaf_rn(d, __uint_as_float(e << 23), sum);
         }
       };
       const e4m3_fragment a16(frag);
@@ -205,12 +207,12 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
       for (int t = 0; t < TokenTiles; ++t) {
         float d[4];
         mma_e4m3(a16, af[t].x, af[t].y, d);
-        if constexpr (!kExact) unsafe |= asc[t][0] > 254u || (!kLean && asc[t][1] > 254u);
-        acc[t][0] = __fmaf_rn(d[0], product(asc[t][0], wc0), acc[t][0]);
-        acc[t][2] = __fmaf_rn(d[2], product(asc[t][0], wc1), acc[t][2]);
+        if constexpr (!kExact) unsafe |= (asc[t][0] - 19u > 212u) || (!kLean && asc[t][1] - 19u > 212u);
+        accumulate(acc[t][0], d[0], asc[t][0], wc0);
+        accumulate(acc[t][2], d[2], asc[t][0], wc1);
         if constexpr (!kLean) {
-          acc[t][1] = __fmaf_rn(d[1], product(asc[t][1], wc0), acc[t][1]);
-          acc[t][3] = __fmaf_rn(d[3], product(asc[t][1], wc1), acc[t][3]);
+          accumulate(acc[t][1], d[1], asc[t][1], wc0);
+          accumulate(acc[t][3], d[3], asc[t][1], wc1);
         }
       }
     };
