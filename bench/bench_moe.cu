@@ -49,8 +49,9 @@ int main(int argc, char** argv) {
     bias.fill_bytes(0);
     const moe::moe_weights w{gate.data(), bias.data(), nullptr, w1.data(), w1s.data(), w3.data(), w3s.data(), w2.data(),
                              w2s.data(),  s1.data(),   s1s.data(), s3.data(), s3s.data(), s2.data(), s2s.data()};
-    std::printf("%7s %10s %9s %11s %9s %9s %9s %11s %10s %14s %9s\n", "tokens", "median us", "experts", "weight GB/s",
-                "vs copy", "TFLOP/s", "vs gemm", "per-tile us", "wgmma us", "cuBLAS path us", "vs gemm");
+    std::printf("%7s %10s %9s %11s %9s %9s %9s %11s %10s %14s %9s\n", "tokens", "median us", "experts",
+                "weight GB/s", "vs copy", "TFLOP/s", "vs gemm", "per-tile us", "wgmma us", "cuBLAS path us",
+                "vs gemm");
     cublasHandle_t blas = nullptr;
     gemm::detail::blas_check(cublasCreate(&blas), "bench_moe: cublasCreate");
     FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
@@ -71,7 +72,8 @@ int main(int argc, char** argv) {
       double ms_wgmma = 0.0, ms_per_tile = 0.0;
       if (tokens <= 64) {
         gemm::set_expert_gemm(gemm::expert_gemm::per_tile);
-        ms_per_tile = bench::median_ms_per_call([&](cudaStream_t st) { moe::moe_forward(x.data(), tokens, nullptr, w, y.data(), ws, st); }, 10);
+        ms_per_tile = bench::median_ms_per_call(
+            [&](cudaStream_t st) { moe::moe_forward(x.data(), tokens, nullptr, w, y.data(), ws, st); }, 10);
         gemm::set_expert_gemm(gemm::expert_gemm::streamed);
         gemm::set_decode_gemm(gemm::decode_gemm::wgmma);  // read when the graph is captured
         ms_wgmma = bench::median_ms_per_call([&](cudaStream_t st) { moe::moe_forward(x.data(), tokens, nullptr, w, y.data(), ws, st); }, 10);
@@ -93,10 +95,13 @@ int main(int argc, char** argv) {
       else
         std::printf(" %14s %9s\n", "-", "-");
       if (jf)
-        std::fprintf(jf, "%s  {\"tokens\": %lld, \"us\": %.2f, \"experts\": %zu, \"copy_ratio\": %.4f, \"gemm_ratio\": %.4f, "
-                         "\"per_tile_us\": %.2f, \"wgmma_us\": %.2f, \"cublas_path_us\": %.2f}",
-                     first ? "" : ",\n", tokens, ms * 1e3, distinct.size(), bytes / ceil.copy_bps / (ms * 1e-3),
-                     flops / ceil.gemm_fps / (ms * 1e-3), ms_per_tile * 1e3, ms_wgmma * 1e3, ms_dense * 1e3);
+        std::fprintf(jf,
+                     "%s  {\"tokens\": %lld, \"us\": %.2f, \"experts\": %zu, \"copy_ratio\": %.4f, "
+                     "\"gemm_ratio\": %.4f, "
+                     "\"per_tile_us\": %.2f, \"wgmma_us\": %.2f, \"cublas_path_us\": %.2f}",
+                     first ? "" : ",\n", tokens, ms * 1e3, distinct.size(),
+                     bytes / ceil.copy_bps / (ms * 1e-3), flops / ceil.gemm_fps / (ms * 1e-3),
+                     ms_per_tile * 1e3, ms_wgmma * 1e3, ms_dense * 1e3);
       first = false;
     }
     cublasDestroy(blas);

@@ -22,8 +22,8 @@
 #include "support/blas.hpp"
 #include "support/errors.hpp"
 #include "support/gpu.hpp"
-#include "support/wgmma.cuh"
 #include "support/random.hpp"
+#include "support/wgmma.cuh"
 
 namespace utf = boost::unit_test;
 using namespace dsv4;
@@ -287,8 +287,8 @@ BOOST_AUTO_TEST_CASE(wgmma_matches_host, *utf::label("gpu") * utf::precondition(
 struct grouped_tile {
   int group, row0, rows;
 };
-void check_grouped(weight_format wf, int K, int N, int groups_n, int a_rows, const std::vector<grouped_tile>& tiles,
-                   int max_tiles, std::uint64_t salt) {
+void check_grouped(weight_format wf, int K, int N, int groups_n, int a_rows,
+                   const std::vector<grouped_tile>& tiles, int max_tiles, std::uint64_t salt) {
   const bool fp8 = wf == weight_format::fp8_tile32;
   int M = 0;
   for (const auto& t : tiles) M = std::max(M, t.row0 + t.rows);
@@ -329,27 +329,35 @@ void check_grouped(weight_format wf, int K, int N, int groups_n, int a_rows, con
         mag[pair].insert(mag[pair].end(), m.begin(), m.end());
       }
   std::vector<int> tile_group, tile_row0, tile_rows;
-  for (const auto& t : tiles) tile_group.push_back(t.group), tile_row0.push_back(t.row0), tile_rows.push_back(t.rows);
+  for (const auto& t : tiles)
+    tile_group.push_back(t.group), tile_row0.push_back(t.row0), tile_rows.push_back(t.rows);
   for (std::size_t pad = tiles.size(); pad < std::size_t(max_tiles); ++pad)  // past tile_count
     tile_group.push_back(-1), tile_row0.push_back(-1), tile_rows.push_back(-1);
   const int count = int(tiles.size());
-  const int token_tiles = std::any_of(tiles.begin(), tiles.end(), [](const grouped_tile& t) { return t.rows > 8; }) ? 2 : 1;
+  const int token_tiles =
+      std::any_of(tiles.begin(), tiles.end(), [](const grouped_tile& t) { return t.rows > 8; }) ? 2 : 1;
   device_buffer<int> d_group{std::span<const int>(tile_group)}, d_row0{std::span<const int>(tile_row0)},
       d_rows{std::span<const int>(tile_rows)}, d_count{std::span<const int>(&count, 1)},
       d_index{std::span<const int>(a_row_index)};
-  device_buffer<std::uint8_t> da{std::span<const std::uint8_t>(acts.a)}, das{std::span<const std::uint8_t>(acts.a_s)},
-      dw0{std::span<const std::uint8_t>(codes[0])}, dws0{std::span<const std::uint8_t>(scales[0])},
-      dw1{std::span<const std::uint8_t>(codes[1])}, dws1{std::span<const std::uint8_t>(scales[1])};
+  device_buffer<std::uint8_t> da{std::span<const std::uint8_t>(acts.a)},
+      das{std::span<const std::uint8_t>(acts.a_s)}, dw0{std::span<const std::uint8_t>(codes[0])},
+      dws0{std::span<const std::uint8_t>(scales[0])}, dw1{std::span<const std::uint8_t>(codes[1])},
+      dws1{std::span<const std::uint8_t>(scales[1])};
   device_buffer<bf16> dc0(std::size_t(M) * N), dc1(std::size_t(M) * N);
-  const kernels::gemm::gemm_groups groups{d_group.data(), d_row0.data(), d_rows.data(),        d_count.data(),
-                                          d_index.data(), (long long)code_stride, (long long)scale_stride};
-  const kernels::gemm::block_scaled_gemm_args g0{{M, N, K}, da.data(), das.data(), dw0.data(), dws0.data(), dc0.data()},
+  const kernels::gemm::gemm_groups groups{d_group.data(),         d_row0.data(),  d_rows.data(),
+                                          d_count.data(),         d_index.data(), (long long)code_stride,
+                                          (long long)scale_stride};
+  const kernels::gemm::block_scaled_gemm_args g0{{M, N, K},  da.data(),   das.data(),
+                                                 dw0.data(), dws0.data(), dc0.data()},
       g1{{M, N, K}, da.data(), das.data(), dw1.data(), dws1.data(), dc1.data()};
-  const std::string shape = " K" + std::to_string(K) + " N" + std::to_string(N) + " " + std::to_string(count) + " tiles";
+  const std::string shape =
+      " K" + std::to_string(K) + " N" + std::to_string(N) + " " + std::to_string(count) + " tiles";
   for (const char* kernel : {"per-tile mma.sync", "streamed", "wgmma"}) {
     const std::string k = kernel;
-    if (k == "streamed" && !kernels::gemm::streamed_grouped_gemm_unfit(g0, groups, wf, token_tiles, &g1).empty()) {
-      BOOST_TEST_MESSAGE("streamed grouped GEMM skipped: " << kernels::gemm::streamed_grouped_gemm_unfit(g0, groups, wf, token_tiles, &g1));
+    if (k == "streamed" &&
+        !kernels::gemm::streamed_grouped_gemm_unfit(g0, groups, wf, token_tiles, &g1).empty()) {
+      BOOST_TEST_MESSAGE("streamed grouped GEMM skipped: " << kernels::gemm::streamed_grouped_gemm_unfit(
+                             g0, groups, wf, token_tiles, &g1));
       continue;
     }
     std::vector<bf16> runs[2][2];
@@ -367,7 +375,8 @@ void check_grouped(weight_format wf, int K, int N, int groups_n, int a_rows, con
     }
     std::size_t differ = 0;
     for (int pair = 0; pair < 2; ++pair)
-      for (std::size_t i = 0; i < runs[0][pair].size(); ++i) differ += runs[0][pair][i].bits != runs[1][pair][i].bits;
+      for (std::size_t i = 0; i < runs[0][pair].size(); ++i)
+        differ += runs[0][pair][i].bits != runs[1][pair][i].bits;
     BOOST_TEST(differ == 0u, k << ": a second run changed " << differ << " outputs");
     const std::string name = "grouped " + k + (fp8 ? " fp8" : " fp4") + shape;
     // wgmma: reduced-precision FP8 accumulation (wgmma_matches_host); the streamed kernel adds the
@@ -381,7 +390,8 @@ void check_grouped(weight_format wf, int K, int N, int groups_n, int a_rows, con
 
 // Ragged tiles (5, 16, 3 and 1 rows), N = 200 (a ragged last row tile and row group), max_tiles
 // 6 for 4 tiles.
-BOOST_AUTO_TEST_CASE(grouped_gemms_match_host, *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
+BOOST_AUTO_TEST_CASE(grouped_gemms_match_host,
+                     *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
   for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32})
     check_grouped(wf, 512, 200, 3, 30, {{0, 0, 5}, {2, 5, 16}, {1, 21, 3}, {2, 24, 1}}, 6,
                   wf == weight_format::fp8_tile32 ? 81 : 82);
@@ -423,22 +433,23 @@ BOOST_AUTO_TEST_CASE(streamed_grouped_gemm_exact_at_extreme_scales,
         return fp8 ? op.w_s[std::size_t(row / 32) * KB + kb] : op.w_s[std::size_t(row) * KB + kb];
       };
       for (int i = 0; i < M; ++i) {
-        op.a_s[std::size_t(i) * KB + 2] = 0;   // 2^-127 ...
+        op.a_s[std::size_t(i) * KB + 2] = 0;  // 2^-127 ...
         op.a_s[std::size_t(i) * KB + 32] = 0;
       }
       for (int row = 0; row < N; row += fp8 ? 32 : 1) {
-        w_scale(row, 2) = 200;  // ... times 2^73: a normal product (fast path)
+        w_scale(row, 2) = 200;                                 // ... times 2^73: a normal product (fast path)
         w_scale(row, 32) = std::uint8_t(row < 32 ? 20 : 210);  // 2^-234: underflow (redo) / normal
       }
-      op.a_s[3] = 250;  // token 0, block 3: 2^123 ...
-      w_scale(0, 3) = 250;  // ... times 2^123 for rows 0..31 (FP8) / row 0 (FP4): overflow (redo)
+      op.a_s[3] = 250;       // token 0, block 3: 2^123 ...
+      w_scale(0, 3) = 250;   // ... times 2^123 for rows 0..31 (FP8) / row 0 (FP4): overflow (redo)
       w_scale(40, 5) = 255;  // NaN: row 40 (FP4), rows 32..63 (FP8) are NaN for every token
       const auto want = op.reference(), mag = op.reference(true);
       auto d = op.upload();
       const int zero = 0, one = 1;
       device_buffer<int> d_group{std::span<const int>(&zero, 1)}, d_row0{std::span<const int>(&zero, 1)},
           d_rows{std::span<const int>(&M, 1)}, d_count{std::span<const int>(&one, 1)};
-      const kernels::gemm::gemm_groups groups{d_group.data(), d_row0.data(), d_rows.data(), d_count.data(), nullptr, 0, 0};
+      const kernels::gemm::gemm_groups groups{
+          d_group.data(), d_row0.data(), d_rows.data(), d_count.data(), nullptr, 0, 0};
       kernels::gemm::streamed_grouped_gemm(d.args(), groups, wf, 1, 1);
       const auto got = d.c_after_sync();
       std::vector<bf16> got_f, want_f, mag_f;
@@ -452,10 +463,12 @@ BOOST_AUTO_TEST_CASE(streamed_grouped_gemm_exact_at_extreme_scales,
           got_f.push_back(got[i]), want_f.push_back(want[i]), mag_f.push_back(mag[i]);
         }
       }
-      const std::string name = std::string("streamed ") + (fp8 ? "fp8" : "fp4") + " M" + std::to_string(M) + " extreme scales";
+      const std::string name =
+          std::string("streamed ") + (fp8 ? "fp8" : "fp4") + " M" + std::to_string(M) + " extreme scales";
       BOOST_TEST_MESSAGE(name << ": " << specials << " NaN / infinite outputs on the host");
       BOOST_TEST(specials > 0u, name << ": the case must produce the host's NaN and infinity");
-      BOOST_TEST(class_mismatch == 0u, name << ": " << class_mismatch << " NaN / infinite outputs differ from the host");
+      BOOST_TEST(class_mismatch == 0u,
+                 name << ": " << class_mismatch << " NaN / infinite outputs differ from the host");
       expect_close(got_f, want_f, mag_f, name.c_str(), 0x1p-16, 0.99);
     }
 }

@@ -43,7 +43,8 @@ DSV4_DEVICE std::uint32_t shared_address(const void* p) {
 //! (or warp) synchronization before anyone uses it.
 DSV4_DEVICE void init(std::uint64_t* bar, unsigned arrivals) {
 #if DSV4_BULK_COPY_PASS
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(arrivals) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(arrivals)
+               : "memory");
 #else
   (void)bar, (void)arrivals;
 #endif
@@ -60,7 +61,8 @@ DSV4_DEVICE void init_fence() {
 //! This thread's arrival on `bar`, announcing `bytes` bytes of copies for the current phase.
 DSV4_DEVICE void expect_bytes(std::uint64_t* bar, unsigned bytes) {
 #if DSV4_BULK_COPY_PASS
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)), "r"(bytes)
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)),
+               "r"(bytes)
                : "memory");
 #else
   (void)bar, (void)bytes;
@@ -82,8 +84,8 @@ DSV4_DEVICE std::uint64_t evict_first_policy() {
 DSV4_DEVICE void copy(void* dst, const void* src, unsigned bytes, std::uint64_t* bar, std::uint64_t policy) {
 #if DSV4_BULK_COPY_PASS
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
-          shared_address(dst)),
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, "
+      "[%3], %4;\n" ::"r"(shared_address(dst)),
       "l"(src), "r"(bytes), "r"(shared_address(bar)), "l"(policy)
       : "memory");
 #else

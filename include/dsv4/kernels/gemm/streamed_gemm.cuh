@@ -121,7 +121,8 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     if (p_chunk == 0) {
       const unit un = unit_at(p_unit);
       const long long group = groups.tile_group[un.tile];
-      p_codes = (un.gemm ? g_second.w : g.w) + group * groups.w_group_bytes + (long long)un.rt * KB * L::block_bytes;
+      p_codes = (un.gemm ? g_second.w : g.w) + group * groups.w_group_bytes +
+                (long long)un.rt * KB * L::block_bytes;
       p_scales = (un.gemm ? g_second.w_s : g.w_s) + group * groups.ws_group_bytes +
                  (long long)un.rt * KB * L::block_scale_bytes;
     }
@@ -171,8 +172,8 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     // a stage where that could round differently (`unsafe`, rare: extreme or NaN scales), redone
     // with the exact one (see `accumulate`).
     bool unsafe = false;
-    auto block = [&](const unsigned char* stage, int j, const uint2 (&af)[TokenTiles],
-                     const std::uint32_t (&asc)[TokenTiles][2], std::uint32_t ws8c, auto lean, auto exact) {
+    auto block = [&](const unsigned char* stage, int j, const uint2(&af)[TokenTiles],
+                     const std::uint32_t(&asc)[TokenTiles][2], std::uint32_t ws8c, auto lean, auto exact) {
       constexpr bool kLean = decltype(lean)::value, kExact = decltype(exact)::value;
       std::uint32_t frag[4], wc0, wc1;
       if constexpr (kFp8) {
@@ -219,7 +220,7 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     // The activations of K block kb. Addresses are always valid: B columns past the tile read the
     // tile's first row, and what they compute lands in C columns (tokens) that are never written
     // (an MMA's columns do not mix), so the loads need neither a branch nor a select.
-    auto load_activations = [&](int kb, uint2 (&af)[TokenTiles], std::uint32_t (&asc)[TokenTiles][2],
+    auto load_activations = [&](int kb, uint2(&af)[TokenTiles], std::uint32_t(&asc)[TokenTiles][2],
                                 std::uint32_t& ws8c, auto lean) {
       constexpr int kTokScales = decltype(lean)::value ? 1 : 2;
 #pragma unroll
@@ -326,7 +327,8 @@ int streamed_ctas_per_sm() {
     DSV4_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, stream_layout<WF>::bytes));
     int n = 0;
-    DSV4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, stream_warps * 32, stream_layout<WF>::bytes));
+    DSV4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, stream_warps * 32,
+                                                                  stream_layout<WF>::bytes));
     return n;
   }();
   return ctas;
@@ -337,8 +339,12 @@ int streamed_ctas_per_sm() {
 //! Process-wide: the kernel of the grouped expert GEMMs (bench_moe compares them). With
 //! `streamed`, arguments the streamed kernel cannot take (streamed_grouped_gemm_unfit) still run
 //! on the per-tile kernel.
-inline void set_expert_gemm(expert_gemm k) { detail::expert_gemm_choice().store(k); }
-inline expert_gemm current_expert_gemm() { return detail::expert_gemm_choice().load(); }
+inline void set_expert_gemm(expert_gemm k) {
+  detail::expert_gemm_choice().store(k);
+}
+inline expert_gemm current_expert_gemm() {
+  return detail::expert_gemm_choice().load();
+}
 
 //! Why the streamed grouped GEMM cannot take these arguments (empty: it can). Besides the checks
 //! of grouped_block_scaled_gemm it needs a Hopper device and build (bulk copies) and 16-byte
@@ -346,17 +352,19 @@ inline expert_gemm current_expert_gemm() { return detail::expert_gemm_choice().l
 inline std::string streamed_grouped_gemm_unfit(const block_scaled_gemm_args& g, const gemm_groups& groups,
                                                weight_format wf, int token_tiles,
                                                const block_scaled_gemm_args* second = nullptr) {
-  const bool runs = wf == weight_format::fp8_tile32
-                        ? (token_tiles == 1 ? detail::streamed_kernel_runs_here<weight_format::fp8_tile32, 1>()
-                                            : detail::streamed_kernel_runs_here<weight_format::fp8_tile32, 2>())
-                        : (token_tiles == 1 ? detail::streamed_kernel_runs_here<weight_format::fp4_row32, 1>()
-                                            : detail::streamed_kernel_runs_here<weight_format::fp4_row32, 2>());
+  const bool runs =
+      wf == weight_format::fp8_tile32
+          ? (token_tiles == 1 ? detail::streamed_kernel_runs_here<weight_format::fp8_tile32, 1>()
+                              : detail::streamed_kernel_runs_here<weight_format::fp8_tile32, 2>())
+          : (token_tiles == 1 ? detail::streamed_kernel_runs_here<weight_format::fp4_row32, 1>()
+                              : detail::streamed_kernel_runs_here<weight_format::fp4_row32, 2>());
   if (!runs) return "bulk copies need a Hopper (sm_90) device and device code built for sm_90 or newer";
   auto misaligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 != 0; };
   const bool fp4 = wf == weight_format::fp4_row32;
   for (const block_scaled_gemm_args* a : {&g, second})
     if (a && (misaligned(a->w) || (fp4 && misaligned(a->w_s))))
-      return fp4 ? "the weight codes and scales must be 16-byte aligned" : "the weight codes must be 16-byte aligned";
+      return fp4 ? "the weight codes and scales must be 16-byte aligned"
+                 : "the weight codes must be 16-byte aligned";
   if (groups.w_group_bytes % 16 != 0 || (fp4 && groups.ws_group_bytes % 16 != 0))
     return "the weight strides between groups must be multiples of 16 bytes";
   return {};
@@ -365,8 +373,9 @@ inline std::string streamed_grouped_gemm_unfit(const block_scaled_gemm_args& g, 
 //! grouped_block_scaled_gemm's GEMM (same arguments and results up to fp32 summation order: here
 //! a unit's K blocks are added in K order, as the host reference does) with the weights streamed
 //! by bulk copies. Throws dsv4::error on bad arguments or where streamed_grouped_gemm_unfit says why.
-inline void streamed_grouped_gemm(const block_scaled_gemm_args& g, const gemm_groups& groups, weight_format wf,
-                                  int max_tiles, int token_tiles, cudaStream_t stream = nullptr,
+inline void streamed_grouped_gemm(const block_scaled_gemm_args& g, const gemm_groups& groups,
+                                  weight_format wf, int max_tiles, int token_tiles,
+                                  cudaStream_t stream = nullptr,
                                   const block_scaled_gemm_args* second = nullptr) {
   detail::check_grouped_args("streamed_grouped_gemm", g, groups, wf, token_tiles, second, 1 << 24);
   if (auto why = streamed_grouped_gemm_unfit(g, groups, wf, token_tiles, second); !why.empty())
@@ -380,8 +389,9 @@ inline void streamed_grouped_gemm(const block_scaled_gemm_args& g, const gemm_gr
   auto go = [&](auto kernel, int ctas_per_sm, int smem) {
     const long long fill = (long long)std::max(1, ctas_per_sm) * detail::sm_count();
     const unsigned grid = unsigned(std::min(fill, max_units));
-    runtime::launch_programmatic(kernel, dim3(grid), dim3(detail::stream_warps * 32), std::size_t(smem), stream, g,
-                                 groups, max_tiles, second ? *second : block_scaled_gemm_args{}, gemms);
+    runtime::launch_programmatic(kernel, dim3(grid), dim3(detail::stream_warps * 32), std::size_t(smem),
+                                 stream, g, groups, max_tiles, second ? *second : block_scaled_gemm_args{},
+                                 gemms);
   };
   using detail::stream_layout;
   if (wf == weight_format::fp8_tile32) {
