@@ -210,7 +210,8 @@ BOOST_AUTO_TEST_CASE(prefill_seeds_only_the_rings) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(drafts_after_decode_steps) {
+// Labelled long: the sanitizer build skips it (53 s there; the other drafting cases run under it).
+BOOST_AUTO_TEST_CASE(drafts_after_decode_steps, *boost::unit_test::label("long")) {
   auto& f = shared();
   const auto prompt = random_ids(W + 2, 23);
   const int steps = 2;

@@ -116,8 +116,9 @@ BOOST_AUTO_TEST_CASE(decode_logits_equal_prefill_logits) {
 
 // The CED prefill: equal to the exact prefill while the prompt fits the replay window; beyond it,
 // the decoder runs over the last `window` tokens only (the layer-token work of the article's
-// model), the logits move (measured, not hidden), and decoding continues.
-BOOST_AUTO_TEST_CASE(ced_prefill) {
+// model), the logits move (measured, not hidden), and decoding continues. Labelled long: the
+// sanitizer build skips it (56 s there; test_ced_vs_exact runs the CED path under it).
+BOOST_AUTO_TEST_CASE(ced_prefill, *boost::unit_test::label("long")) {
   using sched = models::model_traits<tiny>::schedule;
   const test::temp_checkpoint tmp("model_ced", models::checkpoint_schema<tiny>(), 42);
   io::checkpoint ck(tmp.dir);
