@@ -287,8 +287,11 @@ BOOST_AUTO_TEST_CASE(wgmma_matches_host, *utf::label("gpu") * utf::precondition(
 struct grouped_tile {
   int group, row0, rows;
 };
+//! `device_count` (default: the tiles' count) is the tile count the kernels read; above max_tiles
+//! they must clamp it.
 void check_grouped(weight_format wf, int K, int N, int groups_n, int a_rows,
-                   const std::vector<grouped_tile>& tiles, int max_tiles, std::uint64_t salt) {
+                   const std::vector<grouped_tile>& tiles, int max_tiles, std::uint64_t salt,
+                   int device_count = -1) {
   const bool fp8 = wf == weight_format::fp8_tile32;
   int M = 0;
   for (const auto& t : tiles) M = std::max(M, t.row0 + t.rows);
@@ -333,7 +336,7 @@ void check_grouped(weight_format wf, int K, int N, int groups_n, int a_rows,
     tile_group.push_back(t.group), tile_row0.push_back(t.row0), tile_rows.push_back(t.rows);
   for (std::size_t pad = tiles.size(); pad < std::size_t(max_tiles); ++pad)  // past tile_count
     tile_group.push_back(-1), tile_row0.push_back(-1), tile_rows.push_back(-1);
-  const int count = int(tiles.size());
+  const int count = device_count >= 0 ? device_count : int(tiles.size());
   const int token_tiles =
       std::any_of(tiles.begin(), tiles.end(), [](const grouped_tile& t) { return t.rows > 8; }) ? 2 : 1;
   device_buffer<int> d_group{std::span<const int>(tile_group)}, d_row0{std::span<const int>(tile_row0)},
@@ -398,7 +401,7 @@ BOOST_AUTO_TEST_CASE(grouped_gemms_match_host,
 }
 
 // More units than the streamed kernel has warps (2 GEMMs x 12 tiles x 144 row tiles = 3,456 >
-// 132 SMs x 3 CTAs x 8 warps), so warps take several units and refill their rings across unit
+// 132 SMs x 2 CTAs x 8 warps), so warps take several units and refill their rings across unit
 // boundaries; K = 1056 (33 blocks: a last stage of one FP4 block, of one of four FP8 blocks);
 // one-row tiles (the decode case), a tile list with two tiles of one group and an empty group.
 BOOST_AUTO_TEST_CASE(grouped_gemms_with_many_units_match_host,
@@ -414,15 +417,57 @@ BOOST_AUTO_TEST_CASE(grouped_gemms_with_many_units_match_host,
     check_grouped(wf, 1056, 2304, 7, 40, tiles, 14, wf == weight_format::fp8_tile32 ? 83 : 84);
 }
 
+// 16-row tiles (token tiles 2; 16, 9, 12 and 1 rows) with many units, K = 96 (three blocks: the
+// only stage is a partial one, FP4 and FP8), and a device tile count above max_tiles (20 for a
+// list of 12: the kernels must clamp it).
+BOOST_AUTO_TEST_CASE(grouped_gemms_with_16_row_tiles_and_one_partial_stage_match_host,
+                     *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
+  std::vector<grouped_tile> tiles;
+  int row = 0;
+  for (int t = 0; t < 12; ++t) {
+    const int rows = t % 4 == 0 ? 16 : t % 4 == 1 ? 9 : t % 4 == 2 ? 12 : 1;
+    tiles.push_back({t % 5, row, rows});
+    row += rows;
+  }
+  for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32})
+    check_grouped(wf, 96, 2304, 5, 50, tiles, 12, wf == weight_format::fp8_tile32 ? 85 : 86, 20);
+}
+
+// An empty tile list (tile count 0 on the device): nothing is written, on either mma.sync kernel.
+BOOST_AUTO_TEST_CASE(grouped_gemm_with_no_tiles_writes_nothing,
+                     *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
+  const int K = 256, N = 64, M = 4;
+  for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32}) {
+    auto rng = test::make_rng(87);
+    const gemm_operands op({M, N, K}, wf, rng);
+    auto d = op.upload();  // C poisoned with 0xFF bytes
+    const std::vector<int> minus(3, -1);
+    const int zero = 0;
+    device_buffer<int> d_group{std::span<const int>(minus)}, d_row0{std::span<const int>(minus)},
+        d_rows{std::span<const int>(minus)}, d_count{std::span<const int>(&zero, 1)};
+    const kernels::gemm::gemm_groups groups{d_group.data(), d_row0.data(), d_rows.data(), d_count.data(), nullptr, 0, 0};
+    for (const bool streamed : {false, true}) {
+      if (streamed)
+        kernels::gemm::streamed_grouped_gemm(d.args(), groups, wf, 3, 1);
+      else
+        kernels::gemm::grouped_block_scaled_gemm(d.args(), groups, wf, 3, 1);
+      const auto c = d.c_after_sync();
+      std::size_t written = 0;
+      for (const auto& v : c) written += v.bits != 0xFFFFu;
+      BOOST_TEST(written == 0u, (streamed ? "streamed: " : "per-tile: ") << written << " outputs written");
+    }
+  }
+}
+
 // The streamed kernel's scale products come from the codes' exponent sum, with a redo of the
 // stage on exactly decoded scales wherever that is not the product (codes of 255, products that
-// leave the normal range). Here: activation scale code 0 beside large weight codes (a normal
-// product: the fast path must treat code 0 as 2^-127), products that underflow, one that
-// overflows, and a NaN weight scale, in a full stage (K block 2) and in the last, partial one
+// leave the normal range). Here: activation scale code 0 beside large weight codes (normal
+// products, but d * 2^-127 is not: the exact redo, as for any code below 19), products that
+// underflow, one that overflows, and a NaN weight scale, in a full stage (K block 2) and in the last, partial one
 // (K block 32 of 33), for one-token (lean) and three-token tiles, FP4 and FP8. Every output
 // must equal the host's class (NaN, infinity) and be within tolerance elsewhere.
 BOOST_AUTO_TEST_CASE(streamed_grouped_gemm_exact_at_extreme_scales,
-                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+                     *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
   const int K = 1056, N = 64, KB = K / 32;
   for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32})
     for (const int M : {1, 3}) {

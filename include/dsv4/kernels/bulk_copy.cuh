@@ -14,8 +14,8 @@
 //!    issuing thread calls `fence_before_refill` (the async proxy's writes must not pass the
 //!    generic reads of the previous phase).
 //! Addresses and sizes of a copy are multiples of 16 bytes (PTX ISA, cp.async.bulk).
-//! sm_90 and newer only: on older architectures the functions compile to nothing and the host
-//! side of each kernel refuses to launch (`bulk_copy_compiled`).
+//! sm_90 and newer only: on older architectures the functions trap (`unsupported_here`), and the
+//! host side of each kernel refuses to launch there (gemm/streamed_gemm.cuh, streamed_ctas_per_sm).
 
 #include <cstdint>
 
@@ -28,6 +28,14 @@ namespace dsv4::kernels::bulk_copy {
 #else
 #define DSV4_BULK_COPY_PASS 0
 #endif
+
+//! In device code for an architecture without bulk copies, every function here traps: a kernel
+//! dispatched there by mistake fails loudly instead of computing on unwritten shared memory.
+DSV4_DEVICE void unsupported_here() {
+#if DSV4_DEVICE_PASS && !DSV4_BULK_COPY_PASS
+  __trap();
+#endif
+}
 
 //! The shared-memory address of a pointer into shared memory.
 DSV4_DEVICE std::uint32_t shared_address(const void* p) {
@@ -47,6 +55,7 @@ DSV4_DEVICE void init(std::uint64_t* bar, unsigned arrivals) {
                : "memory");
 #else
   (void)bar, (void)arrivals;
+  unsupported_here();
 #endif
 }
 
@@ -66,6 +75,7 @@ DSV4_DEVICE void expect_bytes(std::uint64_t* bar, unsigned bytes) {
                : "memory");
 #else
   (void)bar, (void)bytes;
+  unsupported_here();
 #endif
 }
 
@@ -90,6 +100,7 @@ DSV4_DEVICE void copy(void* dst, const void* src, unsigned bytes, std::uint64_t*
       : "memory");
 #else
   (void)dst, (void)src, (void)bytes, (void)bar, (void)policy;
+  unsupported_here();
 #endif
 }
 
@@ -105,6 +116,7 @@ DSV4_DEVICE bool try_wait(std::uint64_t* bar, unsigned parity) {
   return done != 0;
 #else
   (void)bar, (void)parity;
+  unsupported_here();
   return true;
 #endif
 }

@@ -101,7 +101,7 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
   const int per_gemm = tiles * row_tiles, units = gemms * per_gemm;
   const int warps_total = int(gridDim.x) * stream_warps;
   const int first_unit = warp * int(gridDim.x) + int(blockIdx.x);
-  if (first_unit >= units) return;
+  if (first_unit >= units || KB == 0) return;  // (the host launches no K = 0 GEMM; never issue an empty stage)
   const int chunks = (KB + kStageBlocks - 1) / kStageBlocks;
 
   struct unit {
@@ -130,9 +130,9 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     unsigned char* stage = ring + p_stage * L::stage_bytes;
     std::uint64_t* bar = bars + p_stage;
     bulk_copy::expect_bytes(bar, unsigned(nkb * (L::block_bytes + L::block_scale_bytes)));
-    bulk_copy::copy(stage, p_codes + kb0 * L::block_bytes, unsigned(nkb * L::block_bytes), bar, policy);
+    bulk_copy::copy(stage, p_codes + (long long)kb0 * L::block_bytes, unsigned(nkb * L::block_bytes), bar, policy);
     if constexpr (!kFp8)
-      bulk_copy::copy(stage + stream_stage_code_bytes, p_scales + kb0 * L::block_scale_bytes,
+      bulk_copy::copy(stage + stream_stage_code_bytes, p_scales + (long long)kb0 * L::block_scale_bytes,
                       unsigned(nkb * L::block_scale_bytes), bar, policy);
     p_stage = p_stage + 1 == kS ? 0 : p_stage + 1;
     if (++p_chunk == chunks) p_chunk = 0, p_unit += warps_total;
@@ -303,35 +303,41 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
   }
 }
 
-//! Whether this translation unit's streamed kernels were compiled for sm_90 or newer and the
-//! current device is one (bulk copies and transaction barriers are Hopper's).
-template <weight_format WF, int TokenTiles>
-bool streamed_kernel_runs_here() {
-  static const bool yes = [] {
-    if (runtime::compute_capability_major() < 9) return false;
-    cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, streamed_grouped_gemm_kernel<WF, TokenTiles>) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return attr.ptxVersion >= 90;
-  }();
-  return yes;
-}
-
-//! CTAs of the streamed kernel resident per SM (asked once; the shared memory opted in first).
+//! The streamed kernel's resident CTAs per SM on the current device, 0 where it cannot run: this
+//! translation unit's device code must be compiled for sm_90 or newer and the device be one (bulk
+//! copies and transaction barriers are Hopper's). Set up once per device: the opt-in to the
+//! kernel's shared memory is an attribute of the current device, so a process driving several
+//! GPUs (parallel/: a thread per GPU) must make it on each of them.
 template <weight_format WF, int TokenTiles>
 int streamed_ctas_per_sm() {
-  static const int ctas = [] {
-    auto kernel = streamed_grouped_gemm_kernel<WF, TokenTiles>;
+  static std::atomic<int> known[64] = {};  // per device: 0 not asked yet, else CTAs per SM + 1
+  int dev = 0;
+  DSV4_CUDA_CHECK(cudaGetDevice(&dev));
+  const bool cached = dev >= 0 && dev < 64;
+  if (cached)
+    if (const int k = known[dev].load(); k != 0) return k - 1;
+  int ctas = 0;
+  auto kernel = streamed_grouped_gemm_kernel<WF, TokenTiles>;
+  cudaFuncAttributes attr{};
+  if (runtime::compute_capability_major() >= 9 && cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
+      attr.ptxVersion >= 90) {
     DSV4_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, stream_layout<WF>::bytes));
-    int n = 0;
-    DSV4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, stream_warps * 32,
+    DSV4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, stream_warps * 32,
                                                                   stream_layout<WF>::bytes));
-    return n;
-  }();
+  } else {
+    (void)cudaGetLastError();  // a refused attribute query is an answer here, not a later launch's error
+  }
+  if (cached) known[dev].store(ctas + 1);
   return ctas;
+}
+
+inline int streamed_ctas_per_sm(weight_format wf, int token_tiles) {
+  if (wf == weight_format::fp8_tile32)
+    return token_tiles == 1 ? streamed_ctas_per_sm<weight_format::fp8_tile32, 1>()
+                            : streamed_ctas_per_sm<weight_format::fp8_tile32, 2>();
+  return token_tiles == 1 ? streamed_ctas_per_sm<weight_format::fp4_row32, 1>()
+                          : streamed_ctas_per_sm<weight_format::fp4_row32, 2>();
 }
 
 }  // namespace detail
@@ -352,19 +358,16 @@ inline expert_gemm current_expert_gemm() {
 inline std::string streamed_grouped_gemm_unfit(const block_scaled_gemm_args& g, const gemm_groups& groups,
                                                weight_format wf, int token_tiles,
                                                const block_scaled_gemm_args* second = nullptr) {
-  const bool runs =
-      wf == weight_format::fp8_tile32
-          ? (token_tiles == 1 ? detail::streamed_kernel_runs_here<weight_format::fp8_tile32, 1>()
-                              : detail::streamed_kernel_runs_here<weight_format::fp8_tile32, 2>())
-          : (token_tiles == 1 ? detail::streamed_kernel_runs_here<weight_format::fp4_row32, 1>()
-                              : detail::streamed_kernel_runs_here<weight_format::fp4_row32, 2>());
-  if (!runs) return "bulk copies need a Hopper (sm_90) device and device code built for sm_90 or newer";
+  if (token_tiles != 1 && token_tiles != 2) return "tiles are 8 or 16 rows (token tiles 1 or 2)";
+  if (detail::streamed_ctas_per_sm(wf, token_tiles) < 1)
+    return "bulk copies need a Hopper (sm_90) device and device code built for sm_90 or newer";
   auto misaligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 != 0; };
   const bool fp4 = wf == weight_format::fp4_row32;
-  for (const block_scaled_gemm_args* a : {&g, second})
-    if (a && (misaligned(a->w) || (fp4 && misaligned(a->w_s))))
-      return fp4 ? "the weight codes and scales must be 16-byte aligned"
-                 : "the weight codes must be 16-byte aligned";
+  for (const block_scaled_gemm_args* a : {&g, second}) {
+    const std::string which = a == second ? " of the second GEMM" : "";
+    if (a && misaligned(a->w)) return "the weight codes" + which + " must be 16-byte aligned";
+    if (a && fp4 && misaligned(a->w_s)) return "the weight scales" + which + " must be 16-byte aligned";
+  }
   if (groups.w_group_bytes % 16 != 0 || (fp4 && groups.ws_group_bytes % 16 != 0))
     return "the weight strides between groups must be multiples of 16 bytes";
   return {};
@@ -378,9 +381,11 @@ inline void streamed_grouped_gemm(const block_scaled_gemm_args& g, const gemm_gr
                                   cudaStream_t stream = nullptr,
                                   const block_scaled_gemm_args* second = nullptr) {
   detail::check_grouped_args("streamed_grouped_gemm", g, groups, wf, token_tiles, second, 1 << 24);
+  // No work (K = 0 is allowed with M = 0): nothing to launch, whatever the device (the kernel
+  // must not run with K = 0: its producer's stage count would be zero).
+  if (max_tiles <= 0 || g.shape.m == 0 || g.shape.n == 0 || g.shape.k == 0) return;
   if (auto why = streamed_grouped_gemm_unfit(g, groups, wf, token_tiles, second); !why.empty())
     throw error("streamed_grouped_gemm: " + why);
-  if (max_tiles <= 0 || g.shape.n == 0) return;
   const int gemms = second ? 2 : 1;
   const long long max_units = (long long)gemms * max_tiles * ((g.shape.n + 15) / 16);
   if (max_units >= (1LL << 31) - 1LL * detail::stream_warps * 65536)
@@ -397,15 +402,15 @@ inline void streamed_grouped_gemm(const block_scaled_gemm_args& g, const gemm_gr
   if (wf == weight_format::fp8_tile32) {
     constexpr int smem = stream_layout<weight_format::fp8_tile32>::bytes;
     token_tiles == 1 ? go(detail::streamed_grouped_gemm_kernel<weight_format::fp8_tile32, 1>,
-                          detail::streamed_ctas_per_sm<weight_format::fp8_tile32, 1>(), smem)
+                          detail::streamed_ctas_per_sm(wf, 1), smem)
                      : go(detail::streamed_grouped_gemm_kernel<weight_format::fp8_tile32, 2>,
-                          detail::streamed_ctas_per_sm<weight_format::fp8_tile32, 2>(), smem);
+                          detail::streamed_ctas_per_sm(wf, 2), smem);
   } else {
     constexpr int smem = stream_layout<weight_format::fp4_row32>::bytes;
     token_tiles == 1 ? go(detail::streamed_grouped_gemm_kernel<weight_format::fp4_row32, 1>,
-                          detail::streamed_ctas_per_sm<weight_format::fp4_row32, 1>(), smem)
+                          detail::streamed_ctas_per_sm(wf, 1), smem)
                      : go(detail::streamed_grouped_gemm_kernel<weight_format::fp4_row32, 2>,
-                          detail::streamed_ctas_per_sm<weight_format::fp4_row32, 2>(), smem);
+                          detail::streamed_ctas_per_sm(wf, 2), smem);
   }
   DSV4_CUDA_CHECK_LAUNCH();
 }
