@@ -445,7 +445,8 @@ BOOST_AUTO_TEST_CASE(grouped_gemm_with_no_tiles_writes_nothing,
     const int zero = 0;
     device_buffer<int> d_group{std::span<const int>(minus)}, d_row0{std::span<const int>(minus)},
         d_rows{std::span<const int>(minus)}, d_count{std::span<const int>(&zero, 1)};
-    const kernels::gemm::gemm_groups groups{d_group.data(), d_row0.data(), d_rows.data(), d_count.data(), nullptr, 0, 0};
+    const kernels::gemm::gemm_groups groups{
+        d_group.data(), d_row0.data(), d_rows.data(), d_count.data(), nullptr, 0, 0};
     for (const bool streamed : {false, true}) {
       if (streamed)
         kernels::gemm::streamed_grouped_gemm(d.args(), groups, wf, 3, 1);
@@ -463,9 +464,9 @@ BOOST_AUTO_TEST_CASE(grouped_gemm_with_no_tiles_writes_nothing,
 // stage on exactly decoded scales wherever that is not the product (codes of 255, products that
 // leave the normal range). Here: activation scale code 0 beside large weight codes (normal
 // products, but d * 2^-127 is not: the exact redo, as for any code below 19), products that
-// underflow, one that overflows, and a NaN weight scale, in a full stage (K block 2) and in the last, partial one
-// (K block 32 of 33), for one-token (lean) and three-token tiles, FP4 and FP8. Every output
-// must equal the host's class (NaN, infinity) and be within tolerance elsewhere.
+// underflow, one that overflows, and a NaN weight scale, in a full stage (K block 2) and in the last, partial
+// one (K block 32 of 33), for one-token (lean) and three-token tiles, FP4 and FP8. Every output must equal
+// the host's class (NaN, infinity) and be within tolerance elsewhere.
 BOOST_AUTO_TEST_CASE(streamed_grouped_gemm_exact_at_extreme_scales,
                      *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
   const int K = 1056, N = 64, KB = K / 32;

@@ -101,7 +101,8 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
   const int per_gemm = tiles * row_tiles, units = gemms * per_gemm;
   const int warps_total = int(gridDim.x) * stream_warps;
   const int first_unit = warp * int(gridDim.x) + int(blockIdx.x);
-  if (first_unit >= units || KB == 0) return;  // (the host launches no K = 0 GEMM; never issue an empty stage)
+  if (first_unit >= units || KB == 0)
+    return;  // (the host launches no K = 0 GEMM; never issue an empty stage)
   const int chunks = (KB + kStageBlocks - 1) / kStageBlocks;
 
   struct unit {
@@ -130,7 +131,8 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     unsigned char* stage = ring + p_stage * L::stage_bytes;
     std::uint64_t* bar = bars + p_stage;
     bulk_copy::expect_bytes(bar, unsigned(nkb * (L::block_bytes + L::block_scale_bytes)));
-    bulk_copy::copy(stage, p_codes + (long long)kb0 * L::block_bytes, unsigned(nkb * L::block_bytes), bar, policy);
+    bulk_copy::copy(stage, p_codes + (long long)kb0 * L::block_bytes, unsigned(nkb * L::block_bytes), bar,
+                    policy);
     if constexpr (!kFp8)
       bulk_copy::copy(stage + stream_stage_code_bytes, p_scales + (long long)kb0 * L::block_scale_bytes,
                       unsigned(nkb * L::block_scale_bytes), bar, policy);
