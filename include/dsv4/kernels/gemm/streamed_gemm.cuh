@@ -305,41 +305,24 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
   }
 }
 
-//! The streamed kernel's resident CTAs per SM on the current device, 0 where it cannot run: this
-//! translation unit's device code must be compiled for sm_90 or newer and the device be one (bulk
-//! copies and transaction barriers are Hopper's). Set up once per device: the opt-in to the
-//! kernel's shared memory is an attribute of the current device, so a process driving several
-//! GPUs (parallel/: a thread per GPU) must make it on each of them.
-template <weight_format WF, int TokenTiles>
-int streamed_ctas_per_sm() {
-  static std::atomic<int> known[64] = {};  // per device: 0 not asked yet, else CTAs per SM + 1
+//! Whether the streamed kernels can run on the current device: this build's device code is for
+//! sm_90 or newer and the device is one (bulk copies and transaction barriers are Hopper's).
+//! Asked once per device (a pure query: any translation unit's kernel copy gives the same answer).
+inline bool streamed_kernels_run_here() {
+  static std::atomic<int> known[64] = {};  // per device: 0 not asked yet, 1 no, 2 yes
   int dev = 0;
   DSV4_CUDA_CHECK(cudaGetDevice(&dev));
   const bool cached = dev >= 0 && dev < 64;
   if (cached)
-    if (const int k = known[dev].load(); k != 0) return k - 1;
-  int ctas = 0;
-  auto kernel = streamed_grouped_gemm_kernel<WF, TokenTiles>;
+    if (const int k = known[dev].load(); k != 0) return k == 2;
   cudaFuncAttributes attr{};
-  if (runtime::compute_capability_major() >= 9 && cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
-      attr.ptxVersion >= 90) {
-    DSV4_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, stream_layout<WF>::bytes));
-    DSV4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, stream_warps * 32,
-                                                                  stream_layout<WF>::bytes));
-  } else {
-    (void)cudaGetLastError();  // a refused attribute query is an answer here, not a later launch's error
-  }
-  if (cached) known[dev].store(ctas + 1);
-  return ctas;
-}
-
-inline int streamed_ctas_per_sm(weight_format wf, int token_tiles) {
-  if (wf == weight_format::fp8_tile32)
-    return token_tiles == 1 ? streamed_ctas_per_sm<weight_format::fp8_tile32, 1>()
-                            : streamed_ctas_per_sm<weight_format::fp8_tile32, 2>();
-  return token_tiles == 1 ? streamed_ctas_per_sm<weight_format::fp4_row32, 1>()
-                          : streamed_ctas_per_sm<weight_format::fp4_row32, 2>();
+  const bool yes =
+      runtime::compute_capability_major() >= 9 &&
+      cudaFuncGetAttributes(&attr, streamed_grouped_gemm_kernel<weight_format::fp4_row32, 1>) == cudaSuccess &&
+      attr.ptxVersion >= 90;
+  if (!yes) (void)cudaGetLastError();  // a refused query is an answer here, not a later launch's error
+  if (cached) known[dev].store(yes ? 2 : 1);
+  return yes;
 }
 
 }  // namespace detail
@@ -361,7 +344,7 @@ inline std::string streamed_grouped_gemm_unfit(const block_scaled_gemm_args& g, 
                                                weight_format wf, int token_tiles,
                                                const block_scaled_gemm_args* second = nullptr) {
   if (token_tiles != 1 && token_tiles != 2) return "tiles are 8 or 16 rows (token tiles 1 or 2)";
-  if (detail::streamed_ctas_per_sm(wf, token_tiles) < 1)
+  if (!detail::streamed_kernels_run_here())
     return "bulk copies need a Hopper (sm_90) device and device code built for sm_90 or newer";
   auto misaligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 != 0; };
   const bool fp4 = wf == weight_format::fp4_row32;
@@ -393,8 +376,24 @@ inline void streamed_grouped_gemm(const block_scaled_gemm_args& g, const gemm_gr
   if (max_units >= (1LL << 31) - 1LL * detail::stream_warps * 65536)
     throw error("streamed_grouped_gemm: " + std::to_string(max_units) +
                 " units of work (GEMMs x tiles x 16-row tiles) exceed the kernel's 32-bit count");
-  auto go = [&](auto kernel, int ctas_per_sm, int smem) {
-    const long long fill = (long long)std::max(1, ctas_per_sm) * detail::sm_count();
+  // The kernel's shared-memory opt-in is an attribute of the current device and of this kernel
+  // copy (kernels have internal linkage: each translation unit has its own), so it is made here,
+  // beside the launch, once per device and variant: a process driving several GPUs (parallel/, a
+  // thread per GPU) makes it on each, and whichever copy of this inline function the program
+  // keeps sets up the kernels it launches.
+  static std::atomic<int> ready[4][64] = {};  // [variant][device]: 0 not set up, else CTAs per SM + 1
+  int dev = 0;
+  DSV4_CUDA_CHECK(cudaGetDevice(&dev));
+  auto go = [&](auto kernel, int variant, int smem) {
+    int ctas = 0;
+    if (dev >= 0 && dev < 64 && ready[variant][dev].load() != 0) {
+      ctas = ready[variant][dev].load() - 1;
+    } else {
+      DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      DSV4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, detail::stream_warps * 32, smem));
+      if (dev >= 0 && dev < 64) ready[variant][dev].store(ctas + 1);
+    }
+    const long long fill = (long long)std::max(1, ctas) * detail::sm_count();
     const unsigned grid = unsigned(std::min(fill, max_units));
     runtime::launch_programmatic(kernel, dim3(grid), dim3(detail::stream_warps * 32), std::size_t(smem),
                                  stream, g, groups, max_tiles, second ? *second : block_scaled_gemm_args{},
@@ -403,16 +402,12 @@ inline void streamed_grouped_gemm(const block_scaled_gemm_args& g, const gemm_gr
   using detail::stream_layout;
   if (wf == weight_format::fp8_tile32) {
     constexpr int smem = stream_layout<weight_format::fp8_tile32>::bytes;
-    token_tiles == 1 ? go(detail::streamed_grouped_gemm_kernel<weight_format::fp8_tile32, 1>,
-                          detail::streamed_ctas_per_sm(wf, 1), smem)
-                     : go(detail::streamed_grouped_gemm_kernel<weight_format::fp8_tile32, 2>,
-                          detail::streamed_ctas_per_sm(wf, 2), smem);
+    token_tiles == 1 ? go(detail::streamed_grouped_gemm_kernel<weight_format::fp8_tile32, 1>, 0, smem)
+                     : go(detail::streamed_grouped_gemm_kernel<weight_format::fp8_tile32, 2>, 1, smem);
   } else {
     constexpr int smem = stream_layout<weight_format::fp4_row32>::bytes;
-    token_tiles == 1 ? go(detail::streamed_grouped_gemm_kernel<weight_format::fp4_row32, 1>,
-                          detail::streamed_ctas_per_sm(wf, 1), smem)
-                     : go(detail::streamed_grouped_gemm_kernel<weight_format::fp4_row32, 2>,
-                          detail::streamed_ctas_per_sm(wf, 2), smem);
+    token_tiles == 1 ? go(detail::streamed_grouped_gemm_kernel<weight_format::fp4_row32, 1>, 2, smem)
+                     : go(detail::streamed_grouped_gemm_kernel<weight_format::fp4_row32, 2>, 3, smem);
   }
   DSV4_CUDA_CHECK_LAUNCH();
 }
