@@ -316,10 +316,10 @@ inline bool streamed_kernels_run_here() {
   if (cached)
     if (const int k = known[dev].load(); k != 0) return k == 2;
   cudaFuncAttributes attr{};
-  const bool yes =
-      runtime::compute_capability_major() >= 9 &&
-      cudaFuncGetAttributes(&attr, streamed_grouped_gemm_kernel<weight_format::fp4_row32, 1>) == cudaSuccess &&
-      attr.ptxVersion >= 90;
+  const bool yes = runtime::compute_capability_major() >= 9 &&
+                   cudaFuncGetAttributes(&attr, streamed_grouped_gemm_kernel<weight_format::fp4_row32, 1>) ==
+                       cudaSuccess &&
+                   attr.ptxVersion >= 90;
   if (!yes) (void)cudaGetLastError();  // a refused query is an answer here, not a later launch's error
   if (cached) known[dev].store(yes ? 2 : 1);
   return yes;
@@ -390,7 +390,8 @@ inline void streamed_grouped_gemm(const block_scaled_gemm_args& g, const gemm_gr
       ctas = ready[variant][dev].load() - 1;
     } else {
       DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      DSV4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, detail::stream_warps * 32, smem));
+      DSV4_CUDA_CHECK(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, detail::stream_warps * 32, smem));
       if (dev >= 0 && dev < 64) ready[variant][dev].store(ctas + 1);
     }
     const long long fill = (long long)std::max(1, ctas) * detail::sm_count();
