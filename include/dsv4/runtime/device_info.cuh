@@ -11,17 +11,33 @@
 
 namespace dsv4::runtime {
 
+//! Slots for one non-negative int per device (devices 0..63; 0 in a slot: not known yet).
+using per_device_ints = std::atomic<int>[64];
+
+//! `compute(device)` for the current device, computed once per device into `slots` (stored + 1,
+//! so that 0 can be an answer). Devices past the slots are asked every time.
+template <class Compute>
+int cached_per_device(per_device_ints& slots, Compute compute) {
+  int dev = 0;
+  DSV4_CUDA_CHECK(cudaGetDevice(&dev));
+  const bool slot = dev >= 0 && dev < 64;
+  if (slot)
+    if (const int k = slots[dev].load(std::memory_order_relaxed); k != 0) return k - 1;
+  const int value = compute(dev);
+  if (slot) slots[dev].store(value + 1, std::memory_order_relaxed);
+  return value;
+}
+
 namespace detail {
 //! An integer attribute of the current device, cached per device and attribute slot.
 template <cudaDeviceAttr Attr>
 int cached_device_attribute() {
-  static std::atomic<int> cached[64] = {};
-  int dev = 0, value = 0;
-  DSV4_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= 0 && dev < 64 && (value = cached[dev].load(std::memory_order_relaxed)) > 0) return value;
-  DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&value, Attr, dev));
-  if (dev >= 0 && dev < 64) cached[dev].store(value, std::memory_order_relaxed);
-  return value;
+  static per_device_ints cached = {};
+  return cached_per_device(cached, [](int dev) {
+    int value = 0;
+    DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&value, Attr, dev));
+    return value;
+  });
 }
 }  // namespace detail
 

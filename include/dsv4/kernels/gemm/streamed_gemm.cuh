@@ -313,20 +313,17 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
 //! sm_90 or newer and the device is one (bulk copies and transaction barriers are Hopper's).
 //! Asked once per device (a pure query: any translation unit's kernel copy gives the same answer).
 inline bool streamed_kernels_run_here() {
-  static std::atomic<int> known[64] = {};  // per device: 0 not asked yet, 1 no, 2 yes
-  int dev = 0;
-  DSV4_CUDA_CHECK(cudaGetDevice(&dev));
-  const bool cached = dev >= 0 && dev < 64;
-  if (cached)
-    if (const int k = known[dev].load(); k != 0) return k == 2;
-  cudaFuncAttributes attr{};
-  const bool yes = runtime::compute_capability_major() >= 9 &&
-                   cudaFuncGetAttributes(&attr, streamed_grouped_gemm_kernel<weight_format::fp4_row32, 1>) ==
-                       cudaSuccess &&
-                   attr.ptxVersion >= 90;
-  if (!yes) (void)cudaGetLastError();  // a refused query is an answer here, not a later launch's error
-  if (cached) known[dev].store(yes ? 2 : 1);
-  return yes;
+  static runtime::per_device_ints known = {};
+  return runtime::cached_per_device(known, [](int) {
+           cudaFuncAttributes attr{};
+           const bool yes =
+               runtime::compute_capability_major() >= 9 &&
+               cudaFuncGetAttributes(&attr, streamed_grouped_gemm_kernel<weight_format::fp4_row32, 1>) ==
+                   cudaSuccess &&
+               attr.ptxVersion >= 90;
+           if (!yes) (void)cudaGetLastError();  // a refused query is an answer here, not a later launch's error
+           return yes ? 1 : 0;
+         }) == 1;
 }
 
 }  // namespace detail
@@ -362,19 +359,18 @@ inline std::string streamed_grouped_gemm_unfit(const block_scaled_gemm_args& g, 
   return {};
 }
 
-//! grouped_block_scaled_gemm's GEMM (same arguments and results up to fp32 summation order: here
-//! a unit's K blocks are added in K order, as the host reference does) with the weights streamed
-//! by bulk copies. Throws dsv4::error on bad arguments or where streamed_grouped_gemm_unfit says why.
-inline void streamed_grouped_gemm(const block_scaled_gemm_args& g, const gemm_groups& groups,
-                                  weight_format wf, int max_tiles, int token_tiles,
-                                  cudaStream_t stream = nullptr,
-                                  const block_scaled_gemm_args* second = nullptr) {
+namespace detail {
+//! streamed_grouped_gemm, or, where streamed_grouped_gemm_unfit gives a reason, nothing: returns
+//! that reason (empty: launched, or nothing to do). Bad arguments throw. decode_grouped_gemm falls
+//! back on the reason; streamed_grouped_gemm throws it.
+inline std::string streamed_grouped_gemm_if_fit(const block_scaled_gemm_args& g, const gemm_groups& groups,
+                                                weight_format wf, int max_tiles, int token_tiles,
+                                                cudaStream_t stream, const block_scaled_gemm_args* second) {
   detail::check_grouped_args("streamed_grouped_gemm", g, groups, wf, token_tiles, second, 1 << 24);
   // No work (K = 0 is allowed with M = 0): nothing to launch, whatever the device (the kernel
   // must not run with K = 0: its producer's stage count would be zero).
-  if (max_tiles <= 0 || g.shape.m == 0 || g.shape.n == 0 || g.shape.k == 0) return;
-  if (auto why = streamed_grouped_gemm_unfit(g, groups, wf, token_tiles, second); !why.empty())
-    throw error("streamed_grouped_gemm: " + why);
+  if (max_tiles <= 0 || g.shape.m == 0 || g.shape.n == 0 || g.shape.k == 0) return {};
+  if (auto why = streamed_grouped_gemm_unfit(g, groups, wf, token_tiles, second); !why.empty()) return why;
   const int gemms = second ? 2 : 1;
   const long long max_units = (long long)gemms * max_tiles * ((g.shape.n + 15) / 16);
   if (max_units >= (1LL << 31) - 1LL * detail::stream_warps * 65536)
@@ -385,36 +381,44 @@ inline void streamed_grouped_gemm(const block_scaled_gemm_args& g, const gemm_gr
   // beside the launch, once per device and variant: a process driving several GPUs (parallel/, a
   // thread per GPU) makes it on each, and whichever copy of this inline function the program
   // keeps sets up the kernels it launches.
-  static std::atomic<int> ready[4][64] = {};  // [variant][device]: 0 not set up, else CTAs per SM + 1
-  int dev = 0;
-  DSV4_CUDA_CHECK(cudaGetDevice(&dev));
+  static runtime::per_device_ints ready[4] = {};  // per variant: CTAs per SM
   auto go = [&](auto kernel, int variant, int smem) {
-    int ctas = 0;
-    if (dev >= 0 && dev < 64 && ready[variant][dev].load() != 0) {
-      ctas = ready[variant][dev].load() - 1;
-    } else {
+    const int ctas = runtime::cached_per_device(ready[variant], [&](int) {
+      int n = 0;
       DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      DSV4_CUDA_CHECK(
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, detail::stream_warps * 32, smem));
-      if (dev >= 0 && dev < 64) ready[variant][dev].store(ctas + 1);
-    }
+      DSV4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, detail::stream_warps * 32, smem));
+      return n;
+    });
     const long long fill = (long long)std::max(1, ctas) * detail::sm_count();
     const unsigned grid = unsigned(std::min(fill, max_units));
     runtime::launch_programmatic(kernel, dim3(grid), dim3(detail::stream_warps * 32), std::size_t(smem),
                                  stream, g, groups, max_tiles, second ? *second : block_scaled_gemm_args{},
                                  gemms);
   };
-  using detail::stream_layout;
   if (wf == weight_format::fp8_tile32) {
     constexpr int smem = stream_layout<weight_format::fp8_tile32>::bytes;
-    token_tiles == 1 ? go(detail::streamed_grouped_gemm_kernel<weight_format::fp8_tile32, 1>, 0, smem)
-                     : go(detail::streamed_grouped_gemm_kernel<weight_format::fp8_tile32, 2>, 1, smem);
+    token_tiles == 1 ? go(streamed_grouped_gemm_kernel<weight_format::fp8_tile32, 1>, 0, smem)
+                     : go(streamed_grouped_gemm_kernel<weight_format::fp8_tile32, 2>, 1, smem);
   } else {
     constexpr int smem = stream_layout<weight_format::fp4_row32>::bytes;
-    token_tiles == 1 ? go(detail::streamed_grouped_gemm_kernel<weight_format::fp4_row32, 1>, 2, smem)
-                     : go(detail::streamed_grouped_gemm_kernel<weight_format::fp4_row32, 2>, 3, smem);
+    token_tiles == 1 ? go(streamed_grouped_gemm_kernel<weight_format::fp4_row32, 1>, 2, smem)
+                     : go(streamed_grouped_gemm_kernel<weight_format::fp4_row32, 2>, 3, smem);
   }
   DSV4_CUDA_CHECK_LAUNCH();
+  return {};
+}
+}  // namespace detail
+
+//! grouped_block_scaled_gemm's GEMM (same arguments and results up to fp32 summation order: here
+//! a unit's K blocks are added in K order, as the host reference does) with the weights streamed
+//! by bulk copies. Throws dsv4::error on bad arguments or where streamed_grouped_gemm_unfit says why.
+inline void streamed_grouped_gemm(const block_scaled_gemm_args& g, const gemm_groups& groups,
+                                  weight_format wf, int max_tiles, int token_tiles,
+                                  cudaStream_t stream = nullptr,
+                                  const block_scaled_gemm_args* second = nullptr) {
+  if (auto why = detail::streamed_grouped_gemm_if_fit(g, groups, wf, max_tiles, token_tiles, stream, second);
+      !why.empty())
+    throw error("streamed_grouped_gemm: " + why);
 }
 
 }  // namespace dsv4::kernels::gemm

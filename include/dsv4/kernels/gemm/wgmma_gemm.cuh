@@ -468,8 +468,8 @@ inline void decode_grouped_gemm(const block_scaled_gemm_args& g, const gemm_grou
   if (current_decode_gemm() == decode_gemm::wgmma)
     return grouped_wgmma_gemm(g, groups, wf, max_tiles, token_tiles, stream, second);
   if (current_expert_gemm() == expert_gemm::streamed &&
-      streamed_grouped_gemm_unfit(g, groups, wf, token_tiles, second).empty())
-    return streamed_grouped_gemm(g, groups, wf, max_tiles, token_tiles, stream, second);
+      detail::streamed_grouped_gemm_if_fit(g, groups, wf, max_tiles, token_tiles, stream, second).empty())
+    return;  // launched (or nothing to do); otherwise the per-tile kernel takes it
   grouped_block_scaled_gemm(g, groups, wf, max_tiles, token_tiles, stream, second);
 }
 
