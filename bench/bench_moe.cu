@@ -1,6 +1,8 @@
 //! \brief The MoE layer of V4.1 (384 FP4 experts, top-6, FP8 shared expert, 5120 -> 2304 -> 5120)
 //! at decode and prefill token counts.
-//! Usage: bench_moe [--json FILE]
+//! Usage: bench_moe [--json FILE] | bench_moe --profile TOKENS
+//! `--profile TOKENS` makes no measurement: one warm-up call, then one call at TOKENS tokens between
+//! cudaProfilerStart and cudaProfilerStop (for `ncu --profile-from-start off`: the layer's kernels).
 //!
 //! Decode floor: the bytes of the weights the routing actually touches (distinct chosen experts x
 //! 3 FP4 matrices + the shared expert + the gate) over the copy bandwidth; prefill: FLOPs
@@ -13,7 +15,11 @@
 //! "per-tile us" (up to 64 tokens): the grouped expert GEMMs on the per-tile mma.sync kernel
 //! instead of the streamed one (gemm::set_expert_gemm), the rest unchanged.
 
+#include <cuda_profiler_api.h>
+
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <set>
 #include <string>
 #include <vector>
@@ -27,9 +33,17 @@ using numerics::bf16;
 
 int main(int argc, char** argv) {
   std::string json;
-  if (!bench::parse_json_option(argc, argv, "bench_moe", json)) return 2;
+  long long profile_tokens = 0;
+  if (argc == 3 && std::strcmp(argv[1], "--profile") == 0) {
+    profile_tokens = std::atoll(argv[2]);
+    if (profile_tokens < 1) {
+      std::fprintf(stderr, "bench_moe --profile TOKENS: TOKENS must be a positive count, not '%s'\n", argv[2]);
+      return 2;
+    }
+  } else if (!bench::parse_json_option(argc, argv, "bench_moe", json)) {
+    return 2;
+  }
   try {
-    const bench::ceilings ceil = bench::ceilings::measure();
     const moe::moe_shape s{384, 6, 5120, 2304};
     const gemm::weight_tile_shape up{s.inter, s.dim, gemm::weight_format::fp4_row32},
         down{s.dim, s.inter, gemm::weight_format::fp4_row32};
@@ -49,6 +63,20 @@ int main(int argc, char** argv) {
     bias.fill_bytes(0);
     const moe::moe_weights w{gate.data(), bias.data(), nullptr, w1.data(), w1s.data(), w3.data(), w3s.data(), w2.data(),
                              w2s.data(),  s1.data(),   s1s.data(), s3.data(), s3s.data(), s2.data(), s2s.data()};
+    if (profile_tokens > 0) {
+      runtime::device_buffer<bf16> x(std::size_t(profile_tokens) * s.dim), y(x.size());
+      bench::fill_bf16(x.data(), x.size(), 11 + unsigned(profile_tokens), 2.0f);
+      moe::moe_workspace ws(s, profile_tokens);
+      moe::moe_forward(x.data(), profile_tokens, nullptr, w, y.data(), ws);
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      DSV4_CUDA_CHECK(cudaProfilerStart());
+      moe::moe_forward(x.data(), profile_tokens, nullptr, w, y.data(), ws);
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      DSV4_CUDA_CHECK(cudaProfilerStop());
+      std::printf("bench_moe --profile %lld: done\n", profile_tokens);
+      return 0;
+    }
+    const bench::ceilings ceil = bench::ceilings::measure();
     std::printf("%7s %10s %9s %11s %9s %9s %9s %11s %10s %14s %9s\n", "tokens", "median us", "experts",
                 "weight GB/s", "vs copy", "TFLOP/s", "vs gemm", "per-tile us", "wgmma us", "cuBLAS path us",
                 "vs gemm");
