@@ -178,8 +178,15 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     // a stage where that could round differently (`unsafe`, rare: extreme or NaN scales), redone
     // with the exact one (see `accumulate`).
     bool unsafe = false;
-    auto block = [&](const unsigned char* stage, int j, const uint2(&af)[TokenTiles],
-                     const std::uint32_t(&asc)[TokenTiles][2], std::uint32_t ws8c, auto lean, auto exact) {
+    // Whether every weight scale code of an FP4 stage (16 per K block, `nkb` blocks: four bytes a
+    // lane) lies in [80, 174], where the fast path needs no check per product (see `accumulate`).
+    auto fp4_stage_scales_safe = [&](const unsigned char* stage, int nkb) {
+      if (lane * 4 >= nkb * L::block_scale_bytes) return true;
+      const std::uint32_t w = *reinterpret_cast<const std::uint32_t*>(stage + stream_stage_code_bytes + lane * 4);
+      return (__vcmpltu4(w, 0x50505050u) | __vcmpgtu4(w, 0xAEAEAEAEu)) == 0u;
+    };
+    auto block = [&](const unsigned char* stage, int j, const uint2 (&af)[TokenTiles],
+                     const std::uint32_t (&asc)[TokenTiles][2], std::uint32_t ws8c, auto lean, auto exact) {
       constexpr bool kLean = decltype(lean)::value, kExact = decltype(exact)::value;
       std::uint32_t frag[4], wc0, wc1;
       if constexpr (kFp8) {
@@ -200,12 +207,15 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
       // neither multiply rounds: a nonzero block sum has |d| in [2^-18, 2^23] (E4M3 x E4M3; E2M1
       // weights: [2^-10, 2^17]), so ca in [19, 231] keeps d * a_scale normal and finite, and
       // ca + cw - 127 in [19, 231] keeps the product so; cw 255 (NaN) goes the exact way too.
+      // FP4 stages have their weight scales checked as a whole (fp4_stage_scales_safe: every code
+      // in [80, 174]), so that with ca in [66, 184] the exponent sum stays in [19, 231] with no
+      // check per product; FP8 checks each product.
       auto accumulate = [&](float& sum, float d, std::uint32_t ca, std::uint32_t cw) {
         if constexpr (kExact) {
           sum = __fadd_rn(sum, __fmul_rn(__fmul_rn(d, ue8m0_value(ca)), ue8m0_value(cw)));
         } else {
           const std::uint32_t e = ca + cw - 127u;
-          unsafe |= (e - 19u > 212u) | (cw > 254u);
+          if constexpr (kFp8) unsafe |= (e - 19u > 212u) | (cw > 254u);
           sum = __fmaf_rn(d, __uint_as_float(e << 23), sum);
         }
       };
@@ -214,7 +224,8 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
       for (int t = 0; t < TokenTiles; ++t) {
         float d[4];
         mma_e4m3(a16, af[t].x, af[t].y, d);
-        if constexpr (!kExact) unsafe |= (asc[t][0] - 19u > 212u) || (!kLean && asc[t][1] - 19u > 212u);
+        constexpr std::uint32_t kLo = kFp8 ? 19u : 66u, kSpan = kFp8 ? 212u : 118u;  // ca in [lo, lo + span]
+        if constexpr (!kExact) unsafe |= (asc[t][0] - kLo > kSpan) || (!kLean && asc[t][1] - kLo > kSpan);
         accumulate(acc[t][0], d[0], asc[t][0], wc0);
         accumulate(acc[t][2], d[2], asc[t][0], wc1);
         if constexpr (!kLean) {
@@ -268,13 +279,17 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
             std::uint32_t asc[kPart][TokenTiles][2], ws8c[kPart];
 #pragma unroll
             for (int j = 0; j < kPart; ++j) load_activations(kb0 + p + j, af[j], asc[j], ws8c[j], lean);
-            if (p == 0) bulk_copy::wait(bars + c_stage, c_parity);
+            if (p == 0) {
+              bulk_copy::wait(bars + c_stage, c_parity);
+              if constexpr (!kFp8) unsafe |= !fp4_stage_scales_safe(stage, nkb);
+            }
 #pragma unroll
             for (int j = 0; j < kPart; ++j) block(stage, p + j, af[j], asc[j], ws8c[j], lean, fast{});
           }
         } else {
           // The last, partial stage: one block at a time.
           bulk_copy::wait(bars + c_stage, c_parity);
+          if constexpr (!kFp8) unsafe |= !fp4_stage_scales_safe(stage, nkb);
           blocks_one_by_one(stage, kb0, nkb, lean, fast{});
         }
         if (__any_sync(0xFFFFFFFFu, unsafe)) {  // rare: redo the stage with exactly decoded scales
