@@ -433,6 +433,16 @@ BOOST_AUTO_TEST_CASE(grouped_gemms_with_16_row_tiles_and_one_partial_stage_match
     check_grouped(wf, 96, 2304, 5, 50, tiles, 12, wf == weight_format::fp8_tile32 ? 85 : 86, 20);
 }
 
+// 8-row tiles at K = 96 (one partial stage) and K = 512 (two FP4 stages, four FP8), on every
+// kernel: the streamed kernel checks an FP4 stage's weight scales as a whole.
+BOOST_AUTO_TEST_CASE(grouped_gemms_with_one_or_two_stages_match_host,
+                     *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
+  const std::vector<grouped_tile> tiles = {{0, 0, 1}, {1, 1, 8}, {2, 9, 3}, {1, 12, 1}};
+  for (const int K : {96, 512})
+    for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32})
+      check_grouped(wf, K, 272, 3, 20, tiles, 5, std::uint64_t(K) + (wf == weight_format::fp8_tile32 ? 1 : 2));
+}
+
 // An empty tile list (tile count 0 on the device): nothing is written, on either mma.sync kernel.
 BOOST_AUTO_TEST_CASE(grouped_gemm_with_no_tiles_writes_nothing,
                      *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
@@ -486,6 +496,11 @@ BOOST_AUTO_TEST_CASE(streamed_grouped_gemm_exact_at_extreme_scales,
         w_scale(row, 2) = 200;                                 // ... times 2^73: a normal product (fast path)
         w_scale(row, 32) = std::uint8_t(row < 32 ? 20 : 210);  // 2^-234: underflow (redo) / normal
       }
+      // Alone in their stages (the stage's other codes stay ordinary): an activation code of 0
+      // (block 10, token 0) and one weight code of 60 for row 7 (block 12; the fourth byte of its
+      // lane's scale word in an FP4 stage), each of which the fast path must leave to the exact one.
+      op.a_s[10] = 0;
+      w_scale(7, 12) = 60;
       op.a_s[3] = 250;       // token 0, block 3: 2^123 ...
       w_scale(0, 3) = 250;   // ... times 2^123 for rows 0..31 (FP8) / row 0 (FP4): overflow (redo)
       w_scale(40, 5) = 255;  // NaN: row 40 (FP4), rows 32..63 (FP8) are NaN for every token
