@@ -264,11 +264,36 @@ DSV4_DEVICE float softplus_torch(float s) {
   return s > 20.0f ? s : log1pf(expf(s));
 }
 
-//! One warp per token: scores, top-k, weights; also the pair indices the sort carries.
-//! Each expert's rank is one 64-bit key: topk_order_key(biased) above, ~id below, so the largest
-//! key is the highest biased score (NaN above +inf) and, among equal scores, the lowest id; a
-//! chosen expert's key becomes 0, below every score's. Every slot thus gets a valid expert whatever
-//! the scores hold (k <= experts), NaN included: no slot is left at a sentinel.
+//! Expert e's unbiased score sqrt(softplus(logit)) and its rank key: topk_order_key(score + bias)
+//! above, ~e below, so the largest key is the highest biased score (NaN above +inf) and, among
+//! equal scores, the lowest id. Keys are distinct, and 0 is below every one of them.
+struct route_entry {
+  float score;
+  unsigned long long key;
+};
+DSV4_DEVICE route_entry route_entry_of(const float* logits_row, const float* bias, int e) {
+  const float score = __fsqrt_rn(softplus_torch(logits_row[e]));
+  const unsigned long long key =
+      (static_cast<unsigned long long>(numerics::topk_order_key(__fadd_rn(score, bias[e]))) << 32) |
+      static_cast<unsigned>(~e);
+  return {score, key};
+}
+
+//! Slot j < k of token t from the chosen experts' ids and unbiased scores in rank order: the weight
+//! normalized by the sum over the slots in rank order (the reference's order), times route_scale.
+DSV4_DEVICE void write_route_slot(long long t, int j, const moe_shape& s, int expert, float score, float sum,
+                                  int* sel_expert, float* sel_weight, int* pair_index) {
+  float wv = score;
+  if (s.norm_topk_prob && s.k > 1) wv = __fdiv_rn(wv, __fadd_rn(sum, 1e-20f));
+  wv = __fmul_rn(wv, s.route_scale);
+  sel_expert[t * s.k + j] = expert;
+  sel_weight[t * s.k + j] = wv;
+  pair_index[t * s.k + j] = int(t * s.k + j);
+}
+
+//! One warp per token (many tokens: prefill): scores, top-k, weights; also the pair indices the
+//! sort carries. A chosen expert's key becomes 0, below every score's, so every slot gets a valid
+//! expert whatever the scores hold (k <= experts), NaN included: no slot is left at a sentinel.
 DSV4_KERNEL void __launch_bounds__(256)
     route_kernel(const float* logits, long long tokens, moe_shape s, const float* bias, const float* bias_vl,
                  const std::uint8_t* is_image, int* sel_expert, float* sel_weight, int* pair_index) {
@@ -283,12 +308,8 @@ DSV4_KERNEL void __launch_bounds__(256)
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int e = lane + 32 * i;
-    score[i] = e < s.experts ? __fsqrt_rn(softplus_torch(logits[t * s.experts + e])) : 0.0f;
-    rank[i] =
-        e < s.experts
-            ? (static_cast<unsigned long long>(numerics::topk_order_key(__fadd_rn(score[i], b[e]))) << 32) |
-                  static_cast<unsigned>(~e)
-            : 0ull;
+    const route_entry r = e < s.experts ? route_entry_of(logits + t * s.experts, b, e) : route_entry{0.0f, 0ull};
+    score[i] = r.score, rank[i] = r.key;
   }
   float sum = 0.0f, chosen_score = 0.0f;
   int chosen = 0;
@@ -311,14 +332,67 @@ DSV4_KERNEL void __launch_bounds__(256)
     sum = __fadd_rn(sum, sc);
     if (lane == j) chosen = best_e, chosen_score = sc;
   }
-  if (lane < s.k) {
-    float wv = chosen_score;
-    if (s.norm_topk_prob && s.k > 1) wv = __fdiv_rn(wv, __fadd_rn(sum, 1e-20f));
-    wv = __fmul_rn(wv, s.route_scale);
-    sel_expert[t * s.k + lane] = chosen;
-    sel_weight[t * s.k + lane] = wv;
-    pair_index[t * s.k + lane] = int(t * s.k + lane);
+  if (lane < s.k) write_route_slot(t, lane, s, chosen, chosen_score, sum, sel_expert, sel_weight, pair_index);
+}
+
+//! Calls of up to this many tokens (decode) route with one CTA per token (route_cta_kernel).
+inline constexpr long long route_cta_max_tokens = 32;
+
+//! One CTA per token (few tokens: decode), a thread per expert: the same slots as route_kernel.
+//! Why: route_kernel's single warp per token is a chain of dependent steps (k rounds of a 16-step
+//! maximum and five shuffles), about 2,000 instructions at 12 to 14 cycles each (ncu: 14.2 us for
+//! one token, the longest kernel of the MoE layer after its GEMMs). Here each expert's rank is
+//! the count of larger keys (keys are distinct), in parallel over the experts, and the slots are
+//! the experts of rank < k: the same choice and order as k rounds of taking the maximum.
+DSV4_KERNEL void __launch_bounds__(max_experts)
+    route_cta_kernel(const float* logits, moe_shape s, const float* bias, const float* bias_vl,
+                     const std::uint8_t* is_image, int* sel_expert, float* sel_weight, int* pair_index) {
+  __shared__ __align__(16) unsigned long long keys[max_experts];
+  __shared__ int slot_expert[16];
+  __shared__ float slot_score[16];
+  runtime::start_after_previous_grid();
+  const long long t = blockIdx.x;
+  const int e = threadIdx.x;
+  const float* b = is_image && bias_vl && is_image[t] ? bias_vl : bias;
+  const route_entry r = e < s.experts ? route_entry_of(logits + t * s.experts, b, e) : route_entry{0.0f, 0ull};
+  keys[e] = r.key;
+  __syncthreads();
+  if (e < s.experts) {
+    // Two keys a load (s.experts is not always even: the key past the last expert is 0).
+    int rank = 0;
+#pragma unroll 4
+    for (int i = 0; i < s.experts; i += 2) {
+      const ulonglong2 two = *reinterpret_cast<const ulonglong2*>(keys + i);
+      rank += int(two.x > r.key) + int(two.y > r.key);
+    }
+    if (rank < s.k) slot_expert[rank] = e, slot_score[rank] = r.score;
   }
+  __syncthreads();
+  if (e < s.k) {
+    float sum = 0.0f;
+    for (int j = 0; j < s.k; ++j) sum = __fadd_rn(sum, slot_score[j]);
+    write_route_slot(t, e, s, slot_expert[e], slot_score[e], sum, sel_expert, sel_weight, pair_index);
+  }
+}
+
+//! Which route kernel runs (tests compare them; `automatic`: by token count).
+enum class route_impl { automatic, per_warp, per_cta };
+
+//! The routing of `tokens` tokens: sel_expert / sel_weight / pair_index [tokens, k].
+inline void route(const float* logits, long long tokens, const moe_shape& s, const float* bias, const float* bias_vl,
+                  const std::uint8_t* is_image, int* sel_expert, float* sel_weight, int* pair_index,
+                  cudaStream_t stream, route_impl impl = route_impl::automatic) {
+  if (tokens <= 0) return;
+  const bool per_cta = impl == route_impl::per_cta || (impl == route_impl::automatic && tokens <= route_cta_max_tokens);
+  if (per_cta) {
+    if (tokens > 65535) throw error("moe route: one CTA per token takes at most 65,535 tokens");
+    runtime::launch_programmatic(route_cta_kernel, dim3(unsigned(tokens)), dim3(max_experts), 0, stream, logits, s,
+                                 bias, bias_vl, is_image, sel_expert, sel_weight, pair_index);
+  } else {
+    runtime::launch_programmatic(route_kernel, dim3(unsigned((tokens + 7) / 8)), dim3(256), 0, stream, logits, tokens,
+                                 s, bias, bias_vl, is_image, sel_expert, sel_weight, pair_index);
+  }
+  DSV4_CUDA_CHECK_LAUNCH();
 }
 
 //! One CTA: each expert's run in the sorted pairs becomes tiles of at most `tile` rows.
@@ -606,10 +680,8 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
 
   // 1-2. Routing.
   detail::gate_logits(x, tokens, s.dim, w.gate, s.experts, s.gate_temp, ws.logits.data(), stream);
-  runtime::launch_programmatic(detail::route_kernel, dim3(unsigned((tokens + 7) / 8)), dim3(256), 0, stream,
-                               ws.logits.data(), tokens, s, w.bias, w.bias_vl, is_image, ws.sel_expert.data(),
-                               ws.sel_weight.data(), ws.pair_index.data());
-  DSV4_CUDA_CHECK_LAUNCH();
+  detail::route(ws.logits.data(), tokens, s, w.bias, w.bias_vl, is_image, ws.sel_expert.data(), ws.sel_weight.data(),
+                ws.pair_index.data(), stream);
   // 3. Dispatch: stable sort by expert, tile list, row maps.
   const bool dense = blas && allow_host_sync && pairs >= dense_min_rows_per_expert * s.experts &&
                      dense_dequant_elems(s, ws.max_tokens()) > 0 &&
