@@ -239,6 +239,49 @@ BOOST_AUTO_TEST_CASE(fp4_weights_match_host, *utf::label("gpu") * utf::precondit
   check_shape({150, 330, 768}, weight_format::fp4_row32, 15);
 }
 
+// Two GEMMs of one input in one launch (block_scaled_gemm_pair: the shared expert's w1 and w3):
+// each matches the host, split K (the two GEMMs' partials and counters apart) and unsplit, and a
+// second run repeats the first bit for bit (the counters reset). (Not bit-equal to each GEMM run
+// alone: the pair's plan splits K for twice the rows.)
+void check_pair(gemm_shape s, weight_format wf, std::size_t partial_floats, std::uint64_t salt) {
+  auto rng = test::make_rng(salt);
+  const gemm_operands op1(s, wf, rng);
+  gemm_operands op2 = op1;  // the same activations, other weights
+  {
+    const gemm_operands other(s, wf, rng);
+    op2.w = other.w, op2.w_s = other.w_s;
+  }
+  const auto want1 = op1.reference(), mag1 = op1.reference(true), want2 = op2.reference(), mag2 = op2.reference(true);
+  auto d1 = op1.upload(), d2 = op2.upload();
+  auto g2 = d2.args();
+  g2.a = d1.a.data(), g2.a_s = d1.a_s.data();  // one input, as the pair requires
+  kernels::gemm::gemm_workspace work(partial_floats);
+  std::vector<bf16> first[2], second[2];
+  for (int run = 0; run < 2; ++run) {
+    d1.c.fill_bytes(0xFF), d2.c.fill_bytes(0xFF);
+    kernels::gemm::block_scaled_gemm_pair(d1.args(), g2, wf, &work);
+    first[run] = d1.c_after_sync(), second[run] = d2.c_after_sync();
+  }
+  const std::string name = std::string(wf == weight_format::fp8_tile32 ? "fp8" : "fp4") + " pair M" +
+                           std::to_string(s.m) + " N" + std::to_string(s.n) + " K" + std::to_string(s.k) +
+                           " partials " + std::to_string(partial_floats);
+  expect_close(first[1], want1, mag1, (name + ", first").c_str());
+  expect_close(second[1], want2, mag2, (name + ", second").c_str());
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < first[0].size(); ++i)
+    differ += first[0][i].bits != first[1][i].bits || second[0][i].bits != second[1][i].bits;
+  BOOST_TEST(differ == 0u, name << ": a second run changed " << differ << " outputs");
+}
+
+BOOST_AUTO_TEST_CASE(gemm_pairs_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  const std::size_t roomy = std::size_t(1) << 20;
+  check_pair({1, 2304, 5120}, weight_format::fp8_tile32, roomy, 31);  // the shared expert at one token
+  check_pair({7, 272, 1024}, weight_format::fp8_tile32, roomy, 32);   // ragged N (not a multiple of 64)
+  check_pair({40, 520, 2048}, weight_format::fp4_row32, roomy, 33);
+  check_pair({3, 300, 768}, weight_format::fp8_tile32, 1, 34);         // no room for partials: unsplit
+  check_pair({70, 128, 512}, weight_format::fp4_row32, roomy, 35);     // 8-token groups side by side
+}
+
 BOOST_AUTO_TEST_CASE(exact_products_are_exact, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   // Activations +-0.5 / +-1 times E2M1 weights: every partial sum is a multiple of 0.25 below
   // 2^15, so nothing rounds before the bf16 output (not even in the tensor core's reduced-precision

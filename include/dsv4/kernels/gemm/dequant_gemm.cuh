@@ -235,4 +235,20 @@ inline void block_scaled_linear(const block_scaled_gemm_args& g, weight_format w
   decode_block_scaled_gemm(g, wf, workspace, stream);
 }
 
+//! block_scaled_linear of two weights on one input (the shared expert's w1 and w3): one launch of
+//! block_scaled_gemm_pair where both would run on the few-token mma.sync kernel, else the two
+//! calls (the dequantize + cuBLAS path, or wgmma).
+inline void block_scaled_linear_pair(const block_scaled_gemm_args& g1, const block_scaled_gemm_args& g2,
+                                     weight_format wf, gemm_workspace* workspace, cublasHandle_t blas,
+                                     cudaStream_t stream = nullptr) {
+  const bool wgmma = current_decode_gemm() == decode_gemm::wgmma;
+  const bool dequant = blas && workspace && g1.shape.m >= dequant_min_tokens &&
+                       plan_dequant_passes(g1.shape, workspace->dequant_elems()).rows > 0;
+  if (wgmma || dequant) {
+    block_scaled_linear(g1, wf, workspace, blas, stream);
+    return block_scaled_linear(g2, wf, workspace, blas, stream);
+  }
+  block_scaled_gemm_pair(g1, g2, wf, workspace, stream);
+}
+
 }  // namespace dsv4::kernels::gemm

@@ -756,10 +756,10 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   // 5. Shared expert (FP8), all tokens.
   const int m = int(tokens);
   // (block_scaled_linear: the dequantize + cuBLAS path from dequant_min_tokens tokens with a handle.)
-  gemm::block_scaled_linear({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s1, w.s1_s, ws.sg.data()},
-                            gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
-  gemm::block_scaled_linear({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s3, w.s3_s, ws.su.data()},
-                            gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
+  // (w1 and w3 in one launch at decode: block_scaled_linear_pair.)
+  gemm::block_scaled_linear_pair({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s1, w.s1_s, ws.sg.data()},
+                                 {{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s3, w.s3_s, ws.su.data()},
+                                 gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
   detail::swiglu_quantize(ws.sg.data(), ws.su.data(), tokens, s.inter, s.swiglu_limit, nullptr, nullptr,
                           ws.shq.data(), ws.shs.data(), stream);
   gemm::block_scaled_linear(
