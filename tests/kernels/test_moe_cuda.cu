@@ -17,6 +17,7 @@
 #include "dsv4/kernels/moe/moe.cuh"
 #include "dsv4/kernels/moe/reference.hpp"
 #include "dsv4/runtime/device_buffer.cuh"
+#include "dsv4/runtime/stream.cuh"
 #include "support/gpu.hpp"
 #include "support/wgmma.cuh"
 #include "support/random.hpp"
@@ -321,6 +322,29 @@ void check_moe(const moe_case& c, std::uint64_t salt, const moe_bounds& bounds =
   moe::moe_forward(dx.data(), c.tokens, c.images ? dimg.data() : nullptr, w, dy.data(), ws, nullptr, blas,
                    c.host_sync);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  if (!c.cublas) {
+    // The same call captured in a CUDA graph on a non-blocking stream (the shared expert's fork
+    // to the workspace's stream and its join become edges of the graph) and replayed: same bits.
+    const auto y_direct = dy.download();
+    runtime::owned_stream st = runtime::owned_stream::non_blocking();
+    dy.fill_bytes(0xFF);
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    DSV4_CUDA_CHECK(cudaStreamBeginCapture(st.get(), cudaStreamCaptureModeThreadLocal));
+    moe::moe_forward(dx.data(), c.tokens, c.images ? dimg.data() : nullptr, w, dy.data(), ws, st.get(), nullptr,
+                     c.host_sync);
+    DSV4_CUDA_CHECK(cudaStreamEndCapture(st.get(), &graph));
+    DSV4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    DSV4_CUDA_CHECK(cudaGraphLaunch(exec, st.get()));
+    DSV4_CUDA_CHECK(cudaStreamSynchronize(st.get()));
+    const auto y_graph = dy.download();
+    std::size_t differ = 0;
+    for (std::size_t i = 0; i < y_graph.size(); ++i) differ += y_graph[i].bits != y_direct[i].bits;
+    BOOST_TEST(differ == 0u, differ << " outputs of the graph-replayed layer differ from the direct call's");
+    DSV4_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    DSV4_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
   if (c.ranks > 0) check_expert_slices(c, dx.data(), c.images ? dimg.data() : nullptr, w, tiled, ws, dy, blas);
   if (blas) cublasDestroy(blas);
   const long long offsets_end = ws.expert_offsets_host.data()[c.experts];
@@ -670,8 +694,9 @@ BOOST_AUTO_TEST_CASE(layer_matches_host_with_wgmma_gemms, *utf::label("gpu") * u
   check_moe({128, 3, 512, 128, 1}, 22, {.min_exact = 0.5, .inexact_sums = true, .max_requantized = 0.25});
   check_moe({8, 2, 256, 128, 100}, 23, wgmma_bounds);                      // 16-row tiles
   check_moe({16, 3, 256, 64, 50, 5, 128, false, true}, 24, wgmma_bounds);  // clamps engage
-  // Per layer: one grouped launch for w1 + w3, one for w2, three shared-expert linears.
-  BOOST_TEST(gemm::wgmma_gemm_calls() - before == 4u * 5u);
+  // Per layer: one grouped launch for w1 + w3, one for w2, three shared-expert linears; each case
+  // calls the layer twice (check_moe: directly, then captured in a graph).
+  BOOST_TEST(gemm::wgmma_gemm_calls() - before == 2u * 4u * 5u);
 }
 
 // The prefill path (a cuBLAS handle and >= 32 rows per expert): per-expert bf16 copies and cuBLAS

@@ -5,8 +5,9 @@
 //! legacy-stream work. The price: nothing issued on the legacy stream (synchronous cudaMemcpy,
 //! cudaMemset, device_buffer uploads) is ordered before work on this stream; order it by hand
 //! (cudaDeviceSynchronize once after setup, or issue the copy on this stream).
+//! Also an owned event (no timing) for ordering work across streams: fork and join.
 
-#include <cuda_runtime.h>  // provides cudaStreamCreateWithFlags, cudaStreamDestroy
+#include <cuda_runtime.h>  // provides cudaStreamCreateWithFlags, cudaEventCreateWithFlags
 
 #include <utility>
 
@@ -43,5 +44,38 @@ class owned_stream {
  private:
   cudaStream_t stream_ = nullptr;
 };
+
+//! An owned cudaEvent_t created with cudaEventDisableTiming (for cross-stream order, also
+//! inside a graph capture: a record and a wait become an edge of the graph).
+class owned_event {
+ public:
+  static owned_event ordering() {
+    owned_event e;
+    DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&e.event_, cudaEventDisableTiming));
+    return e;
+  }
+  owned_event() = default;
+  ~owned_event() {
+    if (event_) cudaEventDestroy(event_);
+  }
+  owned_event(owned_event&& o) noexcept : event_(std::exchange(o.event_, nullptr)) {}
+  owned_event& operator=(owned_event&& o) noexcept {
+    std::swap(event_, o.event_);
+    return *this;
+  }
+  owned_event(const owned_event&) = delete;
+  owned_event& operator=(const owned_event&) = delete;
+
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+//! `after` waits for the work issued on `before` so far.
+inline void order_after(cudaStream_t after, cudaStream_t before, const owned_event& e) {
+  DSV4_CUDA_CHECK(cudaEventRecord(e.get(), before));
+  DSV4_CUDA_CHECK(cudaStreamWaitEvent(after, e.get(), 0));
+}
 
 }  // namespace dsv4::runtime

@@ -18,7 +18,8 @@
 //!     instead run each expert's rows through bf16 copies and one cuBLAS GEMM per expert and
 //!     projection (dense_expert_projection), tensor-core GEMMs at full tile height;
 //!  5. the shared expert (FP8) on all tokens (gemm::block_scaled_linear: the dequantize + cuBLAS
-//!     path from gemm::dequant_min_tokens tokens when a handle is given);
+//!     path from gemm::dequant_min_tokens tokens when a handle is given); off that path it runs
+//!     on the workspace's second stream beside steps 1-4 (forked after act_quant, joined before 6);
 //!  6. per token: its experts' bf16 outputs added in ascending expert id into an fp32 sum that
 //!     starts at 0, then the shared expert's, one rounding (deterministic: no atomics anywhere).
 //! Works for the backbone (384 experts, top-6) and the DSpark stages (128, top-3) alike.
@@ -52,6 +53,7 @@
 #include "dsv4/runtime/device_buffer.cuh"
 #include "dsv4/runtime/pdl.cuh"
 #include "dsv4/runtime/pinned_buffer.cuh"
+#include "dsv4/runtime/stream.cuh"
 
 namespace dsv4::kernels::moe {
 
@@ -134,7 +136,10 @@ class moe_workspace {
         shared_out(n(s.dim)),
         expert_offsets(std::size_t(s.experts) + 1),
         expert_offsets_host(std::size_t(s.experts) + 1),
-        gemm(std::size_t(1) << 20, dense_dequant_elems(s, max_tokens)) {
+        gemm(std::size_t(1) << 20, dense_dequant_elems(s, max_tokens)),
+        shared_stream(runtime::owned_stream::non_blocking()),
+        forked(runtime::owned_event::ordering()),
+        joined(runtime::owned_event::ordering()) {
     std::size_t bytes = 0;
     DSV4_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, sorted_expert.data(),
                                                     sorted_expert.data(), pair_index.data(),
@@ -181,6 +186,10 @@ class moe_workspace {
   runtime::device_buffer<int> expert_offsets;       //!< [experts + 1]: first sorted row of each expert
   runtime::pinned_buffer<int> expert_offsets_host;  //!< their copy for the prefill path's launches
   gemm::gemm_workspace gemm;
+  //! Where the shared expert runs at decode, beside the routing (moe_forward), and the events of
+  //! its fork from and join to the caller's stream.
+  runtime::owned_stream shared_stream;
+  runtime::owned_event forked, joined;
 };
 
 namespace detail {
@@ -678,6 +687,30 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   if (tokens == 0) return;
   const int pairs = int(tokens * s.k);
 
+  // act_quant of x once, for the routed and the shared experts.
+  detail::quantize_rows(x, tokens, s.dim, ws.xq.data(), ws.xs.data(), stream);
+  // 5. The shared expert (FP8), all tokens. It does not depend on the routing: at decode it runs
+  // on the workspace's second stream, beside steps 1-4, whose first kernels (gate, route,
+  // dispatch: ~24 us at one token, ncu) leave most SMs idle; joined before step 6. Where it would
+  // take the dequantize + cuBLAS path (block_scaled_linear) it stays on `stream`: that path's
+  // scratch and cuBLAS handle are the routed experts' too.
+  const int m = int(tokens);
+  const bool shared_beside = !(blas && m >= gemm::dequant_min_tokens);
+  auto shared_expert = [&](cudaStream_t st) {
+    // (w1 and w3 in one launch at decode: block_scaled_linear_pair.)
+    gemm::block_scaled_linear_pair({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s1, w.s1_s, ws.sg.data()},
+                                   {{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s3, w.s3_s, ws.su.data()},
+                                   gemm::weight_format::fp8_tile32, &ws.gemm, blas, st);
+    detail::swiglu_quantize(ws.sg.data(), ws.su.data(), tokens, s.inter, s.swiglu_limit, nullptr, nullptr,
+                            ws.shq.data(), ws.shs.data(), st);
+    gemm::block_scaled_linear({{m, s.dim, s.inter}, ws.shq.data(), ws.shs.data(), w.s2, w.s2_s, ws.shared_out.data()},
+                              gemm::weight_format::fp8_tile32, &ws.gemm, blas, st);
+  };
+  if (shared_beside) {
+    runtime::order_after(ws.shared_stream.get(), stream, ws.forked);
+    shared_expert(ws.shared_stream.get());
+  }
+
   // 1-2. Routing.
   detail::gate_logits(x, tokens, s.dim, w.gate, s.experts, s.gate_temp, ws.logits.data(), stream);
   detail::route(ws.logits.data(), tokens, s, w.bias, w.bias_vl, is_image, ws.sel_expert.data(), ws.sel_weight.data(),
@@ -719,7 +752,6 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
     DSV4_CUDA_CHECK_LAUNCH();
   }
   // 4. Routed experts.
-  detail::quantize_rows(x, tokens, s.dim, ws.xq.data(), ws.xs.data(), stream);
   const gemm::weight_tile_shape up{s.inter, s.dim, gemm::weight_format::fp4_row32};
   const gemm::weight_tile_shape down{s.dim, s.inter, gemm::weight_format::fp4_row32};
   const long long pairs_bound = (long long)tokens * s.k;
@@ -753,18 +785,11 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
     gemm::decode_grouped_gemm(
         {{pairs, s.dim, s.inter}, ws.hq.data(), ws.hs.data(), w.w2, w.w2_s, ws.expert_out.data()}, groups,
         gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
-  // 5. Shared expert (FP8), all tokens.
-  const int m = int(tokens);
-  // (block_scaled_linear: the dequantize + cuBLAS path from dequant_min_tokens tokens with a handle.)
-  // (w1 and w3 in one launch at decode: block_scaled_linear_pair.)
-  gemm::block_scaled_linear_pair({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s1, w.s1_s, ws.sg.data()},
-                                 {{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s3, w.s3_s, ws.su.data()},
-                                 gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
-  detail::swiglu_quantize(ws.sg.data(), ws.su.data(), tokens, s.inter, s.swiglu_limit, nullptr, nullptr,
-                          ws.shq.data(), ws.shs.data(), stream);
-  gemm::block_scaled_linear(
-      {{m, s.dim, s.inter}, ws.shq.data(), ws.shs.data(), w.s2, w.s2_s, ws.shared_out.data()},
-      gemm::weight_format::fp8_tile32, &ws.gemm, blas, stream);
+  // 5 (end). The shared expert joins here, or runs here where it cannot run beside.
+  if (shared_beside)
+    runtime::order_after(stream, ws.shared_stream.get(), ws.joined);
+  else
+    shared_expert(stream);
   // 6. Combine.
   const dim3 combine_grid(unsigned(tokens), unsigned((s.dim + 127) / 128));
   runtime::launch_programmatic(detail::combine_kernel, combine_grid, dim3(128), 0, stream,
