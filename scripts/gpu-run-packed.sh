@@ -8,6 +8,10 @@
 #   MEMCHECK="test_gemm_cuda test_moe_cuda" ...         # memcheck on these (all: MEMCHECK=all)
 #   INITCHECK=...  BENCH=1  MC_LIMIT=seconds-per-binary (default 200)
 #   RUN_BENCHES="bench_gemm bench_moe"  # also run these packed benchmarks (output kept loose: $OUT/bench_*.txt)
+#   TESTS="test_device_model_cuda test_engram_cuda"  # only these test binaries (default: every one)
+# The whole set takes longer than one 600 s device call (H200, nineteenth session: device_model
+# over 150 s, engram over 60, gemm 68, tp_device 58, moe 42, dspark 40, the other ten under 5 s
+# each): split it over two calls with TESTS, the two long ones in a call of their own.
 # On a host with several GPUs, also: scripts/gpu-run-multigpu.sh (the multigpu cases, bench_tp).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -18,7 +22,8 @@ mkdir -p "$out"
 source "$repo/scripts/gpu-pack-env.sh"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 || true; } | sed 's/^/gpu: /' | tee -a "$out/summary.txt"
 fail=0
-for t in tests/test_*_cuda; do
+if [ -n "${TESTS:-}" ]; then tests=$(printf 'tests/%s ' $TESTS); else tests=$(ls tests/test_*_cuda); fi
+for t in $tests; do
   n=$(basename "$t")
   if ./"$t" --run_test=@gpu --report_level=detailed > "$out/$n.log" 2>&1; then r=passed; else r=FAILED; fail=1; fi
   # Cases named *_multigpu need several GPUs (label multigpu); --run_test=@gpu leaves them out,
