@@ -138,10 +138,21 @@ void check_quantize_shape(long long rows, int channels, std::uint64_t salt) {
     a.codes_row_stride = channels * F::element::storage_bits / 8;
     a.scales = dscales.data();
     a.scales_row_stride = channels / F::block_size;
+    // E4M3 codes: also their values as f16 (codes_f16), poisoned first.
+    constexpr bool kF16 = std::is_same_v<typename F::element, e4m3>;
+    device_buffer<std::uint16_t> df16(kF16 ? std::size_t(rows) * channels : 1);
+    df16.fill_bytes(0xFF);
+    if (kF16) a.codes_f16 = df16.data(), a.codes_f16_row_stride = channels;
     quantize<F>(a);
     DSV4_CUDA_CHECK(cudaDeviceSynchronize());
     BOOST_TEST(dcodes.download() == want.codes);
     BOOST_TEST(dscales.download() == want.scales);
+    if constexpr (kF16) {
+      const auto f16 = df16.download();
+      std::size_t bad = 0;
+      for (std::size_t i = 0; i < f16.size(); ++i) bad += f16[i] != e4m3_code_as_f16(want.codes[i]);
+      BOOST_TEST(bad == 0u, bad << " f16 copies of the codes differ from e4m3_code_as_f16");
+    }
 
     // Dequantize back on the device and compare every bf16 bit pattern with the host.
     std::vector<bf16> host_out(x.size());

@@ -82,6 +82,17 @@ inline constexpr bool is_minifloat_v = false;
 template <int E, int M, bool S, int B, special_codes Sp>
 inline constexpr bool is_minifloat_v<minifloat<E, M, S, B, Sp>> = true;
 
+//! The f16 bits of an E4M3 code's value (exact; NaN codes give an f16 NaN of the same sign).
+DSV4_HOST_DEVICE constexpr std::uint16_t e4m3_code_as_f16(std::uint8_t code) {
+  const std::uint16_t sign = std::uint16_t((code & 0x80u) << 8);
+  const unsigned e = (code >> 3) & 0xFu, m = code & 7u;
+  if (e == 15 && m == 7) return std::uint16_t(sign | 0x7E00u);
+  if (e != 0) return std::uint16_t(sign | (e + 8) << 10 | m << 7);  // 2^(e-7) (1 + m/8)
+  if (m == 0) return sign;
+  const unsigned p = m >= 4 ? 2 : m >= 2 ? 1 : 0;  // m 2^-9 = 2^(p-9) (1 + (m - 2^p) / 2^p)
+  return std::uint16_t(sign | (p + 6) << 10 | (m - (1u << p)) << (10 - p));
+}
+
 //! Decode one code to fp32 (exact: every value of these encodings is an fp32 value).
 template <class T>
 DSV4_HOST_DEVICE float decode(std::uint8_t code) {

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/numerics/fast_codec.cuh"
@@ -34,6 +35,11 @@ struct quantize_args {
   long long codes_row_stride = 0;
   std::uint8_t* scales = nullptr;
   long long scales_row_stride = 0;
+  //! Optional, E4M3 codes only: [rows, channels] the value of each code as f16 bits (unscaled;
+  //! exact: every E4M3 value is an f16 value), for GEMMs whose tensor-core operands are f16 (the
+  //! MoE's streamed expert GEMMs read it instead of converting the codes in every warp).
+  std::uint16_t* codes_f16 = nullptr;
+  long long codes_f16_row_stride = 0;
 };
 
 struct dequantize_args {
@@ -102,9 +108,10 @@ struct device_block_encoder {
 //! (= element index / 8) in that row. Every lane of the warp must call it (the block's amax is
 //! agreed by shuffles); an inactive lane passes zeros and writes nothing. Kernels that make the
 //! values themselves (moe's fused SwiGLU) quantize them here without a round trip through memory.
+//! `f16_row` (optional, E4M3 codes only): the codes' values as f16 bits, 8 per chunk (quantize_args).
 template <class F>
 DSV4_DEVICE void quantize_chunk8(const bf16 (&v)[quant_elems_per_thread], bool active, std::uint8_t* codes_row,
-                                 std::uint8_t* scales_row, long long chunk) {
+                                 std::uint8_t* scales_row, long long chunk, std::uint16_t* f16_row = nullptr) {
   constexpr int kElems = quant_elems_per_thread;
   constexpr int kLanes = F::block_size / kElems;
   using Elem = typename F::element;
@@ -121,6 +128,15 @@ DSV4_DEVICE void quantize_chunk8(const bf16 (&v)[quant_elems_per_thread], bool a
     for (int i = 0; i < 4; ++i) lo |= std::uint32_t(enc(v[i].to_float())) << (8 * i);
     for (int i = 0; i < 4; ++i) hi |= std::uint32_t(enc(v[4 + i].to_float())) << (8 * i);
     *reinterpret_cast<uint2*>(codes_row + chunk * 8) = make_uint2(lo, hi);
+    if (std::is_same_v<Elem, e4m3> && f16_row) {
+      std::uint32_t h[4];
+      for (int i = 0; i < 4; ++i) {
+        const std::uint32_t word = i < 2 ? lo : hi, pair = word >> (16 * (i % 2));
+        h[i] = std::uint32_t(e4m3_code_as_f16(std::uint8_t(pair))) |
+               std::uint32_t(e4m3_code_as_f16(std::uint8_t(pair >> 8))) << 16;
+      }
+      *reinterpret_cast<uint4*>(f16_row + chunk * 8) = make_uint4(h[0], h[1], h[2], h[3]);
+    }
   } else {
     std::uint32_t packed = 0;  // element 2k in the low nibble of byte k (little-endian word)
     for (int i = 0; i < kElems; ++i) packed |= std::uint32_t(enc(v[i].to_float())) << (4 * i);
@@ -146,7 +162,8 @@ DSV4_KERNEL void quantize_kernel(quantize_args a) {
   const std::uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
   bf16 v[kElems];
   for (int i = 0; i < kElems; ++i) v[i] = bf16::from_bits(std::uint16_t(words[i / 2] >> (16 * (i % 2))));
-  quantize_chunk8<F>(v, active, a.codes + row * a.codes_row_stride, a.scales + row * a.scales_row_stride, chunk);
+  quantize_chunk8<F>(v, active, a.codes + row * a.codes_row_stride, a.scales + row * a.scales_row_stride, chunk,
+                     a.codes_f16 ? a.codes_f16 + row * a.codes_f16_row_stride : nullptr);
 }
 
 template <class F>
@@ -181,6 +198,11 @@ DSV4_KERNEL void dequantize_kernel(dequantize_args a) {
 //! Empty when `quantize<F>(a)` can run, else why not.
 template <BlockFormat F>
 std::string can_implement(const quantize_args& a) {
+  if (a.codes_f16 && a.rows > 0) {
+    if (!std::is_same_v<typename F::element, e4m3>) return "codes_f16 needs E4M3 element codes";
+    if (!detail::aligned(a.codes_f16, 16) || a.codes_f16_row_stride % 8 != 0)
+      return "codes_f16 must be 16-byte aligned with a row stride that is a multiple of 8 elements";
+  }
   return detail::check_shapes<F>(a.rows, a.channels, a.x, a.x_row_stride, a.codes, a.codes_row_stride, a.scales);
 }
 template <BlockFormat F>

@@ -59,6 +59,9 @@ struct block_scaled_gemm_args {
   const std::uint8_t* w = nullptr;     //!< weight codes, MMA-tile layout (weight_tiles.hpp)
   const std::uint8_t* w_s = nullptr;   //!< weight scales, MMA-tile layout (weight_tiles.hpp)
   numerics::bf16* c = nullptr;         //!< [M, N] bf16 out
+  //! Optional: [M, K] A's codes as f16 bits (numerics::quantize_args::codes_f16). Only the
+  //! streamed grouped GEMM reads it (its B operand then needs no conversion); the rest ignore it.
+  const std::uint16_t* a_f16 = nullptr;
 };
 
 //! Scratch of the GEMMs. For split-K: fp32 partials of the K slices and one arrival counter per

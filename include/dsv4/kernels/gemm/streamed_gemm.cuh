@@ -23,7 +23,10 @@
 //!   one runs block by block, and all bookkeeping is 32-bit and incremental (a first version's
 //!   64-bit divisions per stage cost as many instructions as the math, ncu: 121 a K block).
 //! - The activations (a few rows, read by every warp of the tile) come from L1 / L2 with ordinary
-//!   loads, issued for a whole stage before waiting on its barrier.
+//!   loads, issued for a whole stage before waiting on its barrier. Where the caller has them as
+//!   f16 (block_scaled_gemm_args::a_f16, the codes' exact values: the MoE's act_quants write them,
+//!   FP4 kernels only) a token's B fragment is one 16-byte load instead of an 8-byte load and six
+//!   instructions (four E4M3 -> f16 conversions and two shifts) that all 144 warps of a tile repeat.
 //! - Per K block: the m16n8k32 E4M3 product of the per-tile kernel (FP4 -> E4M3 exactly, two f16
 //!   MMAs), then acc += (d * a_scale) * w_scale as the reference computes it: one FMA with the
 //!   scales' exact product where that rounds the same, the reference's three roundings otherwise
@@ -80,12 +83,14 @@ struct stream_layout {
   static_assert(stage_bytes % 16 == 0 && barrier_bytes % 16 == 0, "bulk copies need 16-byte aligned stages");
 };
 
-template <weight_format WF, int TokenTiles>
+template <weight_format WF, int TokenTiles, bool AF16>
 DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     streamed_grouped_gemm_kernel(block_scaled_gemm_args g, gemm_groups groups, int max_tiles,
                                  block_scaled_gemm_args g_second, int gemms) {
   using L = stream_layout<WF>;
   constexpr bool kFp8 = L::fp8;
+  // A token's activations of one K block for this lane: 8 E4M3 codes, or (AF16) their f16 values.
+  using act_frag = std::conditional_t<AF16, uint4, uint2>;
   constexpr int kStageBlocks = L::stage_blocks, kS = stream_stages;
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, quad = lane % 4;
@@ -158,11 +163,14 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     auto a_index = [&](int r) { return groups.a_row_index ? groups.a_row_index[r] : r; };
     // Rows gid and gid + 8 of the tile; token gid of each token tile (B), tokens 2q, 2q + 1 (C).
     const std::uint8_t* a_row[TokenTiles];
+    const std::uint16_t* a16_row[TokenTiles];  // (AF16: the same elements as f16)
     const std::uint8_t* as_row[TokenTiles][2];
 #pragma unroll
     for (int t = 0; t < TokenTiles; ++t) {
       const int tok = tok_base + t * 8 + gid;
-      a_row[t] = g.a + (long long)a_index(tok < tok_end ? tok : tok_base) * g.shape.k + quad * 8;
+      const long long a_off = (long long)a_index(tok < tok_end ? tok : tok_base) * g.shape.k + quad * 8;
+      a_row[t] = g.a + a_off;
+      a16_row[t] = AF16 ? g.a_f16 + a_off : nullptr;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int ct = tok_base + t * 8 + quad * 2 + h;
@@ -185,7 +193,7 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
       const std::uint32_t w = *reinterpret_cast<const std::uint32_t*>(stage + stream_stage_code_bytes + lane * 4);
       return (__vcmpltu4(w, 0x50505050u) | __vcmpgtu4(w, 0xAEAEAEAEu)) == 0u;
     };
-    auto block = [&](const unsigned char* stage, int j, const uint2 (&af)[TokenTiles],
+    auto block = [&](const unsigned char* stage, int j, const act_frag (&af)[TokenTiles],
                      const std::uint32_t (&asc)[TokenTiles][2], std::uint32_t ws8c, auto lean, auto exact) {
       constexpr bool kLean = decltype(lean)::value, kExact = decltype(exact)::value;
       std::uint32_t frag[4], wc0, wc1;
@@ -223,7 +231,13 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
 #pragma unroll
       for (int t = 0; t < TokenTiles; ++t) {
         float d[4];
-        mma_e4m3(a16, af[t].x, af[t].y, d);
+        if constexpr (AF16) {  // the f16 B fragments as loaded: elements (0,1), (2,3), (4,5), (6,7)
+          d[0] = d[1] = d[2] = d[3] = 0.0f;
+          mma_f16(d, a16.lo, af[t].x, af[t].z);
+          mma_f16(d, a16.hi, af[t].y, af[t].w);
+        } else {
+          mma_e4m3(a16, af[t].x, af[t].y, d);
+        }
         constexpr std::uint32_t kLo = kFp8 ? 19u : 66u, kSpan = kFp8 ? 212u : 118u;  // ca in [lo, lo + span]
         if constexpr (!kExact) unsafe |= (asc[t][0] - kLo > kSpan) || (!kLean && asc[t][1] - kLo > kSpan);
         accumulate(acc[t][0], d[0], asc[t][0], wc0);
@@ -237,12 +251,15 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     // The activations of K block kb. Addresses are always valid: B columns past the tile read the
     // tile's first row, and what they compute lands in C columns (tokens) that are never written
     // (an MMA's columns do not mix), so the loads need neither a branch nor a select.
-    auto load_activations = [&](int kb, uint2(&af)[TokenTiles], std::uint32_t(&asc)[TokenTiles][2],
+    auto load_activations = [&](int kb, act_frag(&af)[TokenTiles], std::uint32_t(&asc)[TokenTiles][2],
                                 std::uint32_t& ws8c, auto lean) {
       constexpr int kTokScales = decltype(lean)::value ? 1 : 2;
 #pragma unroll
       for (int t = 0; t < TokenTiles; ++t) {
-        af[t] = *reinterpret_cast<const uint2*>(a_row[t] + kb * 32);
+        if constexpr (AF16)
+          af[t] = *reinterpret_cast<const uint4*>(a16_row[t] + kb * 32);
+        else
+          af[t] = *reinterpret_cast<const uint2*>(a_row[t] + kb * 32);
 #pragma unroll
         for (int h = 0; h < 2; ++h) asc[t][h] = h < kTokScales ? std::uint32_t(as_row[t][h][kb]) : 127u;
       }
@@ -252,7 +269,7 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     auto blocks_one_by_one = [&](const unsigned char* stage, int kb0, int n, auto lean, auto exact) {
 #pragma unroll 1
       for (int j = 0; j < n; ++j) {
-        uint2 af[TokenTiles];
+        act_frag af[TokenTiles];
         std::uint32_t asc[TokenTiles][2], ws8c;
         load_activations(kb0 + j, af, asc, ws8c, lean);
         block(stage, j, af, asc, ws8c, lean, exact);
@@ -271,11 +288,12 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
         unsafe = false;
         if (nkb == kStageBlocks) {
           // A full stage, unrolled: its activations are loaded before the wait for its weights
-          // (with two token tiles, in two halves, to stay within the registers).
-          constexpr int kPart = kStageBlocks / TokenTiles;
+          // (in parts, to stay within the registers: halves with two token tiles, and again
+          // halves with f16 activations, twice the bytes of the codes).
+          constexpr int kPart = kStageBlocks / TokenTiles / (AF16 && kStageBlocks >= 2 * TokenTiles ? 2 : 1);
 #pragma unroll
           for (int p = 0; p < kStageBlocks; p += kPart) {
-            uint2 af[kPart][TokenTiles];
+            act_frag af[kPart][TokenTiles];
             std::uint32_t asc[kPart][TokenTiles][2], ws8c[kPart];
 #pragma unroll
             for (int j = 0; j < kPart; ++j) load_activations(kb0 + p + j, af[j], asc[j], ws8c[j], lean);
@@ -333,7 +351,7 @@ inline bool streamed_kernels_run_here() {
            cudaFuncAttributes attr{};
            const bool yes =
                runtime::compute_capability_major() >= 9 &&
-               cudaFuncGetAttributes(&attr, streamed_grouped_gemm_kernel<weight_format::fp4_row32, 1>) ==
+               cudaFuncGetAttributes(&attr, streamed_grouped_gemm_kernel<weight_format::fp4_row32, 1, false>) ==
                    cudaSuccess &&
                attr.ptxVersion >= 90;
            if (!yes) (void)cudaGetLastError();  // a refused query is an answer here, not a later launch's error
@@ -368,6 +386,7 @@ inline std::string streamed_grouped_gemm_unfit(const block_scaled_gemm_args& g, 
     const std::string which = a == second ? " of the second GEMM" : "";
     if (a && misaligned(a->w)) return "the weight codes" + which + " must be 16-byte aligned";
     if (a && fp4 && misaligned(a->w_s)) return "the weight scales" + which + " must be 16-byte aligned";
+    if (a && a->a_f16 && misaligned(a->a_f16)) return "the f16 activations" + which + " must be 16-byte aligned";
   }
   if (groups.w_group_bytes % 16 != 0 || (fp4 && groups.ws_group_bytes % 16 != 0))
     return "the weight strides between groups must be multiples of 16 bytes";
@@ -396,7 +415,7 @@ inline std::string streamed_grouped_gemm_if_fit(const block_scaled_gemm_args& g,
   // beside the launch, once per device and variant: a process driving several GPUs (parallel/, a
   // thread per GPU) makes it on each, and whichever copy of this inline function the program
   // keeps sets up the kernels it launches.
-  static runtime::per_device_ints ready[4] = {};  // per variant: CTAs per SM
+  static runtime::per_device_ints ready[6] = {};  // per variant: CTAs per SM
   auto go = [&](auto kernel, int variant, int smem) {
     const int ctas = runtime::cached_per_device(ready[variant], [&](int) {
       int n = 0;
@@ -410,14 +429,20 @@ inline std::string streamed_grouped_gemm_if_fit(const block_scaled_gemm_args& g,
                                  stream, g, groups, max_tiles, second ? *second : block_scaled_gemm_args{},
                                  gemms);
   };
-  if (wf == weight_format::fp8_tile32) {
-    constexpr int smem = stream_layout<weight_format::fp8_tile32>::bytes;
-    token_tiles == 1 ? go(streamed_grouped_gemm_kernel<weight_format::fp8_tile32, 1>, 0, smem)
-                     : go(streamed_grouped_gemm_kernel<weight_format::fp8_tile32, 2>, 1, smem);
+  // With f16 activations (g.a_f16) the FP4 kernels only: the MoE's routed experts, which have them.
+  constexpr weight_format f8 = weight_format::fp8_tile32, f4 = weight_format::fp4_row32;
+  if (wf == f8) {
+    constexpr int smem = stream_layout<f8>::bytes;
+    token_tiles == 1 ? go(streamed_grouped_gemm_kernel<f8, 1, false>, 0, smem)
+                     : go(streamed_grouped_gemm_kernel<f8, 2, false>, 1, smem);
   } else {
-    constexpr int smem = stream_layout<weight_format::fp4_row32>::bytes;
-    token_tiles == 1 ? go(streamed_grouped_gemm_kernel<weight_format::fp4_row32, 1>, 2, smem)
-                     : go(streamed_grouped_gemm_kernel<weight_format::fp4_row32, 2>, 3, smem);
+    constexpr int smem = stream_layout<f4>::bytes;
+    if (g.a_f16)
+      token_tiles == 1 ? go(streamed_grouped_gemm_kernel<f4, 1, true>, 4, smem)
+                       : go(streamed_grouped_gemm_kernel<f4, 2, true>, 5, smem);
+    else
+      token_tiles == 1 ? go(streamed_grouped_gemm_kernel<f4, 1, false>, 2, smem)
+                       : go(streamed_grouped_gemm_kernel<f4, 2, false>, 3, smem);
   }
   DSV4_CUDA_CHECK_LAUNCH();
   return {};

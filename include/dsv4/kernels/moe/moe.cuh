@@ -124,10 +124,12 @@ class moe_workspace {
         tile_count(1),
         xq(n(s.dim)),
         xs(n(s.dim / 32)),
+        xh(n(s.dim)),
         g(n(std::size_t(s.k) * s.inter)),
         u(g.size()),
         hq(g.size()),
         hs(g.size() / 32),
+        hh(g.size()),
         expert_out(n(std::size_t(s.k) * s.dim)),
         sg(n(s.inter)),
         su(sg.size()),
@@ -176,8 +178,10 @@ class moe_workspace {
   runtime::device_buffer<int> pair_row;       //!< [T k]: sorted row of each pair
   runtime::device_buffer<int> tile_group, tile_row0, tile_rows, tile_count;
   runtime::device_buffer<std::uint8_t> xq, xs;
+  runtime::device_buffer<std::uint16_t> xh;  //!< xq's codes as f16 (the streamed expert GEMMs' B operand)
   runtime::device_buffer<bf16> g, u;
   runtime::device_buffer<std::uint8_t> hq, hs;
+  runtime::device_buffer<std::uint16_t> hh;  //!< hq's codes as f16
   runtime::device_buffer<bf16> expert_out;
   runtime::device_buffer<bf16> sg, su;
   runtime::device_buffer<std::uint8_t> shq, shs;
@@ -511,7 +515,7 @@ DSV4_DEVICE float swiglu_value(float g, float u, float limit, float weight) {
 //! without storing it or a second launch.
 DSV4_KERNEL void swiglu_quantize_kernel(const bf16* g, const bf16* u, long long rows, int inter, float limit,
                                         const float* sel_weight, const int* sorted_pair, std::uint8_t* hq,
-                                        std::uint8_t* hs) {
+                                        std::uint8_t* hs, std::uint16_t* h16) {
   runtime::start_after_previous_grid();
   constexpr int kElems = numerics::detail::quant_elems_per_thread;
   const long long chunks_per_row = inter / kElems;  // inter % 32 == 0: a scale block never spans rows
@@ -531,17 +535,18 @@ DSV4_KERNEL void swiglu_quantize_kernel(const bf16* g, const bf16* u, long long 
       h[e] = bf16::from_float(swiglu_value(gv, uv, limit, w));
     }
   }
-  numerics::detail::quantize_chunk8<numerics::fp8_act_format>(h, active, hq + r * inter, hs + r * (inter / 32), chunk);
+  numerics::detail::quantize_chunk8<numerics::fp8_act_format>(h, active, hq + r * inter, hs + r * (inter / 32), chunk,
+                                                              h16 ? h16 + r * inter : nullptr);
 }
 
 //! SwiGLU + act_quant of `rows` rows (swiglu_quantize_kernel).
 inline void swiglu_quantize(const bf16* g, const bf16* u, long long rows, int inter, float limit,
                             const float* sel_weight, const int* sorted_pair, std::uint8_t* hq, std::uint8_t* hs,
-                            cudaStream_t stream) {
+                            std::uint16_t* h16, cudaStream_t stream) {
   const long long threads = rows * (inter / numerics::detail::quant_elems_per_thread);
   if (threads == 0) return;
   runtime::launch_programmatic(swiglu_quantize_kernel, dim3(unsigned((threads + 255) / 256)), dim3(256), 0, stream,
-                               g, u, rows, inter, limit, sel_weight, sorted_pair, hq, hs);
+                               g, u, rows, inter, limit, sel_weight, sorted_pair, hq, hs, h16);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 
@@ -616,9 +621,9 @@ DSV4_KERNEL void add_shared_kernel(const float* routed, const bf16* shared_out, 
 }
 
 inline void quantize_rows(const bf16* x, long long rows, int channels, std::uint8_t* codes,
-                          std::uint8_t* scales, cudaStream_t stream) {
+                          std::uint8_t* scales, std::uint16_t* codes_f16, cudaStream_t stream) {
   numerics::quantize<numerics::fp8_act_format>(
-      {x, rows, channels, channels, codes, channels, scales, channels / 32}, stream);
+      {x, rows, channels, channels, codes, channels, scales, channels / 32, codes_f16, channels}, stream);
 }
 
 //! offsets[e] = the first sorted row whose expert is >= e, for e = 0 .. experts (a binary search
@@ -716,8 +721,13 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   if (tokens == 0) return;
   const int pairs = int(tokens * s.k);
 
-  // act_quant of x once, for the routed and the shared experts.
-  detail::quantize_rows(x, tokens, s.dim, ws.xq.data(), ws.xs.data(), stream);
+  // The routed experts' path: the prefill one (dense) or the grouped GEMMs.
+  const bool dense = blas && allow_host_sync && pairs >= dense_min_rows_per_expert * s.experts &&
+                     dense_dequant_elems(s, ws.max_tokens()) > 0 &&
+                     ws.gemm.dequant_elems() >= dense_dequant_elems(s, ws.max_tokens());
+  // act_quant of x once, for the routed and the shared experts (and the codes as f16 for the
+  // grouped GEMMs' streamed kernel: block_scaled_gemm_args::a_f16).
+  detail::quantize_rows(x, tokens, s.dim, ws.xq.data(), ws.xs.data(), dense ? nullptr : ws.xh.data(), stream);
   // 5. The shared expert (FP8), all tokens. It does not depend on the routing: at decode it runs
   // on the workspace's second stream, beside steps 1-4, whose first kernels (gate, route,
   // dispatch: ~24 us at one token, ncu) leave most SMs idle; joined before step 6. Where it would
@@ -731,7 +741,7 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
                                    {{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s3, w.s3_s, ws.su.data()},
                                    gemm::weight_format::fp8_tile32, &ws.gemm, blas, st);
     detail::swiglu_quantize(ws.sg.data(), ws.su.data(), tokens, s.inter, s.swiglu_limit, nullptr, nullptr,
-                            ws.shq.data(), ws.shs.data(), st);
+                            ws.shq.data(), ws.shs.data(), nullptr, st);
     gemm::block_scaled_linear({{m, s.dim, s.inter}, ws.shq.data(), ws.shs.data(), w.s2, w.s2_s, ws.shared_out.data()},
                               gemm::weight_format::fp8_tile32, &ws.gemm, blas, st);
   };
@@ -745,9 +755,6 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   detail::route(ws.logits.data(), tokens, s, w.bias, w.bias_vl, is_image, ws.sel_expert.data(), ws.sel_weight.data(),
                 ws.pair_index.data(), stream);
   // 3. Dispatch: stable sort by expert, tile list, row maps.
-  const bool dense = blas && allow_host_sync && pairs >= dense_min_rows_per_expert * s.experts &&
-                     dense_dequant_elems(s, ws.max_tokens()) > 0 &&
-                     ws.gemm.dequant_elems() >= dense_dequant_elems(s, ws.max_tokens());
   const int tile = pairs / s.experts >= 8 ? 16 : 8;
   const bool small = !dense && pairs <= detail::dispatch_max_pairs;
   if (small) {  // decode: all of it in one launch
@@ -797,13 +804,14 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
     detail::dense_expert_projection(ws.xq.data(), ws.xs.data(), ws.row_token.data(), s.dim, w.w3, w.w3_s,
                                     s.inter, ws.u.data(), first, count, ws, blas, stream);
   } else {
-    const gemm::block_scaled_gemm_args up3{{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w3, w.w3_s, ws.u.data()};
+    const gemm::block_scaled_gemm_args up3{{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w3, w.w3_s,
+                                           ws.u.data(), ws.xh.data()};
     gemm::decode_grouped_gemm(
-        {{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w1, w.w1_s, ws.g.data()}, groups,
+        {{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w1, w.w1_s, ws.g.data(), ws.xh.data()}, groups,
         gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream, &up3);  // w1 and w3 in one launch
   }
   detail::swiglu_quantize(ws.g.data(), ws.u.data(), pairs, s.inter, s.swiglu_limit, ws.sel_weight.data(),
-                          ws.sorted_pair.data(), ws.hq.data(), ws.hs.data(), stream);
+                          ws.sorted_pair.data(), ws.hq.data(), ws.hs.data(), dense ? nullptr : ws.hh.data(), stream);
   groups.a_row_index = nullptr;  // w2 reads the activations in sorted order
   groups.w_group_bytes = (long long)down.code_bytes();
   groups.ws_group_bytes = (long long)down.scale_bytes();
@@ -812,7 +820,7 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
                                     ws.expert_out.data(), first, count, ws, blas, stream);
   else
     gemm::decode_grouped_gemm(
-        {{pairs, s.dim, s.inter}, ws.hq.data(), ws.hs.data(), w.w2, w.w2_s, ws.expert_out.data()}, groups,
+        {{pairs, s.dim, s.inter}, ws.hq.data(), ws.hs.data(), w.w2, w.w2_s, ws.expert_out.data(), ws.hh.data()}, groups,
         gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
   // 5 (end). The shared expert joins here, or runs here where it cannot run beside.
   if (shared_beside)
