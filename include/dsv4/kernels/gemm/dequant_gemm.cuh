@@ -222,16 +222,22 @@ inline void dequant_gemm(const block_scaled_gemm_args& g, weight_format wf, gemm
   }
 }
 
-//! The linear layer of an FP8 / FP4 weight (after act_quant): picks the path by token count, the
-//! dequantize + cuBLAS path from dequant_min_tokens where the workspace allows it, else the
-//! few-token kernel set_decode_gemm chose (wgmma_gemm.cuh; with wgmma up to wgmma_max_tokens()).
+//! Whether block_scaled_linear takes the dequantize + cuBLAS path for this shape: with a handle
+//! and a workspace, above the few-token kernels' range (set_decode_gemm, wgmma_gemm.cuh: with
+//! wgmma up to wgmma_max_tokens(), else below dequant_min_tokens), where the workspace's bf16
+//! scratch holds at least one pass. The one place that decides it: the pair form and the MoE's
+//! shared expert (which must not share that scratch from a second stream) ask it too.
+inline bool takes_dequant_path(const gemm_shape& s, const gemm_workspace* workspace, cublasHandle_t blas) {
+  if (!blas || !workspace) return false;
+  const bool few = current_decode_gemm() == decode_gemm::wgmma ? s.m <= wgmma_max_tokens() : s.m < dequant_min_tokens;
+  return !few && plan_dequant_passes(s, workspace->dequant_elems()).rows > 0;
+}
+
+//! The linear layer of an FP8 / FP4 weight (after act_quant): the dequantize + cuBLAS path where
+//! takes_dequant_path says so, else the few-token kernel set_decode_gemm chose.
 inline void block_scaled_linear(const block_scaled_gemm_args& g, weight_format wf, gemm_workspace* workspace,
                                 cublasHandle_t blas, cudaStream_t stream = nullptr) {
-  const bool wgmma = current_decode_gemm() == decode_gemm::wgmma;
-  const bool few = wgmma ? g.shape.m <= wgmma_max_tokens() : g.shape.m < dequant_min_tokens;
-  if (blas && workspace && !few &&
-      plan_dequant_passes(g.shape, workspace->dequant_elems()).rows > 0)
-    return dequant_gemm(g, wf, *workspace, blas, stream);
+  if (takes_dequant_path(g.shape, workspace, blas)) return dequant_gemm(g, wf, *workspace, blas, stream);
   decode_block_scaled_gemm(g, wf, workspace, stream);
 }
 
@@ -241,10 +247,8 @@ inline void block_scaled_linear(const block_scaled_gemm_args& g, weight_format w
 inline void block_scaled_linear_pair(const block_scaled_gemm_args& g1, const block_scaled_gemm_args& g2,
                                      weight_format wf, gemm_workspace* workspace, cublasHandle_t blas,
                                      cudaStream_t stream = nullptr) {
-  const bool wgmma = current_decode_gemm() == decode_gemm::wgmma;
-  const bool dequant = blas && workspace && g1.shape.m >= dequant_min_tokens &&
-                       plan_dequant_passes(g1.shape, workspace->dequant_elems()).rows > 0;
-  if (wgmma || dequant) {
+  if (current_decode_gemm() == decode_gemm::wgmma || takes_dequant_path(g1.shape, workspace, blas) ||
+      takes_dequant_path(g2.shape, workspace, blas)) {
     block_scaled_linear(g1, wf, workspace, blas, stream);
     return block_scaled_linear(g2, wf, workspace, blas, stream);
   }

@@ -74,12 +74,10 @@ DSV4_KERNEL void wgmma_compiled_kernel(int* out) {
 //! once per device with a one-thread kernel on a stream of its own (allowed while another stream
 //! of this thread captures a graph).
 inline bool wgmma_supported() {
-  static std::atomic<int> known[64] = {};  // 0: not asked yet, 1: no, 2: yes
-  int dev = 0;
-  DSV4_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= 0 && dev < 64 && known[dev].load() != 0) return known[dev].load() == 2;
-  bool yes = runtime::compute_capability_major() == 9;
-  if (yes) {
+  static runtime::per_device_ints known = {};
+  return runtime::cached_per_device(known, [](int) {
+    if (runtime::compute_capability_major() != 9) return 0;
+    // A probe launch: the kernel sets the flag only where its sm_90a code was compiled in.
     cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
     DSV4_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
     int* flag = nullptr;
@@ -94,10 +92,8 @@ inline bool wgmma_supported() {
     DSV4_CUDA_CHECK(cudaStreamSynchronize(s));
     DSV4_CUDA_CHECK(cudaStreamDestroy(s));
     DSV4_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-    yes = host == 1;
-  }
-  if (dev >= 0 && dev < 64) known[dev].store(yes ? 2 : 1);
-  return yes;
+    return host == 1 ? 1 : 0;
+  }) == 1;
 }
 
 namespace detail {

@@ -730,11 +730,12 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   detail::quantize_rows(x, tokens, s.dim, ws.xq.data(), ws.xs.data(), dense ? nullptr : ws.xh.data(), stream);
   // 5. The shared expert (FP8), all tokens. It does not depend on the routing: at decode it runs
   // on the workspace's second stream, beside steps 1-4, whose first kernels (gate, route,
-  // dispatch: ~24 us at one token, ncu) leave most SMs idle; joined before step 6. Where it would
-  // take the dequantize + cuBLAS path (block_scaled_linear) it stays on `stream`: that path's
-  // scratch and cuBLAS handle are the routed experts' too.
+  // dispatch: ~24 us at one token, ncu) leave most SMs idle; joined before step 6. Where one of
+  // its GEMMs would take the dequantize + cuBLAS path (gemm::takes_dequant_path) it stays on
+  // `stream`: that path's scratch and cuBLAS handle are the routed experts' too.
   const int m = int(tokens);
-  const bool shared_beside = !(blas && m >= gemm::dequant_min_tokens);
+  const bool shared_beside = !gemm::takes_dequant_path({m, s.inter, s.dim}, &ws.gemm, blas) &&
+                             !gemm::takes_dequant_path({m, s.dim, s.inter}, &ws.gemm, blas);
   auto shared_expert = [&](cudaStream_t st) {
     // (w1 and w3 in one launch at decode: block_scaled_linear_pair.)
     gemm::block_scaled_linear_pair({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s1, w.s1_s, ws.sg.data()},
