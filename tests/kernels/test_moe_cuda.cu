@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <sstream>
 #include <vector>
 
 #include "dsv4/kernels/gemm/weight_tiles.hpp"
@@ -366,6 +367,7 @@ void check_moe(const moe_case& c, std::uint64_t salt, const moe_bounds& bounds =
   // the share; seen with the wgmma GEMMs, sixteenth session).
   std::size_t nan_differs = 0, nan = 0, compared = 0, bad = 0, exact = 0, requantized_tokens = 0;
   double worst = 0;
+  std::ostringstream first_bad;
   for (long long t = 0; t < c.tokens; ++t) {
     bool requantized = false;
     std::size_t token_compared = 0, token_exact = 0;
@@ -397,8 +399,9 @@ void check_moe(const moe_case& c, std::uint64_t salt, const moe_bounds& bounds =
       // by ~2^-5. Such a token may differ by up to 2^-3 of its rms; few tokens may (checked below).
       if ((c.cublas || bounds.inexact_sums) && err > tol && err <= std::fabs(ref) * 0x1p-4 + rms * 0x1p-3)
         requantized = true;
-      else
-        bad += err > tol;
+      else if (err > tol && bad++ == 0)
+        first_bad << "token " << t << " channel " << d << ": " << got << " vs the host's " << ref << " (tolerance "
+                  << tol << ", token rms " << rms << (requantized ? ", token requantized" : "") << ")";
       token_exact += got == ref;
     }
     requantized_tokens += requantized;
@@ -412,7 +415,8 @@ void check_moe(const moe_case& c, std::uint64_t salt, const moe_bounds& bounds =
   BOOST_TEST(nan_differs == 0u, nan_differs << " outputs are NaN on one side only (or differ in NaN bits)");
   const bool nan_expected = c.nan_gate_row >= 0 || c.nan_token_every > 0;
   BOOST_TEST((nan > 0) == nan_expected, "the host has " << nan << " NaN outputs");
-  BOOST_TEST(bad == 0u);
+  BOOST_TEST(bad == 0u, "experts " << c.experts << " tokens " << c.tokens << ": " << bad
+                                   << " outputs beyond tolerance, the first at " << first_bad.str());
   BOOST_TEST(double(requantized_tokens) <= std::max(1.0, bounds.max_requantized * double(c.tokens)),
              requantized_tokens << " of " << c.tokens << " tokens have a requantized FP8 block (at most "
                                 << 100 * bounds.max_requantized << "% may)");
