@@ -208,11 +208,13 @@ void check_expert_slices(const moe_case& c, const bf16* dx, const std::uint8_t* 
 //! every intermediate is the host's and the outputs differ by fp32 summation order only; paths
 //! whose sums differ (`inexact_sums`: cuBLAS's order, wgmma's reduced-precision FP8 accumulation)
 //! can move a bf16 g or u by an ulp and with it an FP8 code of h, which moves a token's outputs by
-//! up to 2^-3 of its rms: allowed in at most `max_requantized` of the tokens (at least one).
+//! up to `requantized_rms` of its rms: allowed in at most `max_requantized` of the tokens (at
+//! least one).
 struct moe_bounds {
   double min_exact = 0.7;        //!< share of finite outputs bit-equal to the host
   bool inexact_sums = false;     //!< the requantization allowance above (the cuBLAS path always has it)
   double max_requantized = 0.02;  //!< share of tokens that may use it
+  double requantized_rms = 0x1p-3;  //!< the allowance per output, as a share of the token's rms
 };
 
 void check_moe(const moe_case& c, std::uint64_t salt, const moe_bounds& bounds = {}) {
@@ -397,7 +399,7 @@ void check_moe(const moe_case& c, std::uint64_t salt, const moe_bounds& bounds =
       // moves falls on the largest |h| of a 128-wide block, that block's FP8 scale changes and
       // every code in it moves by up to half an E4M3 step (2^-4), i.e. one expert's contribution
       // by ~2^-5. Such a token may differ by up to 2^-3 of its rms; few tokens may (checked below).
-      if ((c.cublas || bounds.inexact_sums) && err > tol && err <= std::fabs(ref) * 0x1p-4 + rms * 0x1p-3)
+      if ((c.cublas || bounds.inexact_sums) && err > tol && err <= std::fabs(ref) * 0x1p-4 + rms * bounds.requantized_rms)
         requantized = true;
       else if (err > tol && bad++ == 0)
         first_bad << "token " << t << " channel " << d << ": " << got << " vs the host's " << ref << " (tolerance "
@@ -691,11 +693,15 @@ BOOST_AUTO_TEST_CASE(layer_matches_host_with_wgmma_gemms, *utf::label("gpu") * u
     ~use_wgmma() { gemm::set_decode_gemm(gemm::decode_gemm::mma_sync); }
   } scope;
   const unsigned long long before = gemm::wgmma_gemm_calls();
-  const moe_bounds wgmma_bounds{.min_exact = 0.8, .inexact_sums = true, .max_requantized = 0.25};
+  // wgmma's FP8 sums are not the host's, so a requantized h block can fall on several of a token's
+  // experts: seed 7058100085015003658 (twentieth session, the same before and after that session's
+  // changes) moved one output of a 40-token case by 0.153 of its token's rms (88.3 where the host
+  // has -26.3, rms 577, clamps engaged). A quarter of the rms bounds such a token here.
+  const moe_bounds wgmma_bounds{.min_exact = 0.8, .inexact_sums = true, .max_requantized = 0.25, .requantized_rms = 0x1p-2};
   check_moe({384, 6, 256, 64, 40}, 21, wgmma_bounds);                      // backbone routing, 8-row tiles
   // One token: its 512 outputs share g, u and h, so the share is one correlated draw (seed
   // 4946439822059804180 gave 401 of 512, 78%, within every tolerance): half, as for the GEMMs.
-  check_moe({128, 3, 512, 128, 1}, 22, {.min_exact = 0.5, .inexact_sums = true, .max_requantized = 0.25});
+  check_moe({128, 3, 512, 128, 1}, 22, {.min_exact = 0.5, .inexact_sums = true, .max_requantized = 0.25, .requantized_rms = 0x1p-2});
   check_moe({8, 2, 256, 128, 100}, 23, wgmma_bounds);                      // 16-row tiles
   check_moe({16, 3, 256, 64, 50, 5, 128, false, true}, 24, wgmma_bounds);  // clamps engage
   // Per layer: one grouped launch for w1 + w3, one for w2, three shared-expert linears; each case
