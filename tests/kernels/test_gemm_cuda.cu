@@ -684,6 +684,17 @@ BOOST_AUTO_TEST_CASE(bad_arguments_are_errors) {
   BOOST_TEST(test::throws_with([&] { kernels::gemm::block_scaled_gemm(g, weight_format::fp4_row32); }, "null pointer"));
   g.shape = {-1, 1, 32};
   BOOST_TEST(test::throws_with([&] { kernels::gemm::block_scaled_gemm(g, weight_format::fp4_row32); }, "negative"));
+  // A grouped pair whose f16 activation copies differ (the kernel reads only the first's): an
+  // error, not a silent fallback to the codes (checked on the host, before any launch).
+  alignas(16) static std::uint8_t codes[64] = {};
+  alignas(16) static std::uint16_t f16[64] = {};
+  int tiles[4] = {};
+  const kernels::gemm::gemm_groups groups{tiles, tiles, tiles, tiles};
+  kernels::gemm::block_scaled_gemm_args g1{{1, 16, 32}, codes, codes, codes, codes, out}, g2 = g1;
+  g2.a_f16 = f16;
+  BOOST_TEST(test::throws_with(
+      [&] { kernels::gemm::streamed_grouped_gemm(g1, groups, weight_format::fp4_row32, 1, 1, nullptr, &g2); },
+      "f16 copy"));
 }
 
 BOOST_AUTO_TEST_CASE(rmsnorm_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {

@@ -386,6 +386,14 @@ BOOST_AUTO_TEST_CASE(launch_rejects_bad_arguments_with_a_reason) {
   });
   a = {x, 0, 32, 32, nullptr, 16, nullptr, 1};
   BOOST_TEST(can_implement<index_key_format>(a).empty());  // zero rows: nothing to do, no pointers needed
+  // The f16 copy of E4M3 codes: a row stride below the width (the default 0 too) would have the
+  // rows write over each other.
+  alignas(16) static std::uint16_t f16[128];
+  quantize_args q{x, 2, 32, 32, codes, 32, scales, 1, f16, 0};
+  BOOST_TEST(can_implement<fp8_act_format>(q).find("codes_f16_row_stride (0) is below the row width 32") !=
+             std::string::npos);
+  q.codes_f16_row_stride = 32;
+  BOOST_TEST(can_implement<fp8_act_format>(q).empty());
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -202,6 +202,10 @@ std::string can_implement(const quantize_args& a) {
     if (!std::is_same_v<typename F::element, e4m3>) return "codes_f16 needs E4M3 element codes";
     if (!detail::aligned(a.codes_f16, 16) || a.codes_f16_row_stride % 8 != 0)
       return "codes_f16 must be 16-byte aligned with a row stride that is a multiple of 8 elements";
+    // (A stride below the row width would have rows write over each other: silent garbage.)
+    if (a.rows > 1 && a.codes_f16_row_stride < a.channels)
+      return "codes_f16_row_stride (" + std::to_string(a.codes_f16_row_stride) + ") is below the row width " +
+             std::to_string(a.channels);
   }
   return detail::check_shapes<F>(a.rows, a.channels, a.x, a.x_row_stride, a.codes, a.codes_row_stride, a.scales);
 }

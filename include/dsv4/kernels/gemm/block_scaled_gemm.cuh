@@ -545,8 +545,10 @@ inline void check_grouped_args(const char* who, const block_scaled_gemm_args& g,
   if (second) {
     if (auto why = check_args(*second, wf); !why.empty()) throw error(w + " (second GEMM): " + why);
     const auto &a = g.shape, &b = second->shape;
-    if (a.m != b.m || a.n != b.n || a.k != b.k || g.a != second->a || g.a_s != second->a_s)
-      throw error(w + ": a pair of GEMMs must share the shape and the activations");
+    if (a.m != b.m || a.n != b.n || a.k != b.k || g.a != second->a || g.a_s != second->a_s ||
+        g.a_f16 != second->a_f16)
+      throw error(w +
+                  ": a pair of GEMMs must share the shape and the activations (codes, scales and f16 copy)");
   }
   if (!groups.tile_group || !groups.tile_row0 || !groups.tile_rows || !groups.tile_count)
     throw error(w + ": the tile list is incomplete");

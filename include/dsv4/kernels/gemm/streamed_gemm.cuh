@@ -386,8 +386,9 @@ inline std::string streamed_grouped_gemm_unfit(const block_scaled_gemm_args& g, 
     const std::string which = a == second ? " of the second GEMM" : "";
     if (a && misaligned(a->w)) return "the weight codes" + which + " must be 16-byte aligned";
     if (a && fp4 && misaligned(a->w_s)) return "the weight scales" + which + " must be 16-byte aligned";
-    if (a && a->a_f16 && misaligned(a->a_f16)) return "the f16 activations" + which + " must be 16-byte aligned";
   }
+  // (Both GEMMs of a pair read the first one's f16 activations: check_grouped_args has them equal.)
+  if (g.a_f16 && misaligned(g.a_f16)) return "the f16 activations must be 16-byte aligned";
   if (groups.w_group_bytes % 16 != 0 || (fp4 && groups.ws_group_bytes % 16 != 0))
     return "the weight strides between groups must be multiples of 16 bytes";
   return {};
