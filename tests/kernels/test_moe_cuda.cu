@@ -12,6 +12,7 @@
 #include <cstring>
 #include <random>
 #include <sstream>
+#include <string>
 #include <vector>
 
 #include "dsv4/kernels/gemm/weight_tiles.hpp"
@@ -678,6 +679,9 @@ BOOST_AUTO_TEST_CASE(layer_matches_host, *utf::label("gpu") * utf::precondition(
   check_moe({8, 2, 256, 128, 100}, 3);                      // tiny: 25 rows per expert, 16-row tiles
   check_moe({16, 3, 256, 64, 50, 5, 128, false, true}, 4);  // every token picks expert 5; clamps engage
   check_moe({64, 4, 256, 64, 30, -1, 122, true}, 5);        // image tokens route with bias_vl
+  // A width of 1,536: the combine's grid has a second row of CTAs (1,024 channels per row), of
+  // which only 64 threads have channels (the rest return).
+  check_moe({16, 2, 1536, 64, 9}, 12);
 }
 
 // The same layers with the few-token GEMMs on wgmma (gemm/wgmma_gemm.cuh): the grouped expert
@@ -776,6 +780,27 @@ BOOST_AUTO_TEST_CASE(bad_shapes_are_errors, *utf::label("gpu") * utf::preconditi
   BOOST_CHECK_THROW(moe::moe_forward(x.data(), 2, nullptr, w, y.data(), ws, nullptr, nullptr, true, {0, 0, routed.data()}),
                     dsv4::error);  // count 0 (no slice) with an output
   BOOST_CHECK_THROW(moe::moe_add_shared(routed.data(), 5, ws, y.data()), dsv4::error);
+  // More experts per token than the kernels' slot arrays hold: an error that says the limit.
+  moe::moe_workspace wide({32, moe::max_top_k + 1, 256, 64}, 1);
+  BOOST_CHECK_EXCEPTION(moe::moe_forward(x.data(), 1, nullptr, w, y.data(), wide), dsv4::error,
+                        [](const dsv4::error& e) {
+                          return std::string(e.what()).find("k <= min(" + std::to_string(moe::max_top_k)) !=
+                                 std::string::npos;
+                        });
+}
+
+// The f16 copies of the grouped GEMMs' activations are sized for at most f16_copy_max_tokens
+// tokens, whatever the workspace holds (a prefill workspace would otherwise hold hundreds of MB
+// of them); larger calls read the codes (prefill_path_matches_host's 600-token decode call).
+BOOST_AUTO_TEST_CASE(f16_copies_are_capped, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  const moe::moe_shape s{8, 2, 256, 64};
+  moe::moe_workspace small(s, 10), large(s, 4096);
+  BOOST_TEST(small.f16_tokens() == 10);
+  BOOST_TEST(small.xh.size() == std::size_t(10) * 256);
+  BOOST_TEST(large.f16_tokens() == moe::f16_copy_max_tokens);
+  BOOST_TEST(large.xh.size() == std::size_t(moe::f16_copy_max_tokens) * 256);
+  BOOST_TEST(large.hh.size() == std::size_t(moe::f16_copy_max_tokens) * 2 * 64);
+  BOOST_TEST(large.hq.size() == std::size_t(4096) * 2 * 64);  // the codes keep the workspace's size
 }
 
 // Expert parallelism (model.py's MoE on W ranks): each rank's routed sum from its experts alone,

@@ -60,6 +60,16 @@ namespace dsv4::kernels::moe {
 using numerics::bf16;
 
 inline constexpr int max_experts = 512;
+//! The most experts a token may take (moe_shape::k): the routing kernel's slot arrays and the
+//! combine kernel's rows are this long, and the combine's warp ranks the slots with one lane each.
+inline constexpr int max_top_k = 16;
+static_assert(max_top_k <= 32, "the combine kernel ranks a token's slots with one lane of a warp each");
+//! The grouped expert GEMMs read f16 copies of their activations (block_scaled_gemm_args::a_f16)
+//! for calls of up to this many tokens, and the E4M3 codes above (the same values, more
+//! instructions a block). Why a cap: the copies are 2 bytes per activation, sized for the
+//! workspace's tokens; a prefill-sized workspace (thousands of tokens) would hold hundreds of MB
+//! for a path that larger calls do not need (they are dense or bound by the tensor work).
+inline constexpr long long f16_copy_max_tokens = 256;
 
 //! Shapes and routing constants of one MoE layer.
 struct moe_shape {
@@ -124,12 +134,12 @@ class moe_workspace {
         tile_count(1),
         xq(n(s.dim)),
         xs(n(s.dim / 32)),
-        xh(n(s.dim)),
+        xh(n_f16(s.dim)),
         g(n(std::size_t(s.k) * s.inter)),
         u(g.size()),
         hq(g.size()),
         hs(g.size() / 32),
-        hh(g.size()),
+        hh(n_f16(std::size_t(s.k) * s.inter)),
         expert_out(n(std::size_t(s.k) * s.dim)),
         sg(n(s.inter)),
         su(sg.size()),
@@ -154,6 +164,8 @@ class moe_workspace {
   }
   const moe_shape& shape() const { return shape_; }
   long long max_tokens() const { return max_tokens_; }
+  //! Calls of up to this many tokens give the grouped GEMMs f16 activations (xh, hh).
+  long long f16_tokens() const { return std::min(max_tokens_, f16_copy_max_tokens); }
   //! Tile-list length bound for max_tokens: sum over experts of ceil(count / 8).
   int tiles_bound() const {
     const long long pairs = max_tokens_ * shape_.k;
@@ -163,6 +175,9 @@ class moe_workspace {
  private:
   std::size_t n(std::size_t per_token) const {
     return std::max<std::size_t>(1, std::size_t(max_tokens_) * per_token);
+  }
+  std::size_t n_f16(std::size_t per_token) const {
+    return std::max<std::size_t>(1, std::size_t(f16_tokens()) * per_token);
   }
   moe_shape shape_;
   long long max_tokens_;
@@ -361,8 +376,8 @@ DSV4_KERNEL void __launch_bounds__(max_experts)
     route_cta_kernel(const float* logits, moe_shape s, const float* bias, const float* bias_vl,
                      const std::uint8_t* is_image, int* sel_expert, float* sel_weight, int* pair_index) {
   __shared__ __align__(16) unsigned long long keys[max_experts];
-  __shared__ int slot_expert[16];
-  __shared__ float slot_score[16];
+  __shared__ int slot_expert[max_top_k];
+  __shared__ float slot_score[max_top_k];
   runtime::start_after_previous_grid();
   const long long t = blockIdx.x;
   const int e = threadIdx.x;
@@ -564,7 +579,7 @@ inline constexpr int combine_threads = 128, combine_channels_per_thread = 8;
 DSV4_KERNEL void __launch_bounds__(combine_threads)
     combine_kernel(const bf16* expert_out, const bf16* shared_out, const int* sel_expert, const int* pair_row,
                    long long tokens, int k, int dim, int first, int count, float* routed, bf16* y) {
-  __shared__ int rows_in_order[16];  // the sorted rows of the token's slots in the slice, by expert id
+  __shared__ int rows_in_order[max_top_k];  // the sorted rows of the token's slots in the slice, by expert id
   __shared__ int slice_slots;
   runtime::start_after_previous_grid();
   const long long t = blockIdx.x;
@@ -586,13 +601,13 @@ DSV4_KERNEL void __launch_bounds__(combine_threads)
   const int d0 = (int(blockIdx.y) * combine_threads + int(threadIdx.x)) * combine_channels_per_thread;
   if (d0 >= dim) return;  // (dim is a multiple of 32: a thread's eight channels are all inside)
   const int n = slice_slots;
-  uint4 part[16];
+  uint4 part[max_top_k];
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+  for (int j = 0; j < max_top_k; ++j)
     if (j < n) part[j] = *reinterpret_cast<const uint4*>(expert_out + (long long)rows_in_order[j] * dim + d0);
   float acc[combine_channels_per_thread] = {};
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+  for (int j = 0; j < max_top_k; ++j)
     if (j < n) {
       const bf16* v = reinterpret_cast<const bf16*>(&part[j]);
 #pragma unroll
@@ -698,8 +713,9 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   const std::string where = "moe_forward (tokens " + std::to_string(tokens) + "): ";
   if (tokens < 0 || tokens > ws.max_tokens())
     throw error(where + "the workspace holds " + std::to_string(ws.max_tokens()) + " tokens");
-  if (s.experts < 1 || s.experts > max_experts || s.k < 1 || s.k > 16 || s.k > s.experts)
-    throw error(where + "need 1 <= k <= min(16, experts) and experts <= 512");
+  if (s.experts < 1 || s.experts > max_experts || s.k < 1 || s.k > max_top_k || s.k > s.experts)
+    throw error(where + "need 1 <= k <= min(" + std::to_string(max_top_k) + ", experts) and experts <= " +
+                std::to_string(max_experts));
   if (s.dim % 32 || s.inter % 32) throw error(where + "dim and inter must be multiples of 32");
   if (slice.count < 0 || slice.first < 0 ||
       (slice.count > 0 && (slice.first > s.experts - slice.count || !slice.routed)) ||
@@ -727,7 +743,10 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
                      ws.gemm.dequant_elems() >= dense_dequant_elems(s, ws.max_tokens());
   // act_quant of x once, for the routed and the shared experts (and the codes as f16 for the
   // grouped GEMMs' streamed kernel: block_scaled_gemm_args::a_f16).
-  detail::quantize_rows(x, tokens, s.dim, ws.xq.data(), ws.xs.data(), dense ? nullptr : ws.xh.data(), stream);
+  const bool f16 = !dense && tokens <= ws.f16_tokens();
+  std::uint16_t* const xh = f16 ? ws.xh.data() : nullptr;
+  std::uint16_t* const hh = f16 ? ws.hh.data() : nullptr;
+  detail::quantize_rows(x, tokens, s.dim, ws.xq.data(), ws.xs.data(), xh, stream);
   // 5. The shared expert (FP8), all tokens. It does not depend on the routing: at decode it runs
   // on the workspace's second stream, beside steps 1-4, whose first kernels (gate, route,
   // dispatch: ~24 us at one token, ncu) leave most SMs idle; joined before step 6. Where one of
@@ -806,13 +825,13 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
                                     s.inter, ws.u.data(), first, count, ws, blas, stream);
   } else {
     const gemm::block_scaled_gemm_args up3{{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w3, w.w3_s,
-                                           ws.u.data(), ws.xh.data()};
+                                           ws.u.data(), xh};
     gemm::decode_grouped_gemm(
-        {{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w1, w.w1_s, ws.g.data(), ws.xh.data()}, groups,
+        {{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w1, w.w1_s, ws.g.data(), xh}, groups,
         gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream, &up3);  // w1 and w3 in one launch
   }
   detail::swiglu_quantize(ws.g.data(), ws.u.data(), pairs, s.inter, s.swiglu_limit, ws.sel_weight.data(),
-                          ws.sorted_pair.data(), ws.hq.data(), ws.hs.data(), dense ? nullptr : ws.hh.data(), stream);
+                          ws.sorted_pair.data(), ws.hq.data(), ws.hs.data(), hh, stream);
   groups.a_row_index = nullptr;  // w2 reads the activations in sorted order
   groups.w_group_bytes = (long long)down.code_bytes();
   groups.ws_group_bytes = (long long)down.scale_bytes();
@@ -821,7 +840,7 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
                                     ws.expert_out.data(), first, count, ws, blas, stream);
   else
     gemm::decode_grouped_gemm(
-        {{pairs, s.dim, s.inter}, ws.hq.data(), ws.hs.data(), w.w2, w.w2_s, ws.expert_out.data(), ws.hh.data()}, groups,
+        {{pairs, s.dim, s.inter}, ws.hq.data(), ws.hs.data(), w.w2, w.w2_s, ws.expert_out.data(), hh}, groups,
         gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream);
   // 5 (end). The shared expert joins here, or runs here where it cannot run beside.
   if (shared_beside)
