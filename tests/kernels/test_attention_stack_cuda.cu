@@ -178,8 +178,10 @@ BOOST_AUTO_TEST_CASE(prefill_and_batched_decode_match_host, *utf::label("gpu") *
   // rounding-boundary crossing or top-k near-tie in a chunk reaches many rows: measured on the
   // H200 over seeds, 127 to 145 of the 145 rows bit-equal (127: DSV4_TEST_SEED=1465402800403392140,
   // the same with programmatic launch off). A systematic error leaves few rows bit-equal.
+  // Rows beyond 2^-5: up to 3 of 145 (DSV4_TEST_SEED=7699141831781524810: 128 bit-equal, 3 beyond,
+  // worst 0.041; the same at ef37c97, before the session that met it), so at most 1 in 25.
   BOOST_TEST(append_stats.exact_rows * 4 >= append_stats.rows * 3);
-  BOOST_TEST(append_stats.loose_rows * 50 <= append_stats.rows);
+  BOOST_TEST(append_stats.loose_rows * 25 <= append_stats.rows);
   BOOST_TEST_MESSAGE("attention stack, prefill: " << prefill_stats.rows << " rows, " << prefill_stats.exact_rows
                                                   << " bit-equal, " << prefill_stats.loose_rows
                                                   << " beyond 2^-5 of the row peak, worst " << prefill_stats.worst);

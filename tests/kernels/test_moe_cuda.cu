@@ -782,11 +782,10 @@ BOOST_AUTO_TEST_CASE(bad_shapes_are_errors, *utf::label("gpu") * utf::preconditi
   BOOST_CHECK_THROW(moe::moe_add_shared(routed.data(), 5, ws, y.data()), dsv4::error);
   // More experts per token than the kernels' slot arrays hold: an error that says the limit.
   moe::moe_workspace wide({32, moe::max_top_k + 1, 256, 64}, 1);
-  BOOST_CHECK_EXCEPTION(moe::moe_forward(x.data(), 1, nullptr, w, y.data(), wide), dsv4::error,
-                        [](const dsv4::error& e) {
-                          return std::string(e.what()).find("k <= min(" + std::to_string(moe::max_top_k)) !=
-                                 std::string::npos;
-                        });
+  BOOST_CHECK_EXCEPTION(
+      moe::moe_forward(x.data(), 1, nullptr, w, y.data(), wide), dsv4::error, [](const dsv4::error& e) {
+        return std::string(e.what()).find("k <= min(" + std::to_string(moe::max_top_k)) != std::string::npos;
+      });
 }
 
 // The f16 copies of the grouped GEMMs' activations are sized for at most f16_copy_max_tokens

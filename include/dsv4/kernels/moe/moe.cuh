@@ -714,8 +714,8 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   if (tokens < 0 || tokens > ws.max_tokens())
     throw error(where + "the workspace holds " + std::to_string(ws.max_tokens()) + " tokens");
   if (s.experts < 1 || s.experts > max_experts || s.k < 1 || s.k > max_top_k || s.k > s.experts)
-    throw error(where + "need 1 <= k <= min(" + std::to_string(max_top_k) + ", experts) and experts <= " +
-                std::to_string(max_experts));
+    throw error(where + "need 1 <= k <= min(" + std::to_string(max_top_k) +
+                ", experts) and experts <= " + std::to_string(max_experts));
   if (s.dim % 32 || s.inter % 32) throw error(where + "dim and inter must be multiples of 32");
   if (slice.count < 0 || slice.first < 0 ||
       (slice.count > 0 && (slice.first > s.experts - slice.count || !slice.routed)) ||
@@ -824,8 +824,8 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
     detail::dense_expert_projection(ws.xq.data(), ws.xs.data(), ws.row_token.data(), s.dim, w.w3, w.w3_s,
                                     s.inter, ws.u.data(), first, count, ws, blas, stream);
   } else {
-    const gemm::block_scaled_gemm_args up3{{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w3, w.w3_s,
-                                           ws.u.data(), xh};
+    const gemm::block_scaled_gemm_args up3{
+        {pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w3, w.w3_s, ws.u.data(), xh};
     gemm::decode_grouped_gemm(
         {{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w1, w.w1_s, ws.g.data(), xh}, groups,
         gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream, &up3);  // w1 and w3 in one launch
