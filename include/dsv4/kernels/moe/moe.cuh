@@ -66,9 +66,9 @@ inline constexpr int max_top_k = 16;
 static_assert(max_top_k <= 32, "the combine kernel ranks a token's slots with one lane of a warp each");
 //! The grouped expert GEMMs read f16 copies of their activations (block_scaled_gemm_args::a_f16)
 //! for calls of up to this many tokens, and the E4M3 codes above (the same values, more
-//! instructions a block). Why a cap: the copies are 2 bytes per activation, sized for the
-//! workspace's tokens; a prefill-sized workspace (thousands of tokens) would hold hundreds of MB
-//! for a path that larger calls do not need (they are dense or bound by the tensor work).
+//! instructions a block, same results). Why a cap: the copies are 2 bytes per activation, sized
+//! for the workspace's tokens; a prefill-sized workspace (thousands of tokens) held hundreds of
+//! MB of them, and the copies' saving was measured at decode sizes only (1-64 tokens).
 inline constexpr long long f16_copy_max_tokens = 256;
 
 //! Shapes and routing constants of one MoE layer.
@@ -134,12 +134,12 @@ class moe_workspace {
         tile_count(1),
         xq(n(s.dim)),
         xs(n(s.dim / 32)),
-        xh(n_f16(s.dim)),
+        xh(n(s.dim, f16_tokens())),
         g(n(std::size_t(s.k) * s.inter)),
         u(g.size()),
         hq(g.size()),
         hs(g.size() / 32),
-        hh(n_f16(std::size_t(s.k) * s.inter)),
+        hh(n(std::size_t(s.k) * s.inter, f16_tokens())),
         expert_out(n(std::size_t(s.k) * s.dim)),
         sg(n(s.inter)),
         su(sg.size()),
@@ -173,12 +173,11 @@ class moe_workspace {
   }
 
  private:
-  std::size_t n(std::size_t per_token) const {
-    return std::max<std::size_t>(1, std::size_t(max_tokens_) * per_token);
+  //! Elements of a buffer of `per_token` per token for `tokens` tokens (one argument: max_tokens).
+  std::size_t n(std::size_t per_token, long long tokens) const {
+    return std::max<std::size_t>(1, std::size_t(tokens) * per_token);
   }
-  std::size_t n_f16(std::size_t per_token) const {
-    return std::max<std::size_t>(1, std::size_t(f16_tokens()) * per_token);
-  }
+  std::size_t n(std::size_t per_token) const { return n(per_token, max_tokens_); }
   moe_shape shape_;
   long long max_tokens_;
 
@@ -741,8 +740,8 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   const bool dense = blas && allow_host_sync && pairs >= dense_min_rows_per_expert * s.experts &&
                      dense_dequant_elems(s, ws.max_tokens()) > 0 &&
                      ws.gemm.dequant_elems() >= dense_dequant_elems(s, ws.max_tokens());
-  // act_quant of x once, for the routed and the shared experts (and the codes as f16 for the
-  // grouped GEMMs' streamed kernel: block_scaled_gemm_args::a_f16).
+  // act_quant of x once, for the routed and the shared experts (and, up to f16_copy_max_tokens,
+  // the codes as f16 for the grouped GEMMs' streamed kernel: block_scaled_gemm_args::a_f16).
   const bool f16 = !dense && tokens <= ws.f16_tokens();
   std::uint16_t* const xh = f16 ? ws.xh.data() : nullptr;
   std::uint16_t* const hh = f16 ? ws.hh.data() : nullptr;
