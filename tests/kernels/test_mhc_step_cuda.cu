@@ -132,6 +132,12 @@ BOOST_AUTO_TEST_CASE(fused_step_matches_host, *utf::label("gpu") * utf::precondi
   check_step(4, 5120, boundary::exit, 4);
   check_step(300, 256, boundary::inside, 5);
   check_step(2, 256, boundary::entry, 6);
+  // Widths that are not a multiple of the 128-position slice (the last CTA's partial slice: its
+  // weight rows are copied short), at decode (one token a CTA) and in 8-token groups.
+  check_step(3, 200, boundary::inside, 7);
+  check_step(16, 328, boundary::inside, 8);
+  check_step(17, 328, boundary::inside, 9);
+  check_step(2, 200, boundary::exit, 10);
 }
 
 BOOST_AUTO_TEST_CASE(bad_arguments_are_errors, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {

@@ -89,6 +89,15 @@ DSV4_DEVICE std::uint64_t evict_first_policy() {
   return policy;
 }
 
+//! An L2 policy for data several CTAs read (the mHC projection weight, read once per token group).
+DSV4_DEVICE std::uint64_t evict_normal_policy() {
+  std::uint64_t policy = 0;
+#if DSV4_BULK_COPY_PASS
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+#endif
+  return policy;
+}
+
 //! Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global `src` into shared
 //! `dst`, completing on `bar`, with the L2 policy `policy`.
 DSV4_DEVICE void copy(void* dst, const void* src, unsigned bytes, std::uint64_t* bar, std::uint64_t policy) {

@@ -8,26 +8,35 @@
 //! known after the pass). The 24 x 4d fp32 projection weight is read once per token slice
 //! (from L2 after the first).
 //!
-//! Work split: a CTA takes a slice of 128 positions of d (all four streams) for a group of up to
-//! 8 tokens. It computes Y and h there (Y kept in shared memory), then the slice's share of the
-//! 24 projections: each weight row is read once per token group, coalesced, and used for all
-//! the group's tokens. Partial sums (the squares of Y and of h in double, like the host reference,
-//! so the RMS statistics match it bit for bit in practice; the 24 projections in fp32 over 16
-//! products per lane, then double) go
-//! to a workspace; the last CTA of a token group to arrive adds the slices in slice order, runs
-//! the Sinkhorn split and normalizes h. Results do not depend on arrival order.
+//! Work split: a CTA takes a slice of 128 positions of d (all four streams) for a group of tokens
+//! (one at decode, up to 16 tokens; eight above). It computes Y and h there (Y kept in shared
+//! memory), then the slice's share of the 24 projections, each weight row read once per group
+//! and used for all its tokens. Partial sums (the squares of Y and of h in double, like the host
+//! reference, so the RMS statistics match it bit for bit in practice; the 24 projections in fp32
+//! over 16 products per lane, then double) go to a workspace; the last CTA of a group to arrive
+//! adds the slices, runs the Sinkhorn split and normalizes h. Every sum has an order fixed by the
+//! shape, so results do not depend on arrival order.
+//!
+//! Decode latency (docs/decisions.md, "mhc_step at decode"): the weight slice is requested before
+//! the programmatic wait by bulk copies into shared memory, phase 1 gives each of the 128 threads
+//! one position, the warps' 6 projection rows run side by side, and the last CTA loads the
+//! partials in one round trip. What is left at one token (~7 us a step on the H200) is mostly
+//! the Sinkhorn split's 39 dependent normalizations (~2.8 us) and the hand-off to the last CTA.
 
 #include <cuda_runtime.h>  // provides cudaStream_t, uint4
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/kernels/bulk_copy.cuh"
 #include "dsv4/kernels/mhc/sinkhorn.cuh"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
+#include "dsv4/runtime/device_info.cuh"
 #include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::kernels::mhc {
@@ -63,6 +72,11 @@ class mhc_workspace {
  public:
   static constexpr int partial_count = 2 + mix_count;  // squares of Y, squares of h, 24 projections
   static constexpr int slice = 128;                     // positions of d per CTA
+  //! Dynamic shared memory of a step's CTA: the slice of the projection weight (24 x 4 x slice
+  //! fp32), whose memory the last CTA then reuses for its stage of partial sums (stage_bytes).
+  static constexpr int weight_slice_bytes = mix_count * 4 * slice * 4;
+  static constexpr int stage_bytes = 16 * 128 * 8;  // 16 loads a thread in flight
+  static_assert(stage_bytes <= weight_slice_bytes, "mhc_workspace: the stage lives in the weight slice's memory");
   mhc_workspace(long long max_tokens, int max_dim)
       : max_tokens_(max_tokens), max_dim_(max_dim),
         partials_(std::size_t(std::max(1LL, max_tokens)) * std::size_t((max_dim + slice - 1) / slice) * partial_count),
@@ -100,158 +114,293 @@ DSV4_DEVICE uint4 pack8(const float (&v)[8]) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+//! W consecutive bf16 values (W = 1 or 8; 8 as one 16-byte access) to fp32, and back.
+template <int W>
+struct bf16_run {
+  static_assert(W == 1 || W == 8, "mhc_step: an item covers 1 or 8 positions");
+  std::conditional_t<W == 8, uint4, unsigned short> raw;
+  DSV4_DEVICE void load(const numerics::bf16* p) { raw = *reinterpret_cast<const decltype(raw)*>(p); }
+  DSV4_DEVICE void unpack(float (&out)[W]) const {
+    if constexpr (W == 8)
+      unpack8(raw, out);
+    else
+      out[0] = __uint_as_float(unsigned(raw) << 16);
+  }
+  DSV4_DEVICE static void store(numerics::bf16* p, const float (&v)[W]) {
+    if constexpr (W == 8)
+      *reinterpret_cast<uint4*>(p) = pack8(v);
+    else
+      p->bits = numerics::bf16::from_float(v[0]).bits;
+  }
+};
+
+//! Sum of `v` over aligned groups of G lanes (a power of two up to 32), every lane getting its
+//! group's sum; the order is a fixed tree, so the result does not depend on timing.
+template <int G>
+DSV4_DEVICE double group_sum(double v) {
+#pragma unroll
+  for (int off = G / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+//! Barrier over the `count` threads (a multiple of 32) that call it with the same `id` (1..15;
+//! 0 is __syncthreads').
+DSV4_DEVICE void named_barrier(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 template <int TB>
-DSV4_KERNEL void __launch_bounds__(mhc_threads) mhc_step_kernel(mhc_step_args a, double* partials, unsigned* counters) {
-  runtime::start_after_previous_grid();
-  constexpr int P = mhc_workspace::partial_count, S = mhc_workspace::slice, kChunks = S / 8;
+DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1 ? 1 : 4) mhc_step_kernel(mhc_step_args a, double* partials, unsigned* counters) {
+  constexpr int P = mhc_workspace::partial_count, S = mhc_workspace::slice;
+  constexpr int kWarps = mhc_threads / 32, kRows = mix_count / kWarps;
+  static_assert(mix_count % kWarps == 0 && S % 32 == 0, "mhc_step: 24 rows over the warps, 32 lanes per slice row");
+  // Phase 1 gives each thread one item of W positions of one token: at decode (one token a CTA)
+  // a position each, so that all four warps share the work (one warp doing 8 positions a thread
+  // was the kernel's longest phase); with 8-token groups 8 positions (16-byte accesses).
+  constexpr int W = TB == 1 ? 1 : 8, kItems = S / W;  // items per token
+  static_assert(TB * kItems == mhc_threads, "mhc_step: one phase-1 item per thread");
+  constexpr int G = kItems < 32 ? kItems : 32, kGroups = kItems / G;  // lane groups per token
+  // At decode the projection weight's slice comes through shared memory by bulk copies (below);
+  // with 8-token groups it is loaded into registers after phase 1 (the load is shared by eight
+  // tokens there, and 48 KB of shared memory a CTA would cost occupancy at prefill).
+  constexpr bool kWeightsInShared = TB == 1 && DSV4_BULK_COPY_PASS;
   const int dim = a.dim, splits = (dim + S - 1) / S, split = blockIdx.x;
   const long long group = blockIdx.y, tok0 = group * TB;
   const int toks = a.tokens - tok0 < TB ? int(a.tokens - tok0) : TB;
-  const int d_base = split * S;
+  const int d_base = split * S, valid = min(S, dim - d_base);
   const bool has_f = a.f != nullptr, has_next = a.fn != nullptr;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  __shared__ float ys[TB][hc][S];
-  __shared__ double item_ss[TB][kChunks][2];
+  __shared__ __align__(16) float ys[TB][hc][S];
+  __shared__ double group_ss[TB][kGroups][2];
   __shared__ double dots[TB][mix_count];
+  __shared__ float split_base[mix_count], split_scale[3], split_mixes[kWarps][mix_count];
+  __shared__ std::uint64_t weight_bar;
+  // Dynamic: the weight slice [24][hc][S] at decode on sm_90, then (in the last CTA) the stage of
+  // partial sums; mhc_step sizes it.
+  extern __shared__ __align__(16) float dynamic_smem[];
 
-  // Phase 1: Y and (unnormalized) h for each (token, chunk of 8 positions) of the tile.
-  for (int item = threadIdx.x; item < TB * kChunks; item += mhc_threads) {
-    const int t = item / kChunks, c = item % kChunks, d0 = d_base + c * 8;
+  // The slice of the projection weight is a weight, which no kernel writes, so at decode it is
+  // requested before the wait and arrives while the kernel before this one finishes (pdl.cuh):
+  // 96 bulk copies (24 rows x 4 streams, 128 positions each) issued by one thread, no registers.
+  // Positions past `dim` in the last slice are not copied, and phase 2 does not read them.
+  if (has_next) {
+    if constexpr (kWeightsInShared) {
+      if (threadIdx.x == 0) {
+        bulk_copy::init(&weight_bar, 1);
+        bulk_copy::init_fence();
+        const unsigned bytes = unsigned(valid) * sizeof(float);  // a multiple of 32: dim % 8 == 0
+        bulk_copy::expect_bytes(&weight_bar, bytes * mix_count * hc);
+        const std::uint64_t policy = bulk_copy::evict_normal_policy();
+        for (int row = 0; row < mix_count * hc; ++row)
+          bulk_copy::copy(dynamic_smem + row * S, a.fn + (long long)row * dim + d_base, bytes, &weight_bar, policy);
+      }
+    }
+    if (threadIdx.x < mix_count) split_base[threadIdx.x] = a.base[threadIdx.x];
+    if (threadIdx.x < 3) split_scale[threadIdx.x] = a.scale[threadIdx.x];
+  }
+  runtime::start_after_previous_grid();
+
+  // Phase 1: Y and (unnormalized) h for the thread's item. Every input is requested before any
+  // is used (one memory round trip).
+  {
+    const int t = threadIdx.x / kItems, c = threadIdx.x % kItems, d0 = d_base + c * W;
     double ss_y = 0, ss_h = 0;
-    float y8[hc][8] = {};
+    float y[hc][W] = {};
     if (t < toks && d0 < dim) {
       const long long tok = tok0 + t;
       const numerics::bf16* x = a.x + tok * 4 * dim;
-      float xs[hc][8];
+      bf16_run<W> xraw[hc], fraw{};
+      float post[hc] = {}, comb[hc * hc] = {}, pre[hc];
 #pragma unroll
-      for (int i = 0; i < hc; ++i) unpack8(*reinterpret_cast<const uint4*>(x + (long long)i * dim + d0), xs[i]);
+      for (int i = 0; i < hc; ++i) xraw[i].load(x + (long long)i * dim + d0);
+#pragma unroll
+      for (int i = 0; i < hc; ++i) pre[i] = a.pre[tok * hc + i];
       if (has_f) {
-        float post[hc], comb[hc * hc], fv[8];
+        fraw.load(a.f + tok * dim + d0);
 #pragma unroll
         for (int i = 0; i < hc; ++i) post[i] = a.post[tok * hc + i];
 #pragma unroll
         for (int i = 0; i < hc * hc; ++i) comb[i] = a.comb[tok * hc * hc + i];
-        unpack8(*reinterpret_cast<const uint4*>(a.f + tok * dim + d0), fv);
+      }
+      float xs[hc][W];
+#pragma unroll
+      for (int i = 0; i < hc; ++i) xraw[i].unpack(xs[i]);
+      if (has_f) {
+        float fv[W];
+        fraw.unpack(fv);
 #pragma unroll
         for (int j = 0; j < hc; ++j) {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) {
+          for (int e = 0; e < W; ++e) {
             float mix = 0.0f;  // sum over the input streams first, in stream order, then post * F
 #pragma unroll
             for (int i = 0; i < hc; ++i) mix = __fadd_rn(mix, __fmul_rn(comb[i * hc + j], xs[i][e]));
-            y8[j][e] = numerics::round_to_bf16(__fadd_rn(__fmul_rn(post[j], fv[e]), mix));
+            y[j][e] = numerics::round_to_bf16(__fadd_rn(__fmul_rn(post[j], fv[e]), mix));
           }
-          *reinterpret_cast<uint4*>(a.y + (tok * 4 + j) * dim + d0) = pack8(y8[j]);
+          bf16_run<W>::store(a.y + (tok * 4 + j) * dim + d0, y[j]);
         }
       } else {
 #pragma unroll
         for (int j = 0; j < hc; ++j)
 #pragma unroll
-          for (int e = 0; e < 8; ++e) y8[j][e] = xs[j][e];
+          for (int e = 0; e < W; ++e) y[j][e] = xs[j][e];
       }
-      float pre[hc], hv[8];
+      float hv[W];
 #pragma unroll
-      for (int i = 0; i < hc; ++i) pre[i] = a.pre[tok * hc + i];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
+      for (int e = 0; e < W; ++e) {
         float sum = 0.0f;
 #pragma unroll
-        for (int i = 0; i < hc; ++i) sum = __fadd_rn(sum, __fmul_rn(pre[i], y8[i][e]));
+        for (int i = 0; i < hc; ++i) sum = __fadd_rn(sum, __fmul_rn(pre[i], y[i][e]));
         hv[e] = numerics::round_to_bf16(sum);
         ss_h += double(hv[e]) * double(hv[e]);
       }
-      *reinterpret_cast<uint4*>(a.h + tok * dim + d0) = pack8(hv);  // unnormalized for now
+      bf16_run<W>::store(a.h + tok * dim + d0, hv);  // unnormalized for now
 #pragma unroll
       for (int i = 0; i < hc; ++i)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) ss_y += double(y8[i][e]) * double(y8[i][e]);
+        for (int e = 0; e < W; ++e) ss_y += double(y[i][e]) * double(y[i][e]);
     }
 #pragma unroll
     for (int i = 0; i < hc; ++i)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) ys[t][i][c * 8 + e] = y8[i][e];
-    item_ss[t][c][0] = ss_y;
-    item_ss[t][c][1] = ss_h;
+      for (int e = 0; e < W; ++e) ys[t][i][c * W + e] = y[i][e];
+    // The squares in double, like the host reference, so the RMS statistics match it bit for
+    // bit in practice (sums of squares of bf16 values are exact in double unless their range is
+    // extreme); a fixed tree over the token's lanes, then its groups in order (below).
+    ss_y = group_sum<G>(ss_y);
+    ss_h = group_sum<G>(ss_h);
+    if (c % G == 0) group_ss[t][c / G][0] = ss_y, group_ss[t][c / G][1] = ss_h;
   }
   __syncthreads();
 
-  // Phase 2: the slice's share of the 24 projections; warp w takes rows w, w + 4, ... . All of
-  // a warp's weights (6 rows x 4 x 128, coalesced) are loaded before any math, so the slice costs
-  // one memory round trip, and each row is used for every token of the group.
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  constexpr int kWarps = mhc_threads / 32, kRows = mix_count / kWarps, kPerLane = hc * S / 32;
-  static_assert(mix_count % kWarps == 0 && S % 32 == 0, "mhc_step: 24 rows over the warps, 32 lanes per slice row");
+  // Phase 2: the slice's share of the 24 projections; warp w takes rows w, w + 4, ... and uses
+  // each row for every token of the group. (At decode, the barrier's initialization is ordered
+  // before this wait by phase 1's __syncthreads.)
   if (has_next) {
-    float wv[kRows][kPerLane];
+    // Lane l takes positions 4l..4l+3 of each stream's slice (16-byte accesses, conflict-free).
+    static_assert(S == 32 * 4, "mhc_step: a slice row is one float4 per lane");
+    float4 wv[kRows][hc];
+    if constexpr (kWeightsInShared) bulk_copy::wait(&weight_bar, 0);
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
-      for (int n = 0; n < kPerLane; ++n) {
-        const int i = n / (S / 32), dd = lane + 32 * (n % (S / 32));
-        wv[r][n] = d_base + dd < dim ? __ldg(a.fn + (long long)(warp + kWarps * r) * 4 * dim + (long long)i * dim + d_base + dd)
-                                     : 0.0f;
+      for (int i = 0; i < hc; ++i) {
+        const int row = warp + kWarps * r, dd = 4 * lane;
+        if (dd >= valid)
+          wv[r][i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        else if constexpr (kWeightsInShared)
+          wv[r][i] = *reinterpret_cast<const float4*>(dynamic_smem + (row * hc + i) * S + dd);
+        else
+          wv[r][i] = __ldg(reinterpret_cast<const float4*>(a.fn + (long long)row * 4 * dim + (long long)i * dim + d_base + dd));
       }
+    // A lane's 16 products are summed in fp32 (as precise as the reference's own fp32 GEMM;
+    // double here would cost a conversion per product, the kernel's bottleneck at prefill),
+    // the lanes' sums then in double by a fixed tree. The loops run the warp's rows side by side
+    // (row innermost) so that their dependent chains (16 FMAs, 5 shuffle levels) overlap.
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
+    for (int t = 0; t < TB; ++t) {
+      float lane_sum[kRows] = {};
 #pragma unroll
-      for (int t = 0; t < TB; ++t) {
-        // A lane's 16 products are summed in fp32 (as precise as the reference's own fp32 GEMM;
-        // double here would cost a conversion per product, the kernel's bottleneck at prefill),
-        // everything after that in double.
-        float lane_sum = 0.0f;
+      for (int i = 0; i < hc; ++i) {
+        const float4 yv = *reinterpret_cast<const float4*>(&ys[t][i][4 * lane]);
 #pragma unroll
-        for (int n = 0; n < kPerLane; ++n)
-          lane_sum = __fmaf_rn(wv[r][n], ys[t][n / (S / 32)][lane + 32 * (n % (S / 32))], lane_sum);
-        double v = lane_sum;
-        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-        if (lane == 0) dots[t][warp + kWarps * r] = v;
+        for (int r = 0; r < kRows; ++r) {
+          lane_sum[r] = __fmaf_rn(wv[r][i].x, yv.x, lane_sum[r]);
+          lane_sum[r] = __fmaf_rn(wv[r][i].y, yv.y, lane_sum[r]);
+          lane_sum[r] = __fmaf_rn(wv[r][i].z, yv.z, lane_sum[r]);
+          lane_sum[r] = __fmaf_rn(wv[r][i].w, yv.w, lane_sum[r]);
+        }
       }
+      double v[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) v[r] = lane_sum[r];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) v[r] += __shfl_xor_sync(0xffffffffu, v[r], off);
+      if (lane == 0)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) dots[t][warp + kWarps * r] = v[r];
+    }
   }
   __syncthreads();
   for (int idx = threadIdx.x; idx < toks * P; idx += mhc_threads) {
     const int t = idx / P, k = idx % P;
     double v = 0;
     if (k < 2)
-      for (int c = 0; c < kChunks; ++c) v += item_ss[t][c][k];
+      for (int g = 0; g < kGroups; ++g) v += group_ss[t][g][k];
     else
       v = has_next ? dots[t][k - 2] : 0.0;
     partials[((tok0 + t) * splits + split) * P + k] = v;
   }
-  __threadfence();
+  // The last CTA of the group to arrive finishes it. One thread publishes the CTA's partials
+  // (the barrier orders the block's stores before its fence and ticket) and, in the last CTA,
+  // acquires the others' before the barrier releases the block to read them.
   __syncthreads();
   __shared__ unsigned ticket;
-  if (threadIdx.x == 0) ticket = atomicAdd(counters + group, 1u);
+  if (threadIdx.x == 0) {
+    __threadfence();
+    ticket = atomicAdd(counters + group, 1u);
+    if (ticket == unsigned(splits - 1)) __threadfence();
+  }
   __syncthreads();
   if (ticket != unsigned(splits - 1)) return;
-  __threadfence();
 
-  // The group's last CTA: totals in slice order, coefficients, then the normalization of h.
+  // Totals, in an order fixed by the shape. The group's partials are one contiguous run [toks][splits][P]: all
+  // threads load a stage of it at once (one round trip a stage; one stage holds a decode token's
+  // 40 x 26), and the owner of each (token, partial) adds its values. The stage
+  // reuses the dynamic shared memory (phase 2 is done with the weight slice).
+  constexpr int kStage = mhc_workspace::stage_bytes / sizeof(double);
+  static_assert(kStage % mhc_threads == 0, "mhc_step: the stage is loaded in whole rounds of the block");
+  double* stage = reinterpret_cast<double*>(dynamic_smem);
   __shared__ double total[TB][P];
   __shared__ float inv_rms_h[TB];
-  for (int idx = threadIdx.x; idx < toks * P; idx += mhc_threads) {
-    const int t = idx / P, k = idx % P;
-    const double* src = partials + (tok0 + t) * splits * P + k;
-    double v = 0;
-    for (int sl0 = 0; sl0 < splits; sl0 += 16) {  // 16 loads in flight, then the adds in slice order
-      double buf[16];
+  const double* group_partials = partials + tok0 * splits * P;
+  const int run = toks * splits * P;
+  double sums[(TB * P + mhc_threads - 1) / mhc_threads] = {};
+  for (int base = 0; base < run; base += kStage) {
+    double buf[kStage / mhc_threads];
 #pragma unroll
-      for (int u = 0; u < 16; ++u) buf[u] = sl0 + u < splits ? __ldcg(src + (sl0 + u) * P) : 0.0;
-#pragma unroll
-      for (int u = 0; u < 16; ++u)
-        if (sl0 + u < splits) v += buf[u];
+    for (int u = 0; u < kStage / mhc_threads; ++u) {
+      const int o = base + int(threadIdx.x) + u * mhc_threads;
+      buf[u] = o < run ? __ldcg(group_partials + o) : 0.0;
     }
-    total[t][k] = v;
+#pragma unroll
+    for (int u = 0; u < kStage / mhc_threads; ++u) stage[int(threadIdx.x) + u * mhc_threads] = buf[u];
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < int(sizeof(sums) / sizeof(double)); ++q) {
+      const int idx = int(threadIdx.x) + q * mhc_threads;
+      if (idx >= toks * P) break;
+      const int t = idx / P, k = idx % P, first = (t * splits) * P + k;  // offset of slice 0
+      // the slices s with base <= first + s * P < base + kStage, in increasing order
+      const int s_lo = base > first ? (base - first + P - 1) / P : 0;
+      const int s_end = min(splits, (base + kStage - first + P - 1) / P);
+      // four interleaved accumulators (a chain of 40 dependent adds was 0.4 us at decode),
+      // met in a fixed order: the sum does not depend on timing
+      const double* src = stage + first - base;
+      double p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+      int s = s_lo;
+      for (; s + 4 <= s_end; s += 4)
+        p0 += src[s * P], p1 += src[(s + 1) * P], p2 += src[(s + 2) * P], p3 += src[(s + 3) * P];
+      for (; s < s_end; ++s) p0 += src[s * P];
+      sums[q] += (p0 + p1) + (p2 + p3);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int q = 0; q < int(sizeof(sums) / sizeof(double)); ++q) {
+    const int idx = int(threadIdx.x) + q * mhc_threads;
+    if (idx < toks * P) total[idx / P][idx % P] = sums[q];
   }
   __syncthreads();
-  if (threadIdx.x < toks) {
-    const int t = threadIdx.x;
-    const float mean_h = float(total[t][1] / double(dim));
-    inv_rms_h[t] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_h, a.norm_eps)));
-  }
-  __syncthreads();
+  if (threadIdx.x == 0) counters[group] = 0;  // ready for the next step
+
   // One warp per token runs the Sinkhorn split (a long dependent chain); the warps left over
-  // normalize h meanwhile. With as many tokens as warps, every warp splits first, then all
-  // normalize. (Each value is computed as before; only which thread does what changes.)
+  // normalize h meanwhile, synchronized among themselves only. With as many tokens as warps,
+  // every warp splits first, then all normalize. (Each value is computed as before; only which
+  // thread does what changes.)
   const int sinkhorn_warps = has_next ? min(toks, kWarps) : 0;
   const bool overlap = sinkhorn_warps < kWarps;
   if (warp < sinkhorn_warps)
@@ -259,27 +408,31 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads) mhc_step_kernel(mhc_step_args a,
       const long long tok = tok0 + t;
       const float mean_y = float(total[t][0] / double(4 * dim));
       const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_y, a.mix_norm_eps)));
-      float m[mix_count];
-#pragma unroll
-      for (int j = 0; j < mix_count; ++j) m[j] = __fmul_rn(float(total[t][2 + j]), r);
-      split_sinkhorn_warp(m, a.scale, a.base, a.iters, a.hc_eps, a.next_pre + tok * hc, a.next_post + tok * hc,
+      if (lane < mix_count) split_mixes[warp][lane] = __fmul_rn(float(total[t][2 + lane]), r);
+      __syncwarp();
+      split_sinkhorn_warp(split_mixes[warp], split_scale, split_base, a.iters, a.hc_eps, a.next_pre + tok * hc, a.next_post + tok * hc,
                           a.next_comb + tok * hc * hc);
+      __syncwarp();  // the warp's mixes are read before its next token overwrites them
     }
-  if (threadIdx.x == 0) counters[group] = 0;  // ready for the next step
   if (!overlap) __syncthreads();
   const int first = overlap ? sinkhorn_warps * 32 : 0, workers = mhc_threads - first;
   if (int(threadIdx.x) < first) return;
+  const int me = int(threadIdx.x) - first;
+  if (me < toks) {
+    const float mean_h = float(total[me][1] / double(dim));
+    inv_rms_h[me] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_h, a.norm_eps)));
+  }
+  named_barrier(1, workers);
   const int chunks = dim / 8;
   constexpr int kBatch = 8;  // chunks per thread whose loads are issued together
-  for (int idx0 = int(threadIdx.x) - first; idx0 < toks * chunks; idx0 += kBatch * workers) {
+  for (int idx0 = me; idx0 < toks * chunks; idx0 += kBatch * workers) {
     uint4 raw[kBatch], wraw[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int idx = idx0 + u * workers;
       if (idx >= toks * chunks) break;
       const int t = idx / chunks, c = idx % chunks;
-      const unsigned* src = reinterpret_cast<const unsigned*>(a.h + (tok0 + t) * dim + c * 8);
-      raw[u].x = __ldcg(src), raw[u].y = __ldcg(src + 1), raw[u].z = __ldcg(src + 2), raw[u].w = __ldcg(src + 3);
+      raw[u] = __ldcg(reinterpret_cast<const uint4*>(a.h + (tok0 + t) * dim + c * 8));
       wraw[u] = *reinterpret_cast<const uint4*>(a.norm_w + c * 8);
     }
 #pragma unroll
@@ -287,12 +440,12 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads) mhc_step_kernel(mhc_step_args a,
       const int idx = idx0 + u * workers;
       if (idx >= toks * chunks) break;
       const int t = idx / chunks, c = idx % chunks;
-      float hv[8], wv[8];
+      float hv[8], wv8[8];
       unpack8(raw[u], hv);
-      unpack8(wraw[u], wv);
+      unpack8(wraw[u], wv8);
       const float r = inv_rms_h[t];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) hv[e] = __fmul_rn(wv[e], __fmul_rn(hv[e], r));
+      for (int e = 0; e < 8; ++e) hv[e] = __fmul_rn(wv8[e], __fmul_rn(hv[e], r));
       *reinterpret_cast<uint4*>(a.h + (tok0 + t) * dim + c * 8) = pack8(hv);
     }
   }
@@ -314,18 +467,28 @@ inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t str
                         (const void*)a.fn})
     if (reinterpret_cast<std::uintptr_t>(p) % 16) throw error(where + "tensors must be 16-byte aligned");
   const unsigned splits = unsigned((a.dim + mhc_workspace::slice - 1) / mhc_workspace::slice);
+  // Dynamic shared memory: the weight slice at decode (when there is a next sublayer), else the
+  // last CTA's stage only.
+  const int smem_decode = a.fn ? mhc_workspace::weight_slice_bytes : mhc_workspace::stage_bytes;
+  // The shared-memory opt-in is per device and per kernel copy (kernels have internal linkage),
+  // so it is made here, beside the launch, once per device and variant.
+  static runtime::per_device_ints ready[2] = {};
+  auto go = [&](auto kernel, int variant, long long groups, int smem) {
+    if (groups > 65535) throw error(where + "too many tokens for one launch");
+    runtime::cached_per_device(ready[variant], [&](int) {
+      DSV4_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, mhc_workspace::weight_slice_bytes));
+      return 1;
+    });
+    runtime::launch_programmatic(kernel, dim3(splits, unsigned(groups)), dim3(detail::mhc_threads), std::size_t(smem), stream,
+                                 a, ws.partials(), ws.counters());
+  };
   // One token per CTA at decode (more CTAs), groups of 8 when there are many tokens (the weight
   // is then read once per 8 tokens).
-  if (a.tokens <= 16) {
-    if (a.tokens > 65535) throw error(where + "too many tokens for one launch");
-    runtime::launch_programmatic(detail::mhc_step_kernel<1>, dim3(splits, unsigned(a.tokens)), dim3(detail::mhc_threads), 0,
-                                 stream, a, ws.partials(), ws.counters());
-  } else {
-    const long long groups = (a.tokens + 7) / 8;
-    if (groups > 65535) throw error(where + "too many tokens for one launch");
-    runtime::launch_programmatic(detail::mhc_step_kernel<8>, dim3(splits, unsigned(groups)), dim3(detail::mhc_threads), 0,
-                                 stream, a, ws.partials(), ws.counters());
-  }
+  if (a.tokens <= 16)
+    go(detail::mhc_step_kernel<1>, 0, a.tokens, smem_decode);
+  else
+    go(detail::mhc_step_kernel<8>, 1, (a.tokens + 7) / 8, mhc_workspace::stage_bytes);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 
