@@ -79,21 +79,23 @@ DSV4_DEVICE void expect_bytes(std::uint64_t* bar, unsigned bytes) {
 #endif
 }
 
-//! An L2 policy for data read exactly once (streamed weights): evicted first, so that the data
-//! other kernels reuse (activations, caches) stays in L2.
-DSV4_DEVICE std::uint64_t evict_first_policy() {
-  std::uint64_t policy = 0;
-#if DSV4_BULK_COPY_PASS
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-#endif
-  return policy;
-}
+//! L2 eviction priorities a copy can carry (createpolicy.fractional over all of its bytes).
+enum class l2_eviction {
+  first,   //!< data read exactly once (streamed weights): evicted first, so that the data other
+           //!< kernels reuse (activations, caches) stays in L2
+  normal,  //!< data several CTAs read (the mHC projection weight, once per token group)
+};
 
-//! An L2 policy for data several CTAs read (the mHC projection weight, read once per token group).
-DSV4_DEVICE std::uint64_t evict_normal_policy() {
+//! The cache policy operand of `copy` for `e`.
+DSV4_DEVICE std::uint64_t l2_policy(l2_eviction e) {
   std::uint64_t policy = 0;
 #if DSV4_BULK_COPY_PASS
-  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+  if (e == l2_eviction::first)
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  else
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+#else
+  (void)e;
 #endif
   return policy;
 }

@@ -121,7 +121,7 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     const int r = u % per_gemm;
     return unit{u / per_gemm, r / row_tiles, r % row_tiles};
   };
-  const std::uint64_t policy = bulk_copy::evict_first_policy();
+  const std::uint64_t policy = bulk_copy::l2_policy(bulk_copy::l2_eviction::first);
   // The producer (lane 0): the next chunk to copy is chunk p_chunk of unit p_unit (a unit index of
   // the whole grid), into stage p_stage; p_codes / p_scales point at that unit's first K block.
   int p_unit = first_unit, p_chunk = 0, p_stage = 0;

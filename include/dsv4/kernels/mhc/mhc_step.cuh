@@ -191,7 +191,7 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1 ? 1 : 4) mhc_step_kernel
         bulk_copy::init_fence();
         const unsigned bytes = unsigned(valid) * sizeof(float);  // a multiple of 32: dim % 8 == 0
         bulk_copy::expect_bytes(&weight_bar, bytes * mix_count * hc);
-        const std::uint64_t policy = bulk_copy::evict_normal_policy();
+        const std::uint64_t policy = bulk_copy::l2_policy(bulk_copy::l2_eviction::normal);
         for (int row = 0; row < mix_count * hc; ++row)
           bulk_copy::copy(dynamic_smem + row * S, a.fn + (long long)row * dim + d_base, bytes, &weight_bar, policy);
       }
