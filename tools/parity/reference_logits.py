@@ -15,6 +15,14 @@ Usage (tools/parity/README.md has the full recipe):
   reference_logits.py --reference .reference/deepseek_v41 --checkpoint DIR --config tiny_config.json \
       --prompt 1,2,3 --decode 4,5 --out ref.npy [--device cuda|cpu] [--multipliers FILE] [--dump-dir DIR]
   reference_logits.py ... --cases tests/data/parity/cases.json --out-dir DIR [--suffix S]
+  reference_logits.py ... --time 512,32 [--time-repeats 5]   (speed only; may follow a case)
+
+--time PROMPT,STEPS times the reference the way generate.py runs it, at batch 1: a prefill of PROMPT
+token ids (seeded random ids of the vocabulary) from position 0, then STEPS one-token forwards, after
+one untimed warm-up, each repeat synchronized on the device; it prints the medians (prefill tokens/s,
+decode ms per step) and records them with --info. This is the speed side of issue 6's comparison
+with the official reference on the same GPU and checkpoint (scripts/gpu-reference-speed.sh runs
+both sides).
 """
 
 import argparse
@@ -193,6 +201,46 @@ def run_case(torch, ref, model, prompt, decode, dump=None):
     return torch.stack(rows).numpy()
 
 
+def time_generation(torch, model, vocab, prompt_tokens, steps, repeats, device):
+    """Median seconds of a prefill of `prompt_tokens` ids from position 0 and of `steps` one-token
+    forwards after it (batch 1, as generate.py), over `repeats` runs after one warm-up run."""
+    g = torch.Generator(device="cpu").manual_seed(20261202)
+    ids = torch.randint(0, vocab, (prompt_tokens + steps,), generator=g, device="cpu").tolist()
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def once():
+        with torch.inference_mode():
+            sync()
+            t0 = time.perf_counter()
+            model(torch.tensor([ids[:prompt_tokens]], dtype=torch.long), 0)
+            sync()
+            t1 = time.perf_counter()
+            for step in range(steps):
+                model(torch.tensor([[ids[prompt_tokens + step]]], dtype=torch.long), prompt_tokens + step)
+            sync()
+            t2 = time.perf_counter()
+        return t1 - t0, t2 - t1
+
+    once()
+    runs = [once() for _ in range(repeats)]
+    prefill = sorted(r[0] for r in runs)[len(runs) // 2]
+    decode = sorted(r[1] for r in runs)[len(runs) // 2]
+    return {
+        "prompt_tokens": prompt_tokens,
+        "decode_steps": steps,
+        "repeats": repeats,
+        "prefill_s": prefill,
+        "prefill_tokens_per_s": prompt_tokens / prefill,
+        "decode_s": decode,
+        "decode_ms_per_step": 1e3 * decode / steps if steps else 0.0,
+        "decode_tokens_per_s": steps / decode if steps else 0.0,
+        "all_runs_s": [[round(a, 6), round(b, 6)] for a, b in runs],
+    }
+
+
 def save_dump(np, dump, folder, name, seqlen, index_topk):
     """<name>_x.npy [layers, s * hc * dim], <name>_pre.npy [layers, s * hc] and <name>_topk.npy
     [layers, s * index_topk] (float32; top-k rows padded with -2, all -2 for window-only layers)."""
@@ -223,6 +271,9 @@ def main():
     ap.add_argument("--dump-dir", help="also save each case's per-layer prefill residuals, pre-mixes and top-k lists "
                     "there (<case>_x.npy, <case>_pre.npy, <case>_topk.npy; for tools/parity/layer_parity.cpp)")
     ap.add_argument("--info", help="write a JSON record of the run (versions, device, multipliers used)")
+    ap.add_argument("--time", help="PROMPT,STEPS: also time a prefill of PROMPT random ids and STEPS decode forwards "
+                                   "(batch 1; the medians are printed and recorded); alone, it needs no case")
+    ap.add_argument("--time-repeats", type=int, default=5, help="timed runs of --time after one warm-up (default 5)")
     a = ap.parse_args()
 
     if a.cases:
@@ -232,11 +283,23 @@ def main():
             cases = [(c["name"], parse_ids(c["prompt"], "prompt"), parse_ids(c["decode"], "decode"))
                      for c in json.load(f)["cases"]]
         outs = [os.path.join(a.out_dir, name + a.suffix + ".npy") for name, _, _ in cases]
+    elif a.prompt is None and a.out is None and a.time:
+        cases, outs = [], []
     else:
         if a.prompt is None or a.out is None:
-            sys.exit("reference_logits: give --prompt and --out (or --cases and --out-dir)")
+            sys.exit("reference_logits: give --prompt and --out (or --cases and --out-dir, or --time alone)")
         cases = [("case", parse_ids(a.prompt, "prompt"), parse_ids(a.decode, "decode"))]
         outs = [a.out]
+    timing_shape = None
+    if a.time:
+        try:
+            timing_shape = [int(x) for x in a.time.split(",")]
+        except ValueError:
+            timing_shape = []
+        if len(timing_shape) != 2 or timing_shape[0] < 1 or timing_shape[1] < 0:
+            sys.exit(f"reference_logits: --time needs PROMPT,STEPS with PROMPT >= 1, got '{a.time}'")
+        if a.time_repeats < 1:
+            sys.exit(f"reference_logits: --time-repeats needs at least 1, got {a.time_repeats}")
     with open(a.config) as f:
         config = json.load(f)
     for name, prompt, decode in cases:
@@ -277,6 +340,8 @@ def main():
     for name, prompt, decode in cases:
         if len(prompt) + len(decode) > args.max_seq_len:
             sys.exit(f"reference_logits: {name}: {len(prompt) + len(decode)} positions exceed max_seq_len {args.max_seq_len}")
+    if timing_shape and sum(timing_shape) > args.max_seq_len:
+        sys.exit(f"reference_logits: --time {a.time}: {sum(timing_shape)} positions exceed max_seq_len {args.max_seq_len}")
     t0 = time.time()
     model = ref.Transformer(args, IdentityTokenizer(args.vocab_size)).eval()
     ckpt = read_checkpoint(torch, a.checkpoint)
@@ -315,6 +380,13 @@ def main():
         if not np.array_equal(again, results[0]):
             sys.exit(f"reference_logits: {cases[0][0]} run again after the other cases gave other logits")
     t2 = time.time()
+    timing = None
+    if timing_shape:
+        timing = time_generation(torch, model, args.vocab_size, timing_shape[0], timing_shape[1], a.time_repeats, a.device)
+        print(f"reference_logits: timed on {a.device}, batch 1: prefill of {timing['prompt_tokens']} tokens "
+              f"{timing['prefill_s']:.4f} s ({timing['prefill_tokens_per_s']:.1f} tokens/s); {timing['decode_steps']} "
+              f"decode steps {timing['decode_ms_per_step']:.2f} ms a step ({timing['decode_tokens_per_s']:.2f} tokens/s); "
+              f"medians of {timing['repeats']}")
     record = {
         "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -326,6 +398,7 @@ def main():
         "cases": [{"name": n, "prompt_tokens": len(p), "decode_steps": len(d)} for n, p, d in cases],
         "load_s": round(t1 - t0, 2),
         "run_s": round(t2 - t1, 2),
+        "timing": timing,
     }
     if a.info:
         with open(a.info, "w") as f:
