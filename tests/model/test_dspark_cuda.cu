@@ -255,12 +255,13 @@ BOOST_AUTO_TEST_CASE(capture_and_pipeline_follow_the_host,
       compare(got, same_input, mirror_stats, mirror_conf_worst);
     }
   }
-  BOOST_TEST_MESSAGE("main_hidden capture vs host: worst "
-                     << capture_worst << "; DSpark pipeline on CUDA vs host: logits worst " << stats.worst
-                     << ", cosine >= " << stats.min_cosine << ", argmax " << stats.argmax_same << "/"
-                     << stats.rows << "; confidence worst " << conf_worst << "; against the host drafter on the capture: logits worst "
-                     << mirror_stats.worst << ", argmax " << mirror_stats.argmax_same << "/" << mirror_stats.rows
-                     << ", confidence worst " << mirror_conf_worst << " (" << mirror_stats.worst_rows(4, 0.05) << ")");
+  BOOST_TEST_MESSAGE(
+      "main_hidden capture vs host: worst "
+      << capture_worst << "; DSpark pipeline on CUDA vs host: logits worst " << stats.worst
+      << ", cosine >= " << stats.min_cosine << ", argmax " << stats.argmax_same << "/" << stats.rows
+      << "; confidence worst " << conf_worst << "; against the host drafter on the capture: logits worst "
+      << mirror_stats.worst << ", argmax " << mirror_stats.argmax_same << "/" << mirror_stats.rows
+      << ", confidence worst " << mirror_conf_worst << " (" << mirror_stats.worst_rows(4, 0.05) << ")");
   // The capture carries the backbone's device-vs-host differences (test_device_model_cuda: worst
   // 6-17% of the logit range on tiny's random layers), the drafts those and the drafter's own
   // (seeds 0, 12579890409632215566 and 777 on the H200: 0.226, 0.244 and 0.320).

@@ -40,12 +40,14 @@ struct logit_stats {
   std::string worst_rows(std::size_t n, double above) const {
     std::vector<std::size_t> order(row_worst.size());
     for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return row_worst[a] > row_worst[b]; });
+    std::sort(order.begin(), order.end(),
+              [&](std::size_t a, std::size_t b) { return row_worst[a] > row_worst[b]; });
     std::ostringstream os;
     os << "largest row errors:";
-    for (std::size_t i = 0; i < std::min(n, order.size()); ++i) os << " row " << order[i] << " " << row_worst[order[i]];
-    os << "; " << std::count_if(row_worst.begin(), row_worst.end(), [&](double v) { return v > above; }) << " of "
-       << row_worst.size() << " rows above " << above;
+    for (std::size_t i = 0; i < std::min(n, order.size()); ++i)
+      os << " row " << order[i] << " " << row_worst[order[i]];
+    os << "; " << std::count_if(row_worst.begin(), row_worst.end(), [&](double v) { return v > above; })
+       << " of " << row_worst.size() << " rows above " << above;
     return os.str();
   }
 };
