@@ -1,6 +1,7 @@
 //! \brief The fused mHC sublayer boundary (hc_post + hc_pre + RMSNorm + next coefficients),
 //! V4.1 widths (4 streams x 5120), at decode and prefill token counts.
 //! Usage: bench_mhc [--json FILE]
+//! Above 16 tokens a row per prefill token group (8, the default, and 16 tokens a CTA).
 //!
 //! Bytes = per token (X 4d + F d + Y 4d + h d) x 2 bytes (the article's (2n+2)d single pass)
 //! plus the 24 x 4d fp32 projection weight once per launch. Times per call of back-to-back calls
@@ -22,8 +23,8 @@ int main(int argc, char** argv) {
   if (!bench::parse_json_option(argc, argv, "bench_mhc", json)) return 2;
   try {
     const double copy_bps = bench::copy_bandwidth(std::size_t(1) << 30);
-    std::printf("ceiling: copy %.0f GB/s\n%8s %10s %9s %9s %10s\n", copy_bps / 1e9, "tokens", "median us", "GB/s",
-                "vs copy", "floor us");
+    std::printf("ceiling: copy %.0f GB/s\n%8s %6s %10s %9s %9s %10s\n", copy_bps / 1e9, "tokens", "group", "median us",
+                "GB/s", "vs copy", "floor us");
     FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
     if (jf) std::fprintf(jf, "{\"copy_gbps\": %.1f, \"results\": [\n", copy_bps / 1e9);
     constexpr int dim = 5120;
@@ -49,15 +50,20 @@ int main(int argc, char** argv) {
       a.fn = fn.data(), a.base = base.data(), a.scale = scale.data();
       a.next_pre = npre.data(), a.next_post = npost.data(), a.next_comb = ncomb.data();
       a.tokens = tokens, a.dim = dim;
-      const double ms = bench::median_ms_per_call([&](cudaStream_t s) { mhc_step(a, ws, s); }, 20);
-      const double bytes = double(tokens) * 10.0 * dim * 2.0 + 24.0 * 4 * dim * 4;
-      const double floor_us = bytes / copy_bps * 1e6;
-      std::printf("%8lld %10.1f %9.0f %8.1f%% %10.2f\n", tokens, ms * 1e3, bytes / (ms * 1e-3) / 1e9,
-                  100.0 * floor_us / (ms * 1e3), floor_us);
-      if (jf)
-        std::fprintf(jf, "%s  {\"tokens\": %lld, \"us\": %.2f, \"ratio\": %.4f}", first ? "" : ",\n", tokens, ms * 1e3,
-                     floor_us / (ms * 1e3));
-      first = false;
+      // Above 16 tokens both prefill token groups (set_prefill_token_group), the default first.
+      for (int group : tokens > 16 ? std::vector<int>{8, 16} : std::vector<int>{1}) {
+        if (group > 1) set_prefill_token_group(group);
+        const double ms = bench::median_ms_per_call([&](cudaStream_t s) { mhc_step(a, ws, s); }, 20);
+        const double bytes = double(tokens) * 10.0 * dim * 2.0 + 24.0 * 4 * dim * 4;
+        const double floor_us = bytes / copy_bps * 1e6;
+        std::printf("%8lld %6d %10.1f %9.0f %8.1f%% %10.2f\n", tokens, group, ms * 1e3, bytes / (ms * 1e-3) / 1e9,
+                    100.0 * floor_us / (ms * 1e3), floor_us);
+        if (jf)
+          std::fprintf(jf, "%s  {\"tokens\": %lld, \"group\": %d, \"us\": %.2f, \"ratio\": %.4f}", first ? "" : ",\n",
+                       tokens, group, ms * 1e3, floor_us / (ms * 1e3));
+        first = false;
+      }
+      set_prefill_token_group(8);
     }
     if (jf) {
       std::fprintf(jf, "\n]}\n");

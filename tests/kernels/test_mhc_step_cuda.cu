@@ -140,6 +140,23 @@ BOOST_AUTO_TEST_CASE(fused_step_matches_host, *utf::label("gpu") * utf::precondi
   check_step(2, 200, boundary::exit, 10);
 }
 
+// The prefill variant with 16 tokens a CTA (set_prefill_token_group): two phase-1 items a thread,
+// four tokens a Sinkhorn warp; the same bits as the 8-token groups' (Y, h) and the same bounds.
+BOOST_AUTO_TEST_CASE(sixteen_token_groups_match_host,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  struct restore {
+    ~restore() { set_prefill_token_group(8); }
+  } r;
+  set_prefill_token_group(16);
+  BOOST_TEST(prefill_token_group() == 16);
+  check_step(37, 5120, boundary::inside, 11);
+  check_step(300, 256, boundary::inside, 12);
+  check_step(17, 328, boundary::inside, 13);
+  check_step(40, 200, boundary::exit, 14);
+  check_step(33, 5120, boundary::entry, 15);
+  BOOST_TEST(test::throws_with([] { set_prefill_token_group(12); }, "8 or 16 tokens a CTA, not 12"));
+}
+
 BOOST_AUTO_TEST_CASE(bad_arguments_are_errors, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   mhc_workspace ws(1, 256);  // allocates: needs a device
   mhc_step_args a;

@@ -26,6 +26,7 @@
 #include <cuda_runtime.h>  // provides cudaStream_t, uint4
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -150,15 +151,18 @@ DSV4_DEVICE void named_barrier(int id, int count) {
 }
 
 template <int TB>
-DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1 ? 1 : 4) mhc_step_kernel(mhc_step_args a, double* partials, unsigned* counters) {
+DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1 ? 1 : TB == 8 ? 4 : 3) mhc_step_kernel(mhc_step_args a, double* partials, unsigned* counters) {
   constexpr int P = mhc_workspace::partial_count, S = mhc_workspace::slice;
   constexpr int kWarps = mhc_threads / 32, kRows = mix_count / kWarps;
   static_assert(mix_count % kWarps == 0 && S % 32 == 0, "mhc_step: 24 rows over the warps, 32 lanes per slice row");
-  // Phase 1 gives each thread one item of W positions of one token: at decode (one token a CTA)
-  // a position each, so that all four warps share the work (one warp doing 8 positions a thread
-  // was the kernel's longest phase); with 8-token groups 8 positions (16-byte accesses).
+  // Phase 1 gives each thread items of W positions of one token: at decode (one token a CTA) a
+  // position each, so that all four warps share the work (one warp doing 8 positions a thread
+  // was the kernel's longest phase); with token groups (8 or 16) 8 positions (16-byte accesses),
+  // one or two items a thread.
+  static_assert(TB == 1 || TB == 8 || TB == 16, "mhc_step: token groups of 1, 8 or 16");
   constexpr int W = TB == 1 ? 1 : 8, kItems = S / W;  // items per token
-  static_assert(TB * kItems == mhc_threads, "mhc_step: one phase-1 item per thread");
+  constexpr int kRounds = TB * kItems / mhc_threads;  // items per thread
+  static_assert(kRounds * mhc_threads == TB * kItems, "mhc_step: whole rounds of phase-1 items");
   constexpr int G = kItems < 32 ? kItems : 32, kGroups = kItems / G;  // lane groups per token
   // At decode the projection weight's slice comes through shared memory by bulk copies (below);
   // with 8-token groups it is loaded into registers after phase 1 (the load is shared by eight
@@ -201,10 +205,12 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1 ? 1 : 4) mhc_step_kernel
   }
   runtime::start_after_previous_grid();
 
-  // Phase 1: Y and (unnormalized) h for the thread's item. Every input is requested before any
-  // is used (one memory round trip).
-  {
-    const int t = threadIdx.x / kItems, c = threadIdx.x % kItems, d0 = d_base + c * W;
+  // Phase 1: Y and (unnormalized) h for the thread's items. Every input of an item is requested
+  // before any is used (one memory round trip).
+#pragma unroll
+  for (int round = 0; round < kRounds; ++round) {
+    const unsigned item = threadIdx.x + unsigned(round * mhc_threads);
+    const int t = int(item / kItems), c = int(item % kItems), d0 = d_base + c * W;
     double ss_y = 0, ss_h = 0;
     float y[hc][W] = {};
     if (t < toks && d0 < dim) {
@@ -452,6 +458,24 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1 ? 1 : 4) mhc_step_kernel
 }
 }  // namespace detail
 
+namespace detail {
+inline std::atomic<int>& prefill_token_group() {
+  static std::atomic<int> tokens{8};
+  return tokens;
+}
+}  // namespace detail
+
+//! Process-wide: how many tokens one CTA takes above 16 tokens a call (prefill), 8 (the default)
+//! or 16. Larger groups read the 24 x 4d projection weight (from L2) half as often and run half
+//! the CTAs, with twice the shared memory for Y a CTA; bench_mhc measures both (not yet on a
+//! device: docs/decisions.md). Anything else is an error naming the choices.
+inline void set_prefill_token_group(int tokens) {
+  if (tokens != 8 && tokens != 16)
+    throw error("mhc_step: the prefill token group is 8 or 16 tokens a CTA, not " + std::to_string(tokens));
+  detail::prefill_token_group().store(tokens);
+}
+inline int prefill_token_group() { return detail::prefill_token_group().load(); }
+
 inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t stream = nullptr) {
   const std::string where = "mhc_step (tokens " + std::to_string(a.tokens) + ", dim " + std::to_string(a.dim) + "): ";
   if (a.tokens < 0 || a.dim <= 0 || a.dim % 8 != 0) throw error(where + "need tokens >= 0 and dim a positive multiple of 8");
@@ -472,7 +496,7 @@ inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t str
   const int smem_decode = a.fn ? mhc_workspace::weight_slice_bytes : mhc_workspace::stage_bytes;
   // The shared-memory opt-in is per device and per kernel copy (kernels have internal linkage),
   // so it is made here, beside the launch, once per device and variant.
-  static runtime::per_device_ints ready[2] = {};
+  static runtime::per_device_ints ready[3] = {};
   auto go = [&](auto kernel, int variant, long long groups, int smem) {
     if (groups > 65535) throw error(where + "too many tokens for one launch");
     runtime::cached_per_device(ready[variant], [&](int) {
@@ -483,10 +507,12 @@ inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t str
     runtime::launch_programmatic(kernel, dim3(splits, unsigned(groups)), dim3(detail::mhc_threads), std::size_t(smem), stream,
                                  a, ws.partials(), ws.counters());
   };
-  // One token per CTA at decode (more CTAs), groups of 8 when there are many tokens (the weight
-  // is then read once per 8 tokens).
+  // One token per CTA at decode (more CTAs), groups of 8 or 16 when there are many tokens (the
+  // weight is then read once per group).
   if (a.tokens <= 16)
     go(detail::mhc_step_kernel<1>, 0, a.tokens, smem_decode);
+  else if (prefill_token_group() == 16)
+    go(detail::mhc_step_kernel<16>, 2, (a.tokens + 15) / 16, mhc_workspace::stage_bytes);
   else
     go(detail::mhc_step_kernel<8>, 1, (a.tokens + 7) / 8, mhc_workspace::stage_bytes);
   DSV4_CUDA_CHECK_LAUNCH();
