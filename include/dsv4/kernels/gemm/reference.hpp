@@ -31,20 +31,21 @@ struct gemm_shape {
 namespace detail {
 //! Every code's value of a format, decoded once (16 entries used for E2M1): the GEMMs read these
 //! instead of decoding each element, which was most of the host tests' time.
-template <class Elem>
-const std::array<float, 256>& decode_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int c = 0; c < (1 << Elem::storage_bits); ++c) t[std::size_t(c)] = numerics::decode<Elem>(std::uint8_t(c));
+template <class Elem, class T = float>
+const std::array<T, 256>& decode_table() {
+  static const std::array<T, 256> table = [] {
+    std::array<T, 256> t{};
+    for (int c = 0; c < (1 << Elem::storage_bits); ++c) t[std::size_t(c)] = T(numerics::decode<Elem>(std::uint8_t(c)));
     return t;
   }();
   return table;
 }
 
-//! C = A W^T by the spec's order: per 32-wide K block the dot product in double (exact: E4M3 x
-//! E4M3 / E2M1 products and their sums fit in 53 bits), rounded once to fp32, times the two
+//! C = A W^T by the spec's order (element values as doubles, which they are exactly): per 32-wide K block the dot product in double (exact: E4M3 x
+//! E4M3 / E2M1 products and their sums fit in 53 bits, so its order does not matter), rounded
+//! once to fp32, times the two
 //! scales, added in increasing K order. `decode_row(j, values, scales)` writes weight row j's K
-//! values and K / 32 block scales; the activations are decoded once.
+//! values (double) and K / 32 block scales; the activations are decoded once.
 template <class DecodeRow>
 std::vector<bf16> block_scaled_gemm(const gemm_shape& s, std::span<const std::uint8_t> a, std::span<const std::uint8_t> a_s,
                                     DecodeRow decode_row) {
@@ -52,21 +53,34 @@ std::vector<bf16> block_scaled_gemm(const gemm_shape& s, std::span<const std::ui
   if (a.size() != std::size_t(s.m) * s.k || a_s.size() != std::size_t(s.m) * (s.k / 32))
     throw error("block-scaled GEMM: activations must be [M, K] E4M3 codes with [M, K/32] scales");
   const int blocks = s.k / 32;
-  const auto& e4m3 = decode_table<numerics::e4m3>();
+  const auto& e4m3 = decode_table<numerics::e4m3, double>();
   const auto& ue8m0 = decode_table<numerics::ue8m0>();
-  std::vector<float> av(a.size()), as(a_s.size()), wv(static_cast<std::size_t>(s.k)), ws(static_cast<std::size_t>(blocks));
+  std::vector<double> av(a.size()), wv(static_cast<std::size_t>(s.k));
+  std::vector<float> as(a_s.size()), ws(static_cast<std::size_t>(blocks));
   for (std::size_t i = 0; i < a.size(); ++i) av[i] = e4m3[a[i]];
   for (std::size_t i = 0; i < a_s.size(); ++i) as[i] = ue8m0[a_s[i]];
   std::vector<bf16> c(std::size_t(s.m) * s.n);
   for (int j = 0; j < s.n; ++j) {
     decode_row(j, wv.data(), ws.data());
     for (int i = 0; i < s.m; ++i) {
-      const float* ar = av.data() + std::size_t(i) * s.k;
+      const double* ar = av.data() + std::size_t(i) * s.k;
       const float* asr = as.data() + std::size_t(i) * blocks;
       float acc = 0.0f;
       for (int kb = 0; kb < blocks; ++kb) {
-        double partial = 0;
-        for (int kk = 0; kk < 32; ++kk) partial += double(ar[kb * 32 + kk]) * double(wv[std::size_t(kb) * 32 + kk]);
+        // Four interleaved sums, met at the end: the same value as one sum in K order, because
+        // every partial sum is exact (E4M3 values are multiples of 2^-9 up to 448, E2M1 ones of
+        // 1/2 up to 6, so 32 products and all their sums are integers in units of 2^-18 below
+        // 2^41, well inside double's 53 bits; a NaN code makes any order NaN; no inf exists).
+        const double* x = ar + kb * 32;
+        const double* y = wv.data() + std::size_t(kb) * 32;
+        double p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+        for (int kk = 0; kk < 32; kk += 4) {
+          p0 += x[kk] * y[kk];
+          p1 += x[kk + 1] * y[kk + 1];
+          p2 += x[kk + 2] * y[kk + 2];
+          p3 += x[kk + 3] * y[kk + 3];
+        }
+        const double partial = (p0 + p1) + (p2 + p3);
         acc += numerics::mul_rn(numerics::mul_rn(float(partial), asr[kb]), ws[std::size_t(kb)]);
       }
       c[std::size_t(i) * s.n + j] = bf16::from_float(acc);
@@ -83,9 +97,9 @@ inline std::vector<bf16> fp8_gemm_reference(const gemm_shape& s, std::span<const
   const int nb = (s.n + 31) / 32, kb = s.k / 32;
   if (w.size() != std::size_t(s.n) * s.k || w_s.size() != std::size_t(nb) * kb)
     throw error("fp8_gemm_reference: weight must be [N, K] E4M3 with [ceil(N/32), K/32] scales");
-  const auto& e4m3 = detail::decode_table<numerics::e4m3>();
+  const auto& e4m3 = detail::decode_table<numerics::e4m3, double>();
   const auto& ue8m0 = detail::decode_table<numerics::ue8m0>();
-  return detail::block_scaled_gemm(s, a, a_s, [&](int j, float* values, float* scales) {
+  return detail::block_scaled_gemm(s, a, a_s, [&](int j, double* values, float* scales) {
     for (int k = 0; k < s.k; ++k) values[k] = e4m3[w[std::size_t(j) * s.k + k]];
     for (int b = 0; b < kb; ++b) scales[b] = ue8m0[w_s[std::size_t(j / 32) * kb + b]];
   });
@@ -97,9 +111,9 @@ inline std::vector<bf16> fp4_gemm_reference(const gemm_shape& s, std::span<const
                                             std::span<const std::uint8_t> w_s) {
   if (w.size() != std::size_t(s.n) * (s.k / 2) || w_s.size() != std::size_t(s.n) * (s.k / 32))
     throw error("fp4_gemm_reference: weight must be [N, K/2] packed E2M1 with [N, K/32] scales");
-  const auto& e2m1 = detail::decode_table<numerics::e2m1>();
+  const auto& e2m1 = detail::decode_table<numerics::e2m1, double>();
   const auto& ue8m0 = detail::decode_table<numerics::ue8m0>();
-  return detail::block_scaled_gemm(s, a, a_s, [&](int j, float* values, float* scales) {
+  return detail::block_scaled_gemm(s, a, a_s, [&](int j, double* values, float* scales) {
     const std::uint8_t* row = w.data() + std::size_t(j) * (s.k / 2);
     for (int k = 0; k < s.k; ++k) values[k] = e2m1[numerics::load_code<numerics::e2m1>(row, k)];
     for (int b = 0; b < s.k / 32; ++b) scales[b] = ue8m0[w_s[std::size_t(j) * (s.k / 32) + b]];
