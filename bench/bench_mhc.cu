@@ -23,8 +23,8 @@ int main(int argc, char** argv) {
   if (!bench::parse_json_option(argc, argv, "bench_mhc", json)) return 2;
   try {
     const double copy_bps = bench::copy_bandwidth(std::size_t(1) << 30);
-    std::printf("ceiling: copy %.0f GB/s\n%8s %6s %10s %9s %9s %10s\n", copy_bps / 1e9, "tokens", "group", "median us",
-                "GB/s", "vs copy", "floor us");
+    std::printf("ceiling: copy %.0f GB/s\n%8s %6s %10s %9s %9s %10s\n", copy_bps / 1e9, "tokens", "group",
+                "median us", "GB/s", "vs copy", "floor us");
     FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
     if (jf) std::fprintf(jf, "{\"copy_gbps\": %.1f, \"results\": [\n", copy_bps / 1e9);
     constexpr int dim = 5120;
@@ -56,11 +56,11 @@ int main(int argc, char** argv) {
         const double ms = bench::median_ms_per_call([&](cudaStream_t s) { mhc_step(a, ws, s); }, 20);
         const double bytes = double(tokens) * 10.0 * dim * 2.0 + 24.0 * 4 * dim * 4;
         const double floor_us = bytes / copy_bps * 1e6;
-        std::printf("%8lld %6d %10.1f %9.0f %8.1f%% %10.2f\n", tokens, group, ms * 1e3, bytes / (ms * 1e-3) / 1e9,
-                    100.0 * floor_us / (ms * 1e3), floor_us);
+        std::printf("%8lld %6d %10.1f %9.0f %8.1f%% %10.2f\n", tokens, group, ms * 1e3,
+                    bytes / (ms * 1e-3) / 1e9, 100.0 * floor_us / (ms * 1e3), floor_us);
         if (jf)
-          std::fprintf(jf, "%s  {\"tokens\": %lld, \"group\": %d, \"us\": %.2f, \"ratio\": %.4f}", first ? "" : ",\n",
-                       tokens, group, ms * 1e3, floor_us / (ms * 1e3));
+          std::fprintf(jf, "%s  {\"tokens\": %lld, \"group\": %d, \"us\": %.2f, \"ratio\": %.4f}",
+                       first ? "" : ",\n", tokens, group, ms * 1e3, floor_us / (ms * 1e3));
         first = false;
       }
       set_prefill_token_group(8);

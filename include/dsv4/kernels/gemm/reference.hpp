@@ -35,20 +35,21 @@ template <class Elem, class T = float>
 const std::array<T, 256>& decode_table() {
   static const std::array<T, 256> table = [] {
     std::array<T, 256> t{};
-    for (int c = 0; c < (1 << Elem::storage_bits); ++c) t[std::size_t(c)] = T(numerics::decode<Elem>(std::uint8_t(c)));
+    for (int c = 0; c < (1 << Elem::storage_bits); ++c)
+      t[std::size_t(c)] = T(numerics::decode<Elem>(std::uint8_t(c)));
     return t;
   }();
   return table;
 }
 
-//! C = A W^T by the spec's order (element values as doubles, which they are exactly): per 32-wide K block the dot product in double (exact: E4M3 x
-//! E4M3 / E2M1 products and their sums fit in 53 bits, so its order does not matter), rounded
-//! once to fp32, times the two
-//! scales, added in increasing K order. `decode_row(j, values, scales)` writes weight row j's K
-//! values (double) and K / 32 block scales; the activations are decoded once.
+//! C = A W^T by the spec's order (element values as doubles, which they are exactly): per 32-wide K block the
+//! dot product in double (exact: E4M3 x E4M3 / E2M1 products and their sums fit in 53 bits, so its order does
+//! not matter), rounded once to fp32, times the two scales, added in increasing K order. `decode_row(j,
+//! values, scales)` writes weight row j's K values (double) and K / 32 block scales; the activations are
+//! decoded once.
 template <class DecodeRow>
-std::vector<bf16> block_scaled_gemm(const gemm_shape& s, std::span<const std::uint8_t> a, std::span<const std::uint8_t> a_s,
-                                    DecodeRow decode_row) {
+std::vector<bf16> block_scaled_gemm(const gemm_shape& s, std::span<const std::uint8_t> a,
+                                    std::span<const std::uint8_t> a_s, DecodeRow decode_row) {
   if (s.k % 32) throw error("block-scaled GEMM: K (" + std::to_string(s.k) + ") must be a multiple of 32");
   if (a.size() != std::size_t(s.m) * s.k || a_s.size() != std::size_t(s.m) * (s.k / 32))
     throw error("block-scaled GEMM: activations must be [M, K] E4M3 codes with [M, K/32] scales");

@@ -77,7 +77,8 @@ class mhc_workspace {
   //! fp32), whose memory the last CTA then reuses for its stage of partial sums (stage_bytes).
   static constexpr int weight_slice_bytes = mix_count * 4 * slice * 4;
   static constexpr int stage_bytes = 16 * 128 * 8;  // 16 loads a thread in flight
-  static_assert(stage_bytes <= weight_slice_bytes, "mhc_workspace: the stage lives in the weight slice's memory");
+  static_assert(stage_bytes <= weight_slice_bytes,
+                "mhc_workspace: the stage lives in the weight slice's memory");
   mhc_workspace(long long max_tokens, int max_dim)
       : max_tokens_(max_tokens), max_dim_(max_dim),
         partials_(std::size_t(std::max(1LL, max_tokens)) * std::size_t((max_dim + slice - 1) / slice) * partial_count),
@@ -151,10 +152,14 @@ DSV4_DEVICE void named_barrier(int id, int count) {
 }
 
 template <int TB>
-DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1 ? 1 : TB == 8 ? 4 : 3) mhc_step_kernel(mhc_step_args a, double* partials, unsigned* counters) {
+DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1   ? 1
+                                                : TB == 8 ? 4
+                                                          : 3)
+    mhc_step_kernel(mhc_step_args a, double* partials, unsigned* counters) {
   constexpr int P = mhc_workspace::partial_count, S = mhc_workspace::slice;
   constexpr int kWarps = mhc_threads / 32, kRows = mix_count / kWarps;
-  static_assert(mix_count % kWarps == 0 && S % 32 == 0, "mhc_step: 24 rows over the warps, 32 lanes per slice row");
+  static_assert(mix_count % kWarps == 0 && S % 32 == 0,
+                "mhc_step: 24 rows over the warps, 32 lanes per slice row");
   // Phase 1 gives each thread items of W positions of one token: at decode (one token a CTA) a
   // position each, so that all four warps share the work (one warp doing 8 positions a thread
   // was the kernel's longest phase); with token groups (8 or 16) 8 positions (16-byte accesses),
@@ -197,7 +202,8 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1 ? 1 : TB == 8 ? 4 : 3) m
         bulk_copy::expect_bytes(&weight_bar, bytes * mix_count * hc);
         const std::uint64_t policy = bulk_copy::l2_policy(bulk_copy::l2_eviction::normal);
         for (int row = 0; row < mix_count * hc; ++row)
-          bulk_copy::copy(dynamic_smem + row * S, a.fn + (long long)row * dim + d_base, bytes, &weight_bar, policy);
+          bulk_copy::copy(dynamic_smem + row * S, a.fn + (long long)row * dim + d_base, bytes, &weight_bar,
+                          policy);
       }
     }
     if (threadIdx.x < mix_count) split_base[threadIdx.x] = a.base[threadIdx.x];
@@ -298,12 +304,13 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1 ? 1 : TB == 8 ? 4 : 3) m
         else if constexpr (kWeightsInShared)
           wv[r][i] = *reinterpret_cast<const float4*>(dynamic_smem + (row * hc + i) * S + dd);
         else
-          wv[r][i] = __ldg(reinterpret_cast<const float4*>(a.fn + (long long)row * 4 * dim + (long long)i * dim + d_base + dd));
+          wv[r][i] = __ldg(reinterpret_cast<const float4*>(a.fn + (long long)row * 4 * dim +
+                                                           (long long)i * dim + d_base + dd));
       }
-    // A lane's 16 products are summed in fp32 (as precise as the reference's own fp32 GEMM;
-    // double here would cost a conversion per product, the kernel's bottleneck at prefill),
-    // the lanes' sums then in double by a fixed tree. The loops run the warp's rows side by side
-    // (row innermost) so that their dependent chains (16 FMAs, 5 shuffle levels) overlap.
+      // A lane's 16 products are summed in fp32 (as precise as the reference's own fp32 GEMM;
+      // double here would cost a conversion per product, the kernel's bottleneck at prefill),
+      // the lanes' sums then in double by a fixed tree. The loops run the warp's rows side by side
+      // (row innermost) so that their dependent chains (16 FMAs, 5 shuffle levels) overlap.
 #pragma unroll
     for (int t = 0; t < TB; ++t) {
       float lane_sum[kRows] = {};
@@ -353,10 +360,10 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1 ? 1 : TB == 8 ? 4 : 3) m
   __syncthreads();
   if (ticket != unsigned(splits - 1)) return;
 
-  // Totals, in an order fixed by the shape. The group's partials are one contiguous run [toks][splits][P]: all
-  // threads load a stage of it at once (one round trip a stage; one stage holds a decode token's
-  // 40 x 26), and the owner of each (token, partial) adds its values. The stage
-  // reuses the dynamic shared memory (phase 2 is done with the weight slice).
+  // Totals, in an order fixed by the shape. The group's partials are one contiguous run [toks][splits][P]:
+  // all threads load a stage of it at once (one round trip a stage; one stage holds a decode token's 40 x
+  // 26), and the owner of each (token, partial) adds its values. The stage reuses the dynamic shared memory
+  // (phase 2 is done with the weight slice).
   constexpr int kStage = mhc_workspace::stage_bytes / sizeof(double);
   static_assert(kStage % mhc_threads == 0, "mhc_step: the stage is loaded in whole rounds of the block");
   double* stage = reinterpret_cast<double*>(dynamic_smem);
@@ -416,8 +423,8 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1 ? 1 : TB == 8 ? 4 : 3) m
       const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_y, a.mix_norm_eps)));
       if (lane < mix_count) split_mixes[warp][lane] = __fmul_rn(float(total[t][2 + lane]), r);
       __syncwarp();
-      split_sinkhorn_warp(split_mixes[warp], split_scale, split_base, a.iters, a.hc_eps, a.next_pre + tok * hc, a.next_post + tok * hc,
-                          a.next_comb + tok * hc * hc);
+      split_sinkhorn_warp(split_mixes[warp], split_scale, split_base, a.iters, a.hc_eps,
+                          a.next_pre + tok * hc, a.next_post + tok * hc, a.next_comb + tok * hc * hc);
       __syncwarp();  // the warp's mixes are read before its next token overwrites them
     }
   if (!overlap) __syncthreads();
@@ -474,7 +481,9 @@ inline void set_prefill_token_group(int tokens) {
     throw error("mhc_step: the prefill token group is 8 or 16 tokens a CTA, not " + std::to_string(tokens));
   detail::prefill_token_group().store(tokens);
 }
-inline int prefill_token_group() { return detail::prefill_token_group().load(); }
+inline int prefill_token_group() {
+  return detail::prefill_token_group().load();
+}
 
 inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t stream = nullptr) {
   const std::string where = "mhc_step (tokens " + std::to_string(a.tokens) + ", dim " + std::to_string(a.dim) + "): ";
@@ -500,12 +509,12 @@ inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t str
   auto go = [&](auto kernel, int variant, long long groups, int smem) {
     if (groups > 65535) throw error(where + "too many tokens for one launch");
     runtime::cached_per_device(ready[variant], [&](int) {
-      DSV4_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, mhc_workspace::weight_slice_bytes));
+      DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           mhc_workspace::weight_slice_bytes));
       return 1;
     });
-    runtime::launch_programmatic(kernel, dim3(splits, unsigned(groups)), dim3(detail::mhc_threads), std::size_t(smem), stream,
-                                 a, ws.partials(), ws.counters());
+    runtime::launch_programmatic(kernel, dim3(splits, unsigned(groups)), dim3(detail::mhc_threads),
+                                 std::size_t(smem), stream, a, ws.partials(), ws.counters());
   };
   // One token per CTA at decode (more CTAs), groups of 8 or 16 when there are many tokens (the
   // weight is then read once per group).
