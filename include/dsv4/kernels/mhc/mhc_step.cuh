@@ -170,8 +170,8 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1   ? 1
   static_assert(kRounds * mhc_threads == TB * kItems, "mhc_step: whole rounds of phase-1 items");
   constexpr int G = kItems < 32 ? kItems : 32, kGroups = kItems / G;  // lane groups per token
   // At decode the projection weight's slice comes through shared memory by bulk copies (below);
-  // with 8-token groups it is loaded into registers after phase 1 (the load is shared by eight
-  // tokens there, and 48 KB of shared memory a CTA would cost occupancy at prefill).
+  // with token groups it is loaded into registers after phase 1 (the load is shared by the
+  // group's tokens there, and 48 KB of shared memory a CTA would cost occupancy at prefill).
   constexpr bool kWeightsInShared = TB == 1 && DSV4_BULK_COPY_PASS;
   const int dim = a.dim, splits = (dim + S - 1) / S, split = blockIdx.x;
   const long long group = blockIdx.y, tok0 = group * TB;
@@ -463,9 +463,7 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1   ? 1
     }
   }
 }
-}  // namespace detail
 
-namespace detail {
 inline std::atomic<int>& prefill_token_group() {
   static std::atomic<int> tokens{8};
   return tokens;
