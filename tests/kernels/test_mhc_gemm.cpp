@@ -113,24 +113,46 @@ BOOST_AUTO_TEST_CASE(block_scaled_gemms_match_the_official_vectors) {
   BOOST_CHECK_THROW(kernels::gemm::fp8_gemm_reference({5, 96, 250}, a_q, a_s, {}, {}), dsv4::error);
 }
 
-// The FP4 lane word: every code at every element round-trips, and the bits sit where the GEMM's
-// conversion takes them (magnitudes as byte-permute selectors, signs where E4M3 signs go).
-BOOST_AUTO_TEST_CASE(fp4_lane_word_places_magnitudes_and_signs) {
-  using kernels::gemm::fp4_lane_code;
-  using kernels::gemm::fp4_lane_word;
-  std::size_t wrong = 0;
+// An IEEE binary16 value from its bits, written out here (not the library's): the test of the
+// GEMMs' FP4 -> f16 conversion must not share its arithmetic.
+static double f16_value(std::uint32_t bits) {
+  const int sign = bits >> 15 & 1, field = bits >> 10 & 31, man = bits & 1023;
+  const double magnitude = field == 0 ? std::ldexp(man, -24) : std::ldexp(1024 + man, field - 25);
+  return sign ? -magnitude : magnitude;
+}
+
+// The FP4 lane word: every code at every element round-trips, each code's bits sit at the
+// positions weight_tiles.hpp names, and the kernels' conversion turns every code at every element
+// into exactly its E2M1 value times 2^-14 in the f16x2 half the MMA pairs it with, whatever the
+// neighbours hold.
+BOOST_AUTO_TEST_CASE(fp4_lane_word_converts_to_exact_f16) {
+  using namespace kernels::gemm;
+  std::size_t wrong = 0, checked = 0;
+  auto rng = test::make_rng(41);
   for (int e = 0; e < 8; ++e)
-    for (int c = 0; c < 16; ++c) {
-      std::uint8_t codes[8] = {1, 2, 3, 4, 5, 6, 7, 0};  // neighbours that must not disturb element e
-      codes[e] = std::uint8_t(c);
-      const std::uint32_t w = fp4_lane_word(codes);
-      for (int f = 0; f < 8; ++f) wrong += fp4_lane_code(w, f) != codes[f];
-      const std::uint32_t mag_shift = e < 4 ? 4 * e : 16 + 4 * (e - 4), sign_bit = e < 4 ? 8 * e + 7 : 8 * (e - 4) + 3;
-      wrong += (w >> mag_shift & 7u) != std::uint32_t(c & 7) || (w >> sign_bit & 1u) != std::uint32_t(c >> 3);
-    }
+    for (int c = 0; c < 16; ++c)
+      for (int trial = 0; trial < 64; ++trial) {
+        std::uint8_t codes[8];
+        for (auto& v : codes) v = std::uint8_t(rng() & 15u);  // neighbours that must not disturb element e
+        codes[e] = std::uint8_t(c);
+        const std::uint32_t w = fp4_lane_word(codes);
+        for (int f = 0; f < 8; ++f) wrong += fp4_lane_code(w, f) != codes[f];
+        wrong += (w >> fp4_magnitude_bit(e) & 7u) != std::uint32_t(c & 7) || (w >> fp4_sign_bit(e) & 1u) != std::uint32_t(c >> 3);
+        std::uint32_t p[4];
+        fp4_lane_word_to_f16x2(w, p);
+        const std::uint32_t half = p[e / 2] >> (16 * (e % 2)) & 0xFFFFu;
+        const double want = std::ldexp(double(numerics::decode<numerics::e2m1>(std::uint8_t(c))), fp4_f16_exponent_offset);
+        wrong += f16_value(half) != want || (half >> 15) != std::uint32_t(c >> 3);  // -0 keeps its sign too
+        ++checked;
+      }
+  BOOST_TEST(checked == 8u * 16u * 64u);
   BOOST_TEST(wrong == 0u);
-  const std::uint8_t negative_ones[8] = {0xA, 0xA, 0xA, 0xA, 0xA, 0xA, 0xA, 0xA};  // -1.0 everywhere: magnitude 2, sign
-  BOOST_TEST(fp4_lane_word(negative_ones) == 0xAAAAAAAAu);  // 2 in every nibble's low bits, every nibble's top bit set
+  // The 32 bits are the 8 codes' 32 bits: -1.0 everywhere (magnitude 2, sign) sets one magnitude
+  // bit and the sign of each element, 16 bits in all.
+  const std::uint8_t negative_ones[8] = {0xA, 0xA, 0xA, 0xA, 0xA, 0xA, 0xA, 0xA};
+  BOOST_TEST(fp4_lane_word(negative_ones) == 0xF492F492u);
+  const std::uint8_t all_ones[8] = {0xF, 0xF, 0xF, 0xF, 0xF, 0xF, 0xF, 0xF};
+  BOOST_TEST(fp4_lane_word(all_ones) == 0xFFFFFFFFu);
 }
 
 BOOST_AUTO_TEST_CASE(mma_tile_layout_holds_every_code_where_the_kernels_read_it) {

@@ -19,11 +19,11 @@
 //!   consecutive elements 8t..8t+7), which leaves each block's dot product unchanged and makes
 //!   an activation fragment one 8-byte load and a weight fragment one 16-byte (FP4: 8-byte) load
 //!   from a contiguous 512-byte (256) run per warp.
-//! - FP4 weights become E4M3 in registers: every E2M1 value (0, 0.5 .. 6) is an E4M3 value, so
-//!   the conversion (a byte permute per four codes, from a lane word laid out for it) is exact and
-//!   the FP8 MMA computes the same products.
 //! - sm_90 has no FP8 mma.sync (Hopper's FP8 tensor cores are wgmma's): the m16n8k32 E4M3 product
 //!   is two f16 m16n8k16 MMAs on exactly converted operands, written out here (`mma_e4m3`).
+//! - FP4 weights go straight to f16 in registers, each value times 2^-14 (a mask or two and a
+//!   shift or two per pair of codes, from a lane word laid out for it: weight_tiles.hpp), which is
+//!   exact, as are the products; the block sum is scaled back by 2^14 (`fp4_f16_fragment`).
 //! - Decode shapes (few tokens, weights streamed once) split K across CTAs so that every SM
 //!   streams; the last CTA of each output tile to finish sums the slices' fp32 partials in slice
 //!   order (deterministic; the order differs from the reference's by a few fp32 ulp), so one
@@ -145,17 +145,62 @@ DSV4_DEVICE void mma_e4m3(const e4m3_fragment& a, std::uint32_t b0, std::uint32_
   mma_f16(d, a.hi, e4m3x2_to_f16x2<true>(b0), e4m3x2_to_f16x2<true>(b1));
 }
 
-//! One row's 8 FP4 codes of a lane word (weight_tiles.hpp, `fp4_lane_word`) -> the E4M3 bytes of
-//! elements 0..3 (`lo`) and 4..7 (`hi`), exact (every E2M1 value is an E4M3 value). The word keeps
-//! the magnitudes as byte-permute selectors and each sign bit where a byte's sign goes, so a
-//! group of four costs a mask, a byte permute and a merge of the signs (plus two shifts for the
-//! upper group): 8 instructions for 8 codes instead of 12.
+//! f16x2 <- two f16 halves: `lo` in bits 0..15.
+DSV4_DEVICE std::uint32_t pack_halves(std::uint32_t lo, std::uint32_t hi) { return __byte_perm(lo, hi, 0x5410); }
+
+//! A 16-row x 32-wide FP4 weight block of one lane as the A operands of two m16n8k16 f16 MMAs,
+//! from the lane words of rows g and g + 8 (weight_tiles.hpp): every value times 2^-14
+//! (fp4_f16_exponent_offset), exactly. `first` holds elements 0..3 of the lane's 8 (rows g and
+//! g + 8), `second` elements 4..7; the B operands pair with them in the same order (mma_fp4_f16).
+//! The pairing differs from e4m3_fragment's so that f16 activations load straight into B's
+//! register pairs (no moves).
+struct fp4_f16_fragment {
+  std::uint32_t first[4], second[4];
+  DSV4_DEVICE fp4_f16_fragment(std::uint32_t row_g, std::uint32_t row_g8) {
+    std::uint32_t p[4], q[4];
+    fp4_lane_word_to_f16x2(row_g, p);
+    fp4_lane_word_to_f16x2(row_g8, q);
+    first[0] = p[0], first[1] = q[0], first[2] = p[1], first[3] = q[1];
+    second[0] = p[2], second[1] = q[2], second[2] = p[3], second[3] = q[3];
+  }
+};
+
+//! d = the product of one 32-wide K block from zero, times 2^-14 (the fragment's offset), with
+//! the B operand as f16 (`b`: the lane's 8 elements, pairs (0,1), (2,3), (4,5), (6,7)).
+DSV4_DEVICE void mma_fp4_f16(const fp4_f16_fragment& a, const uint4& b, float (&d)[4]) {
+  d[0] = d[1] = d[2] = d[3] = 0.0f;
+  mma_f16(d, a.first, b.x, b.y);
+  mma_f16(d, a.second, b.z, b.w);
+}
+//! The same with B as E4M3 codes (`b.x` elements 0..3, `b.y` 4..7), converted here (exact).
+DSV4_DEVICE void mma_fp4_f16(const fp4_f16_fragment& a, const uint2& b, float (&d)[4]) {
+  d[0] = d[1] = d[2] = d[3] = 0.0f;
+  mma_f16(d, a.first, e4m3x2_to_f16x2<false>(b.x), e4m3x2_to_f16x2<true>(b.x));
+  mma_f16(d, a.second, e4m3x2_to_f16x2<false>(b.y), e4m3x2_to_f16x2<true>(b.y));
+}
+
+//! One row's 8 FP4 codes of a lane word (weight_tiles.hpp) -> the E4M3 bytes of elements 0..3
+//! (`lo`, byte i = element i) and 4..7 (`hi`), exact (every E2M1 value is an E4M3 value), for
+//! the FP8 tensor cores of wgmma_gemm.cuh. Through the f16 values: times 2^14 (exact), then two
+//! to E4M3 at a time. Costlier than the f16 route alone, which the decode kernels take; wgmma
+//! runs at prefill-like token counts, where a conversion serves many tokens.
 DSV4_DEVICE void fp4_lane_word_to_e4m3(std::uint32_t w, std::uint32_t& lo, std::uint32_t& hi) {
-  // Magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 as E4M3 bytes; a byte permute looks them up (a selector
-  // nibble's top bit would replicate a sign instead, hence the masks).
-  constexpr std::uint32_t lut_lo = 0x3C383000u, lut_hi = 0x4C484440u;
-  lo = __byte_perm(lut_lo, lut_hi, w & 0x7777u) | (w & 0x80808080u);
-  hi = __byte_perm(lut_lo, lut_hi, (w >> 16) & 0x7777u) | ((w << 4) & 0x80808080u);
+  std::uint32_t p[4], e[4] = {};
+  fp4_lane_word_to_f16x2(w, p);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#if DSV4_DEVICE_PASS
+    std::uint32_t scaled = 0;
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(scaled) : "r"(p[j]), "r"(0x74007400u));  // 2^14 in both halves
+    unsigned short pair = 0;
+    asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;\n" : "=h"(pair) : "r"(scaled));
+    e[j] = pair;
+#else
+    (void)p;
+#endif
+  }
+  lo = pack_halves(e[0], e[1]);
+  hi = pack_halves(e[2], e[3]);
 }
 
 //! 2^(code - 127), NaN for 0xFF; branch-free (code 0 is the subnormal 2^-127).
@@ -344,29 +389,37 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
         as[t][0] = ue8m0_value(st.asc[u][t][0]), as[t][1] = kLean ? 0.0f : ue8m0_value(st.asc[u][t][kLean ? 0 : 1]);
 #pragma unroll
       for (int r = 0; r < RowTiles; ++r) {
-        std::uint32_t frag[4];
-        if constexpr (kFp8) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) frag[i] = st.wf[u][r][i];
-        } else {
-          // FP4 -> E4M3, exact: row g's 8 codes give a0 (elements 0..3) and a2 (4..7).
-          fp4_lane_word_to_e4m3(st.wf[u][r][0], frag[0], frag[2]);
-          fp4_lane_word_to_e4m3(st.wf[u][r][1], frag[1], frag[3]);
-        }
-        const e4m3_fragment a16(frag);
         const float ws0 = ue8m0_value(st.wsc[u][r][0]), ws1 = kFp8 ? ws0 : ue8m0_value(st.wsc[u][r][kWScales - 1]);
-#pragma unroll
-        for (int t = 0; t < TokenTiles; ++t) {
-          float d[4];
-          mma_e4m3(a16, st.af[u][t].x, st.af[u][t].y, d);
-          // acc += (d * a_scale) * w_scale of the reference, as one FMA with the product of the
-          // two power-of-two scales: d * s is exact, so the FMA rounds once like the reference's
-          // add (the same value unless the scales' product leaves the normal fp32 range).
-          acc[r][t][0] = __fmaf_rn(d[0], __fmul_rn(as[t][0], ws0), acc[r][t][0]);
-          acc[r][t][2] = __fmaf_rn(d[2], __fmul_rn(as[t][0], ws1), acc[r][t][2]);
+        // acc += (d * a_scale) * w_scale of the reference, as one FMA with the product of the
+        // two power-of-two scales: d * s is exact, so the FMA rounds once like the reference's
+        // add (the same value unless the scales' product leaves the normal fp32 range).
+        auto add = [&](float (&a)[4], const float (&d)[4], int t) {
+          a[0] = __fmaf_rn(d[0], __fmul_rn(as[t][0], ws0), a[0]);
+          a[2] = __fmaf_rn(d[2], __fmul_rn(as[t][0], ws1), a[2]);
           if constexpr (!kLean) {
-            acc[r][t][1] = __fmaf_rn(d[1], __fmul_rn(as[t][1], ws0), acc[r][t][1]);
-            acc[r][t][3] = __fmaf_rn(d[3], __fmul_rn(as[t][1], ws1), acc[r][t][3]);
+            a[1] = __fmaf_rn(d[1], __fmul_rn(as[t][1], ws0), a[1]);
+            a[3] = __fmaf_rn(d[3], __fmul_rn(as[t][1], ws1), a[3]);
+          }
+        };
+        if constexpr (kFp8) {
+          const e4m3_fragment a16(st.wf[u][r]);
+#pragma unroll
+          for (int t = 0; t < TokenTiles; ++t) {
+            float d[4];
+            mma_e4m3(a16, st.af[u][t].x, st.af[u][t].y, d);
+            add(acc[r][t], d, t);
+          }
+        } else {
+          // FP4 -> f16 times 2^-14, exact (rows g and g + 8); the block sum is scaled back
+          // (exactly: a power of two, far from the fp32 range's ends) before the reference's math.
+          const fp4_f16_fragment a16(st.wf[u][r][0], st.wf[u][r][1]);
+#pragma unroll
+          for (int t = 0; t < TokenTiles; ++t) {
+            float d[4];
+            mma_fp4_f16(a16, st.af[u][t], d);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) d[e] = __fmul_rn(d[e], 0x1p14f);
+            add(acc[r][t], d, t);
           }
         }
       }

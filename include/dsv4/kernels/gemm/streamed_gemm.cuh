@@ -27,14 +27,18 @@
 //!   f16 (block_scaled_gemm_args::a_f16, the codes' exact values: the MoE's act_quants write them,
 //!   FP4 kernels only) a token's B fragment is one 16-byte load instead of an 8-byte load and six
 //!   instructions (four E4M3 -> f16 conversions and two shifts) that all 144 warps of a tile repeat.
-//! - Per K block: the m16n8k32 E4M3 product of the per-tile kernel (FP4 -> E4M3 exactly, two f16
-//!   MMAs), then acc += (d * a_scale) * w_scale as the reference computes it: one FMA with the
-//!   scales' exact product where that rounds the same, the reference's three roundings otherwise
-//!   (`accumulate`). One warp adds a unit's blocks in increasing K order, the host reference's
-//!   order (reference.hpp), so the result equals the reference bit for bit wherever the tensor
-//!   core's block sum is exact.
-//! - Measured (docs/perf.md, eighteenth session): still bound by instruction issue, not by the
-//!   stream (about 70 instructions per 16 x 32 weight block, three warps per scheduler).
+//! - Per K block: FP8 weights as the per-tile kernel's m16n8k32 E4M3 product (two f16 MMAs);
+//!   FP4 weights converted straight to f16 times 2^-14 (fp4_f16_fragment: 12 logic instructions
+//!   and 10 shifts for the lane's 16 codes, exact) and two f16 MMAs. Then
+//!   acc += (d * a_scale) * w_scale as the reference computes it: one FMA with the scales' exact
+//!   product (FP4: times 2^14) where that rounds the same, the reference's three roundings
+//!   otherwise (`accumulate`). One warp adds a unit's blocks in increasing K order, the host
+//!   reference's order (reference.hpp), so the result equals the reference bit for bit wherever
+//!   the tensor core's block sum is exact.
+//! - Measured (docs/perf.md): bound by instruction issue, not by the stream. The FP4 -> f16
+//!   conversion (twenty-third session) took a lean stage of 8 blocks from 411 to 330 warp
+//!   instructions (the ALU pipe's share from about 220 to 110), and the MoE layer from 41 / 52 /
+//!   53% of copy to 47 / 64 / 65% at 1 / 8 / 64 tokens.
 
 #include <cuda_runtime.h>
 
@@ -91,6 +95,7 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
   constexpr bool kFp8 = L::fp8;
   // A token's activations of one K block for this lane: 8 E4M3 codes, or (AF16) their f16 values.
   using act_frag = std::conditional_t<AF16, uint4, uint2>;
+  static_assert(!(AF16 && L::fp8), "f16 activations pair with FP4 weights only (fp4_f16_fragment)");
   constexpr int kStageBlocks = L::stage_blocks, kS = stream_stages;
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, quad = lane % 4;
@@ -196,48 +201,57 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     auto block = [&](const unsigned char* stage, int j, const act_frag (&af)[TokenTiles],
                      const std::uint32_t (&asc)[TokenTiles][2], std::uint32_t ws8c, auto lean, auto exact) {
       constexpr bool kLean = decltype(lean)::value, kExact = decltype(exact)::value;
-      std::uint32_t frag[4], wc0, wc1;
+      // The weight block: FP8 as E4M3 fragments; FP4 straight to f16 times 2^-14, which the
+      // scale arithmetic below takes back (kOffset).
+      std::uint32_t wc0, wc1;
+      using fragment = std::conditional_t<kFp8, e4m3_fragment, fp4_f16_fragment>;
+      auto load_fragment = [&]() -> fragment {
+        if constexpr (kFp8) {
+          const uint4 v = *reinterpret_cast<const uint4*>(stage + j * L::block_bytes + lane * 16);
+          const std::uint32_t frag[4] = {v.x, v.z, v.y, v.w};
+          return e4m3_fragment(frag);
+        } else {
+          const uint2 v = *reinterpret_cast<const uint2*>(stage + j * L::block_bytes + lane * 8);
+          return fp4_f16_fragment(v.x, v.y);
+        }
+      };
+      const fragment a16 = load_fragment();
       if constexpr (kFp8) {
-        const uint4 v = *reinterpret_cast<const uint4*>(stage + j * L::block_bytes + lane * 16);
-        frag[0] = v.x, frag[2] = v.y, frag[1] = v.z, frag[3] = v.w;
         wc0 = wc1 = ws8c;
       } else {
         (void)ws8c;
-        const uint2 v = *reinterpret_cast<const uint2*>(stage + j * L::block_bytes + lane * 8);
-        fp4_lane_word_to_e4m3(v.x, frag[0], frag[2]);
-        fp4_lane_word_to_e4m3(v.y, frag[1], frag[3]);
         const unsigned char* sc = stage + stream_stage_code_bytes + j * L::block_scale_bytes;
         wc0 = sc[gid], wc1 = sc[gid + 8];
       }
-      // acc += (d * a_scale) * w_scale, the reference's order (reference.hpp). Exact path: that
-      // formula on decoded scales (three roundings, as the reference). Fast path: one FMA with
-      // 2^(ca + cw - 254) = bits (ca + cw - 127) << 23, which rounds once to the same value where
-      // neither multiply rounds: a nonzero block sum has |d| in [2^-18, 2^23] (E4M3 x E4M3; E2M1
-      // weights: [2^-10, 2^17]), so ca in [19, 231] keeps d * a_scale normal and finite, and
-      // ca + cw - 127 in [19, 231] keeps the product so; cw 255 (NaN) goes the exact way too.
+      constexpr std::uint32_t kOffset = kFp8 ? 0u : std::uint32_t(-fp4_f16_exponent_offset);
+      // acc += (d * a_scale) * w_scale, the reference's order (reference.hpp), d the block's true
+      // sum (FP4: the MMA's times 2^14). Exact path: that formula on decoded scales (three
+      // roundings, as the reference). Fast path: one FMA with
+      // 2^(ca + cw - 254) = bits (ca + cw - 127) << 23 (FP4: 14 more, for the MMA's 2^-14), which
+      // rounds once to the same value where neither multiply rounds: a nonzero block sum has |d|
+      // in [2^-18, 2^23] (E4M3 x E4M3; E2M1 weights: [2^-10, 2^17]), so ca in [19, 231] keeps
+      // d * a_scale normal and finite, and ca + cw - 127 in [19, 231] keeps the product so (and
+      // the FMA's factor, 14 higher for FP4, normal); cw 255 (NaN) goes the exact way too.
       // FP4 stages have their weight scales checked as a whole (fp4_stage_scales_safe: every code
       // in [80, 174]), so that with ca in [66, 184] the exponent sum stays in [19, 231] with no
       // check per product; FP8 checks each product.
       auto accumulate = [&](float& sum, float d, std::uint32_t ca, std::uint32_t cw) {
         if constexpr (kExact) {
+          if constexpr (!kFp8) d = __fmul_rn(d, 0x1p14f);  // exact: |d| >= 2^-24 when nonzero
           sum = __fadd_rn(sum, __fmul_rn(__fmul_rn(d, ue8m0_value(ca)), ue8m0_value(cw)));
         } else {
           const std::uint32_t e = ca + cw - 127u;
           if constexpr (kFp8) unsafe |= (e - 19u > 212u) | (cw > 254u);
-          sum = __fmaf_rn(d, __uint_as_float(e << 23), sum);
+          sum = __fmaf_rn(d, __uint_as_float((e + kOffset) << 23), sum);
         }
       };
-      const e4m3_fragment a16(frag);
 #pragma unroll
       for (int t = 0; t < TokenTiles; ++t) {
         float d[4];
-        if constexpr (AF16) {  // the f16 B fragments as loaded: elements (0,1), (2,3), (4,5), (6,7)
-          d[0] = d[1] = d[2] = d[3] = 0.0f;
-          mma_f16(d, a16.lo, af[t].x, af[t].z);
-          mma_f16(d, a16.hi, af[t].y, af[t].w);
-        } else {
+        if constexpr (kFp8)
           mma_e4m3(a16, af[t].x, af[t].y, d);
-        }
+        else
+          mma_fp4_f16(a16, af[t], d);  // (B as f16 when AF16, else as E4M3 codes)
         constexpr std::uint32_t kLo = kFp8 ? 19u : 66u, kSpan = kFp8 ? 212u : 118u;  // ca in [lo, lo + span]
         if constexpr (!kExact) unsafe |= (asc[t][0] - kLo > kSpan) || (!kLean && asc[t][1] - kLo > kSpan);
         accumulate(acc[t][0], d[0], asc[t][0], wc0);

@@ -38,29 +38,59 @@ enum class weight_format {
 
 inline constexpr int mma_tile_rows = 16;
 
-//! The lane word of 8 E2M1 codes (code e = sign << 3 | magnitude, elements e = 0..7): magnitude
-//! e < 4 in bits 4e..4e+2 and magnitude 4 + i in bits 16 + 4i..+2 (byte-permute selectors for
-//! the kernel's E2M1 -> E4M3 lookup); the sign of element i < 4 in bit 8i + 7 and of element 4 + i
-//! in bit 8i + 3 (where the E4M3 byte's sign goes, directly or after a shift by 4). The GEMM then
-//! converts four codes with a mask, a byte permute and a merge (block_scaled_gemm.cuh).
+//! Where the lane word keeps element e's code (fp4_lane_word): the three magnitude bits at
+//! fp4_magnitude_bit(e) .. + 2 (in E2M1 order: mantissa, then the exponent's two bits) and the
+//! sign at fp4_sign_bit(e). Elements 2j and 2j + 1 are one f16x2 of the GEMM's A fragment:
+//! element 2j in the low half, 2j + 1 the same bits 16 higher.
+DSV4_HOST_DEVICE constexpr int fp4_magnitude_bit(int e) {
+  constexpr int base[4] = {9, 6, 3, 0};
+  return base[e / 2] + 16 * (e % 2);
+}
+DSV4_HOST_DEVICE constexpr int fp4_sign_bit(int e) {
+  constexpr int base[4] = {15, 12, 14, 13};
+  return base[e / 2] + 16 * (e % 2);
+}
+
+//! The lane word of 8 E2M1 codes (code = sign << 3 | magnitude, elements e = 0..7), laid out for
+//! the GEMMs' conversion to f16 (block_scaled_gemm.cuh, fp4_lane_word_to_f16x2).
+//!
+//! Why this layout: an E2M1 code's bits placed at f16 bits 9 (mantissa), 10-11 (exponent) and 15
+//! (sign), all others zero, are the f16 of its value times 2^-14 (exponent 0 is the subnormal
+//! case on both sides), exactly. A pair of elements is one f16x2 with those bits in both halves,
+//! so each f16x2 wants its eight bits at {9, 10, 11, 15, 25, 26, 27, 31}. Here elements 0, 1 sit
+//! there already (one mask), elements 2, 3 three bits lower (a shift and a mask), and elements
+//! 4..7 in the bits left over, magnitudes and signs at two different shifts (two shifts, two
+//! masks): 6 logic instructions and 5 shifts for 8 codes, where the former E4M3 route took 12
+//! logic / permute / shift instructions and 4 conversions (docs/decisions.md). Four shifted (or
+//! rotated) copies of that bit pattern cannot tile a 32-bit word, nor eight a 64-bit pair
+//! (checked exhaustively), so two of the four pairs take their bits in two pieces.
 DSV4_HOST_DEVICE constexpr std::uint32_t fp4_lane_word(const std::uint8_t (&code)[8]) {
   std::uint32_t w = 0;
-  for (int i = 0; i < 4; ++i) {
-    w |= std::uint32_t(code[i] & 7u) << (4 * i);
-    w |= std::uint32_t(code[4 + i] & 7u) << (16 + 4 * i);
-    w |= std::uint32_t(code[i] >> 3 & 1u) << (8 * i + 7);
-    w |= std::uint32_t(code[4 + i] >> 3 & 1u) << (8 * i + 3);
+  for (int e = 0; e < 8; ++e) {
+    w |= std::uint32_t(code[e] & 7u) << fp4_magnitude_bit(e);
+    w |= std::uint32_t(code[e] >> 3 & 1u) << fp4_sign_bit(e);
   }
   return w;
 }
 
 //! Code e (0..7) of a lane word: the inverse of fp4_lane_word.
 DSV4_HOST_DEVICE constexpr std::uint8_t fp4_lane_code(std::uint32_t w, int e) {
-  const int i = e % 4;
-  const std::uint32_t mag = e < 4 ? w >> (4 * i) & 7u : w >> (16 + 4 * i) & 7u;
-  const std::uint32_t sign = e < 4 ? w >> (8 * i + 7) & 1u : w >> (8 * i + 3) & 1u;
-  return std::uint8_t(sign << 3 | mag);
+  return std::uint8_t((w >> fp4_sign_bit(e) & 1u) << 3 | (w >> fp4_magnitude_bit(e) & 7u));
 }
+
+//! The f16x2 of elements (2j, 2j + 1) of a lane word, j = 0..3, each the element's E2M1 value
+//! times 2^-14, exactly (f16 bits: see fp4_lane_word). Plain integer operations, so host tests
+//! check them against the E2M1 table.
+DSV4_HOST_DEVICE constexpr void fp4_lane_word_to_f16x2(std::uint32_t w, std::uint32_t (&p)[4]) {
+  constexpr std::uint32_t kBits = 0x8E008E00u, kSigns = 0x80008000u, kMagnitudes = 0x0E000E00u;
+  p[0] = w & kBits;
+  p[1] = (w << 3) & kBits;
+  p[2] = ((w << 1) & kSigns) | ((w << 6) & kMagnitudes);
+  p[3] = ((w << 2) & kSigns) | ((w << 9) & kMagnitudes);
+}
+
+//! The factor fp4_lane_word_to_f16x2 leaves on every value, as a power of two: 2^-14.
+inline constexpr int fp4_f16_exponent_offset = -14;
 
 inline const char* weight_format_name(weight_format wf) { return wf == weight_format::fp8_tile32 ? "fp8" : "fp4"; }
 
