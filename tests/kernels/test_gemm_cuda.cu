@@ -380,8 +380,9 @@ void check_grouped(weight_format wf, int K, int N, int groups_n, int a_rows,
   for (std::size_t pad = tiles.size(); pad < std::size_t(max_tiles); ++pad)  // past tile_count
     tile_group.push_back(-1), tile_row0.push_back(-1), tile_rows.push_back(-1);
   const int count = device_count >= 0 ? device_count : int(tiles.size());
-  const int token_tiles =
-      std::any_of(tiles.begin(), tiles.end(), [](const grouped_tile& t) { return t.rows > 8; }) ? 2 : 1;
+  int largest = 0;
+  for (const auto& t : tiles) largest = std::max(largest, t.rows);
+  const int token_tiles = largest > 16 ? 4 : largest > 8 ? 2 : 1;
   device_buffer<int> d_group{std::span<const int>(tile_group)}, d_row0{std::span<const int>(tile_row0)},
       d_rows{std::span<const int>(tile_rows)}, d_count{std::span<const int>(&count, 1)},
       d_index{std::span<const int>(a_row_index)};
@@ -486,6 +487,21 @@ BOOST_AUTO_TEST_CASE(grouped_gemms_with_16_row_tiles_and_one_partial_stage_match
   }
   for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32})
     check_grouped(wf, 96, 2304, 5, 50, tiles, 12, wf == weight_format::fp8_tile32 ? 85 : 86, 20);
+}
+
+// 32-row tiles (token tiles 4; 32, 17, 24, 1 and 9 rows), K = 1056 (a last stage of one FP4
+// block), more units than warps: the MoE's tiles where experts average 16 rows or more.
+BOOST_AUTO_TEST_CASE(grouped_gemms_with_32_row_tiles_match_host,
+                     *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
+  std::vector<grouped_tile> tiles;
+  int row = 0;
+  for (int t = 0; t < 10; ++t) {
+    const int rows = t % 5 == 0 ? 32 : t % 5 == 1 ? 17 : t % 5 == 2 ? 24 : t % 5 == 3 ? 1 : 9;
+    tiles.push_back({t % 4, row, rows});
+    row += rows;
+  }
+  for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32})
+    check_grouped(wf, 1056, 2304, 4, 60, tiles, 11, wf == weight_format::fp8_tile32 ? 87 : 88);
 }
 
 // 8-row tiles at K = 96 (one partial stage) and K = 512 (two FP4 stages, four FP8), on every

@@ -605,7 +605,7 @@ inline void check_grouped_args(const char* who, const block_scaled_gemm_args& g,
   }
   if (!groups.tile_group || !groups.tile_row0 || !groups.tile_rows || !groups.tile_count)
     throw error(w + ": the tile list is incomplete");
-  if (token_tiles != 1 && token_tiles != 2) throw error(w + ": tiles are 8 or 16 rows");
+  if (token_tiles != 1 && token_tiles != 2 && token_tiles != 4) throw error(w + ": tiles are 8, 16 or 32 rows");
   const long long n_bound = second ? 65535LL / 2 * rows_per_cta : 65535LL * rows_per_cta;
   if (g.shape.n > n_bound)
     throw error(w + ": N " + std::to_string(g.shape.n) + " exceeds " + std::to_string(n_bound) +
@@ -638,11 +638,13 @@ inline void grouped_block_scaled_gemm(const block_scaled_gemm_args& g, const gem
                                  second ? *second : block_scaled_gemm_args{}, second ? row_groups : 0u);
   };
   if (wf == weight_format::fp8_tile32)
-    token_tiles == 1 ? go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 1, 1, 4, detail::gemm_warps>)
-                     : go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 2, 1, 4, detail::gemm_warps>);
+    token_tiles == 1   ? go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 1, 1, 4, detail::gemm_warps>)
+    : token_tiles == 2 ? go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 2, 1, 4, detail::gemm_warps>)
+                       : go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 4, 1, 4, detail::gemm_warps>);
   else
-    token_tiles == 1 ? go(detail::block_scaled_gemm_kernel<weight_format::fp4_row32, 1, 1, 4, detail::gemm_warps>)
-                     : go(detail::block_scaled_gemm_kernel<weight_format::fp4_row32, 2, 1, 4, detail::gemm_warps>);
+    token_tiles == 1   ? go(detail::block_scaled_gemm_kernel<weight_format::fp4_row32, 1, 1, 4, detail::gemm_warps>)
+    : token_tiles == 2 ? go(detail::block_scaled_gemm_kernel<weight_format::fp4_row32, 2, 1, 4, detail::gemm_warps>)
+                       : go(detail::block_scaled_gemm_kernel<weight_format::fp4_row32, 4, 1, 4, detail::gemm_warps>);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 

@@ -391,7 +391,7 @@ inline expert_gemm current_expert_gemm() {
 inline std::string streamed_grouped_gemm_unfit(const block_scaled_gemm_args& g, const gemm_groups& groups,
                                                weight_format wf, int token_tiles,
                                                const block_scaled_gemm_args* second = nullptr) {
-  if (token_tiles != 1 && token_tiles != 2) return "tiles are 8 or 16 rows (token tiles 1 or 2)";
+  if (token_tiles != 1 && token_tiles != 2 && token_tiles != 4) return "tiles are 8, 16 or 32 rows (token tiles 1, 2 or 4)";
   if (!detail::streamed_kernels_run_here())
     return "bulk copies need a Hopper (sm_90) device and device code built for sm_90 or newer";
   auto misaligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 != 0; };
@@ -430,7 +430,7 @@ inline std::string streamed_grouped_gemm_if_fit(const block_scaled_gemm_args& g,
   // beside the launch, once per device and variant: a process driving several GPUs (parallel/, a
   // thread per GPU) makes it on each, and whichever copy of this inline function the program
   // keeps sets up the kernels it launches.
-  static runtime::per_device_ints ready[6] = {};  // per variant: CTAs per SM
+  static runtime::per_device_ints ready[9] = {};  // per variant: CTAs per SM
   auto go = [&](auto kernel, int variant, int smem) {
     const int ctas = runtime::cached_per_device(ready[variant], [&](int) {
       int n = 0;
@@ -446,18 +446,21 @@ inline std::string streamed_grouped_gemm_if_fit(const block_scaled_gemm_args& g,
   };
   // With f16 activations (g.a_f16) the FP4 kernels only: the MoE's routed experts, which have them.
   constexpr weight_format f8 = weight_format::fp8_tile32, f4 = weight_format::fp4_row32;
+  // One variant per (format, token tiles, f16 activations); `variant` indexes `ready`.
+  auto pick = [&](auto kernel1, auto kernel2, auto kernel4, int variant0, int smem) {
+    token_tiles == 1   ? go(kernel1, variant0, smem)
+    : token_tiles == 2 ? go(kernel2, variant0 + 1, smem)
+                       : go(kernel4, variant0 + 2, smem);
+  };
   if (wf == f8) {
-    constexpr int smem = stream_layout<f8>::bytes;
-    token_tiles == 1 ? go(streamed_grouped_gemm_kernel<f8, 1, false>, 0, smem)
-                     : go(streamed_grouped_gemm_kernel<f8, 2, false>, 1, smem);
+    pick(streamed_grouped_gemm_kernel<f8, 1, false>, streamed_grouped_gemm_kernel<f8, 2, false>,
+         streamed_grouped_gemm_kernel<f8, 4, false>, 0, stream_layout<f8>::bytes);
+  } else if (g.a_f16) {
+    pick(streamed_grouped_gemm_kernel<f4, 1, true>, streamed_grouped_gemm_kernel<f4, 2, true>,
+         streamed_grouped_gemm_kernel<f4, 4, true>, 3, stream_layout<f4>::bytes);
   } else {
-    constexpr int smem = stream_layout<f4>::bytes;
-    if (g.a_f16)
-      token_tiles == 1 ? go(streamed_grouped_gemm_kernel<f4, 1, true>, 4, smem)
-                       : go(streamed_grouped_gemm_kernel<f4, 2, true>, 5, smem);
-    else
-      token_tiles == 1 ? go(streamed_grouped_gemm_kernel<f4, 1, false>, 2, smem)
-                       : go(streamed_grouped_gemm_kernel<f4, 2, false>, 3, smem);
+    pick(streamed_grouped_gemm_kernel<f4, 1, false>, streamed_grouped_gemm_kernel<f4, 2, false>,
+         streamed_grouped_gemm_kernel<f4, 4, false>, 6, stream_layout<f4>::bytes);
   }
   DSV4_CUDA_CHECK_LAUNCH();
   return {};

@@ -448,11 +448,13 @@ inline void grouped_wgmma_gemm(const block_scaled_gemm_args& g, const gemm_group
                                  second ? *second : block_scaled_gemm_args{}, second ? row_groups : 0u);
   };
   if (wf == weight_format::fp8_tile32)
-    token_tiles == 1 ? go(detail::wgmma_gemm_kernel<weight_format::fp8_tile32, 8>)
-                     : go(detail::wgmma_gemm_kernel<weight_format::fp8_tile32, 16>);
+    token_tiles == 1   ? go(detail::wgmma_gemm_kernel<weight_format::fp8_tile32, 8>)
+    : token_tiles == 2 ? go(detail::wgmma_gemm_kernel<weight_format::fp8_tile32, 16>)
+                       : go(detail::wgmma_gemm_kernel<weight_format::fp8_tile32, 32>);
   else
-    token_tiles == 1 ? go(detail::wgmma_gemm_kernel<weight_format::fp4_row32, 8>)
-                     : go(detail::wgmma_gemm_kernel<weight_format::fp4_row32, 16>);
+    token_tiles == 1   ? go(detail::wgmma_gemm_kernel<weight_format::fp4_row32, 8>)
+    : token_tiles == 2 ? go(detail::wgmma_gemm_kernel<weight_format::fp4_row32, 16>)
+                       : go(detail::wgmma_gemm_kernel<weight_format::fp4_row32, 32>);
   DSV4_CUDA_CHECK_LAUNCH();
   detail::wgmma_gemm_launches().fetch_add(1);
 }
