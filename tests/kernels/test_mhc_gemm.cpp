@@ -137,11 +137,13 @@ BOOST_AUTO_TEST_CASE(fp4_lane_word_converts_to_exact_f16) {
         codes[e] = std::uint8_t(c);
         const std::uint32_t w = fp4_lane_word(codes);
         for (int f = 0; f < 8; ++f) wrong += fp4_lane_code(w, f) != codes[f];
-        wrong += (w >> fp4_magnitude_bit(e) & 7u) != std::uint32_t(c & 7) || (w >> fp4_sign_bit(e) & 1u) != std::uint32_t(c >> 3);
+        wrong += (w >> fp4_magnitude_bit(e) & 7u) != std::uint32_t(c & 7) ||
+                 (w >> fp4_sign_bit(e) & 1u) != std::uint32_t(c >> 3);
         std::uint32_t p[4];
         fp4_lane_word_to_f16x2(w, p);
         const std::uint32_t half = p[e / 2] >> (16 * (e % 2)) & 0xFFFFu;
-        const double want = std::ldexp(double(numerics::decode<numerics::e2m1>(std::uint8_t(c))), fp4_f16_exponent_offset);
+        const double want =
+            std::ldexp(double(numerics::decode<numerics::e2m1>(std::uint8_t(c))), fp4_f16_exponent_offset);
         wrong += f16_value(half) != want || (half >> 15) != std::uint32_t(c >> 3);  // -0 keeps its sign too
         ++checked;
       }

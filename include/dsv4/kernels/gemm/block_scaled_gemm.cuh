@@ -146,7 +146,9 @@ DSV4_DEVICE void mma_e4m3(const e4m3_fragment& a, std::uint32_t b0, std::uint32_
 }
 
 //! f16x2 <- two f16 halves: `lo` in bits 0..15.
-DSV4_DEVICE std::uint32_t pack_halves(std::uint32_t lo, std::uint32_t hi) { return __byte_perm(lo, hi, 0x5410); }
+DSV4_DEVICE std::uint32_t pack_halves(std::uint32_t lo, std::uint32_t hi) {
+  return __byte_perm(lo, hi, 0x5410);
+}
 
 //! A 16-row x 32-wide FP4 weight block of one lane as the A operands of two m16n8k16 f16 MMAs,
 //! from the lane words of rows g and g + 8 (weight_tiles.hpp): every value times 2^-14
@@ -389,11 +391,12 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
         as[t][0] = ue8m0_value(st.asc[u][t][0]), as[t][1] = kLean ? 0.0f : ue8m0_value(st.asc[u][t][kLean ? 0 : 1]);
 #pragma unroll
       for (int r = 0; r < RowTiles; ++r) {
-        const float ws0 = ue8m0_value(st.wsc[u][r][0]), ws1 = kFp8 ? ws0 : ue8m0_value(st.wsc[u][r][kWScales - 1]);
+        const float ws0 = ue8m0_value(st.wsc[u][r][0]),
+                    ws1 = kFp8 ? ws0 : ue8m0_value(st.wsc[u][r][kWScales - 1]);
         // acc += (d * a_scale) * w_scale of the reference, as one FMA with the product of the
         // two power-of-two scales: d * s is exact, so the FMA rounds once like the reference's
         // add (the same value unless the scales' product leaves the normal fp32 range).
-        auto add = [&](float (&a)[4], const float (&d)[4], int t) {
+        auto add = [&](float(&a)[4], const float(&d)[4], int t) {
           a[0] = __fmaf_rn(d[0], __fmul_rn(as[t][0], ws0), a[0]);
           a[2] = __fmaf_rn(d[2], __fmul_rn(as[t][0], ws1), a[2]);
           if constexpr (!kLean) {
@@ -605,7 +608,8 @@ inline void check_grouped_args(const char* who, const block_scaled_gemm_args& g,
   }
   if (!groups.tile_group || !groups.tile_row0 || !groups.tile_rows || !groups.tile_count)
     throw error(w + ": the tile list is incomplete");
-  if (token_tiles != 1 && token_tiles != 2 && token_tiles != 4) throw error(w + ": tiles are 8, 16 or 32 rows");
+  if (token_tiles != 1 && token_tiles != 2 && token_tiles != 4)
+    throw error(w + ": tiles are 8, 16 or 32 rows");
   const long long n_bound = second ? 65535LL / 2 * rows_per_cta : 65535LL * rows_per_cta;
   if (g.shape.n > n_bound)
     throw error(w + ": N " + std::to_string(g.shape.n) + " exceeds " + std::to_string(n_bound) +
@@ -638,13 +642,17 @@ inline void grouped_block_scaled_gemm(const block_scaled_gemm_args& g, const gem
                                  second ? *second : block_scaled_gemm_args{}, second ? row_groups : 0u);
   };
   if (wf == weight_format::fp8_tile32)
-    token_tiles == 1   ? go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 1, 1, 4, detail::gemm_warps>)
-    : token_tiles == 2 ? go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 2, 1, 4, detail::gemm_warps>)
-                       : go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 4, 1, 4, detail::gemm_warps>);
+    token_tiles == 1
+        ? go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 1, 1, 4, detail::gemm_warps>)
+    : token_tiles == 2
+        ? go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 2, 1, 4, detail::gemm_warps>)
+        : go(detail::block_scaled_gemm_kernel<weight_format::fp8_tile32, 4, 1, 4, detail::gemm_warps>);
   else
-    token_tiles == 1   ? go(detail::block_scaled_gemm_kernel<weight_format::fp4_row32, 1, 1, 4, detail::gemm_warps>)
-    : token_tiles == 2 ? go(detail::block_scaled_gemm_kernel<weight_format::fp4_row32, 2, 1, 4, detail::gemm_warps>)
-                       : go(detail::block_scaled_gemm_kernel<weight_format::fp4_row32, 4, 1, 4, detail::gemm_warps>);
+    token_tiles == 1
+        ? go(detail::block_scaled_gemm_kernel<weight_format::fp4_row32, 1, 1, 4, detail::gemm_warps>)
+    : token_tiles == 2
+        ? go(detail::block_scaled_gemm_kernel<weight_format::fp4_row32, 2, 1, 4, detail::gemm_warps>)
+        : go(detail::block_scaled_gemm_kernel<weight_format::fp4_row32, 4, 1, 4, detail::gemm_warps>);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 

@@ -391,7 +391,8 @@ inline expert_gemm current_expert_gemm() {
 inline std::string streamed_grouped_gemm_unfit(const block_scaled_gemm_args& g, const gemm_groups& groups,
                                                weight_format wf, int token_tiles,
                                                const block_scaled_gemm_args* second = nullptr) {
-  if (token_tiles != 1 && token_tiles != 2 && token_tiles != 4) return "tiles are 8, 16 or 32 rows (token tiles 1, 2 or 4)";
+  if (token_tiles != 1 && token_tiles != 2 && token_tiles != 4)
+    return "tiles are 8, 16 or 32 rows (token tiles 1, 2 or 4)";
   if (!detail::streamed_kernels_run_here())
     return "bulk copies need a Hopper (sm_90) device and device code built for sm_90 or newer";
   auto misaligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 != 0; };
