@@ -774,9 +774,10 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   detail::route(ws.logits.data(), tokens, s, w.bias, w.bias_vl, is_image, ws.sel_expert.data(), ws.sel_weight.data(),
                 ws.pair_index.data(), stream);
   // 3. Dispatch: stable sort by expert, tile list, row maps.
-  // Rows per tile: an expert's weights are streamed once per tile, so tiles grow with the average
-  // rows per expert (8, 16 or 32; bench_model's 16-expert V4.1 at batch 64 averages 24).
-  const int tile = pairs / s.experts >= 16 ? 32 : pairs / s.experts >= 8 ? 16 : 8;
+  // Rows per tile: 8, or 16 where the experts average 8 rows or more. 32-row tiles (the grouped
+  // kernels take them) were measured no faster: bench_model's 16-expert V4.1 at batch 64 (24 rows
+  // an expert) 47.6 ms a step against 46.4 with 16 (docs/decisions.md, "MoE tiles of 32 rows").
+  const int tile = pairs / s.experts >= 8 ? 16 : 8;
   const bool small = !dense && pairs <= detail::dispatch_max_pairs;
   if (small) {  // decode: all of it in one launch
     runtime::launch_programmatic(detail::dispatch_kernel, dim3(1), dim3(max_experts), 0, stream,
