@@ -421,7 +421,7 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
             float d[4];
             mma_fp4_f16(a16, st.af[u][t], d);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) d[e] = __fmul_rn(d[e], 0x1p14f);
+            for (int e = 0; e < 4; ++e) d[e] = __fmul_rn(d[e], fp4_f16_rescale);
             add(acc[r][t], d, t);
           }
         }

@@ -237,7 +237,7 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
       // check per product; FP8 checks each product.
       auto accumulate = [&](float& sum, float d, std::uint32_t ca, std::uint32_t cw) {
         if constexpr (kExact) {
-          if constexpr (!kFp8) d = __fmul_rn(d, 0x1p14f);  // exact: |d| >= 2^-24 when nonzero
+          if constexpr (!kFp8) d = __fmul_rn(d, fp4_f16_rescale);  // exact: |d| >= 2^-24 when nonzero
           sum = __fadd_rn(sum, __fmul_rn(__fmul_rn(d, ue8m0_value(ca)), ue8m0_value(cw)));
         } else {
           const std::uint32_t e = ca + cw - 127u;

@@ -91,6 +91,8 @@ DSV4_HOST_DEVICE constexpr void fp4_lane_word_to_f16x2(std::uint32_t w, std::uin
 
 //! The factor fp4_lane_word_to_f16x2 leaves on every value, as a power of two: 2^-14.
 inline constexpr int fp4_f16_exponent_offset = -14;
+//! What takes it back: 2^14, exact in fp32.
+inline constexpr float fp4_f16_rescale = float(1 << -fp4_f16_exponent_offset);
 
 inline const char* weight_format_name(weight_format wf) { return wf == weight_format::fp8_tile32 ? "fp8" : "fp4"; }
 
