@@ -1,6 +1,7 @@
 //! \brief Block-scaled linear layers of V4.1 (FP8 32x32-tile weights, FP4 experts) at decode and
 //! prefill token counts, against cuBLAS BF16 on the same shape and the weight-streaming floor.
-//! Usage: bench_gemm [--json FILE] [--plans | --wgmma-plans]
+//! Usage: bench_gemm [--json FILE] [--plans | --wgmma-plans] [--layer NAME] [--m M]
+//! --layer / --m: one layer / one token count of the table only (to profile one kernel).
 //! --plans: instead of the table, sweep the MMA kernel's launch plans (tokens per CTA, the cap on
 //! the split-K reduction) at mid-size M, to choose make_plan's defaults. --wgmma-plans: the same
 //! for the wgmma kernel (CTAs per SM the K split aims at, the reduction cap), M = 1 .. 128.
@@ -14,6 +15,7 @@
 //! RMSNorm (5120 wide) is listed with its bytes (read + write) against the copy ceiling.
 
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <initializer_list>
 #include <string>
@@ -21,6 +23,7 @@
 
 #include "bench_util.cuh"
 #include "dsv4/kernels/gemm/dequant_gemm.cuh"
+#include "dsv4/kernels/gemm/folded_gemm.cuh"
 #include "dsv4/kernels/gemm/wgmma_gemm.cuh"
 #include "dsv4/kernels/norm/rmsnorm.cuh"
 
@@ -131,17 +134,23 @@ void sweep_wgmma_plans(const layer_shape (&layers)[L], const bench::ceilings& ce
 int main(int argc, char** argv) {
   std::string json;
   bool plans = false, wgmma_plans = false;
+  std::string only_layer;  // --layer NAME: that layer only (for a profiler)
+  int only_m = 0;          // --m M: that token count only
   std::vector<char*> args_left{argv[0]};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--plans")
+    if (a == "--layer" && i + 1 < argc)
+      only_layer = argv[++i];
+    else if (a == "--m" && i + 1 < argc)
+      only_m = std::atoi(argv[++i]);
+    else if (a == "--plans")
       plans = true;
     else if (a == "--wgmma-plans")
       wgmma_plans = true;
     else
       args_left.push_back(argv[i]);
   }
-  if (!bench::parse_json_option(int(args_left.size()), args_left.data(), "bench_gemm [--plans | --wgmma-plans]", json))
+  if (!bench::parse_json_option(int(args_left.size()), args_left.data(), "bench_gemm [--plans | --wgmma-plans] [--layer NAME] [--m M]", json))
     return 2;
   try {
     const bench::ceilings ceil = bench::ceilings::measure();
@@ -167,12 +176,14 @@ int main(int argc, char** argv) {
     if (jf) std::fprintf(jf, "{\"copy_gbps\": %.1f, \"gemm_tflops\": %.1f, \"results\": [\n", ceil.copy_bps / 1e9, ceil.gemm_fps / 1e12);
     bool first = true;
     // "mma us": the mma.sync kernel (split-K); "wgmma us": the wgmma kernel (M <= 256 only);
+    // "folded us": the folded kernel (FP8, 16 <= M <= folded_max_tokens only);
     // "dq+cuBLAS": dequantize to bf16 + cuBLAS (M >= 64 only); TFLOP/s, GB/s and the floor ratio
     // are of the fastest; "cuBLAS us" is a plain bf16 GEMM on bf16 weights of the same shape,
     // "speedup" its time over ours.
-    std::printf("%-10s %4s %6s %6s %5s %9s %9s %9s %9s %9s %9s %11s %9s\n", "layer", "fmt", "N", "K", "M", "mma us",
-                "wgmma us", "dq+cuBLAS", "TFLOP/s", "GB/s", "vs floor", "cuBLAS us", "speedup");
+    std::printf("%-10s %4s %6s %6s %5s %9s %9s %9s %9s %9s %9s %9s %11s %9s\n", "layer", "fmt", "N", "K", "M", "mma us",
+                "wgmma us", "folded us", "dq+cuBLAS", "TFLOP/s", "GB/s", "vs floor", "cuBLAS us", "speedup");
     for (const auto& L : layers) {
+      if (!only_layer.empty() && only_layer != L.name) continue;
       const bool fp8 = L.wf == weight_format::fp8_tile32;
       const kernels::gemm::weight_tile_shape tiles{L.n, L.k, L.wf};  // the MMA-tile layout's sizes
       const std::size_t w_bytes = tiles.code_bytes(), ws_bytes = tiles.scale_bytes();
@@ -185,7 +196,8 @@ int main(int argc, char** argv) {
       w_s.fill_bytes(127);
       wbf.fill_bytes(0x3c);
       DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-      for (int m : {1, 8, 32, 64, 256, 4096}) {
+      for (int m : {1, 8, 16, 32, 64, 128, 256, 4096}) {
+        if (only_m && m != only_m) continue;
         const kernels::gemm::gemm_shape s{m, L.n, L.k};
         runtime::device_buffer<std::uint8_t> a(std::size_t(m) * L.k), a_s(std::size_t(m) * (L.k / 32));
         bench::fill_codes(a.data(), a.size(), 2);
@@ -194,8 +206,10 @@ int main(int argc, char** argv) {
         runtime::device_buffer<unsigned short> abf(std::size_t(m) * L.k), cbf(std::size_t(m) * L.n);
         abf.fill_bytes(0x3c);
         kernels::gemm::gemm_workspace work(std::max<std::size_t>({1, kernels::gemm::gemm_partial_floats(s),
-                                                                  kernels::gemm::wgmma_partial_floats(s)}),
-                                           m >= 64 ? kernels::gemm::dequant_elems(s) : 0);
+                                                                  kernels::gemm::wgmma_partial_floats(s),
+                                                                  kernels::gemm::folded_partial_floats(s)}),
+                                           m >= 64 ? kernels::gemm::dequant_elems(s) : 0,
+                                           kernels::gemm::folded_bytes_for(m, L.k));
         int it = 0;
         auto args = [&](int i) {
           return kernels::gemm::block_scaled_gemm_args{s, a.data(), a_s.data(), w.data() + w_bytes * i,
@@ -207,6 +221,10 @@ int main(int argc, char** argv) {
         }, calls);
         const double ms_wgmma = m > 256 ? 0.0 : bench::median_ms_per_call([&](cudaStream_t st) {
           kernels::gemm::wgmma_gemm(args(it++ % copies), L.wf, &work, st);
+        }, calls);
+        const bool folds = fp8 && m >= 16 && m <= kernels::gemm::folded_max_tokens;
+        const double ms_folded = !folds ? 0.0 : bench::median_ms_per_call([&](cudaStream_t st) {
+          kernels::gemm::folded_gemm(args(it++ % copies), work, st);
         }, calls);
         const double ms_dq = m < 64 ? 0.0 : bench::median_ms_per_call([&](cudaStream_t st) {
           kernels::gemm::dequant_gemm(args(it++ % copies), L.wf, work, h, st);
@@ -227,14 +245,15 @@ int main(int argc, char** argv) {
         const double floor_s = ceil.floor_s(flops, bytes);
         double best = ms_dq > 0 ? std::min(ms, ms_dq) : ms;
         if (ms_wgmma > 0) best = std::min(best, ms_wgmma);
-        std::printf("%-10s %4s %6d %6d %5d %9.1f %9.1f %9.1f %9.1f %9.0f %8.1f%% %11.1f %8.2fx\n", L.name,
-                    fp8 ? "fp8" : "fp4", L.n, L.k, m, ms * 1e3, ms_wgmma * 1e3, ms_dq * 1e3, flops / (best * 1e-3) / 1e12, bytes / (best * 1e-3) / 1e9,
+        if (ms_folded > 0) best = std::min(best, ms_folded);
+        std::printf("%-10s %4s %6d %6d %5d %9.1f %9.1f %9.1f %9.1f %9.1f %9.0f %8.1f%% %11.1f %8.2fx\n", L.name,
+                    fp8 ? "fp8" : "fp4", L.n, L.k, m, ms * 1e3, ms_wgmma * 1e3, ms_folded * 1e3, ms_dq * 1e3, flops / (best * 1e-3) / 1e12, bytes / (best * 1e-3) / 1e9,
                     100 * floor_s / (best * 1e-3), ms_cublas * 1e3, ms_cublas / best);
         if (jf)
           std::fprintf(jf,
                        "%s  {\"layer\": \"%s\", \"format\": \"%s\", \"n\": %d, \"k\": %d, \"m\": %d, \"us\": %.2f, "
-                       "\"wgmma_us\": %.2f, \"dequant_cublas_us\": %.2f, \"tflops\": %.2f, \"ratio\": %.4f, \"cublas_bf16_us\": %.2f}",
-                       first ? "" : ",\n", L.name, fp8 ? "fp8" : "fp4", L.n, L.k, m, ms * 1e3, ms_wgmma * 1e3, ms_dq * 1e3,
+                       "\"wgmma_us\": %.2f, \"folded_us\": %.2f, \"dequant_cublas_us\": %.2f, \"tflops\": %.2f, \"ratio\": %.4f, \"cublas_bf16_us\": %.2f}",
+                       first ? "" : ",\n", L.name, fp8 ? "fp8" : "fp4", L.n, L.k, m, ms * 1e3, ms_wgmma * 1e3, ms_folded * 1e3, ms_dq * 1e3,
                        flops / (best * 1e-3) / 1e12, floor_s / (best * 1e-3), ms_cublas * 1e3);
         first = false;
       }

@@ -130,6 +130,17 @@ struct gemm_operands {
     return c;
   }
 
+  //! The folded kernel (folded_gemm.cuh, FP8 only), split-K with room for the partials, else
+  //! unsplit (room for one float).
+  std::vector<bf16> device_folded(bool split) const {
+    kernels::gemm::gemm_workspace work(split ? std::max<std::size_t>(1, kernels::gemm::folded_partial_floats(s)) : 1, 0,
+                                       kernels::gemm::folded_scratch_bytes(s));
+    const unsigned long long calls = kernels::gemm::folded_gemm_calls();
+    auto c = twice("folded GEMM", [&](const auto& g) { kernels::gemm::folded_gemm(g, work); });
+    BOOST_TEST(kernels::gemm::folded_gemm_calls() == calls + 2);
+    return c;
+  }
+
   //! The MMA kernel under a chosen plan (tokens per CTA 8 x token_tiles, split-K as make_plan
   //! decides for it): every instantiation make_plan can pick, whatever M picks by default.
   std::vector<bf16> device_plan(int token_tiles) const {
@@ -321,6 +332,77 @@ BOOST_AUTO_TEST_CASE(wgmma_matches_host, *utf::label("gpu") * utf::precondition(
       expect_close(op.device_wgmma(true), want, mag, (name + " split-K").c_str(), 0x1p-9, 0.5);
       expect_close(op.device_wgmma(false), want, mag, (name + " one slice").c_str(), 0x1p-9, 0.5);
     }
+}
+
+// The folded kernel (FP8 weights, block scales folded into bf16 operands) at each width (16, 32,
+// 64, 128 tokens per CTA, several token groups), ragged N, M and K (odd block counts: a last batch
+// half past the slice), split and unsplit. Its products are exact and its sums fp32 in the tensor
+// core's order: the dequantize + cuBLAS path's tolerance.
+BOOST_AUTO_TEST_CASE(folded_matches_host, *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
+  const gemm_shape shapes[] = {{16, 512, 5120}, {17, 72, 160}, {32, 1280, 1024}, {45, 272, 2048}, {64, 520, 1280},
+                               {100, 136, 800}, {128, 256, 96}, {200, 300, 512}, {256, 128, 1024}, {300, 96, 352}};
+  std::uint64_t salt = 80;
+  for (const auto& s : shapes) {
+    auto rng = test::make_rng(salt++);
+    const gemm_operands op(s, weight_format::fp8_tile32, rng);
+    const auto want = op.reference(), mag = op.reference(true);
+    const std::string name =
+        "folded M" + std::to_string(s.m) + " N" + std::to_string(s.n) + " K" + std::to_string(s.k);
+    expect_close(op.device_folded(true), want, mag, (name + " split-K").c_str());
+    expect_close(op.device_folded(false), want, mag, (name + " one slice").c_str());
+  }
+}
+
+// Scale codes above 134 (whose bf16 multiplier 2^(s - 7) would overflow: two multiplies) and far
+// below 127, on both operands, and E4M3 subnormals and zeros of both signs: still exact products.
+BOOST_AUTO_TEST_CASE(folded_exact_at_extreme_scales, *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
+  for (const bool big_weights : {false, true}) {
+    auto rng = test::make_rng(big_weights ? 91 : 90);
+    gemm_operands op({40, 200, 640}, weight_format::fp8_tile32, rng);
+    std::uniform_int_distribution<int> hi(135, 170), lo(60, 100), tiny(0, 15);
+    for (auto& v : op.a_s) v = std::uint8_t(big_weights ? lo(rng) : hi(rng));
+    for (auto& v : op.w_s) v = std::uint8_t(big_weights ? hi(rng) : lo(rng));
+    for (std::size_t i = 0; i < op.a.size(); i += 7) op.a[i] = std::uint8_t((op.a[i] & 0x80) | tiny(rng) % 8);
+    for (std::size_t i = 0; i < op.w.size(); i += 5) op.w[i] = std::uint8_t((op.w[i] & 0x80) | tiny(rng) % 8);
+    const auto want = op.reference(), mag = op.reference(true);
+    expect_close(op.device_folded(true), want, mag, big_weights ? "folded, weight scales 2^8 .. 2^43" : "folded, activation scales 2^8 .. 2^43");
+  }
+}
+
+// block_scaled_linear gives FP8 GEMMs of folded_min_tokens .. folded_max_tokens tokens to the
+// folded kernel (also with a cuBLAS handle and dequantize scratch at hand), not below or above,
+// and not FP4 weights.
+BOOST_AUTO_TEST_CASE(folded_path_routes_the_linear_layer, *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
+  test::blas_handle blas;
+  std::uint64_t salt = 95;
+  for (const int m : {kernels::gemm::folded_min_tokens - 1, kernels::gemm::folded_min_tokens, 100,
+                      kernels::gemm::folded_max_tokens, kernels::gemm::folded_max_tokens + 1})
+    for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32}) {
+      auto rng = test::make_rng(salt++);
+      const gemm_operands op({m, 192, 512}, wf, rng);
+      auto d = op.upload();
+      kernels::gemm::gemm_workspace work(std::size_t(1) << 20, kernels::gemm::dequant_elems(op.s),
+                                         kernels::gemm::folded_bytes_for(m, 512));
+      const unsigned long long before = kernels::gemm::folded_gemm_calls();
+      kernels::gemm::block_scaled_linear(d.args(), wf, &work, blas.h);
+      const bool folded = wf == weight_format::fp8_tile32 && m >= kernels::gemm::folded_min_tokens &&
+                          m <= kernels::gemm::folded_max_tokens;
+      const std::string name = std::string(wf == weight_format::fp8_tile32 ? "fp8" : "fp4") + " linear M" + std::to_string(m);
+      BOOST_TEST(kernels::gemm::folded_gemm_calls() == before + (folded ? 1u : 0u), name);
+      BOOST_TEST(kernels::gemm::takes_dequant_path(op.s, &work, blas.h, wf) == (!folded && m >= kernels::gemm::dequant_min_tokens), name);
+      expect_close(d.c_after_sync(), op.reference(), op.reference(true), name.c_str());
+    }
+  // Without room for the folded activations the linear layer takes another path; folded_gemm
+  // itself refuses, naming the sizes.
+  auto rng = test::make_rng(99);
+  const gemm_operands op({40, 192, 512}, weight_format::fp8_tile32, rng);
+  auto d = op.upload();
+  kernels::gemm::gemm_workspace small(std::size_t(1) << 20, 0, kernels::gemm::folded_scratch_bytes(op.s) - 1);
+  const unsigned long long before = kernels::gemm::folded_gemm_calls();
+  kernels::gemm::block_scaled_linear(d.args(), op.wf, &small, blas.h);
+  BOOST_TEST(kernels::gemm::folded_gemm_calls() == before);
+  expect_close(d.c_after_sync(), op.reference(), op.reference(true), "fp8 linear M40, no room to fold");
+  BOOST_TEST(test::throws_with([&] { kernels::gemm::folded_gemm(d.args(), small); }, "bytes of folded activations"));
 }
 
 // The grouped form (the MoE's experts) directly, on its three kernels (per-tile mma.sync, streamed,

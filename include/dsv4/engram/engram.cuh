@@ -58,7 +58,8 @@ struct engram_workspace {
       : max_tokens(max_tokens), e(std::size_t(max_tokens) * w.k()), codes(e.size()), scales(e.size() / 32),
         kv(std::size_t(max_tokens) * w.n()),
         // The prefill path of the value projection (dequantize + cuBLAS; in passes above 64 MB).
-        gemm(std::size_t(1) << 22, kernels::gemm::dequant_elems_for(max_tokens, {{w.n(), w.k()}})) {}
+        gemm(std::size_t(1) << 22, kernels::gemm::dequant_elems_for(max_tokens, {{w.n(), w.k()}}),
+             kernels::gemm::folded_bytes_for(max_tokens, w.k())) {}
   long long max_tokens;
   runtime::device_buffer<bf16> e;
   runtime::device_buffer<std::uint8_t> codes, scales;

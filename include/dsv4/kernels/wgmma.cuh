@@ -1,8 +1,8 @@
 #pragma once
 //! \file
 //! Hopper warpgroup MMA (wgmma) building blocks: the shared-memory matrix descriptor, the fences
-//! and groups of the asynchronous MMA, and the m64nNk32 E4M3 x E4M3 -> fp32 product with A in
-//! registers and B in shared memory (N = 8, 16, 32, 64).
+//! and groups of the asynchronous MMA, the m64nNk32 E4M3 x E4M3 -> fp32 product with A in
+//! registers and B in shared memory (N = 8, 16, 32, 64), and the m64nNk16 bf16 one (N = 16 .. 128).
 //!
 //! Why wgmma: sm_90 has no FP8 `mma.sync` (ptxas lowers it to conversions and two f16 MMAs,
 //! docs/decisions.md 2026-12-01); its FP8 tensor cores are reached only through wgmma.
@@ -173,6 +173,97 @@ DSV4_DEVICE void mma_e4m3<64>(float (&d)[32], const std::uint32_t (&a)[4], std::
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
         "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
         "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(int(accumulate)));
+#elif DSV4_DEVICE_PASS
+  __trap();
+#endif
+}
+
+//! d = A B (accumulate false) or d = A B + d: one m64nNk16 bf16 product, fp32 out, A from registers
+//! (per warp the mma.m16n8k16 A fragment: lane 4 g + q, register 0 = row g, columns 2 q, 2 q + 1
+//! (the lower in the low half), 1 = row g + 8 the same columns, 2 = row g columns 8 + 2 q, + 1,
+//! 3 = row g + 8 those), B through `b_desc` K-major (a token row's 16 bf16 span two core matrices
+//! of 8, as the 32 E4M3 bytes of mma_e4m3's block do, so the same placement and offsets serve),
+//! D as mma_e4m3's. N = 16, 32, 64, 128.
+template <int N>
+DSV4_DEVICE void mma_bf16(float (&d)[N / 2], const std::uint32_t (&a)[4], std::uint64_t b_desc,
+                          bool accumulate);
+
+template <>
+DSV4_DEVICE void mma_bf16<16>(float (&d)[8], const std::uint32_t (&a)[4], std::uint64_t b_desc,
+                              bool accumulate) {
+#if DSV4_WGMMA_PASS
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7}, "
+      "{%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(int(accumulate)));
+#elif DSV4_DEVICE_PASS
+  __trap();
+#endif
+}
+
+template <>
+DSV4_DEVICE void mma_bf16<32>(float (&d)[16], const std::uint32_t (&a)[4], std::uint64_t b_desc,
+                              bool accumulate) {
+#if DSV4_WGMMA_PASS
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+      "{%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(int(accumulate)));
+#elif DSV4_DEVICE_PASS
+  __trap();
+#endif
+}
+
+template <>
+DSV4_DEVICE void mma_bf16<64>(float (&d)[32], const std::uint32_t (&a)[4], std::uint64_t b_desc,
+                              bool accumulate) {
+#if DSV4_WGMMA_PASS
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+      "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(int(accumulate)));
+#elif DSV4_DEVICE_PASS
+  __trap();
+#endif
+}
+
+template <>
+DSV4_DEVICE void mma_bf16<128>(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t b_desc,
+                               bool accumulate) {
+#if DSV4_WGMMA_PASS
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+      "{%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
+        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
+        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
+        "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(int(accumulate)));
 #elif DSV4_DEVICE_PASS
   __trap();

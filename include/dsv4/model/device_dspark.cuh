@@ -207,7 +207,8 @@ class device_dspark {
                                     "device_dspark call inputs");
     gemm_ws_.emplace(std::size_t(1) << 22,
                      kernels::gemm::dequant_elems_for(
-                         R, {{c.dim, K}, {head_dim, c.dim}, {sh.q_lora, c.dim}, {heads_hd, sh.q_lora}}));
+                         R, {{c.dim, K}, {head_dim, c.dim}, {sh.q_lora, c.dim}, {heads_hd, sh.q_lora}}),
+                     kernels::gemm::folded_bytes_for(R, std::max<long long>({K, c.dim, sh.q_lora})));
     out_ws_.emplace(kernels::output::output_shape{sh.heads, head_dim, sh.groups, sh.o_lora, c.dim}, B);
     attn_ws_.emplace(kernels::attention::sparse_attention_workspace::for_device<head_dim>());
     mhc_ws_.emplace(B, c.dim);

@@ -595,7 +595,8 @@ class attention_stack {
     // V4.1 widths (ncu, docs/perf.md). Capped (64 MB): larger calls go in passes.
     const long long n_q = 1LL * s.heads * HeadDim, n_iq = 1LL * s.index_heads * IndexDim;
     gemm_ws_.emplace(std::size_t(1) << 22,
-                     gemm::dequant_elems_for(lim_.max_rows, {{s.q_lora, s.dim}, {n_q, s.q_lora}, {HeadDim, s.dim}, {n_iq, s.q_lora}}));
+                     gemm::dequant_elems_for(lim_.max_rows, {{s.q_lora, s.dim}, {n_q, s.q_lora}, {HeadDim, s.dim}, {n_iq, s.q_lora}}),
+                     gemm::folded_bytes_for(lim_.max_rows, std::max<long long>(s.dim, s.q_lora)));
     out_ws_.emplace(output::output_shape{s.heads, HeadDim, s.groups, s.o_lora, s.dim}, lim_.max_rows);
     attn_ws_.emplace(sparse_attention_workspace::for_device<HeadDim>());
   }

@@ -67,12 +67,18 @@ struct block_scaled_gemm_args {
 //! Scratch of the GEMMs. For split-K: fp32 partials of the K slices and one arrival counter per
 //! output tile; the counters start at zero (the constructor clears them) and every GEMM leaves
 //! them at zero, so one workspace serves any number of GEMMs on one stream, one at a time. For
-//! the prefill path (dequant_gemm.cuh): bf16 copies of the dequantized operands.
+//! the prefill path (dequant_gemm.cuh): bf16 copies of the dequantized operands; for the folded
+//! kernel (folded_gemm.cuh): the decoded activations.
 class gemm_workspace {
  public:
   static constexpr std::size_t max_tiles = 8192;
-  explicit gemm_workspace(std::size_t partial_floats = std::size_t(1) << 22, std::size_t dequant_elems = 0)
-      : counters_(max_tiles), partials_(std::max<std::size_t>(1, partial_floats)), dequant_(dequant_elems) {
+  //! `folded_bytes`: the folded kernel's decoded activations (folded_gemm.cuh, folded_bytes_for).
+  explicit gemm_workspace(std::size_t partial_floats = std::size_t(1) << 22, std::size_t dequant_elems = 0,
+                          std::size_t folded_bytes = 0)
+      : counters_(max_tiles),
+        partials_(std::max<std::size_t>(1, partial_floats)),
+        dequant_(dequant_elems),
+        folded_(folded_bytes) {
     counters_.fill_bytes(0);
     // The memset runs on the legacy stream; a non-blocking stream is not ordered after it.
     DSV4_CUDA_CHECK(cudaDeviceSynchronize());
@@ -82,11 +88,14 @@ class gemm_workspace {
   std::size_t partial_floats() const { return partials_.size(); }
   numerics::bf16* dequant() { return dequant_.data(); }
   std::size_t dequant_elems() const { return dequant_.size(); }
+  std::uint8_t* folded() { return folded_.data(); }
+  std::size_t folded_bytes() const { return folded_.size(); }
 
  private:
   runtime::device_buffer<unsigned> counters_;
   runtime::device_buffer<float> partials_;
   runtime::device_buffer<numerics::bf16> dequant_;
+  runtime::device_buffer<std::uint8_t> folded_;
 };
 
 //! A grouped GEMM (the MoE's experts): a device-built list of tiles, each a run of at most

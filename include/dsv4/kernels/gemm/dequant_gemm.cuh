@@ -11,9 +11,10 @@
 //! fp32 rescaling after every 32-wide block is as costly as the MMA itself (measured:
 //! bench/bench_gemm.cu, docs/perf.md, docs/decisions.md).
 //!
-//! `block_scaled_linear` picks the path: the dequantize + cuBLAS path for `dequant_min_tokens`
-//! tokens or more when a cuBLAS handle and a large enough workspace are given, else the MMA
-//! kernel of block_scaled_gemm.cuh.
+//! `block_scaled_linear` picks the path: FP8 weights at folded_min_tokens .. folded_max_tokens
+//! tokens on the folded wgmma kernel (folded_gemm.cuh) where the device runs it; otherwise the
+//! dequantize + cuBLAS path for `dequant_min_tokens` tokens or more when a cuBLAS handle and a
+//! large enough workspace are given, else the MMA kernel of block_scaled_gemm.cuh.
 
 #include <cublas_v2.h>     // provides cublasGemmEx
 #include <cuda_runtime.h>  // provides cudaStream_t, uint2, uint4
@@ -27,6 +28,7 @@
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
 #include "dsv4/kernels/gemm/dense.cuh"
+#include "dsv4/kernels/gemm/folded_gemm.cuh"
 #include "dsv4/kernels/gemm/wgmma_gemm.cuh"
 #include "dsv4/numerics/fast_codec.cuh"
 #include "dsv4/numerics/minifloat.hpp"
@@ -225,30 +227,38 @@ inline void dequant_gemm(const block_scaled_gemm_args& g, weight_format wf, gemm
 //! Whether block_scaled_linear takes the dequantize + cuBLAS path for this shape: with a handle
 //! and a workspace, above the few-token kernels' range (set_decode_gemm, wgmma_gemm.cuh: with
 //! wgmma up to wgmma_max_tokens(), else below dequant_min_tokens), where the workspace's bf16
-//! scratch holds at least one pass. The one place that decides it: the pair form and the MoE's
-//! shared expert (which must not share that scratch from a second stream) ask it too.
-inline bool takes_dequant_path(const gemm_shape& s, const gemm_workspace* workspace, cublasHandle_t blas) {
-  if (!blas || !workspace) return false;
+//! scratch holds at least one pass, and not where the folded kernel takes the GEMM
+//! (`takes_folded`). The one place that decides it: the pair form and the MoE's shared expert
+//! (which must not share that scratch from a second stream) ask it too.
+inline bool takes_folded(const gemm_shape& s, weight_format wf, const gemm_workspace* workspace) {
+  return current_decode_gemm() == decode_gemm::mma_sync && takes_folded_path(s, wf, workspace);
+}
+inline bool takes_dequant_path(const gemm_shape& s, const gemm_workspace* workspace, cublasHandle_t blas,
+                               weight_format wf = weight_format::fp8_tile32) {
+  if (!blas || !workspace || takes_folded(s, wf, workspace)) return false;
   const bool few = current_decode_gemm() == decode_gemm::wgmma ? s.m <= wgmma_max_tokens() : s.m < dequant_min_tokens;
   return !few && plan_dequant_passes(s, workspace->dequant_elems()).rows > 0;
 }
 
-//! The linear layer of an FP8 / FP4 weight (after act_quant): the dequantize + cuBLAS path where
-//! takes_dequant_path says so, else the few-token kernel set_decode_gemm chose.
+//! The linear layer of an FP8 / FP4 weight (after act_quant): the folded kernel where
+//! takes_folded says so (the wgmma opt-in of set_decode_gemm keeps its own routing), the
+//! dequantize + cuBLAS path where takes_dequant_path does, else the few-token kernel
+//! set_decode_gemm chose.
 inline void block_scaled_linear(const block_scaled_gemm_args& g, weight_format wf, gemm_workspace* workspace,
                                 cublasHandle_t blas, cudaStream_t stream = nullptr) {
-  if (takes_dequant_path(g.shape, workspace, blas)) return dequant_gemm(g, wf, *workspace, blas, stream);
+  if (takes_folded(g.shape, wf, workspace)) return folded_gemm(g, *workspace, stream);
+  if (takes_dequant_path(g.shape, workspace, blas, wf)) return dequant_gemm(g, wf, *workspace, blas, stream);
   decode_block_scaled_gemm(g, wf, workspace, stream);
 }
 
 //! block_scaled_linear of two weights on one input (the shared expert's w1 and w3): one launch of
 //! block_scaled_gemm_pair where both would run on the few-token mma.sync kernel, else the two
-//! calls (the dequantize + cuBLAS path, or wgmma).
+//! calls (the folded kernel, the dequantize + cuBLAS path, or wgmma).
 inline void block_scaled_linear_pair(const block_scaled_gemm_args& g1, const block_scaled_gemm_args& g2,
                                      weight_format wf, gemm_workspace* workspace, cublasHandle_t blas,
                                      cudaStream_t stream = nullptr) {
-  if (current_decode_gemm() == decode_gemm::wgmma || takes_dequant_path(g1.shape, workspace, blas) ||
-      takes_dequant_path(g2.shape, workspace, blas)) {
+  if (current_decode_gemm() == decode_gemm::wgmma || takes_folded(g1.shape, wf, workspace) || takes_folded(g2.shape, wf, workspace) ||
+      takes_dequant_path(g1.shape, workspace, blas, wf) || takes_dequant_path(g2.shape, workspace, blas, wf)) {
     block_scaled_linear(g1, wf, workspace, blas, stream);
     return block_scaled_linear(g2, wf, workspace, blas, stream);
   }

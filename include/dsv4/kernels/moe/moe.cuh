@@ -148,7 +148,8 @@ class moe_workspace {
         shared_out(n(s.dim)),
         expert_offsets(std::size_t(s.experts) + 1),
         expert_offsets_host(std::size_t(s.experts) + 1),
-        gemm(std::size_t(1) << 20, dense_dequant_elems(s, max_tokens)),
+        gemm(std::size_t(1) << 20, dense_dequant_elems(s, max_tokens),
+             gemm::folded_bytes_for(max_tokens, std::max<long long>(s.dim, s.inter))),
         shared_stream(runtime::owned_stream::non_blocking()),
         forked(runtime::owned_event::ordering()),
         joined(runtime::owned_event::ordering()) {

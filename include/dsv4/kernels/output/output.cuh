@@ -26,7 +26,8 @@ struct output_workspace {
   output_workspace(const output_shape& s, long long max_tokens)
       : shape(s), max_tokens(max_tokens), mid(std::size_t(max_tokens) * s.groups * s.o_lora),
         mid_codes(mid.size()), mid_scales(mid.size() / 32),
-        gemm(std::size_t(1) << 22, std::size_t(max_tokens + s.dim) * s.groups * s.o_lora) {}
+        gemm(std::size_t(1) << 22, std::size_t(max_tokens + s.dim) * s.groups * s.o_lora,
+             gemm::folded_bytes_for(max_tokens, 1LL * s.groups * s.o_lora)) {}
   output_shape shape;
   long long max_tokens;
   runtime::device_buffer<numerics::bf16> mid;  //!< [T, groups * o_lora]

@@ -1,0 +1,449 @@
+#pragma once
+//! \file
+//! The FP8 linear layers of the middle regime (tens to a few hundred tokens: batched decode,
+//! speculative verification, short prefill chunks) on Hopper's bf16 warpgroup MMA with the block
+//! scales folded into the operands: C[M, N] = A[M, K] W[N, K]^T, the arguments and weight tiles of
+//! block_scaled_gemm.cuh (FP8 weights only), bf16 out.
+//!
+//! Why: below this range the mma.sync kernel streams the weight once per 8 tokens and is bound by
+//! the instructions it issues per weight byte; above it the dequantize + cuBLAS path rewrites the
+//! whole weight as bf16 at every call (5 bytes moved per weight element). Both stood at 2-3x
+//! cuBLAS's own time on bf16 weights at 32-64 tokens (docs/perf.md). Here each CTA reads its
+//! weight rows once for all of its tokens, straight from the FP8 tiles, and the tensor core sums
+//! the whole K slice without stopping per 32-block.
+//!
+//! Numerics: the dequantize + cuBLAS path's, not the per-block promotion of the reference. An
+//! E4M3 code times its UE8M0 scale is exact in bf16 (4 significant bits, bf16 has fp32's exponent
+//! range), so every product is exact and only the order of the fp32 sum differs from the
+//! reference (it adds per-32 block sums), as with cuBLAS or split K. Weight codes are decoded by
+//! bit placement (`e4m3x4_to_bf16_pairs`), which reads the E4M3 NaN code (S.1111.111) as 480:
+//! checkpoint weights are finite; activations come from act_quant, which never writes NaN.
+//!
+//! Method:
+//! - One warpgroup per CTA: 64 weight rows (four 16-row tiles, the MMA's M side, as in the other
+//!   kernels) x 16 / 32 / 64 / 128 tokens (N) x one K slice. A warp's 16 weight bytes of one K
+//!   block per lane are two k16 A fragments once decoded: weights stream from global memory
+//!   into registers, four batches of two blocks in flight, requested before the wait for the
+//!   kernel before (runtime/pdl.cuh).
+//! - Inside every 32-block both operands see the same K permutation: lane q of a quad holds
+//!   elements 8q .. 8q + 7, decoded into the pairs (0, 2), (1, 3), (4, 6), (5, 7) that the MMA
+//!   sees as K (2q, 2q + 1) and (8 + 2q, 9 + 2q) of two k16 steps; the dot product is unchanged.
+//! - Activations are decoded and scaled the same way into shared memory as wgmma's K-major core
+//!   matrices, 16 KB of them a chunk in a ring of three: a chunk is staged while the MMAs read
+//!   the one before, and with one batch of MMAs left in flight per warp (wait_group 1) the
+//!   chunk two back is never still being read (one barrier per chunk suffices).
+//! - Split K and the last-CTA reduction as in block_scaled_gemm.cuh (`finish_split_k`).
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "dsv4/core/error.hpp"
+#include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
+#include "dsv4/kernels/gemm/wgmma_gemm.cuh"
+#include "dsv4/kernels/wgmma.cuh"
+#include "dsv4/runtime/device_info.cuh"
+#include "dsv4/runtime/pdl.cuh"
+
+namespace dsv4::kernels::gemm {
+
+//! The token range block_scaled_linear gives this kernel for FP8 weights (where it can run:
+//! wgmma_supported()); measured on the H200 against the mma.sync kernel below it and the
+//! dequantize + cuBLAS path above it (bench_gemm, docs/perf.md).
+inline constexpr int folded_min_tokens = 16;
+inline constexpr int folded_max_tokens = 256;
+
+namespace detail {
+
+inline constexpr int folded_rows_per_cta = 64;    // one warpgroup: four 16-row weight tiles
+inline constexpr int folded_chunk_bytes = 16384;  // staged activations per ring slot
+inline constexpr int folded_ring = 3;             // ring slots (see the file comment)
+inline constexpr int folded_unroll = 2;           // K blocks per batch of wgmmas
+inline constexpr int folded_depth = 4;            // batches of weights in flight per warp
+
+inline std::atomic<unsigned long long>& folded_gemm_launches() {
+  static std::atomic<unsigned long long> launches{0};
+  return launches;
+}
+
+//! Four E4M3 codes (lowest byte first) as two bf16 pairs holding each value times 2^-120: the
+//! code's 7 magnitude bits placed at bf16's exponent-and-mantissa bits 4..10 (normals and
+//! subnormals alike: E4M3's exponent bias is 7, bf16's 127) and its sign at bit 15. `even` holds
+//! codes 0 and 2 (low, high half), `odd` codes 1 and 3. Six integer instructions for four codes.
+DSV4_DEVICE void e4m3x4_to_bf16_pairs(std::uint32_t w, std::uint32_t& even, std::uint32_t& odd) {
+  constexpr std::uint32_t magnitude = 0x07F007F0u;  // bits 4..10 of each half
+  const std::uint32_t sign = w & 0x80808080u;
+  even = ((w << 4) & magnitude) | ((sign << 8) & ~magnitude);  // one LOP3 each after the shifts
+  odd = ((w >> 4) & magnitude) | (sign & ~magnitude);
+}
+
+//! Scaling e4m3x4_to_bf16_pairs's values into code x 2^(s - 127) (UE8M0 scale code s): one exact
+//! multiply by 2^(s - 7) where that is a bf16 normal (s <= fold_one_multiply_max: every scale a
+//! trained weight or act_quant has), else two (`fold_scale_wide`; 255 is UE8M0's NaN). The caller
+//! picks the form per warp (a vote), so the common path has no branch per pair.
+inline constexpr std::uint32_t fold_one_multiply_max = 134;
+DSV4_DEVICE std::uint32_t bf16_pair(std::uint32_t bits16) {
+  return bits16 | bits16 << 16;
+}
+DSV4_DEVICE std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32_t b) {
+  std::uint32_t r;
+  // a * b + (-0): exact for powers of two; -0 keeps a product's sign when it is zero.
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+  return r;
+}
+DSV4_DEVICE std::uint32_t fold_multiplier(std::uint32_t s) {
+  return bf16_pair((s + 120u) << 7);
+}
+DSV4_DEVICE std::uint32_t fold_scale_wide(std::uint32_t x, std::uint32_t s) {
+  if (s <= fold_one_multiply_max) return bf16x2_mul(x, fold_multiplier(s));
+  return bf16x2_mul(bf16x2_mul(x, bf16_pair(247u << 7)), bf16_pair(s == 255u ? 0x7FC0u : s << 7));
+}
+
+template <int Tokens>
+struct folded_smem {
+  static constexpr int blocks = folded_chunk_bytes / (2 * Tokens * 32);  // K blocks per slot
+  // Per slot, K block and k16 step: the B tile (Tokens x 16 bf16 as core matrices).
+  alignas(128) std::uint8_t b[folded_ring][blocks][2][Tokens * 32];
+};
+
+//! Bytes of one K block of one token group's folded activations: two k16 steps of B tiles.
+DSV4_HOST_DEVICE constexpr int folded_block_bytes(int tokens) {
+  return 2 * tokens * 32;
+}
+
+//! The activations of a folded GEMM, decoded and scaled once into exactly the shared-memory tiles
+//! the MMAs read ([token group][K block][k16 step][Tokens x 16 bf16 as core matrices]; tokens past
+//! M are zeros), so each CTA only copies them. One thread per 8 codes (elements 8q .. 8q + 7 of
+//! one token and block): four bf16 pairs, one row of four core matrices.
+DSV4_KERNEL void fold_activations_kernel(const std::uint8_t* a, const std::uint8_t* a_s, int M, int K,
+                                         int tokens, long long runs, std::uint8_t* out) {
+  runtime::start_after_previous_grid();  // the activations come from the kernel before
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= runs) return;
+  const int KB = K / 32, q = int(i % 4), t = int((i / 4) % tokens), kb = int((i / (4 * tokens)) % KB);
+  const long long group = i / (4LL * tokens * KB);
+  const long long tok = group * tokens + t;
+  std::uint32_t p[4] = {0, 0, 0, 0};  // step 0 K halves 0 / 1, step 1 K halves 0 / 1
+  if (tok < M) {
+    const uint2 v = *reinterpret_cast<const uint2*>(a + tok * K + kb * 32 + q * 8);
+    const std::uint32_t sc = a_s[tok * KB + kb];
+    e4m3x4_to_bf16_pairs(v.x, p[0], p[1]);
+    e4m3x4_to_bf16_pairs(v.y, p[2], p[3]);
+#pragma unroll
+    for (int h = 0; h < 4; ++h) p[h] = fold_scale_wide(p[h], sc);
+  }
+  std::uint8_t* block = out + (group * KB + kb) * folded_block_bytes(tokens);
+#pragma unroll
+  for (int step = 0; step < 2; ++step) {
+    std::uint8_t* row = block + step * tokens * 32 + (t % 8) * 16 + 4 * q;
+    *reinterpret_cast<std::uint32_t*>(row + wgmma::b_core_offset(t / 8, 0)) = p[2 * step];
+    *reinterpret_cast<std::uint32_t*>(row + wgmma::b_core_offset(t / 8, 1)) = p[2 * step + 1];
+  }
+}
+
+//! One CTA: one warpgroup, 64 weight rows (warp w: row tile 4 z + w) x Tokens tokens, one K slice
+//! of `kbps` blocks. Grid: x = token groups, y = K slices, z = row groups.
+template <int Tokens>
+DSV4_KERNEL void __launch_bounds__(128)
+    folded_gemm_kernel(block_scaled_gemm_args g, const std::uint8_t* folded_a, int kbps, int slices,
+                       float* partials, unsigned* counters) {
+  static_assert(Tokens == 16 || Tokens == 32 || Tokens == 64 || Tokens == 128,
+                "the folded kernel's N is 16, 32, 64 or 128 tokens");
+  using smem_t = folded_smem<Tokens>;
+  constexpr int kC = smem_t::blocks, kU = folded_unroll, kAcc = Tokens / 2,
+                kTileBytes = tile_code_bytes(weight_format::fp8_tile32);
+  static_assert(kU == 2, "decode_weights votes on both blocks' scales");
+  static_assert(kC % kU == 0, "a chunk holds whole batches of K blocks");
+  extern __shared__ __align__(128) unsigned char folded_smem_bytes[];
+  smem_t& sm = *reinterpret_cast<smem_t*>(folded_smem_bytes);
+  const int M = g.shape.m, N = g.shape.n, K = g.shape.k, KB = K / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, quad = lane % 4;
+  const int rt = int(blockIdx.z) * 4 + warp;  // this warp's 16-row weight tile
+  const bool tile_ok = rt < (N + 15) / 16;
+  const int tok_base = int(blockIdx.x) * Tokens;
+  const int kb_begin = int(blockIdx.y) * kbps, kb_end = min(KB, kb_begin + kbps);
+  const std::uint8_t* w_tile =
+      g.w + (long long)(tile_ok ? rt : 0) * KB * kTileBytes + lane * (kTileBytes / 32);
+  const std::uint8_t* w_scale = g.w_s + (long long)((tile_ok ? rt : 0) / 2) * KB;  // one per 32 x 32 tile
+
+  struct weights {
+    uint4 code[kU];  // lane bytes: row g elements 8q .. 8q + 3, + 4 .., row g + 8 the same
+    std::uint32_t scale[kU];
+  };
+  auto load_weights = [&](weights& w, int kb0) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int kb = kb0 + u;
+      const bool go = tile_ok && kb < kb_end;
+      w.code[u] = go ? __ldg(reinterpret_cast<const uint4*>(w_tile + (long long)kb * kTileBytes))
+                     : make_uint4(0, 0, 0, 0);
+      w.scale[u] = go ? __ldg(w_scale + kb) : 127u;
+    }
+  };
+  // Copies K blocks kb0 .. kb0 + kC - 1 of the CTA's folded activations (contiguous: 16 KB) into
+  // ring slot `slot`, 16 bytes a thread at a time, asynchronously (cp.async, waited for when the
+  // chunk starts). Blocks past the slice's end are zeroed instead: they meet zero weights, and
+  // stale or never-written shared memory could hold NaN.
+  constexpr int kPieces = folded_chunk_bytes / 16 / 128;
+  static_assert(folded_chunk_bytes % (16 * 128) == 0, "a chunk is whole rounds of 16-byte copies");
+  const std::uint8_t* a_tiles = folded_a + (long long)blockIdx.x * KB * folded_block_bytes(Tokens);
+  auto copy_chunk = [&](int slot, int kb0) {
+#pragma unroll
+    for (int j = 0; j < kPieces; ++j) {
+      const int at = (int(threadIdx.x) + 128 * j) * 16, u = at / folded_block_bytes(Tokens);
+      std::uint8_t* dst = &sm.b[slot][0][0][0] + at;
+      if (kb0 + u < kb_end) {
+        const auto d = static_cast<std::uint32_t>(__cvta_generic_to_shared(dst));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d),
+                     "l"(a_tiles + (long long)kb0 * folded_block_bytes(Tokens) + at)
+                     : "memory");
+      } else {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+  // A fragments of one batch: per block two k16 steps (elements 0..3, then 4..7 of each lane).
+  struct fragments {
+    std::uint32_t a[kU][2][4];
+  };
+  auto decode_weights = [&](const weights& w, fragments& f) {
+    // A warp's scales are one 32 x 32 tile's: the vote only makes the branch provably uniform.
+    const bool narrow = __all_sync(
+        0xFFFFFFFFu, w.scale[0] <= fold_one_multiply_max && w.scale[kU - 1] <= fold_one_multiply_max);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const std::uint32_t words[4] = {w.code[u].x, w.code[u].y, w.code[u].z, w.code[u].w};
+      const std::uint32_t m = fold_multiplier(w.scale[u]);
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        std::uint32_t p[4];
+        e4m3x4_to_bf16_pairs(words[step], p[0], p[2]);      // row g: K (2q, 2q + 1), (8 + 2q, ..)
+        e4m3x4_to_bf16_pairs(words[2 + step], p[1], p[3]);  // row g + 8
+#pragma unroll
+        for (int h = 0; h < 4; ++h)
+          f.a[u][step][h] = narrow ? bf16x2_mul(p[h], m) : fold_scale_wide(p[h], w.scale[u]);
+      }
+    }
+  };
+
+  float acc[kAcc] = {};
+  // One batch: when a chunk starts, wait for its copies and start the next chunk's, decode the weights into
+  // the fragment set `f` (its last MMAs, two batches back, are complete), refill the weights' slot, issue the
+  // batch's 2 kU wgmmas and leave them in flight until the next batch is issued.
+  auto batch = [&](weights& w, fragments& f, int kb0) {
+    const int step = kb0 - kb_begin, slot = (step / kC) % folded_ring, at = step % kC;
+    if (at == 0) {
+      // This thread's copies of the chunk are in; the fence hands them to the MMAs' async proxy,
+      // the barrier makes everyone's visible. Then the next chunk's copies start: its slot was
+      // last read two chunks back, whose MMAs every warp completed before this barrier.
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      wgmma::fence_shared_for_async();
+      __syncthreads();
+      if (kb0 + kC < kb_end) copy_chunk((step / kC + 1) % folded_ring, kb0 + kC);
+    }
+    decode_weights(w, f);
+    if (kb0 + folded_depth * kU < kb_end) load_weights(w, kb0 + folded_depth * kU);  // the slot is free again
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wgmma::fence_operand(f.a[u][s][i]);
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) wgmma::fence_operand(acc[i]);
+    // Blocks past the slice's end (the last batch of an odd count) have zero weights and zero
+    // activations: they add zeros, and no branch sits between the wgmmas.
+    wgmma::fence();
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+        wgmma::mma_bf16<Tokens>(acc, f.a[u][s],
+                                wgmma::smem_descriptor(sm.b[slot][at + u][s], wgmma::b_leading_byte_offset,
+                                                       wgmma::b_stride_byte_offset),
+                                true);
+    wgmma::commit_group();
+    wgmma::wait_group<1>();
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) wgmma::fence_operand(acc[i]);
+  };
+  static_assert(folded_depth == 4, "the loop below names four weight slots");
+  weights w0, w1, w2, w3;
+  fragments f0, f1;
+  load_weights(w0, kb_begin);
+  load_weights(w1, kb_begin + kU);
+  load_weights(w2, kb_begin + 2 * kU);
+  load_weights(w3, kb_begin + 3 * kU);
+  runtime::start_after_previous_grid();
+  copy_chunk(0, kb_begin);
+  for (int kb0 = kb_begin; kb0 < kb_end;) {
+    batch(w0, f0, kb0);
+    if ((kb0 += kU) >= kb_end) break;
+    batch(w1, f1, kb0);
+    if ((kb0 += kU) >= kb_end) break;
+    batch(w2, f0, kb0);
+    if ((kb0 += kU) >= kb_end) break;
+    batch(w3, f1, kb0);
+    kb0 += kU;
+  }
+  wgmma::wait_group<0>();
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) wgmma::fence_operand(acc[i]);
+
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) {
+    const int row = rt * 16 + gid + 8 * ((i % 4) / 2), tok = tok_base + 8 * (i / 4) + 2 * quad + i % 2;
+    if (!tile_ok || row >= N || tok >= M) continue;
+    if (slices == 1)
+      g.c[(long long)tok * N + row] = numerics::bf16::from_float(acc[i]);
+    else
+      partials[((long long)blockIdx.y * M + tok) * N + row] = acc[i];
+  }
+  if (slices == 1) return;
+  const int row0 = int(blockIdx.z) * folded_rows_per_cta;
+  finish_split_k(g.c, partials, counters + blockIdx.z * gridDim.x + blockIdx.x, slices, M, N, row0,
+                 min(folded_rows_per_cta, N - row0), tok_base, min(Tokens, M - tok_base));
+}
+
+struct folded_plan {
+  int tokens = 16;  // the MMA's N: tokens per CTA
+  int slices = 1;
+  int kbps = 0;  // K blocks per slice
+  unsigned token_groups = 0, row_groups = 0;
+};
+
+//! Tokens per CTA: the smallest N that holds the GEMM's tokens (128 at most: more token groups).
+//! K is split until about three CTAs per SM stream weights, each slice at least folded_depth
+//! batches, the last CTA's reduction at most 128 partials per thread, and as far as the workspace
+//! holds the partials. Where those caps leave the grid short of that, fewer tokens per CTA (more
+//! token groups, which read the same weights mostly from L2) are taken first.
+inline folded_plan make_folded_plan(const gemm_shape& s, int sms, std::size_t partial_floats) {
+  const int kb = s.k / 32;
+  const long long target = 3LL * sms;
+  const std::size_t per_slice = std::size_t(s.m) * std::size_t(s.n);
+  auto plan_for = [&](int tokens) {
+    folded_plan p;
+    p.tokens = tokens;
+    p.row_groups = unsigned((s.n + folded_rows_per_cta - 1) / folded_rows_per_cta);
+    p.token_groups = unsigned((s.m + tokens - 1) / tokens);
+    const long long tiles = (long long)p.row_groups * p.token_groups;
+    long long slices = 1;
+    if (tiles < target && tiles <= (long long)gemm_workspace::max_tiles) {
+      slices =
+          std::min<long long>((target + tiles - 1) / tiles, std::max(1, kb / (folded_depth * folded_unroll)));
+      const long long tile_outputs = (long long)folded_rows_per_cta * std::min(s.m, tokens);
+      slices = std::min<long long>(slices, std::max<long long>(1, 128LL * 128 / tile_outputs));
+    }
+    if (per_slice)
+      slices = std::min<long long>(slices, (long long)std::max<std::size_t>(1, partial_floats / per_slice));
+    p.kbps = int((kb + slices - 1) / slices);
+    p.slices = p.kbps ? (kb + p.kbps - 1) / p.kbps : 1;  // no empty slice
+    return p;
+  };
+  int tokens = s.m <= 16 ? 16 : s.m <= 32 ? 32 : s.m <= 64 ? 64 : 128;
+  folded_plan p = plan_for(tokens);
+  while (tokens > 16 && (long long)p.row_groups * p.token_groups * p.slices < target)
+    p = plan_for(tokens /= 2);
+  return p;
+}
+
+}  // namespace detail
+
+//! Partial floats a workspace needs for this shape's full split on the folded kernel (0: none).
+inline std::size_t folded_partial_floats(const gemm_shape& s) {
+  if (s.m <= 0 || s.n <= 0 || s.k < 32) return 0;
+  const auto p = detail::make_folded_plan(s, detail::sm_count(), ~std::size_t(0) / 8);
+  return p.slices > 1 ? std::size_t(p.slices) * s.m * s.n : 0;
+}
+
+//! Bytes of decoded activations a folded GEMM of this shape needs in its workspace: its tokens
+//! rounded up to whole token groups, K bf16 each.
+inline std::size_t folded_scratch_bytes(const gemm_shape& s) {
+  if (s.m <= 0 || s.k < 32) return 0;
+  const auto p = detail::make_folded_plan(s, detail::sm_count(), 0);
+  return std::size_t(p.token_groups) * std::size_t(p.tokens) * std::size_t(s.k) * 2;
+}
+
+//! Workspace bytes (gemm_workspace's `folded_bytes`) for folded GEMMs of up to `max_m` tokens and
+//! `max_k` input features: none below folded_min_tokens; tokens past folded_max_tokens never
+//! fold, and any plan's token groups fit in the tokens rounded up to 128.
+inline std::size_t folded_bytes_for(long long max_m, long long max_k) {
+  if (max_m < folded_min_tokens || max_k < 32) return 0;
+  const long long rows = (std::min<long long>(max_m, folded_max_tokens) + 127) / 128 * 128;
+  return std::size_t(rows) * std::size_t(max_k) * 2;
+}
+
+//! Folded GEMMs launched so far in this process (tests check that a path was taken).
+inline unsigned long long folded_gemm_calls() {
+  return detail::folded_gemm_launches().load();
+}
+
+//! C = A W^T for an FP8 weight on the folded kernel (bf16 out); arguments and errors as
+//! block_scaled_gemm. The workspace holds the decoded activations (folded_scratch_bytes: too
+//! small is an error that names both sizes) and the split-K partials (too few: a narrower split).
+//! Two launches: the activations' decoding, then the GEMM, which requests its first weights
+//! while the decoding runs (runtime/pdl.cuh).
+inline void folded_gemm(const block_scaled_gemm_args& g, gemm_workspace& workspace,
+                        cudaStream_t stream = nullptr) {
+  if (auto why = detail::check_args(g, weight_format::fp8_tile32); !why.empty())
+    throw error("folded_gemm: " + why);
+  if (g.shape.m == 0 || g.shape.n == 0) return;
+  detail::require_wgmma("folded_gemm");
+  const std::size_t scratch = folded_scratch_bytes(g.shape);
+  if (workspace.folded_bytes() < scratch)
+    throw error("folded_gemm: the workspace holds " + std::to_string(workspace.folded_bytes()) +
+                " bytes of folded activations, M " + std::to_string(g.shape.m) + " x K " +
+                std::to_string(g.shape.k) + " needs " + std::to_string(scratch) +
+                " (gemm_workspace's folded_bytes, folded_bytes_for)");
+  const auto p = detail::make_folded_plan(g.shape, detail::sm_count(), workspace.partial_floats());
+  const long long runs = (long long)p.token_groups * p.tokens * (g.shape.k / 32) * 4;
+  runtime::launch_programmatic(detail::fold_activations_kernel, dim3(unsigned((runs + 255) / 256)), dim3(256),
+                               0, stream, g.a, g.a_s, g.shape.m, g.shape.k, p.tokens, runs,
+                               static_cast<std::uint8_t*>(workspace.folded()));
+  DSV4_CUDA_CHECK_LAUNCH();
+  const dim3 grid(p.token_groups, unsigned(p.slices), p.row_groups);
+  const std::uint8_t* folded_a = workspace.folded();
+  float* partials = workspace.partials();
+  unsigned* counters = workspace.counters();
+  // 48 KB of ring: above the static limit, so a dynamic-shared-memory opt-in, made once per
+  // device and width beside the launch (as streamed_gemm.cuh does, for the same reasons).
+  static runtime::per_device_ints ready[4] = {};
+  auto go = [&](auto kernel, int variant, std::size_t smem) {
+    runtime::cached_per_device(ready[variant], [&](int) {
+      DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      return 1;
+    });
+    runtime::launch_programmatic(kernel, grid, dim3(128), smem, stream, g, folded_a, p.kbps, p.slices,
+                                 partials, counters);
+  };
+  switch (p.tokens) {
+    case 16:
+      go(detail::folded_gemm_kernel<16>, 0, sizeof(detail::folded_smem<16>));
+      break;
+    case 32:
+      go(detail::folded_gemm_kernel<32>, 1, sizeof(detail::folded_smem<32>));
+      break;
+    case 64:
+      go(detail::folded_gemm_kernel<64>, 2, sizeof(detail::folded_smem<64>));
+      break;
+    default:
+      go(detail::folded_gemm_kernel<128>, 3, sizeof(detail::folded_smem<128>));
+      break;
+  }
+  DSV4_CUDA_CHECK_LAUNCH();
+  detail::folded_gemm_launches().fetch_add(1);
+}
+
+//! Whether block_scaled_linear gives this GEMM to the folded kernel: FP8 weights, a token count
+//! in [folded_min_tokens, folded_max_tokens], a workspace with room for its activations and a
+//! device that runs wgmma.
+inline bool takes_folded_path(const gemm_shape& s, weight_format wf, const gemm_workspace* workspace) {
+  return wf == weight_format::fp8_tile32 && s.m >= folded_min_tokens && s.m <= folded_max_tokens && s.n > 0 &&
+         workspace && workspace->folded_bytes() >= folded_scratch_bytes(s) && wgmma_supported();
+}
+
+}  // namespace dsv4::kernels::gemm
