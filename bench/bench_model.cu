@@ -2,7 +2,8 @@
 //! decode tokens/s at several batch sizes, global-cache bytes per token actually allocated.
 //! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N]
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced]
-//!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N] [--dspark]
+//!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
+//!                    [--no-folded] [--dspark]
 //!                    [--json FILE]
 //!
 //! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
@@ -15,9 +16,10 @@
 //! each chunk's decoder replaying the last window), so that max_rows, and the scratch that grows
 //! with it (the index scores and lists: rows x keys), stays at N: how 64K prompts and 128K
 //! contexts fit one GPU.
-//! `--checkpoint DIR` writes the random checkpoint to DIR instead, or reuses the one DIR holds. `--profile-decode`: prefill the
-//! first batch size's sequences, then run one decode step between cudaProfilerStart and
-//! cudaProfilerStop and stop (for `ncu --profile-from-start off`: the kernels of one step).
+//! `--checkpoint DIR` writes the random checkpoint to DIR instead, or reuses the one DIR holds.
+//! `--profile-decode`: prefill the first batch size's sequences, then run one decode step between
+//! cudaProfilerStart and cudaProfilerStop and stop (for `ncu --profile-from-start off`: the kernels of one
+//! step).
 //! `--profile-prefill exact|ced`: one warm-up prefill of the first prompt length, then one more
 //! between cudaProfilerStart and cudaProfilerStop, and stop (the kernels of one prefill).
 //! `--engram-host-tables`: the Engram tables stay in host memory and each call's rows are fetched
@@ -27,6 +29,8 @@
 //! `--gemm wgmma`: the few-token block-scaled GEMMs (the FP8 linears below the dequantize +
 //! cuBLAS path) run on the wgmma kernel (gemm/wgmma_gemm.cuh) instead of mma.sync;
 //! `--gemm-max-tokens N` (with wgmma): up to N tokens (default 63) before that path.
+//! `--no-folded`: the wide FP8 linears of 32-128 tokens off the folded kernel (gemm/folded_gemm.cuh),
+//! on the paths before it (mma.sync, dequantize + cuBLAS from 64 tokens), to compare.
 //! `--dspark`: also the DSpark drafter on CUDA (model::device_dspark): one sequence at the decode
 //! context, then per round one backbone decode step with the capture of main_hidden and one draft
 //! block, timed apart (row `dspark-draft`: the block's drafts per second; its floor is the
@@ -351,13 +355,17 @@ int main(int argc, char** argv) {
       else if (a == "--gemm" && has_value && (std::string(argv[i + 1]) == "mma" || std::string(argv[i + 1]) == "wgmma"))
         kernels::gemm::set_decode_gemm(std::string(argv[++i]) == "wgmma" ? kernels::gemm::decode_gemm::wgmma
                                                                         : kernels::gemm::decode_gemm::mma_sync);
+      else if (a == "--no-folded")
+        kernels::gemm::set_folded_linears(false);
       else if (a == "--gemm-max-tokens" && has_value)
         gemm_max_tokens = bench::int_list(a, argv[++i]);
       else {
-        std::fprintf(stderr,
-                     "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N] "
-                     "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] [--chunk N] "
-                     "[--gemm mma|wgmma] [--gemm-max-tokens N] [--dspark] [--json FILE]\n");
+        std::fprintf(
+            stderr,
+            "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N] "
+            "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
+            "[--chunk N] "
+            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--dspark] [--json FILE]\n");
         return 2;
       }
     }

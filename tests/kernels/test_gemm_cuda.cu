@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -369,40 +370,53 @@ BOOST_AUTO_TEST_CASE(folded_exact_at_extreme_scales, *utf::label("gpu") * utf::p
   }
 }
 
-// block_scaled_linear gives FP8 GEMMs of folded_min_tokens .. folded_max_tokens tokens to the
-// folded kernel (also with a cuBLAS handle and dequantize scratch at hand), not below or above,
-// and not FP4 weights.
+// block_scaled_linear gives FP8 GEMMs of folded_min_tokens .. folded_max_tokens tokens and at
+// least folded_min_rows outputs to the folded kernel (also with a cuBLAS handle and dequantize
+// scratch at hand), not fewer or more tokens, narrower weights, FP4 weights, or with
+// set_folded_linears(false).
 BOOST_AUTO_TEST_CASE(folded_path_routes_the_linear_layer, *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
+  namespace g = kernels::gemm;
   test::blas_handle blas;
   std::uint64_t salt = 95;
-  for (const int m : {kernels::gemm::folded_min_tokens - 1, kernels::gemm::folded_min_tokens, 100,
-                      kernels::gemm::folded_max_tokens, kernels::gemm::folded_max_tokens + 1})
-    for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32}) {
-      auto rng = test::make_rng(salt++);
-      const gemm_operands op({m, 192, 512}, wf, rng);
-      auto d = op.upload();
-      kernels::gemm::gemm_workspace work(std::size_t(1) << 20, kernels::gemm::dequant_elems(op.s),
-                                         kernels::gemm::folded_bytes_for(m, 512));
-      const unsigned long long before = kernels::gemm::folded_gemm_calls();
-      kernels::gemm::block_scaled_linear(d.args(), wf, &work, blas.h);
-      const bool folded = wf == weight_format::fp8_tile32 && m >= kernels::gemm::folded_min_tokens &&
-                          m <= kernels::gemm::folded_max_tokens;
-      const std::string name = std::string(wf == weight_format::fp8_tile32 ? "fp8" : "fp4") + " linear M" + std::to_string(m);
-      BOOST_TEST(kernels::gemm::folded_gemm_calls() == before + (folded ? 1u : 0u), name);
-      BOOST_TEST(kernels::gemm::takes_dequant_path(op.s, &work, blas.h, wf) == (!folded && m >= kernels::gemm::dequant_min_tokens), name);
-      expect_close(d.c_after_sync(), op.reference(), op.reference(true), name.c_str());
+  struct scope_off {
+    scope_off() { g::set_folded_linears(false); }
+    ~scope_off() { g::set_folded_linears(true); }
+  };
+  auto check = [&](int m, int n, weight_format wf, bool off) {
+    auto rng = test::make_rng(salt++);
+    const gemm_operands op({m, n, 256}, wf, rng);
+    auto d = op.upload();
+    g::gemm_workspace work(std::size_t(1) << 20, g::dequant_elems(op.s), g::folded_bytes_for(m, 256));
+    const unsigned long long before = g::folded_gemm_calls();
+    {
+      std::optional<scope_off> scope;
+      if (off) scope.emplace();
+      g::block_scaled_linear(d.args(), wf, &work, blas.h);
     }
+    const bool folded = !off && wf == weight_format::fp8_tile32 && m >= g::folded_min_tokens &&
+                        m <= g::folded_max_tokens && n >= g::folded_min_rows;
+    const std::string name = std::string(wf == weight_format::fp8_tile32 ? "fp8" : "fp4") + " linear M" +
+                             std::to_string(m) + " N" + std::to_string(n) + (off ? ", folding off" : "");
+    BOOST_TEST(g::folded_gemm_calls() == before + (folded ? 1u : 0u), name);
+    expect_close(d.c_after_sync(), op.reference(), op.reference(true), name.c_str());
+  };
+  for (const int m :
+       {g::folded_min_tokens - 1, g::folded_min_tokens, 100, g::folded_max_tokens, g::folded_max_tokens + 1})
+    check(m, g::folded_min_rows, weight_format::fp8_tile32, false);
+  check(64, g::folded_min_rows - 64, weight_format::fp8_tile32, false);  // too narrow
+  check(64, g::folded_min_rows, weight_format::fp4_row32, false);
+  check(64, g::folded_min_rows, weight_format::fp8_tile32, true);
   // Without room for the folded activations the linear layer takes another path; folded_gemm
   // itself refuses, naming the sizes.
   auto rng = test::make_rng(99);
-  const gemm_operands op({40, 192, 512}, weight_format::fp8_tile32, rng);
+  const gemm_operands op({40, g::folded_min_rows, 256}, weight_format::fp8_tile32, rng);
   auto d = op.upload();
-  kernels::gemm::gemm_workspace small(std::size_t(1) << 20, 0, kernels::gemm::folded_scratch_bytes(op.s) - 1);
-  const unsigned long long before = kernels::gemm::folded_gemm_calls();
-  kernels::gemm::block_scaled_linear(d.args(), op.wf, &small, blas.h);
-  BOOST_TEST(kernels::gemm::folded_gemm_calls() == before);
+  g::gemm_workspace small(std::size_t(1) << 20, 0, g::folded_scratch_bytes(op.s) - 1);
+  const unsigned long long before = g::folded_gemm_calls();
+  g::block_scaled_linear(d.args(), op.wf, &small, blas.h);
+  BOOST_TEST(g::folded_gemm_calls() == before);
   expect_close(d.c_after_sync(), op.reference(), op.reference(true), "fp8 linear M40, no room to fold");
-  BOOST_TEST(test::throws_with([&] { kernels::gemm::folded_gemm(d.args(), small); }, "bytes of folded activations"));
+  BOOST_TEST(test::throws_with([&] { g::folded_gemm(d.args(), small); }, "bytes of folded activations"));
 }
 
 // The grouped form (the MoE's experts) directly, on its three kernels (per-tile mma.sync, streamed,

@@ -42,6 +42,7 @@
 #include <string>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/kernels/bulk_copy.cuh"
 #include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
 #include "dsv4/kernels/gemm/wgmma_gemm.cuh"
 #include "dsv4/kernels/wgmma.cuh"
@@ -50,11 +51,17 @@
 
 namespace dsv4::kernels::gemm {
 
-//! The token range block_scaled_linear gives this kernel for FP8 weights (where it can run:
-//! wgmma_supported()); measured on the H200 against the mma.sync kernel below it and the
-//! dequantize + cuBLAS path above it (bench_gemm, docs/perf.md).
-inline constexpr int folded_min_tokens = 16;
-inline constexpr int folded_max_tokens = 256;
+//! Where block_scaled_linear gives FP8 GEMMs to this kernel (where it can run: wgmma_supported()):
+//! folded_min_tokens .. folded_max_tokens tokens and at least folded_min_rows output features.
+//! Measured on the H200 (bench_gemm, docs/perf.md, 2026-12-03) against the mma.sync kernel below
+//! 64 tokens and the dequantize + cuBLAS path from 64: wq_b (32768 x 1280) at 32 / 64 / 128
+//! tokens 32.5 / 38.8 / 50.3 us against 43.8 / 65.4 / 67.3, at 256 even (75.0 against 73.7).
+//! Narrower weights need split K, and there a fixed cost of ~15-20 us per call (not yet
+//! understood) loses to both: wo_b (5120 x 8192) wins at 32 tokens only (51.6 against 59.2),
+//! the shared expert and wq_a / wkv never.
+inline constexpr int folded_min_tokens = 32;
+inline constexpr int folded_max_tokens = 128;
+inline constexpr int folded_min_rows = 8192;
 
 namespace detail {
 
@@ -62,8 +69,13 @@ inline constexpr int folded_rows_per_cta = 64;    // one warpgroup: four 16-row 
 inline constexpr int folded_chunk_bytes = 16384;  // staged activations per ring slot
 inline constexpr int folded_ring = 3;             // ring slots (see the file comment)
 inline constexpr int folded_unroll = 2;           // K blocks per batch of wgmmas
-inline constexpr int folded_depth = 4;            // batches of weights in flight per warp
+inline constexpr int folded_weight_depth = 12;    // K blocks of weights in flight per thread (cp.async)
+inline constexpr int folded_depth = folded_weight_depth / folded_unroll;  // batches of them
 
+inline std::atomic<bool>& folded_linears_on() {
+  static std::atomic<bool> on{true};
+  return on;
+}
 inline std::atomic<unsigned long long>& folded_gemm_launches() {
   static std::atomic<unsigned long long> launches{0};
   return launches;
@@ -107,7 +119,21 @@ struct folded_smem {
   static constexpr int blocks = folded_chunk_bytes / (2 * Tokens * 32);  // K blocks per slot
   // Per slot, K block and k16 step: the B tile (Tokens x 16 bf16 as core matrices).
   alignas(128) std::uint8_t b[folded_ring][blocks][2][Tokens * 32];
+  // Per K block in flight and thread: its 16 weight bytes (the A fragments of two k16 steps).
+  alignas(16) std::uint8_t w[folded_weight_depth][128][16];
+  std::uint64_t bar[folded_ring];  // the slots' bulk copies
+  // Followed by the warps' weight scales of the slice (folded_scale_bytes).
 };
+
+//! Per warp, the weight scales of a slice of `kbps` K blocks and two past it (127: the last batch
+//! of an odd count reads one).
+DSV4_HOST_DEVICE constexpr int folded_scale_stride(int kbps) {
+  return kbps + 2;
+}
+//! Bytes after folded_smem for the four warps' scales.
+inline constexpr std::size_t folded_scale_bytes(int kbps) {
+  return (std::size_t(4) * folded_scale_stride(kbps) + 15) / 16 * 16;
+}
 
 //! Bytes of one K block of one token group's folded activations: two k16 steps of B tiles.
 DSV4_HOST_DEVICE constexpr int folded_block_bytes(int tokens) {
@@ -169,55 +195,61 @@ DSV4_KERNEL void __launch_bounds__(128)
       g.w + (long long)(tile_ok ? rt : 0) * KB * kTileBytes + lane * (kTileBytes / 32);
   const std::uint8_t* w_scale = g.w_s + (long long)((tile_ok ? rt : 0) / 2) * KB;  // one per 32 x 32 tile
 
-  struct weights {
-    uint4 code[kU];  // lane bytes: row g elements 8q .. 8q + 3, + 4 .., row g + 8 the same
-    std::uint32_t scale[kU];
-  };
-  auto load_weights = [&](weights& w, int kb0) {
+  // This warp's weight scales, by kb - kb_begin.
+  std::uint8_t* const scales = folded_smem_bytes + sizeof(smem_t) + warp * folded_scale_stride(kbps);
+  // Weights: each thread copies its own 16 bytes of each K block into its slot of the ring
+  // (cp.async, one group per batch, zero-filled past the slice or the rows), folded_depth batches
+  // ahead.
+  auto copy_weights = [&](int kb0) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int kb = kb0 + u;
       const bool go = tile_ok && kb < kb_end;
-      w.code[u] = go ? __ldg(reinterpret_cast<const uint4*>(w_tile + (long long)kb * kTileBytes))
-                     : make_uint4(0, 0, 0, 0);
-      w.scale[u] = go ? __ldg(w_scale + kb) : 127u;
-    }
-  };
-  // Copies K blocks kb0 .. kb0 + kC - 1 of the CTA's folded activations (contiguous: 16 KB) into
-  // ring slot `slot`, 16 bytes a thread at a time, asynchronously (cp.async, waited for when the
-  // chunk starts). Blocks past the slice's end are zeroed instead: they meet zero weights, and
-  // stale or never-written shared memory could hold NaN.
-  constexpr int kPieces = folded_chunk_bytes / 16 / 128;
-  static_assert(folded_chunk_bytes % (16 * 128) == 0, "a chunk is whole rounds of 16-byte copies");
-  const std::uint8_t* a_tiles = folded_a + (long long)blockIdx.x * KB * folded_block_bytes(Tokens);
-  auto copy_chunk = [&](int slot, int kb0) {
-#pragma unroll
-    for (int j = 0; j < kPieces; ++j) {
-      const int at = (int(threadIdx.x) + 128 * j) * 16, u = at / folded_block_bytes(Tokens);
-      std::uint8_t* dst = &sm.b[slot][0][0][0] + at;
-      if (kb0 + u < kb_end) {
-        const auto d = static_cast<std::uint32_t>(__cvta_generic_to_shared(dst));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d),
-                     "l"(a_tiles + (long long)kb0 * folded_block_bytes(Tokens) + at)
-                     : "memory");
-      } else {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-      }
+      const auto dst = static_cast<std::uint32_t>(
+          __cvta_generic_to_shared(sm.w[(kb - kb_begin) % folded_weight_depth][threadIdx.x]));
+      // (An L2::cache_hint operand here made the H200 fault: illegal instruction at the LDGSTS.)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+                   "l"(w_tile + (long long)(go ? kb : 0) * kTileBytes), "r"(go ? 16 : 0)
+                   : "memory");
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+  // Activations: one bulk copy per chunk (K blocks kb0 .. kb0 + kC - 1 of the CTA's folded
+  // activations, contiguous) onto the slot's barrier, issued by thread 0; blocks past the slice's
+  // end are zeroed by everyone instead (they meet zero weights, and stale or never-written shared
+  // memory could hold NaN), made visible at the chunk's barrier.
+  const std::uint8_t* a_tiles = folded_a + (long long)blockIdx.x * KB * folded_block_bytes(Tokens);
+  auto copy_chunk = [&](int slot, int kb0) {
+    const int valid = max(0, min(kC, kb_end - kb0));
+    if (threadIdx.x == 0 && valid > 0) {
+      bulk_copy::fence_before_refill();
+      const unsigned bytes = unsigned(valid * folded_block_bytes(Tokens));
+      bulk_copy::expect_bytes(&sm.bar[slot], bytes);
+      bulk_copy::copy(sm.b[slot], a_tiles + (long long)kb0 * folded_block_bytes(Tokens), bytes, &sm.bar[slot],
+                      bulk_copy::l2_policy(bulk_copy::l2_eviction::normal));
+    }
+    for (int at = valid * folded_block_bytes(Tokens) + int(threadIdx.x) * 16; at < folded_chunk_bytes;
+         at += 128 * 16)
+      *reinterpret_cast<uint4*>(&sm.b[slot][0][0][0] + at) = make_uint4(0, 0, 0, 0);
   };
   // A fragments of one batch: per block two k16 steps (elements 0..3, then 4..7 of each lane).
   struct fragments {
     std::uint32_t a[kU][2][4];
   };
-  auto decode_weights = [&](const weights& w, fragments& f) {
+  auto decode_weights = [&](int kb0, fragments& f) {
+    std::uint32_t scale[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) scale[u] = scales[kb0 + u - kb_begin];
     // A warp's scales are one 32 x 32 tile's: the vote only makes the branch provably uniform.
-    const bool narrow = __all_sync(
-        0xFFFFFFFFu, w.scale[0] <= fold_one_multiply_max && w.scale[kU - 1] <= fold_one_multiply_max);
+    const bool narrow =
+        __all_sync(0xFFFFFFFFu, scale[0] <= fold_one_multiply_max && scale[kU - 1] <= fold_one_multiply_max);
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const std::uint32_t words[4] = {w.code[u].x, w.code[u].y, w.code[u].z, w.code[u].w};
-      const std::uint32_t m = fold_multiplier(w.scale[u]);
+      const uint4 code =
+          *reinterpret_cast<const uint4*>(sm.w[(kb0 + u - kb_begin) % folded_weight_depth][threadIdx.x]);
+      // Lane bytes: row g elements 8q .. 8q + 3, + 4 .., row g + 8 the same.
+      const std::uint32_t words[4] = {code.x, code.y, code.z, code.w};
+      const std::uint32_t m = fold_multiplier(scale[u]);
 #pragma unroll
       for (int step = 0; step < 2; ++step) {
         std::uint32_t p[4];
@@ -225,28 +257,29 @@ DSV4_KERNEL void __launch_bounds__(128)
         e4m3x4_to_bf16_pairs(words[2 + step], p[1], p[3]);  // row g + 8
 #pragma unroll
         for (int h = 0; h < 4; ++h)
-          f.a[u][step][h] = narrow ? bf16x2_mul(p[h], m) : fold_scale_wide(p[h], w.scale[u]);
+          f.a[u][step][h] = narrow ? bf16x2_mul(p[h], m) : fold_scale_wide(p[h], scale[u]);
       }
     }
   };
 
   float acc[kAcc] = {};
-  // One batch: when a chunk starts, wait for its copies and start the next chunk's, decode the weights into
-  // the fragment set `f` (its last MMAs, two batches back, are complete), refill the weights' slot, issue the
-  // batch's 2 kU wgmmas and leave them in flight until the next batch is issued.
-  auto batch = [&](weights& w, fragments& f, int kb0) {
-    const int step = kb0 - kb_begin, slot = (step / kC) % folded_ring, at = step % kC;
+  // One batch: when a chunk starts, wait for its activations and start the next chunk's; wait
+  // for the batch's weights, decode them into the fragment set `f` (its last MMAs, two batches
+  // back, are complete), issue the batch's 2 kU wgmmas (left in flight until the next batch is
+  // issued), then refill the weights' ring slots folded_depth batches on.
+  auto batch = [&](fragments& f, int kb0) {
+    const int step = kb0 - kb_begin, chunk = step / kC, slot = chunk % folded_ring, at = step % kC;
     if (at == 0) {
-      // This thread's copies of the chunk are in; the fence hands them to the MMAs' async proxy,
-      // the barrier makes everyone's visible. Then the next chunk's copies start: its slot was
-      // last read two chunks back, whose MMAs every warp completed before this barrier.
-      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      // The slot's bulk copy has landed (and this thread's zero fill is handed to the async
+      // proxy); after the barrier the next chunk's slot is free: it was last read two chunks
+      // back, whose MMAs every warp completed (wait_group 1) before reaching this barrier.
+      bulk_copy::wait(&sm.bar[slot], unsigned(chunk / folded_ring) & 1u);
       wgmma::fence_shared_for_async();
       __syncthreads();
-      if (kb0 + kC < kb_end) copy_chunk((step / kC + 1) % folded_ring, kb0 + kC);
+      if (kb0 + kC < kb_end) copy_chunk((chunk + 1) % folded_ring, kb0 + kC);
     }
-    decode_weights(w, f);
-    if (kb0 + folded_depth * kU < kb_end) load_weights(w, kb0 + folded_depth * kU);  // the slot is free again
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(folded_depth - 1) : "memory");
+    decode_weights(kb0, f);
 #pragma unroll
     for (int u = 0; u < kU; ++u)
 #pragma unroll
@@ -256,7 +289,9 @@ DSV4_KERNEL void __launch_bounds__(128)
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) wgmma::fence_operand(acc[i]);
     // Blocks past the slice's end (the last batch of an odd count) have zero weights and zero
-    // activations: they add zeros, and no branch sits between the wgmmas.
+    // activations: they add zeros, and no branch sits between the wgmmas. The warp reconverges
+    // first (thread 0's copies, the barrier waits): wgmma is `.aligned`.
+    __syncwarp();
     wgmma::fence();
 #pragma unroll
     for (int u = 0; u < kU; ++u)
@@ -267,29 +302,34 @@ DSV4_KERNEL void __launch_bounds__(128)
                                                        wgmma::b_stride_byte_offset),
                                 true);
     wgmma::commit_group();
+    // The fragments were read from the ring slots before the wgmmas that use them were issued:
+    // the slots can take the next copies.
+    copy_weights(kb0 + folded_weight_depth);
     wgmma::wait_group<1>();
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) wgmma::fence_operand(acc[i]);
   };
-  static_assert(folded_depth == 4, "the loop below names four weight slots");
-  weights w0, w1, w2, w3;
-  fragments f0, f1;
-  load_weights(w0, kb_begin);
-  load_weights(w1, kb_begin + kU);
-  load_weights(w2, kb_begin + 2 * kU);
-  load_weights(w3, kb_begin + 3 * kU);
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < folded_ring; ++i) bulk_copy::init(&sm.bar[i], 1);
+    bulk_copy::init_fence();
+  }
+  // The first weights and the slice's scales do not depend on the kernel before: requested
+  // before waiting for it.
+  for (int d = 0; d < folded_depth; ++d) copy_weights(kb_begin + kU * d);
+  for (int i = lane; i < folded_scale_stride(kbps); i += 32)
+    scales[i] = tile_ok && kb_begin + i < kb_end ? w_scale[kb_begin + i] : std::uint8_t(127);
+  __syncthreads();  // the barriers' initialisation
   runtime::start_after_previous_grid();
   copy_chunk(0, kb_begin);
+  fragments f0, f1;
   for (int kb0 = kb_begin; kb0 < kb_end;) {
-    batch(w0, f0, kb0);
+    batch(f0, kb0);
     if ((kb0 += kU) >= kb_end) break;
-    batch(w1, f1, kb0);
-    if ((kb0 += kU) >= kb_end) break;
-    batch(w2, f0, kb0);
-    if ((kb0 += kU) >= kb_end) break;
-    batch(w3, f1, kb0);
+    batch(f1, kb0);
     kb0 += kU;
   }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the CTA
   wgmma::wait_group<0>();
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) wgmma::fence_operand(acc[i]);
@@ -411,12 +451,23 @@ inline void folded_gemm(const block_scaled_gemm_args& g, gemm_workspace& workspa
   unsigned* counters = workspace.counters();
   // 48 KB of ring: above the static limit, so a dynamic-shared-memory opt-in, made once per
   // device and width beside the launch (as streamed_gemm.cuh does, for the same reasons).
+  // The opt-in is the most the device allows (the scales' bytes grow with K).
   static runtime::per_device_ints ready[4] = {};
-  auto go = [&](auto kernel, int variant, std::size_t smem) {
-    runtime::cached_per_device(ready[variant], [&](int) {
-      DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-      return 1;
+  auto go = [&](auto kernel, int variant, std::size_t ring) {
+    const int most = runtime::cached_per_device(ready[variant], [&](int device) {
+      int optin = 0;
+      DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+      cudaFuncAttributes attr{};
+      DSV4_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+      const int dynamic = optin - int(attr.sharedSizeBytes);  // the kernel's static bytes count too
+      DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic));
+      return dynamic;
     });
+    const std::size_t smem = ring + detail::folded_scale_bytes(p.kbps);
+    if (smem > std::size_t(most))
+      throw error("folded_gemm: a K slice of " + std::to_string(p.kbps) + " blocks needs " +
+                  std::to_string(smem) + " bytes of shared memory, the device allows " +
+                  std::to_string(most));
     runtime::launch_programmatic(kernel, grid, dim3(128), smem, stream, g, folded_a, p.kbps, p.slices,
                                  partials, counters);
   };
@@ -438,12 +489,23 @@ inline void folded_gemm(const block_scaled_gemm_args& g, gemm_workspace& workspa
   detail::folded_gemm_launches().fetch_add(1);
 }
 
-//! Whether block_scaled_linear gives this GEMM to the folded kernel: FP8 weights, a token count
-//! in [folded_min_tokens, folded_max_tokens], a workspace with room for its activations and a
-//! device that runs wgmma.
+//! Process-wide: whether block_scaled_linear may take the folded kernel (the default; off: the
+//! mma.sync kernel and the dequantize + cuBLAS path as before it, for comparisons such as
+//! bench_model --no-folded). Read when a linear layer is launched (or a graph captured).
+inline void set_folded_linears(bool on) {
+  detail::folded_linears_on().store(on);
+}
+inline bool folded_linears() {
+  return detail::folded_linears_on().load();
+}
+
+//! Whether block_scaled_linear gives this GEMM to the folded kernel (folded_linears() on): FP8
+//! weights of at least folded_min_rows output features, folded_min_tokens .. folded_max_tokens
+//! tokens, a workspace with room for the activations and a device that runs wgmma.
 inline bool takes_folded_path(const gemm_shape& s, weight_format wf, const gemm_workspace* workspace) {
-  return wf == weight_format::fp8_tile32 && s.m >= folded_min_tokens && s.m <= folded_max_tokens && s.n > 0 &&
-         workspace && workspace->folded_bytes() >= folded_scratch_bytes(s) && wgmma_supported();
+  return folded_linears() && wf == weight_format::fp8_tile32 && s.m >= folded_min_tokens &&
+         s.m <= folded_max_tokens && s.n >= folded_min_rows && workspace &&
+         workspace->folded_bytes() >= folded_scratch_bytes(s) && wgmma_supported();
 }
 
 }  // namespace dsv4::kernels::gemm
