@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dsv4/kernels/wgmma.cuh"
+#include "dsv4/numerics/bf16.hpp"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "support/gpu.hpp"
 #include "support/random.hpp"
@@ -21,6 +22,7 @@
 namespace utf = boost::unit_test;
 using namespace dsv4;
 using runtime::device_buffer;
+using numerics::bf16;
 namespace wgmma = dsv4::kernels::wgmma;
 
 namespace {
@@ -128,6 +130,91 @@ std::size_t mismatches(const layout& l, std::uint64_t salt) {
   return wrong;
 }
 
+//! The bf16 forms sparse attention uses, on small integers (every sum exact in fp32), 64 x 16 x N:
+//! `nmajor` false: m64n16k16 with A and B both in shared memory, K-major (core matrix (row
+//! group, K half) at (2 group + half) x 128, leading offset 128, stride 256); true: m64n128k16
+//! with A in registers (mma.m16n8k16's order) and B N-major (core matrix (K group, N group) at
+//! (16 K group + N group) x 128, leading offset 2048 between K groups, stride 128 between N groups).
+//! `swap_a` / `swap_b` exchange a descriptor's two offsets.
+template <bool NMajor>
+__global__ void bf16_probe_kernel(const bf16* a, const bf16* b, float* d_out, bool swap_a, bool swap_b) {
+  constexpr int N = NMajor ? 128 : 16;
+  __shared__ __align__(128) bf16 a_tile[64 * 16];
+  // B with room for the swapped N-major variant, which reads 16 N groups 2048 bytes apart.
+  constexpr int kBTile = NMajor ? 16 * 1024 : 16 * N;
+  __shared__ __align__(128) bf16 b_tile[kBTile];
+  for (int i = threadIdx.x; i < kBTile; i += blockDim.x) b_tile[i] = bf16::from_float(0.0f);
+  __syncthreads();
+  for (int i = threadIdx.x; i < 64 * 16; i += blockDim.x) {  // a is [64][16]
+    const int r = i / 16, k = i % 16;
+    a_tile[((r / 8) * 2 + k / 8) * 64 + (r % 8) * 8 + k % 8] = a[i];
+  }
+  for (int i = threadIdx.x; i < 16 * N; i += blockDim.x) {  // b is [16 (K)][N]
+    const int k = i / N, n = i % N;
+    if (NMajor)
+      b_tile[((k / 8) * (N / 8) + n / 8) * 64 + (k % 8) * 8 + n % 8] = b[i];
+    else
+      b_tile[((n / 8) * 2 + k / 8) * 64 + (n % 8) * 8 + k % 8] = b[i];
+  }
+  wgmma::fence_shared_for_async();
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  float d[N / 2] = {};
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) wgmma::fence_operand(d[i]);
+  auto desc = [](const void* p, std::uint32_t lead, std::uint32_t stride, bool swap) {
+    return swap ? wgmma::smem_descriptor(p, stride, lead) : wgmma::smem_descriptor(p, lead, stride);
+  };
+  if constexpr (NMajor) {
+    auto pair = [&](int row, int k) {
+      const bf16* p = a + (16 * warp + row) * 16 + k;
+      return std::uint32_t(p[0].bits) | std::uint32_t(p[1].bits) << 16;
+    };
+    std::uint32_t frag[4] = {pair(g, 2 * q), pair(g + 8, 2 * q), pair(g, 8 + 2 * q), pair(g + 8, 8 + 2 * q)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) wgmma::fence_operand(frag[i]);
+    wgmma::fence();
+    wgmma::mma_bf16_nmajor128(d, frag, desc(b_tile, (N / 8) * 128, 128, swap_b), false);
+  } else {
+    wgmma::fence();
+    wgmma::mma_bf16_ss16(d, desc(a_tile, 128, 256, swap_a), desc(b_tile, 128, 256, swap_b), false);
+  }
+  wgmma::commit_group();
+  wgmma::wait_group<0>();
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) wgmma::fence_operand(d[i]);
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    const int j = i / 4, row = 16 * warp + g + 8 * ((i % 4) / 2), col = 8 * j + 2 * q + i % 2;
+    d_out[row * N + col] = d[i];
+  }
+}
+
+//! Outputs of bf16_probe_kernel that differ from the host product (NaN-poisoned beforehand).
+template <bool NMajor>
+std::size_t bf16_mismatches(bool swap_a, bool swap_b, std::uint64_t salt) {
+  constexpr int N = NMajor ? 128 : 16;
+  auto rng = test::make_rng(salt);
+  std::vector<bf16> a(64 * 16), b(16 * N);
+  for (auto& x : a) x = bf16::from_float(float(int(rng() % 9) - 4));
+  for (auto& x : b) x = bf16::from_float(float(int(rng() % 9) - 4));
+  device_buffer<bf16> da{std::span<const bf16>(a)}, db{std::span<const bf16>(b)};
+  device_buffer<float> dd(64 * N);
+  dd.fill_bytes(0xFF);
+  bf16_probe_kernel<NMajor><<<1, 128>>>(da.data(), db.data(), dd.data(), swap_a, swap_b);
+  DSV4_CUDA_CHECK_LAUNCH();
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got = dd.download();
+  std::size_t wrong = 0;
+  for (int r = 0; r < 64; ++r)
+    for (int c = 0; c < N; ++c) {
+      float want = 0.0f;
+      for (int k = 0; k < 16; ++k) want += a[r * 16 + k].to_float() * b[k * N + c].to_float();
+      wrong += !(got[r * N + c] == want);
+    }
+  return wrong;
+}
+
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(wgmma_cuda)
@@ -166,6 +253,24 @@ BOOST_AUTO_TEST_CASE(every_width_matches_host,
   BOOST_TEST(mismatches<16>(ours, 802) == 0u);
   BOOST_TEST(mismatches<32>(ours, 803) == 0u);
   BOOST_TEST(mismatches<64>(ours, 804) == 0u);
+}
+
+// The bf16 forms of sparse attention (both operands in shared memory; B N-major): the layouts
+// wgmma.cuh documents must be the ones the hardware agrees with; the message lists every variant.
+BOOST_AUTO_TEST_CASE(bf16_shared_and_n_major_layouts,
+                     *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
+  for (bool swap_a : {false, true})
+    for (bool swap_b : {false, true})
+      BOOST_TEST_MESSAGE("m64n16k16 both in shared memory, A offsets " << (swap_a ? "swapped" : "as placed")
+                         << ", B offsets " << (swap_b ? "swapped" : "as placed") << ": "
+                         << bf16_mismatches<false>(swap_a, swap_b, 900 + 2 * swap_a + swap_b) << " of 1024 differ");
+  for (bool swap_b : {false, true})
+    BOOST_TEST_MESSAGE("m64n128k16 B N-major, offsets " << (swap_b ? "swapped" : "as placed") << ": "
+                       << bf16_mismatches<true>(false, swap_b, 910 + swap_b) << " of 8192 differ");
+  BOOST_TEST(bf16_mismatches<false>(false, false, 920) == 0u,
+             "mma_bf16_ss16: leading offset = K-half distance, stride = row-group distance disagrees with the hardware");
+  BOOST_TEST(bf16_mismatches<true>(false, false, 921) == 0u,
+             "mma_bf16_nmajor128: leading offset = K-group distance, stride = N-group distance disagrees with the hardware");
 }
 
 BOOST_AUTO_TEST_SUITE_END()

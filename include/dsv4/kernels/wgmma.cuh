@@ -2,7 +2,8 @@
 //! \file
 //! Hopper warpgroup MMA (wgmma) building blocks: the shared-memory matrix descriptor, the fences
 //! and groups of the asynchronous MMA, the m64nNk32 E4M3 x E4M3 -> fp32 product with A in
-//! registers and B in shared memory (N = 8, 16, 32, 64), and the m64nNk16 bf16 one (N = 16 .. 128).
+//! registers and B in shared memory (N = 8, 16, 32, 64), the m64nNk16 bf16 one (N = 16 .. 128; B
+//! K-major, or N-major at N = 128), and m64n16k16 bf16 with both operands in shared memory.
 //!
 //! Why wgmma: sm_90 has no FP8 `mma.sync` (ptxas lowers it to conversions and two f16 MMAs,
 //! docs/decisions.md 2026-12-01); its FP8 tensor cores are reached only through wgmma.
@@ -24,9 +25,13 @@
 //!
 //! Every wgmma of a warpgroup is issued by all of its 128 threads (`.sync.aligned`).
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 
 #include "dsv4/config.hpp"
+#include "dsv4/runtime/cuda_check.cuh"
+#include "dsv4/runtime/device_info.cuh"
 
 // wgmma exists only on sm_90a (the architecture-specific features of compute capability 9.0).
 // Compiled for another architecture, the functions below trap: wgmma_gemm refuses such a device
@@ -38,6 +43,40 @@
 #endif
 
 namespace dsv4::kernels::wgmma {
+
+namespace detail {
+//! Writes whether this translation unit's device code was compiled with wgmma (sm_90a).
+DSV4_KERNEL void wgmma_compiled_kernel(int* out) {
+  *out = DSV4_WGMMA_PASS;
+}
+}  // namespace detail
+
+//! Whether the current device can run wgmma kernels: compute capability 9.x and device code
+//! compiled for sm_90a (a build for plain sm_90 has no wgmma, and its kernels would trap). Asked
+//! once per device with a one-thread kernel on a stream of its own (allowed while another stream
+//! of this thread captures a graph).
+inline bool supported() {
+  static runtime::per_device_ints known = {};
+  return runtime::cached_per_device(known, [](int) {
+    if (runtime::compute_capability_major() != 9) return 0;
+    // A probe launch: the kernel sets the flag only where its sm_90a code was compiled in.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    DSV4_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    int* flag = nullptr;
+    int host = 0;
+    cudaStream_t s = nullptr;
+    DSV4_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    DSV4_CUDA_CHECK(cudaMallocAsync(&flag, sizeof(int), s));
+    detail::wgmma_compiled_kernel<<<1, 1, 0, s>>>(flag);
+    DSV4_CUDA_CHECK_LAUNCH();
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(&host, flag, sizeof(int), cudaMemcpyDeviceToHost, s));
+    DSV4_CUDA_CHECK(cudaFreeAsync(flag, s));
+    DSV4_CUDA_CHECK(cudaStreamSynchronize(s));
+    DSV4_CUDA_CHECK(cudaStreamDestroy(s));
+    DSV4_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    return host == 1 ? 1 : 0;
+  }) == 1;
+}
 
 //! Bytes of one core matrix: 8 rows of 16 bytes.
 inline constexpr int core_matrix_bytes = 128;
@@ -243,9 +282,9 @@ DSV4_DEVICE void mma_bf16<64>(float (&d)[32], const std::uint32_t (&a)[4], std::
 #endif
 }
 
-template <>
-DSV4_DEVICE void mma_bf16<128>(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t b_desc,
-                               bool accumulate) {
+//! m64n128k16 bf16 with B K-major (TransB 0) or N-major (1, see mma_bf16_nmajor128).
+template <int TransB>
+DSV4_DEVICE void mma_bf16_128(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t b_desc, bool accumulate) {
 #if DSV4_WGMMA_PASS
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
@@ -254,7 +293,7 @@ DSV4_DEVICE void mma_bf16<128>(float (&d)[64], const std::uint32_t (&a)[4], std:
       "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
       "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
       "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-      "{%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+      "{%64,%65,%66,%67}, %68, p, 1, 1, %70;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
@@ -264,10 +303,44 @@ DSV4_DEVICE void mma_bf16<128>(float (&d)[64], const std::uint32_t (&a)[4], std:
         "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
         "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
         "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(int(accumulate)));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(int(accumulate)), "n"(TransB));
 #elif DSV4_DEVICE_PASS
   __trap();
 #endif
+}
+
+template <>
+DSV4_DEVICE void mma_bf16<128>(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t b_desc,
+                               bool accumulate) {
+  mma_bf16_128<0>(d, a, b_desc, accumulate);
+}
+
+//! d = A B or A B + d, m64n16k16 bf16, both operands in shared memory, K-major (A: 64 rows of 16
+//! bf16 as two core matrices of 8 rows each, placed as B's: `a_desc` with the same kind of
+//! leading (K half) and stride (row group) offsets). For products whose A is too large for the
+//! registers of every warpgroup that reads it (sparse attention's 64 query heads x 512 channels).
+DSV4_DEVICE void mma_bf16_ss16(float (&d)[8], std::uint64_t a_desc, std::uint64_t b_desc, bool accumulate) {
+#if DSV4_WGMMA_PASS
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(a_desc), "l"(b_desc), "r"(int(accumulate)));
+#elif DSV4_DEVICE_PASS
+  __trap();
+#endif
+}
+
+//! d = A B or A B + d, m64n128k16 bf16, A from registers (as mma_bf16), B in shared memory
+//! N-major (imm-trans-b = 1): core matrices of 8 K rows x 8 contiguous N elements (16 bytes a
+//! row, 128 bytes each); `b_desc`'s leading byte offset is the distance between core matrices
+//! along K, its stride byte offset the distance along N (PTX ISA, "Strides": the same meaning as
+//! for K-major operands). Sparse attention's value product reads its dequantized entries
+//! ([entry][channel], channels contiguous) this way, the very tile its score product reads
+//! K-major.
+DSV4_DEVICE void mma_bf16_nmajor128(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t b_desc, bool accumulate) {
+  mma_bf16_128<1>(d, a, b_desc, accumulate);
 }
 
 }  // namespace dsv4::kernels::wgmma

@@ -34,6 +34,7 @@
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/attention/reference.hpp"
 #include "dsv4/kernels/tensor_core.cuh"
+#include "dsv4/kernels/wgmma.cuh"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/numerics/fast_codec.cuh"
 #include "dsv4/runtime/cuda_check.cuh"
@@ -222,6 +223,9 @@ struct sparse_attention_args {
   bf16* out = nullptr;                //!< [batch, rows, heads, dim]
   int batch = 1, rows = 0, heads = 0, topk = 0;
   float scale = 0;
+  //! Whether CTAs of 64 heads at Dim 512 (V4.1's attention) may run on warpgroup MMAs (sm_90a,
+  //! where the device has them); false: mma.sync everywhere (tests and bench_attention compare).
+  bool allow_wgmma = true;
 };
 
 //! Scratch of split-KV launches: per (row, head, split) the unnormalized fp32 accumulator and the
@@ -364,9 +368,24 @@ inline constexpr int stage_bytes_for =
 //!   the reference orders it.
 //! The sums inside the tensor core run in the hardware's order (as in the official kernel); the
 //! host reference's differ by fp32 rounding only (docs/decisions.md).
-template <int Dim, int HeadTiles, class KV>
+//!
+//! Wgmma (64 heads at Dim 512, sm_90a): the same CTA, chunks, softmax and splits, but the two
+//! products run on warpgroup MMAs that read their shared operands through descriptors instead of
+//! each warp loading fragments with ldmatrix (which made the mma.sync kernel shared-memory bound:
+//! every warp re-read the chunk's whole tile and its heads' queries). Warpgroup p is entry
+//! quarter p for the scores (m64n16k16, queries and entries both from shared memory) and channel
+//! quarter p for the values (m64n128k16, probabilities from registers, entries read N-major from
+//! the very tile the scores read K-major); warp t of a warpgroup holds head tile t, so every
+//! fragment is where the mma.sync kernel has it. The tiles are stored as 8 x 8 core matrices
+//! (tile_offset) without padding. One order differs from the reference's: the accumulator is
+//! rescaled first and the chunk's products then added to it inside the tensor core (acc alpha +
+//! p kv, fp32 rounding only; a separate sum would need 64 more registers than 512 threads have).
+template <int Dim, int HeadTiles, class KV, bool Wgmma = false>
 DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
     sparse_attention_kernel(sparse_attention_args a, KV kv, kv_split sp) {
+  static_assert(!Wgmma || (HeadTiles == max_head_tiles && Dim == 512),
+                "sparse_attention: the wgmma form needs CTAs of 64 heads (M = 64) and Dim 512 (a warpgroup's "
+                "channel quarter is one m64n128 product); launch other shapes with Wgmma = false");
   constexpr int kStage = stage_bytes_for<Dim, HeadTiles, KV>;
   using smem_t = mma_smem<Dim, HeadTiles, kStage>;
   constexpr int kThreads = HeadTiles * channel_parts * 32, kWarps = kThreads / 32;
@@ -388,12 +407,17 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
   __shared__ typename KV::entry_ref chunk_at[2][sparse_chunk];
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, gid = lane / 4, quad = lane % 4;
-  const int ht = warp / channel_parts, part = warp % channel_parts;
+  // mma.sync: four consecutive warps share a head tile; wgmma: a warpgroup's four warps are the
+  // four head tiles of one quarter (the wgmma's 64 rows).
+  const int ht = Wgmma ? warp % channel_parts : warp / channel_parts;
+  const int part = Wgmma ? warp / channel_parts : warp % channel_parts;
   const int row = blockIdx.x;  // flattened (sequence, row)
   const int seq = row / a.rows;
   const int head0 = blockIdx.y * kHeads;
   const int tile_head0 = head0 + ht * head_tile;
-  const bool tile_live = tile_head0 < a.heads;  // warp-uniform: a tile past the last head skips the math
+  // Warp-uniform: a tile past the last head skips the math (not under wgmma, where every warp of
+  // a warpgroup issues its MMAs: those heads are zero query rows whose results are never stored).
+  const bool tile_live = Wgmma || tile_head0 < a.heads;
   // This thread's two heads: fragment rows gid and gid + 8 of its tile (rows of the CTA's tiles).
   const int my_head[2] = {tile_head0 + gid, tile_head0 + gid + 8};
   const int my_row[2] = {ht * head_tile + gid, ht * head_tile + gid + 8};
@@ -404,6 +428,15 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
                    : sp.partials ? min(a.topk, first + sp.chunks_per_split * sparse_chunk)
                                  : a.topk;
   runtime::start_after_previous_grid();
+  // Where element (r, c) of a kv or query tile lies (bf16 units): padded rows for mma.sync (see
+  // mma_smem); for wgmma 8 x 8 core matrices, 128 contiguous bytes each, row groups of 8 one after
+  // the other and, inside one, the channel groups of 8.
+  auto tile_offset = [](int r, int c) {
+    if constexpr (Wgmma)
+      return ((r / 8) * (Dim / 8) + c / 8) * 64 + (r % 8) * 8 + c % 8;
+    else
+      return r * kRow + c;
+  };
 
   // The CTA's queries (heads past the last are zero rows: their scores are 0 and never stored),
   // with every thread's loads issued before its stores: one memory round trip, not one per load
@@ -422,13 +455,14 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
       const int t = threadIdx.x + u * kThreads, h = t / (Dim / kPer), c = (t % (Dim / kPer)) * kPer;
-      *reinterpret_cast<W*>(q_tile + h * kRow + c) = v[u];
+      *reinterpret_cast<W*>(q_tile + tile_offset(h, c)) = v[u];
     }
   };
   if (reinterpret_cast<std::uintptr_t>(a.q) % 16 == 0)
     copy_queries(uint4{});
   else
     copy_queries(uint2{});  // q need only be 8-byte aligned (can_implement)
+  // (The first chunk's dequantization fences the query stores for the wgmma reads with its own.)
 
   float m[2] = {-1e30f, -1e30f}, l[2] = {0.0f, 0.0f};
   if (sp.partials && !sp.max_pass && !sp.barriers)  // the running maximum the unsplit recurrence has here
@@ -478,7 +512,10 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
     constexpr int kInFlight = Dim > 512 ? 2 : 4;  // beyond V4.1's 512 channels the registers run short
 #pragma unroll kInFlight
     for (int t = threadIdx.x; t < sparse_chunk * (Dim / 8); t += kThreads) {
-      const int e = t / (Dim / 8), c = (t % (Dim / 8)) * 8;
+      // mma.sync: a warp per entry row; wgmma: eight entries at a time (one core matrix column),
+      // so that each quarter warp's eight 16-byte stores fall in different banks.
+      const int e = Wgmma ? (t / (8 * (Dim / 8))) * 8 + t % 8 : t / (Dim / 8);
+      const int c = Wgmma ? ((t / 8) % (Dim / 8)) * 8 : (t % (Dim / 8)) * 8;
       const int j = chunk_idx[b][e];
       uint4 v = make_uint4(0, 0, 0, 0);
       if (j >= 0) {
@@ -487,8 +524,9 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
         else
           v = kv.load8(chunk_at[b][e], j, c);
       }
-      *reinterpret_cast<uint4*>(kv_tile + e * kRow + c) = v;
+      *reinterpret_cast<uint4*>(kv_tile + tile_offset(e, c)) = v;
     }
+    if constexpr (Wgmma) wgmma::fence_shared_for_async();  // these stores, before the barrier, to the MMAs' reads
   };
 
   // The pipeline's start: the first chunk located and its copy started, the second located.
@@ -518,7 +556,23 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
     // k-steps) per 8-entry tile, added at the end: half the MMA latency chain of one. Each step's
     // fragments are loaded one step ahead (the ldmatrix latency behind the MMAs before).
     float s[2][4] = {};
-    if (tile_live) {
+    if constexpr (Wgmma) {
+      // The warpgroup's 64 heads x 16 entries: one chain of 32 m64n16k16 steps over the channels.
+      // Core matrices along K are 128 bytes apart, row groups Dim / 8 of them (descriptor offsets).
+      float d[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) d[i] = 0.0f, wgmma::fence_operand(d[i]);
+      const std::uint64_t qd = wgmma::smem_descriptor(q_tile, 128, (Dim / 8) * 128);
+      const std::uint64_t kd = wgmma::smem_descriptor(kv_tile + tile_offset(e0, 0), 128, (Dim / 8) * 128);
+      wgmma::fence();
+#pragma unroll
+      for (int step = 0; step < Dim / 16; ++step)  // + 256 bytes (two core matrices) per step
+        wgmma::mma_bf16_ss16(d, qd + 16 * step, kd + 16 * step, step > 0);
+      wgmma::commit_group();
+      wgmma::wait_group<0>();
+#pragma unroll
+      for (int i = 0; i < 8; ++i) wgmma::fence_operand(d[i]), s[i / 4][i % 4] = d[i];
+    } else if (tile_live) {
       float s_odd[2][4] = {};
       std::uint32_t qa[2][4], kb[2][4];  // rows lane % 16, channels k + 8 (lane / 16) ..; entries e0 ..
       auto load_step = [&](int k, int slot) {
@@ -626,9 +680,34 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
 #pragma unroll
       for (int k = 0; k < sparse_chunk / 16; ++k)
         ldmatrix_x4<false>(pa[k], p_tile + (ht * head_tile + lane % 16) * kPRow + 16 * k + (lane / 16) * 8);
-      // acc <- acc alpha + (the chunk's sum of bf16(p_j) kv_j), 16 channels at a time.
+      if constexpr (Wgmma) {
+        // acc <- acc alpha, then + the chunk's bf16(p_j) kv_j over its 64 entries, 16 a step, this
+        // warpgroup's 128 channels: B N-major, core matrices 128 bytes apart along the channels
+        // and Dim / 8 of them along the entries. acc[n][i] is the wgmma's d[4 n + i].
+        float(&d)[kPartCh / 2] = reinterpret_cast<float(&)[kPartCh / 2]>(acc);
 #pragma unroll
-      for (int nb = 0; nb < kPartCh / 16; ++nb) {
+        for (int n = 0; n < kPartCh / 8; ++n)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[n][i] = __fmul_rn(acc[n][i], alpha[i / 2]);
+#pragma unroll
+        for (int i = 0; i < kPartCh / 2; ++i) wgmma::fence_operand(d[i]);
+#pragma unroll
+        for (int k = 0; k < sparse_chunk / 16; ++k)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) wgmma::fence_operand(pa[k][r]);
+        const std::uint64_t vd = wgmma::smem_descriptor(kv_tile + tile_offset(0, ch0), (Dim / 8) * 128, 128);
+        wgmma::fence();
+#pragma unroll
+        for (int k = 0; k < sparse_chunk / 16; ++k)  // + two rows of core matrices per step
+          wgmma::mma_bf16_nmajor128(d, pa[k], vd + k * (2 * (Dim / 8) * 128 / 16), true);
+        wgmma::commit_group();
+        wgmma::wait_group<0>();
+#pragma unroll
+        for (int i = 0; i < kPartCh / 2; ++i) wgmma::fence_operand(d[i]);
+      } else {
+        // acc <- acc alpha + (the chunk's sum of bf16(p_j) kv_j), 16 channels at a time.
+#pragma unroll
+        for (int nb = 0; nb < kPartCh / 16; ++nb) {
         float sum[2][4] = {};
 #pragma unroll
         for (int k = 0; k < sparse_chunk / 16; ++k) {
@@ -641,6 +720,7 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
         for (int h = 0; h < 2; ++h)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[2 * nb + h][i] = __fadd_rn(__fmul_rn(acc[2 * nb + h][i], alpha[i / 2]), sum[h][i]);
+        }
       }
     }
     if (threadIdx.x < sparse_chunk) chunk_idx[b][threadIdx.x] = after_next, chunk_at[b][threadIdx.x] = after_next_at;
@@ -797,6 +877,11 @@ void sparse_attention(const sparse_attention_args& a, const KV& kv, cudaStream_t
     DSV4_CUDA_CHECK_LAUNCH();
   };
   using detail::mma_smem, detail::stage_bytes_for, detail::max_head_tiles;
+  if constexpr (Dim == 512) {
+    if (tiles == max_head_tiles && a.allow_wgmma && wgmma::supported())
+      return run(detail::sparse_attention_kernel<Dim, max_head_tiles, KV, true>,
+                 mma_smem<Dim, max_head_tiles, stage_bytes_for<Dim, max_head_tiles, KV>>{});
+  }
   if (tiles == 1) return run(detail::sparse_attention_kernel<Dim, 1, KV>, mma_smem<Dim, 1, stage_bytes_for<Dim, 1, KV>>{});
   if (tiles == 2) return run(detail::sparse_attention_kernel<Dim, 2, KV>, mma_smem<Dim, 2, stage_bytes_for<Dim, 2, KV>>{});
   run(detail::sparse_attention_kernel<Dim, max_head_tiles, KV>,

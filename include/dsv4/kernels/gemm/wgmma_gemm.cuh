@@ -63,38 +63,10 @@ inline std::atomic<unsigned long long>& wgmma_gemm_launches() {
   static std::atomic<unsigned long long> launches{0};
   return launches;
 }
-//! Writes whether this translation unit's device code was compiled with wgmma (sm_90a).
-DSV4_KERNEL void wgmma_compiled_kernel(int* out) {
-  *out = DSV4_WGMMA_PASS;
-}
 }  // namespace detail
 
-//! Whether the current device can run this file's kernels: compute capability 9.x and device code
-//! compiled for sm_90a (a build for plain sm_90 has no wgmma, and its kernels would trap). Asked
-//! once per device with a one-thread kernel on a stream of its own (allowed while another stream
-//! of this thread captures a graph).
-inline bool wgmma_supported() {
-  static runtime::per_device_ints known = {};
-  return runtime::cached_per_device(known, [](int) {
-    if (runtime::compute_capability_major() != 9) return 0;
-    // A probe launch: the kernel sets the flag only where its sm_90a code was compiled in.
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    DSV4_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-    int* flag = nullptr;
-    int host = 0;
-    cudaStream_t s = nullptr;
-    DSV4_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    DSV4_CUDA_CHECK(cudaMallocAsync(&flag, sizeof(int), s));
-    detail::wgmma_compiled_kernel<<<1, 1, 0, s>>>(flag);
-    DSV4_CUDA_CHECK_LAUNCH();
-    DSV4_CUDA_CHECK(cudaMemcpyAsync(&host, flag, sizeof(int), cudaMemcpyDeviceToHost, s));
-    DSV4_CUDA_CHECK(cudaFreeAsync(flag, s));
-    DSV4_CUDA_CHECK(cudaStreamSynchronize(s));
-    DSV4_CUDA_CHECK(cudaStreamDestroy(s));
-    DSV4_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-    return host == 1 ? 1 : 0;
-  }) == 1;
-}
+//! Whether the current device can run this file's kernels (wgmma::supported()).
+inline bool wgmma_supported() { return wgmma::supported(); }
 
 namespace detail {
 inline void require_wgmma(const char* who) {
