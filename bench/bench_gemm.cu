@@ -209,7 +209,9 @@ int main(int argc, char** argv) {
                                                                   kernels::gemm::wgmma_partial_floats(s),
                                                                   kernels::gemm::folded_partial_floats(s)}),
                                            m >= 64 ? kernels::gemm::dequant_elems(s) : 0,
-                                           kernels::gemm::folded_bytes_for(m, L.k));
+                                           // the engine's sizing (folded_bytes_for) covers only the
+                                           // tokens it folds; this table times the kernel beyond them
+                                           kernels::gemm::folded_scratch_bytes(s));
         int it = 0;
         auto args = [&](int i) {
           return kernels::gemm::block_scaled_gemm_args{s, a.data(), a_s.data(), w.data() + w_bytes * i,
