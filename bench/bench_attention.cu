@@ -101,9 +101,12 @@ int main(int argc, char** argv) {
     std::printf("device: %s\n", prop.name);
     const bench::ceilings ceil = bench::ceilings::measure();
     const double copy_bps = ceil.copy_bps, gemm_fps = ceil.gemm_fps;
-    std::printf("%6s %9s %10s %10s %10s %10s %9s %7s %11s %11s %9s %12s\n", "batch", "context", "median us", "TFLOP/s", "GB/s",
-                "floor us", "vs floor", "splits", "3-launch us", "unsplit us", "paged us", "mma.sync us");
-    std::printf("(median: the engine's launch, on wgmma where the device has it; mma.sync: the same launch without)\n");
+    std::printf("%6s %9s %10s %10s %10s %10s %9s %7s %11s %11s %9s %12s\n", "batch", "context", "median us",
+                "TFLOP/s", "GB/s", "floor us", "vs floor", "splits", "3-launch us", "unsplit us", "paged us",
+                "mma.sync us");
+    std::printf(
+        "(median: the engine's launch, on wgmma where the device has it; mma.sync: the same launch "
+        "without)\n");
     FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
     if (jf) std::fprintf(jf, "{\"device\": \"%s\", \"copy_gbps\": %.1f, \"gemm_tflops\": %.1f, \"results\": [\n", prop.name,
                          copy_bps / 1e9, gemm_fps / 1e12);
@@ -166,12 +169,17 @@ int main(int argc, char** argv) {
         const double bytes = double(batch) * (window * wl::bytes + selected * gl::bytes + 2.0 * heads * dim * 2 +
                                               topk * 4.0);
         const double floor_s = ceil.floor_s(flops, bytes);
-        std::printf("%6d %9lld %10.1f %10.1f %10.1f %10.2f %8.1f%% %7d %11.1f %11.1f %9.1f %12.1f\n", batch, context,
-                    ms * 1e3, flops / (ms * 1e-3) / 1e12, bytes / (ms * 1e-3) / 1e9, floor_s * 1e6, 100 * floor_s / (ms * 1e-3),
-                    splits, ms_three * 1e3, ms_unsplit * 1e3, ms_paged * 1e3, ms_sync * 1e3);
+        std::printf("%6d %9lld %10.1f %10.1f %10.1f %10.2f %8.1f%% %7d %11.1f %11.1f %9.1f %12.1f\n", batch,
+                    context, ms * 1e3, flops / (ms * 1e-3) / 1e12, bytes / (ms * 1e-3) / 1e9, floor_s * 1e6,
+                    100 * floor_s / (ms * 1e-3), splits, ms_three * 1e3, ms_unsplit * 1e3, ms_paged * 1e3,
+                    ms_sync * 1e3);
         if (jf)
-          std::fprintf(jf, "%s  {\"batch\": %d, \"context\": %lld, \"splits\": %d, \"three_launch_us\": %.2f, \"unsplit_us\": %.2f, \"us\": %.2f, \"paged_us\": %.2f, \"mma_sync_us\": %.2f, \"tflops\": %.2f, \"gbps\": %.1f, \"floor_us\": %.3f, \"ratio\": %.4f}",
-                       first ? "" : ",\n", batch, context, splits, ms_three * 1e3, ms_unsplit * 1e3, ms * 1e3, ms_paged * 1e3, ms_sync * 1e3, flops / (ms * 1e-3) / 1e12, bytes / (ms * 1e-3) / 1e9,
+          std::fprintf(jf,
+                       "%s  {\"batch\": %d, \"context\": %lld, \"splits\": %d, \"three_launch_us\": %.2f, "
+                       "\"unsplit_us\": %.2f, \"us\": %.2f, \"paged_us\": %.2f, \"mma_sync_us\": %.2f, "
+                       "\"tflops\": %.2f, \"gbps\": %.1f, \"floor_us\": %.3f, \"ratio\": %.4f}",
+                       first ? "" : ",\n", batch, context, splits, ms_three * 1e3, ms_unsplit * 1e3, ms * 1e3,
+                       ms_paged * 1e3, ms_sync * 1e3, flops / (ms * 1e-3) / 1e12, bytes / (ms * 1e-3) / 1e9,
                        floor_s * 1e6, floor_s / (ms * 1e-3));
         first = false;
       }
@@ -184,12 +192,15 @@ int main(int argc, char** argv) {
       a_sync.allow_wgmma = false;
       const double ms_sync = bench::median_ms([&] { sparse_attention<dim>(a_sync, op.kv, nullptr, &ws); });
       const double flops = 4.0 * rows * heads * double(topk) * dim;
-      std::printf("\nprefill-shaped: %d query rows x %d heads x %d indices: %.1f us, %.1f TFLOP/s (%.1f%% of the bf16 GEMM rate); "
-                  "mma.sync %.1f us\n",
-                  rows, heads, topk, ms * 1e3, flops / (ms * 1e-3) / 1e12, 100 * flops / (ms * 1e-3) / gemm_fps, ms_sync * 1e3);
+      std::printf(
+          "\nprefill-shaped: %d query rows x %d heads x %d indices: %.1f us, %.1f TFLOP/s (%.1f%% of the "
+          "bf16 GEMM rate); "
+          "mma.sync %.1f us\n",
+          rows, heads, topk, ms * 1e3, flops / (ms * 1e-3) / 1e12, 100 * flops / (ms * 1e-3) / gemm_fps,
+          ms_sync * 1e3);
       if (jf)
-        std::fprintf(jf, ",\n  {\"prefill_rows\": %d, \"us\": %.2f, \"mma_sync_us\": %.2f, \"tflops\": %.2f}", rows, ms * 1e3,
-                     ms_sync * 1e3, flops / (ms * 1e-3) / 1e12);
+        std::fprintf(jf, ",\n  {\"prefill_rows\": %d, \"us\": %.2f, \"mma_sync_us\": %.2f, \"tflops\": %.2f}",
+                     rows, ms * 1e3, ms_sync * 1e3, flops / (ms * 1e-3) / 1e12);
     }
 #if DSV4_BENCH_FLASHMLA
     // FlashMLA on the same shapes: window 128 + 512 selected of `context` compressed entries, 64

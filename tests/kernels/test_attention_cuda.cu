@@ -96,8 +96,8 @@ std::vector<bf16> host_reference(const problem& p, const std::vector<bf16>& kv, 
 // `q_offset` (elements) places q that far into its buffer: 4 gives an 8-byte but not 16-byte
 // aligned q, the kernel's narrower query copy. `wgmma` false keeps 64-head CTAs on mma.sync.
 template <int Dim, class KV>
-std::vector<bf16> run_device(const problem& p, const KV& kv, float scale, sparse_attention_workspace* ws = nullptr,
-                             int q_offset = 0, bool wgmma = true) {
+std::vector<bf16> run_device(const problem& p, const KV& kv, float scale,
+                             sparse_attention_workspace* ws = nullptr, int q_offset = 0, bool wgmma = true) {
   device_buffer<bf16> dq(p.q.size() + std::size_t(q_offset)), dout(p.q.size());
   DSV4_CUDA_CHECK(cudaMemcpy(dq.data() + q_offset, p.q.data(), p.q.size() * sizeof(bf16), cudaMemcpyHostToDevice));
   device_buffer<float> dsink{std::span<const float>(p.sink)};
@@ -147,8 +147,8 @@ void compare_split(const std::vector<bf16>& split, const std::vector<bf16>& unsp
 
 // The device result unsplit and split (when the launcher splits this shape) against the host.
 template <int Dim, class KV>
-void compare_one_way(const problem& p, const KV& kv, float scale, const std::vector<bf16>& want, const std::string& what,
-                     bool wgmma) {
+void compare_one_way(const problem& p, const KV& kv, float scale, const std::vector<bf16>& want,
+                     const std::string& what, bool wgmma) {
   const auto unsplit = run_device<Dim>(p, kv, scale, nullptr, 0, wgmma);
   compare(unsplit, want, Dim, what + " unsplit");
   auto ws = sparse_attention_workspace::for_device<Dim>();
@@ -174,7 +174,8 @@ void compare_one_way(const problem& p, const KV& kv, float scale, const std::vec
 // compare_one_way on every kernel the shape can run on: where CTAs of 64 heads at Dim 512 take
 // the wgmma kernel (sm_90a), the mma.sync one as well.
 template <int Dim, class KV>
-void compare_both_ways(const problem& p, const KV& kv, float scale, const std::vector<bf16>& want, const std::string& what) {
+void compare_both_ways(const problem& p, const KV& kv, float scale, const std::vector<bf16>& want,
+                       const std::string& what) {
   const bool two_kernels = Dim == 512 && p.heads > 32 && kernels::wgmma::supported();
   compare_one_way<Dim>(p, kv, scale, want, what + (two_kernels ? " [wgmma]" : ""), true);
   if (two_kernels) compare_one_way<Dim>(p, kv, scale, want, what + " [mma.sync]", false);

@@ -21,8 +21,8 @@
 
 namespace utf = boost::unit_test;
 using namespace dsv4;
-using runtime::device_buffer;
 using numerics::bf16;
+using runtime::device_buffer;
 namespace wgmma = dsv4::kernels::wgmma;
 
 namespace {
@@ -261,16 +261,20 @@ BOOST_AUTO_TEST_CASE(bf16_shared_and_n_major_layouts,
                      *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
   for (bool swap_a : {false, true})
     for (bool swap_b : {false, true})
-      BOOST_TEST_MESSAGE("m64n16k16 both in shared memory, A offsets " << (swap_a ? "swapped" : "as placed")
-                         << ", B offsets " << (swap_b ? "swapped" : "as placed") << ": "
-                         << bf16_mismatches<false>(swap_a, swap_b, 900 + 2 * swap_a + swap_b) << " of 1024 differ");
+      BOOST_TEST_MESSAGE(
+          "m64n16k16 both in shared memory, A offsets "
+          << (swap_a ? "swapped" : "as placed") << ", B offsets " << (swap_b ? "swapped" : "as placed")
+          << ": " << bf16_mismatches<false>(swap_a, swap_b, 900 + 2 * swap_a + swap_b) << " of 1024 differ");
   for (bool swap_b : {false, true})
     BOOST_TEST_MESSAGE("m64n128k16 B N-major, offsets " << (swap_b ? "swapped" : "as placed") << ": "
-                       << bf16_mismatches<true>(false, swap_b, 910 + swap_b) << " of 8192 differ");
+                                                        << bf16_mismatches<true>(false, swap_b, 910 + swap_b)
+                                                        << " of 8192 differ");
   BOOST_TEST(bf16_mismatches<false>(false, false, 920) == 0u,
-             "mma_bf16_ss16: leading offset = K-half distance, stride = row-group distance disagrees with the hardware");
+             "mma_bf16_ss16: leading offset = K-half distance, stride = row-group distance disagrees with "
+             "the hardware");
   BOOST_TEST(bf16_mismatches<true>(false, false, 921) == 0u,
-             "mma_bf16_nmajor128: leading offset = K-group distance, stride = N-group distance disagrees with the hardware");
+             "mma_bf16_nmajor128: leading offset = K-group distance, stride = N-group distance disagrees "
+             "with the hardware");
 }
 
 BOOST_AUTO_TEST_SUITE_END()

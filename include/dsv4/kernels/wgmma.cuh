@@ -284,7 +284,8 @@ DSV4_DEVICE void mma_bf16<64>(float (&d)[32], const std::uint32_t (&a)[4], std::
 
 //! m64n128k16 bf16 with B K-major (TransB 0) or N-major (1, see mma_bf16_nmajor128).
 template <int TransB>
-DSV4_DEVICE void mma_bf16_128(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t b_desc, bool accumulate) {
+DSV4_DEVICE void mma_bf16_128(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t b_desc,
+                              bool accumulate) {
 #if DSV4_WGMMA_PASS
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
@@ -339,7 +340,8 @@ DSV4_DEVICE void mma_bf16_ss16(float (&d)[8], std::uint64_t a_desc, std::uint64_
 //! for K-major operands). Sparse attention's value product reads its dequantized entries
 //! ([entry][channel], channels contiguous) this way, the very tile its score product reads
 //! K-major.
-DSV4_DEVICE void mma_bf16_nmajor128(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t b_desc, bool accumulate) {
+DSV4_DEVICE void mma_bf16_nmajor128(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t b_desc,
+                                    bool accumulate) {
   mma_bf16_128<1>(d, a, b_desc, accumulate);
 }
 

@@ -526,7 +526,8 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
       }
       *reinterpret_cast<uint4*>(kv_tile + tile_offset(e, c)) = v;
     }
-    if constexpr (Wgmma) wgmma::fence_shared_for_async();  // these stores, before the barrier, to the MMAs' reads
+    if constexpr (Wgmma)
+      wgmma::fence_shared_for_async();  // these stores, before the barrier, to the MMAs' reads
   };
 
   // The pipeline's start: the first chunk located and its copy started, the second located.
@@ -708,18 +709,18 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
         // acc <- acc alpha + (the chunk's sum of bf16(p_j) kv_j), 16 channels at a time.
 #pragma unroll
         for (int nb = 0; nb < kPartCh / 16; ++nb) {
-        float sum[2][4] = {};
+          float sum[2][4] = {};
 #pragma unroll
-        for (int k = 0; k < sparse_chunk / 16; ++k) {
-          std::uint32_t vb[4];  // entries 16k .. 16k + 15, channels ch0 + 16 nb .. + 15, transposed
-          ldmatrix_x4<true>(vb, kv_tile + (16 * k + ((lane / 8) % 2) * 8 + lane % 8) * kRow + ch0 + 16 * nb + (lane / 16) * 8);
-          mma_bf16(sum[0], pa[k], vb[0], vb[1]);
-          mma_bf16(sum[1], pa[k], vb[2], vb[3]);
-        }
+          for (int k = 0; k < sparse_chunk / 16; ++k) {
+            std::uint32_t vb[4];  // entries 16k .. 16k + 15, channels ch0 + 16 nb .. + 15, transposed
+            ldmatrix_x4<true>(vb, kv_tile + (16 * k + ((lane / 8) % 2) * 8 + lane % 8) * kRow + ch0 + 16 * nb + (lane / 16) * 8);
+            mma_bf16(sum[0], pa[k], vb[0], vb[1]);
+            mma_bf16(sum[1], pa[k], vb[2], vb[3]);
+          }
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+          for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) acc[2 * nb + h][i] = __fadd_rn(__fmul_rn(acc[2 * nb + h][i], alpha[i / 2]), sum[h][i]);
+            for (int i = 0; i < 4; ++i) acc[2 * nb + h][i] = __fadd_rn(__fmul_rn(acc[2 * nb + h][i], alpha[i / 2]), sum[h][i]);
         }
       }
     }

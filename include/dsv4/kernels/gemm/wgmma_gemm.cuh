@@ -66,7 +66,9 @@ inline std::atomic<unsigned long long>& wgmma_gemm_launches() {
 }  // namespace detail
 
 //! Whether the current device can run this file's kernels (wgmma::supported()).
-inline bool wgmma_supported() { return wgmma::supported(); }
+inline bool wgmma_supported() {
+  return wgmma::supported();
+}
 
 namespace detail {
 inline void require_wgmma(const char* who) {
