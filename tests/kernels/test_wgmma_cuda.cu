@@ -42,6 +42,21 @@ struct layout {
   }
 };
 
+//! Commits the warpgroup's MMAs, waits for them and writes D (64 x N, row-major) to `d_out`.
+template <int N>
+__device__ void wait_and_store(float (&d)[N / 2], float* d_out) {
+  wgmma::commit_group();
+  wgmma::wait_group<0>();
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) wgmma::fence_operand(d[i]);
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    const int j = i / 4, row = 16 * warp + g + 8 * ((i % 4) / 2), col = 8 * j + 2 * q + i % 2;
+    d_out[row * N + col] = d[i];
+  }
+}
+
 template <int N>
 __global__ void probe_kernel(const std::uint8_t* a, const std::uint8_t* b, float* d_out, layout l) {
   __shared__ __align__(128) std::uint8_t b_tile[N * 32];
@@ -75,15 +90,7 @@ __global__ void probe_kernel(const std::uint8_t* a, const std::uint8_t* b, float
   float d[N / 2] = {};
   wgmma::fence();
   wgmma::mma_e4m3<N>(d, frag, wgmma::smem_descriptor(b_tile, lead, stride), false);
-  wgmma::commit_group();
-  wgmma::wait_group<0>();
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) wgmma::fence_operand(d[i]);
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) {
-    const int j = i / 4, row = 16 * warp + g + 8 * ((i % 4) / 2), col = 8 * j + 2 * q + i % 2;
-    d_out[row * N + col] = d[i];
-  }
+  wait_and_store<N>(d, d_out);
 }
 
 //! Small E4M3 values (0, +-0.5 .. +-4): every product and every sum of 32 is exact in fp32.
@@ -98,6 +105,19 @@ struct small_e4m3 {
     return {std::uint8_t(codes[i] | (negative ? 0x80 : 0)), negative ? -values[i] : values[i]};
   }
 };
+
+//! After a probe launch: how many of the 64 x `n` outputs in `dd` differ from want(row, column)
+//! (exact comparison; NaN, the poison, never passes).
+template <class Want>
+std::size_t wrong_outputs(const device_buffer<float>& dd, int n, Want want) {
+  DSV4_CUDA_CHECK_LAUNCH();
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got = dd.download();
+  std::size_t wrong = 0;
+  for (int r = 0; r < 64; ++r)
+    for (int c = 0; c < n; ++c) wrong += !(got[std::size_t(r) * n + c] == want(r, c));
+  return wrong;
+}
 
 //! Runs one layout at width N; returns how many of the 64 x N outputs differ from the host.
 template <int N>
@@ -117,17 +137,11 @@ std::size_t mismatches(const layout& l, std::uint64_t salt) {
   device_buffer<float> dd(64 * N);
   dd.fill_bytes(0xFF);  // NaN: every output must be written
   probe_kernel<N><<<1, 128>>>(da.data(), db.data(), dd.data(), l);
-  DSV4_CUDA_CHECK_LAUNCH();
-  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto got = dd.download();
-  std::size_t wrong = 0;
-  for (int r = 0; r < 64; ++r)
-    for (int c = 0; c < N; ++c) {
-      float want = 0.0f;
-      for (int k = 0; k < 32; ++k) want += av[r * 32 + k] * bv[c * 32 + k];
-      wrong += !(got[r * N + c] == want);  // NaN never passes
-    }
-  return wrong;
+  return wrong_outputs(dd, N, [&](int r, int c) {
+    float want = 0.0f;
+    for (int k = 0; k < 32; ++k) want += av[r * 32 + k] * bv[c * 32 + k];
+    return want;
+  });
 }
 
 //! The bf16 forms sparse attention uses, on small integers (every sum exact in fp32), 64 x 16 x N:
@@ -179,15 +193,7 @@ __global__ void bf16_probe_kernel(const bf16* a, const bf16* b, float* d_out, bo
     wgmma::fence();
     wgmma::mma_bf16_ss16(d, desc(a_tile, 128, 256, swap_a), desc(b_tile, 128, 256, swap_b), false);
   }
-  wgmma::commit_group();
-  wgmma::wait_group<0>();
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) wgmma::fence_operand(d[i]);
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) {
-    const int j = i / 4, row = 16 * warp + g + 8 * ((i % 4) / 2), col = 8 * j + 2 * q + i % 2;
-    d_out[row * N + col] = d[i];
-  }
+  wait_and_store<N>(d, d_out);
 }
 
 //! Outputs of bf16_probe_kernel that differ from the host product (NaN-poisoned beforehand).
@@ -202,17 +208,11 @@ std::size_t bf16_mismatches(bool swap_a, bool swap_b, std::uint64_t salt) {
   device_buffer<float> dd(64 * N);
   dd.fill_bytes(0xFF);
   bf16_probe_kernel<NMajor><<<1, 128>>>(da.data(), db.data(), dd.data(), swap_a, swap_b);
-  DSV4_CUDA_CHECK_LAUNCH();
-  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto got = dd.download();
-  std::size_t wrong = 0;
-  for (int r = 0; r < 64; ++r)
-    for (int c = 0; c < N; ++c) {
-      float want = 0.0f;
-      for (int k = 0; k < 16; ++k) want += a[r * 16 + k].to_float() * b[k * N + c].to_float();
-      wrong += !(got[r * N + c] == want);
-    }
-  return wrong;
+  return wrong_outputs(dd, N, [&](int r, int c) {
+    float want = 0.0f;
+    for (int k = 0; k < 16; ++k) want += a[r * 16 + k].to_float() * b[k * N + c].to_float();
+    return want;
+  });
 }
 
 }  // namespace
