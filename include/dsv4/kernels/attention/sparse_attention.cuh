@@ -437,6 +437,11 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
     else
       return r * kRow + c;
   };
+  // Byte distances between core matrices of these tiles (wgmma descriptors' offsets), and a
+  // descriptor's address step (its start address counts 16-byte units).
+  constexpr std::uint32_t kNextChannels = wgmma::core_matrix_bytes;          // channel group -> the next
+  constexpr std::uint32_t kNextRows = (Dim / 8) * wgmma::core_matrix_bytes;  // row group -> the next
+  constexpr auto desc_step = [](std::uint32_t bytes) { return std::uint64_t(bytes / 16); };
 
   // The CTA's queries (heads past the last are zero rows: their scores are 0 and never stored),
   // with every thread's loads issued before its stores: one memory round trip, not one per load
@@ -559,16 +564,18 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
     float s[2][4] = {};
     if constexpr (Wgmma) {
       // The warpgroup's 64 heads x 16 entries: one chain of 32 m64n16k16 steps over the channels.
-      // Core matrices along K are 128 bytes apart, row groups Dim / 8 of them (descriptor offsets).
+      // K-major operands: leading offset along the channels (K), stride along the rows.
       float d[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) d[i] = 0.0f, wgmma::fence_operand(d[i]);
-      const std::uint64_t qd = wgmma::smem_descriptor(q_tile, 128, (Dim / 8) * 128);
-      const std::uint64_t kd = wgmma::smem_descriptor(kv_tile + tile_offset(e0, 0), 128, (Dim / 8) * 128);
+      const std::uint64_t qd = wgmma::smem_descriptor(q_tile, kNextChannels, kNextRows);
+      const std::uint64_t kd = wgmma::smem_descriptor(kv_tile + tile_offset(e0, 0), kNextChannels, kNextRows);
       wgmma::fence();
 #pragma unroll
-      for (int step = 0; step < Dim / 16; ++step)  // + 256 bytes (two core matrices) per step
-        wgmma::mma_bf16_ss16(d, qd + 16 * step, kd + 16 * step, step > 0);
+      for (int step = 0; step < Dim / 16; ++step) {  // 16 channels (two core matrices) per step
+        const std::uint64_t advance = desc_step(2 * kNextChannels) * step;
+        wgmma::mma_bf16_ss16(d, qd + advance, kd + advance, step > 0);
+      }
       wgmma::commit_group();
       wgmma::wait_group<0>();
 #pragma unroll
@@ -683,8 +690,8 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
         ldmatrix_x4<false>(pa[k], p_tile + (ht * head_tile + lane % 16) * kPRow + 16 * k + (lane / 16) * 8);
       if constexpr (Wgmma) {
         // acc <- acc alpha, then + the chunk's bf16(p_j) kv_j over its 64 entries, 16 a step, this
-        // warpgroup's 128 channels: B N-major, core matrices 128 bytes apart along the channels
-        // and Dim / 8 of them along the entries. acc[n][i] is the wgmma's d[4 n + i].
+        // warpgroup's 128 channels: B N-major (leading offset along the entries, K; stride along
+        // the channels, N). acc[n][i] is the wgmma's d[4 n + i].
         float(&d)[kPartCh / 2] = reinterpret_cast<float(&)[kPartCh / 2]>(acc);
 #pragma unroll
         for (int n = 0; n < kPartCh / 8; ++n)
@@ -696,11 +703,12 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
         for (int k = 0; k < sparse_chunk / 16; ++k)
 #pragma unroll
           for (int r = 0; r < 4; ++r) wgmma::fence_operand(pa[k][r]);
-        const std::uint64_t vd = wgmma::smem_descriptor(kv_tile + tile_offset(0, ch0), (Dim / 8) * 128, 128);
+        const std::uint64_t vd =
+            wgmma::smem_descriptor(kv_tile + tile_offset(0, ch0), kNextRows, kNextChannels);
         wgmma::fence();
 #pragma unroll
         for (int k = 0; k < sparse_chunk / 16; ++k)  // + two rows of core matrices per step
-          wgmma::mma_bf16_nmajor128(d, pa[k], vd + k * (2 * (Dim / 8) * 128 / 16), true);
+          wgmma::mma_bf16_nmajor128(d, pa[k], vd + desc_step(2 * kNextRows) * k, true);
         wgmma::commit_group();
         wgmma::wait_group<0>();
 #pragma unroll
