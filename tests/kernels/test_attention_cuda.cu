@@ -194,8 +194,11 @@ void check_bf16_operand(int batch, int rows, int heads, int topk, int entries, s
 
 // Window ring (FP8, 528 B at Dim 512) + global entries (FP4, 288 B), dequantized in the kernel. The
 // host reference runs on the same caches dequantized to bf16 (exactly the reference's QDQ values).
+// `pad` bytes (a multiple of 4) after every entry make the entries 4-byte but not 16-byte aligned:
+// the kernel's staged copies then take their slow path.
 template <int Dim>
-void check_packed_operand(int batch, int rows, int heads, int window, int global, int topk, std::uint64_t salt) {
+void check_packed_operand(int batch, int rows, int heads, int window, int global, int topk,
+                          std::uint64_t salt, int pad = 0) {
   using wf = numerics::fp8_act_format;
   using gf = numerics::main_kv_format;
   using wl = numerics::packed_vector<wf, Dim>;
@@ -203,28 +206,33 @@ void check_packed_operand(int batch, int rows, int heads, int window, int global
   auto rng = test::make_rng(salt);
   const int entries = window + global;
   problem p = make_problem(rng, batch, rows, heads, Dim, topk, entries);
-  std::vector<std::uint8_t> wcache(std::size_t(batch) * window * wl::bytes), gcache(std::size_t(batch) * global * gl::bytes);
+  const long long wstride = wl::bytes + pad, gstride = gl::bytes + pad;
+  std::vector<std::uint8_t> wcache(std::size_t(batch * window * wstride)),
+      gcache(std::size_t(batch * global * gstride));
   std::vector<bf16> qdq(p.kv.size());
   for (int b = 0; b < batch; ++b)
     for (int e = 0; e < entries; ++e) {
       const std::span<const bf16> x(p.kv.data() + (std::size_t(b) * entries + e) * Dim, Dim);
       const std::span<bf16> y(qdq.data() + (std::size_t(b) * entries + e) * Dim, Dim);
       if (e < window)
-        test::pack_entry<wf, Dim>(x, wcache.data() + (std::size_t(b) * window + e) * wl::bytes, y);
+        test::pack_entry<wf, Dim>(x, wcache.data() + (std::size_t(b) * window + e) * wstride, y);
       else
-        test::pack_entry<gf, Dim>(x, gcache.data() + (std::size_t(b) * global + (e - window)) * gl::bytes, y);
+        test::pack_entry<gf, Dim>(x, gcache.data() + (std::size_t(b) * global + (e - window)) * gstride, y);
     }
   const float scale = 1.0f / std::sqrt(float(Dim));
   device_buffer<std::uint8_t> dw{std::span<const std::uint8_t>(wcache)}, dg{std::span<const std::uint8_t>(gcache)};
   packed_kv<wf, gf, Dim> kv;
   kv.window.base = dw.data();
   kv.window.rows = window;
-  kv.window.seq_stride = static_cast<long long>(window) * wl::bytes;
+  kv.window.stride = wstride;
+  kv.window.seq_stride = window * wstride;
   kv.global = dg.data();
   kv.global_rows = global;
-  kv.global_seq_stride = static_cast<long long>(global) * gl::bytes;
+  kv.global_stride = gstride;
+  kv.global_seq_stride = global * gstride;
   compare_both_ways<Dim>(p, kv, scale, host_reference<Dim>(p, qdq, entries, scale),
-                         "packed operand b" + std::to_string(batch) + " rows" + std::to_string(rows));
+                         "packed operand b" + std::to_string(batch) + " rows" + std::to_string(rows) +
+                             (pad ? " pad" + std::to_string(pad) : ""));
 }
 
 // The V4.1 cache formats and a page geometry of 256 tokens, for the paged-cache cases.
@@ -321,6 +329,9 @@ BOOST_AUTO_TEST_CASE(device_reads_packed_caches, *utf::label("gpu") * utf::preco
   // Tiny widths over several chunks (the staged pipeline with 4-byte copies of 132-byte window
   // entries) and a partly dead second head tile.
   check_packed_operand<128>(2, 3, 20, 16, 300, 200, 13);
+  // V4.1 widths with entries 4 bytes apart from 16-byte alignment: the slow path of the staged
+  // copies (plain loads and stores instead of bulk copies), unsplit and split.
+  check_packed_operand<512>(2, 1, 64, 128, 600, 640, 14, 4);
 }
 
 // One decode row of 64 heads is one CTA unsplit: the launcher must spread its ten chunks over

@@ -115,50 +115,76 @@ DSV4_DEVICE void e2m1x4_to_bf16x4(std::uint32_t v, std::uint32_t& w01, std::uint
   w23 = __byte_perm(lo, hi, 0x7362u) | ((v << 4) & 0x8000u) | ((v << 16) & 0x80000000u);
 }
 
-//! Channels [c0, c0 + 8) of one packed vector as four bf16x2 words (channel c0 + 2i in the low
-//! half of word i): bit for bit the values of dequantize8 (the device test compares them over
-//! every code and scale). The main-KV format (E2M1 with an E4M3 scale per 16) has a fast path:
-//! table lookups for the elements and one bf16x2 multiply by the scale per pair, exact because
-//! an E2M1 value times an E4M3 value has at most 6 significant bits and stays in bf16's normal
-//! range; a NaN scale gives eight canonical NaNs, as bf16::from_float does. The window / activation
-//! format (E4M3 with a UE8M0 scale per 32) converts pairs in hardware. Other formats go through
-//! dequantize8.
+//! The packed bits of channels [c0, c0 + 8) of one vector: the element codes (E2M1: 32 bits in
+//! `lo`; E4M3: 64 bits in lo, hi) and the block's scale code. Loading them (load_packed8) apart
+//! from converting them (decode_packed8) lets a kernel issue the loads of several vectors before
+//! it converts any: one memory round trip for all of them instead of one each.
+struct packed8_bits {
+  std::uint32_t lo = 0, hi = 0, scale = 0;
+};
+
+//! Whether F has a fast path below (else dequantize8_packed goes through dequantize8).
+template <class F>
+inline constexpr bool has_fast_packed8 =
+    F::block_size % 8 == 0 &&
+    ((std::is_same_v<typename F::element, e2m1> && std::is_same_v<typename F::scale, e4m3>) ||
+     (std::is_same_v<typename F::element, e4m3> && std::is_same_v<typename F::scale, ue8m0>));
+
 template <class F, int Channels, packed_source Src = packed_source::global>
-DSV4_DEVICE uint4 dequantize8_packed(const std::uint8_t* entry, int c0) {
+DSV4_DEVICE packed8_bits load_packed8(const std::uint8_t* entry, int c0) {
+  static_assert(has_fast_packed8<F>,
+                "load_packed8: E2M1 / E4M3 elements with E4M3 / UE8M0 scales per 8k only");
   using layout = packed_vector<F, Channels>;
-  if constexpr (std::is_same_v<typename F::element, e2m1> && std::is_same_v<typename F::scale, e4m3> && F::block_size % 8 == 0) {
-    const std::uint32_t sc = load_packed<Src>(entry + layout::scale_offset + c0 / F::block_size);
-    const std::uint32_t w = load_packed<Src>(reinterpret_cast<const unsigned*>(entry + c0 / 2));
-    if ((sc & 0x7Fu) == 0x7Fu) {  // a NaN scale
-      const std::uint32_t nan2 = std::uint32_t(bf16::canonical_nan_bits) * 0x10001u;
-      return make_uint4(nan2, nan2, nan2, nan2);
-    }
+  // Unsigned offsets: divisions by powers of two are shifts. (Signed ones stayed divisions, and a
+  // caller choosing between two formats' loads had them merged into one division by a selected
+  // divisor: a call of the integer division routine per load.)
+  const unsigned c = unsigned(c0);
+  packed8_bits r;
+  r.scale = load_packed<Src>(entry + layout::scale_offset + c / unsigned(F::block_size));
+  if constexpr (std::is_same_v<typename F::element, e2m1>) {
+    r.lo = load_packed<Src>(reinterpret_cast<const unsigned*>(entry + c / 2));
+  } else if constexpr (Src == packed_source::any) {  // a staged copy, 8-byte aligned: one load (two would
+                                                     // conflict in a bank)
+    const uint2 v = *reinterpret_cast<const uint2*>(entry + c);
+    r.lo = v.x, r.hi = v.y;
+  } else {
+    r.lo = load_packed<Src>(reinterpret_cast<const unsigned*>(entry + c));
+    r.hi = load_packed<Src>(reinterpret_cast<const unsigned*>(entry + c + 4));
+  }
+  return r;
+}
+
+//! The eight bf16 values of load_packed8's bits as four bf16x2 words, without branches. The
+//! main-KV format (E2M1 with an E4M3 scale per 16): table lookups for the elements and one bf16x2
+//! multiply by the scale per pair, exact because an E2M1 value times an E4M3 value has at most 6
+//! significant bits and stays in bf16's normal range; a NaN scale gives eight canonical NaNs, as
+//! bf16::from_float does. The window / activation format (E4M3 with a UE8M0 scale per 32)
+//! converts pairs in hardware: E4M3 -> f16 (exact), one fp32 multiply (the product dequantize8
+//! forms, possibly an fp32 subnormal for tiny scales), one packed rounding to bf16 (round to
+//! nearest even, as bf16::from_float); NaN results take the canonical bits as bf16::from_float does.
+template <class F>
+DSV4_DEVICE uint4 decode_packed8(const packed8_bits& r) {
+  static_assert(has_fast_packed8<F>,
+                "decode_packed8: E2M1 / E4M3 elements with E4M3 / UE8M0 scales per 8k only");
+  if constexpr (std::is_same_v<typename F::element, e2m1>) {
     // The scale as bf16 in both halves (an E4M3 value is exact in bf16: its fp32 bits end in 16 zeros).
-    const std::uint32_t s2 = (__float_as_uint(fast_decode<e4m3>(std::uint8_t(sc))) >> 16) * 0x10001u;
+    const std::uint32_t s2 = (__float_as_uint(fast_decode<e4m3>(std::uint8_t(r.scale))) >> 16) * 0x10001u;
     std::uint32_t e[4];
-    e2m1x4_to_bf16x4(w & 0xFFFFu, e[0], e[1]);
-    e2m1x4_to_bf16x4(w >> 16, e[2], e[3]);
-    return make_uint4(bf16x2_mul(e[0], s2), bf16x2_mul(e[1], s2), bf16x2_mul(e[2], s2), bf16x2_mul(e[3], s2));
-  } else if constexpr (std::is_same_v<typename F::element, e4m3> && std::is_same_v<typename F::scale, ue8m0> &&
-                       F::block_size % 8 == 0) {
-    // E4M3 with a power-of-two scale: the hardware E4M3 -> f16 conversion (exact), one fp32
-    // multiply (the same product dequantize8 forms, possibly an fp32 subnormal for tiny scales),
-    // one packed rounding to bf16 (round to nearest even, as bf16::from_float); NaN results take
-    // the canonical bits as bf16::from_float does.
-    const std::uint32_t sc = load_packed<Src>(entry + layout::scale_offset + c0 / F::block_size);
-    std::uint32_t lo, hi;
-    if constexpr (Src == packed_source::any) {  // a staged copy, 8-byte aligned: one load (two would conflict in a bank)
-      const uint2 v = *reinterpret_cast<const uint2*>(entry + c0);
-      lo = v.x, hi = v.y;
-    } else {
-      lo = load_packed<Src>(reinterpret_cast<const unsigned*>(entry + c0));
-      hi = load_packed<Src>(reinterpret_cast<const unsigned*>(entry + c0 + 4));
-    }
+    e2m1x4_to_bf16x4(r.lo & 0xFFFFu, e[0], e[1]);
+    e2m1x4_to_bf16x4(r.lo >> 16, e[2], e[3]);
+    const bool nan_scale = (r.scale & 0x7Fu) == 0x7Fu;
+    const std::uint32_t nan2 = std::uint32_t(bf16::canonical_nan_bits) * 0x10001u;
+    std::uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = nan_scale ? nan2 : bf16x2_mul(e[i], s2);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+    const std::uint32_t sc = r.scale & 0xFFu;
     const float s = __uint_as_float(sc == 0 ? 0x00400000u : sc == 0xFFu ? 0x7fc00000u : sc << 23);
     std::uint32_t w[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const std::uint32_t codes = ((i < 2 ? lo : hi) >> (16 * (i % 2))) & 0xFFFFu;
+      const std::uint32_t codes = ((i < 2 ? r.lo : r.hi) >> (16 * (i % 2))) & 0xFFFFu;
       const __half2 h(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3));
       const float2 f = __half22float2(h);
       const float a = __fmul_rn(f.x, s), b = __fmul_rn(f.y, s);
@@ -169,6 +195,17 @@ DSV4_DEVICE uint4 dequantize8_packed(const std::uint8_t* entry, int c0) {
       w[i] = bits;
     }
     return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+//! Channels [c0, c0 + 8) of one packed vector as four bf16x2 words (channel c0 + 2i in the low
+//! half of word i): bit for bit the values of dequantize8 (the device test compares them over
+//! every code and scale). Formats with a fast path (has_fast_packed8) go through load_packed8 and
+//! decode_packed8, the others through dequantize8.
+template <class F, int Channels, packed_source Src = packed_source::global>
+DSV4_DEVICE uint4 dequantize8_packed(const std::uint8_t* entry, int c0) {
+  if constexpr (has_fast_packed8<F>) {
+    return decode_packed8<F>(load_packed8<F, Channels, Src>(entry, c0));
   } else {
     bf16 v[8];
     dequantize8<F, Channels, Src>(entry, c0, v);

@@ -9,8 +9,8 @@
 //! (query row, up to 64 heads, KV split), up to sixteen warps: one to four head tiles of 16 (as
 //! the heads fill them) x four quarters (of a chunk's entries for the scores, of the channels
 //! for the values). Each chunk of 64 indexed entries is dequantized once into shared memory and
-//! serves all of the CTA's heads; its packed bytes are copied in while the chunk before it is
-//! computed.
+//! serves all of the CTA's heads; its packed bytes are copied in (bulk copies on sm_90, one per
+//! entry) while the chunk before it is computed.
 //!
 //! Split KV (decode): with few rows the (row, head group) grid leaves most SMs idle (one CTA for
 //! one decode row of 64 heads), so the index list is cut at chunk boundaries into splits that run
@@ -33,6 +33,7 @@
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/kernels/attention/reference.hpp"
+#include "dsv4/kernels/bulk_copy.cuh"
 #include "dsv4/kernels/tensor_core.cuh"
 #include "dsv4/kernels/wgmma.cuh"
 #include "dsv4/numerics/bf16.hpp"
@@ -116,6 +117,28 @@ struct two_format_entries {
   DSV4_DEVICE uint4 load8(const std::uint8_t* p, int e, int c0) const {
     return static_cast<const Operand*>(this)->windowed(e) ? numerics::dequantize8_packed<WindowFormat, Dim, Src>(p, c0)
                                                           : numerics::dequantize8_packed<GlobalFormat, Dim, Src>(p, c0);
+  }
+  //! load8 from a staged copy in two steps, so that the kernel can issue the loads of several
+  //! entries before it converts the first: the bits of channels [c0, c0 + 8) of entry e at p
+  //! (any address that holds entry_bytes(e) bytes: an empty slot's garbage is never decoded into
+  //! the result the kernel keeps), then their bf16 values.
+  struct staged8 {
+    numerics::packed8_bits bits;
+    bool window;
+  };
+  DSV4_DEVICE staged8 load_staged8(const std::uint8_t* p, int e, int c0) const {
+    static_assert(
+        numerics::has_fast_packed8<WindowFormat> && numerics::has_fast_packed8<GlobalFormat>,
+        "two_format_entries: the staged path needs the fast codecs of both formats (fast_codec.cuh)");
+    constexpr auto any = numerics::packed_source::any;
+    const bool window = static_cast<const Operand*>(this)->windowed(e);
+    return {window ? numerics::load_packed8<WindowFormat, Dim, any>(p, c0)
+                   : numerics::load_packed8<GlobalFormat, Dim, any>(p, c0),
+            window};
+  }
+  DSV4_DEVICE uint4 decode_staged8(const staged8& s) const {
+    return s.window ? numerics::decode_packed8<WindowFormat>(s.bits)
+                    : numerics::decode_packed8<GlobalFormat>(s.bits);
   }
 };
 
@@ -314,24 +337,62 @@ struct mma_smem {
   static constexpr std::size_t bytes = kv_bytes + q_bytes + p_bytes + reduce_bytes + stage_bytes;
 };
 
-//! Merges channels [c, c + 4) of one (row, head) from the splits' shares (see the merge kernel
-//! below). The shares may come from other CTAs of the same launch, hence the L2 loads.
-template <int Dim>
-DSV4_DEVICE void merge_channels(const sparse_attention_args& a, const kv_split& sp, int row, int head, int c) {
+//! The maximum of init and `count` floats `stride` apart from p (maxima other CTAs wrote: L2
+//! loads), sixteen loads in flight at a time: a loop that used each value as it arrived cost one
+//! L2 round trip per value.
+DSV4_DEVICE float max_of(const float* p, int count, float init, long long stride = 1) {
+  constexpr int kBatch = 16;
+  for (int i0 = 0; i0 < count; i0 += kBatch) {
+    float v[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) v[k] = i0 + k < count ? __ldcg(p + (i0 + k) * stride) : init;
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) init = fmaxf(init, v[k]);
+  }
+  return init;
+}
+
+//! Merges channels [c, c + Width) of one (row, head) from the splits' shares (see the merge kernel
+//! below). The shares may come from other CTAs of the same launch, hence the L2 loads; eight
+//! splits' loads are in flight at a time and then added in split order: the order, and so the
+//! bits, of a loop over the splits one at a time, without its L2 round trip per split.
+template <int Dim, int Width = 4>
+DSV4_DEVICE void merge_channels(const sparse_attention_args& a, const kv_split& sp, int row, int head,
+                                int c) {
+  static_assert(Width % 4 == 0, "merge_channels: whole float4 loads");
+  constexpr int kBatch = 8, kVec = Width / 4;
   const float* base = sp.partials + (static_cast<long long>(row) * a.heads + head) * sp.splits * (Dim + 4);
-  float mx = -1e30f;
-  for (int s = 0; s < sp.splits; ++s) mx = fmaxf(mx, __ldcg(base + s * (Dim + 4) + Dim));
-  float l = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int s = 0; s < sp.splits; ++s) {
-    const float* ps = base + s * (Dim + 4);
-    const float w = expf(__ldcg(ps + Dim) - mx);
-    l = fmaf(__ldcg(ps + Dim + 1), w, l);
-    const float4 v = __ldcg(reinterpret_cast<const float4*>(ps + c));
-    acc[0] = fmaf(v.x, w, acc[0]), acc[1] = fmaf(v.y, w, acc[1]), acc[2] = fmaf(v.z, w, acc[2]), acc[3] = fmaf(v.w, w, acc[3]);
+  const float mx = max_of(base + Dim, sp.splits, -1e30f, Dim + 4);
+  float l = 0.0f, acc[Width] = {};
+  for (int s0 = 0; s0 < sp.splits; s0 += kBatch) {
+    float ms[kBatch], ls[kBatch];
+    float4 v[kBatch][kVec];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (s0 + k >= sp.splits) continue;
+      const float* ps = base + (s0 + k) * (Dim + 4);
+      ms[k] = __ldcg(ps + Dim), ls[k] = __ldcg(ps + Dim + 1);
+#pragma unroll
+      for (int u = 0; u < kVec; ++u) v[k][u] = __ldcg(reinterpret_cast<const float4*>(ps + c) + u);
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (s0 + k >= sp.splits) continue;
+      const float w = expf(ms[k] - mx);
+      l = fmaf(ls[k], w, l);
+#pragma unroll
+      for (int u = 0; u < kVec; ++u) {
+        const float x[4] = {v[k][u].x, v[k][u].y, v[k][u].z, v[k][u].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[4 * u + i] = fmaf(x[i], w, acc[4 * u + i]);
+      }
+    }
   }
   l += expf(a.sink[head] - mx);
   bf16* o = a.out + (static_cast<long long>(row) * a.heads + head) * Dim + c;
-  for (int i = 0; i < 4; ++i) o[i] = bf16::from_float(__fdiv_rn(acc[i], l));
+#pragma unroll
+  for (int i = 0; i < Width; i += 2)
+    *reinterpret_cast<std::uint32_t*>(o + i) = bf16x2_bits(__fdiv_rn(acc[i], l), __fdiv_rn(acc[i + 1], l));
 }
 
 //! The first barrier counter of this CTA's (row, head group) in a single launch.
@@ -443,6 +504,19 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
   constexpr std::uint32_t kNextRows = (Dim / 8) * wgmma::core_matrix_bytes;  // row group -> the next
   constexpr auto desc_step = [](std::uint32_t bytes) { return std::uint64_t(bytes / 16); };
 
+  const std::int32_t* row_idx = a.idx + static_cast<long long>(row) * a.topk;
+
+  // Threads < 64: entry t of the chunk at c0 (-1 past the list), and where it lies. Each entry is
+  // located once (its ring slot or page: a dependent load), by one thread, rather than by every
+  // thread that reads a part of it.
+  auto read_index = [&](int c0) {
+    return threadIdx.x < sparse_chunk && c0 + int(threadIdx.x) < last ? row_idx[c0 + threadIdx.x] : -1;
+  };
+  auto locate = [&](int j) { return j >= 0 ? kv.locate(seq, j) : typename KV::entry_ref{}; };
+  // The first two chunks' indices, read before the queries are copied: the index list is the
+  // start of the longest chain of dependent loads (index, location, entry bytes).
+  const int first_index[2] = {read_index(first), read_index(first + sparse_chunk)};
+
   // The CTA's queries (heads past the last are zero rows: their scores are 0 and never stored),
   // with every thread's loads issued before its stores: one memory round trip, not one per load
   // (at one decode row this copy was a chain of 16 dependent-looking trips at the kernel's start).
@@ -474,27 +548,54 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
 #pragma unroll
     for (int i = 0; i < 2; ++i)
       if (head_ok[i])
-        for (int c = 0; c < split * sp.chunks_per_split; ++c)
-          m[i] = fmaxf(m[i], sp.chunk_max[(static_cast<long long>(row) * a.heads + my_head[i]) * sp.chunks + c]);
+        m[i] = max_of(sp.chunk_max + (static_cast<long long>(row) * a.heads + my_head[i]) * sp.chunks,
+                      split * sp.chunks_per_split, m[i]);
   float acc[kPartCh / 8][4];
 #pragma unroll
   for (int n = 0; n < kPartCh / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-  const std::int32_t* row_idx = a.idx + static_cast<long long>(row) * a.topk;
   const int ch0 = part * kPartCh, e0 = part * kPartEntries;
 
-  // Threads < 64: entry t of the chunk at c0 (-1 past the list), and where it lies. Each entry is
-  // located once (its ring slot or page: a dependent load), by one thread, rather than by every
-  // thread that reads a part of it.
-  auto read_index = [&](int c0) {
-    return threadIdx.x < sparse_chunk && c0 + int(threadIdx.x) < last ? row_idx[c0 + threadIdx.x] : -1;
-  };
-  auto locate = [&](int j) { return j >= 0 ? kv.locate(seq, j) : typename KV::entry_ref{}; };
-  // Starts copying buffer b's entries into its staging slots: a warp per entry at a time, 16-byte
-  // cp.async where the entry allows it, else 4-byte ones (check() guarantees 4-byte aligned
-  // entries), else (a size that is not a multiple of 4: narrow Dims) plain loads and stores, which
-  // the next barrier makes visible.
+  // Starts copying buffer b's entries into its staging slots. On sm_90: thread e < 64 copies entry
+  // e with one bulk copy onto the buffer's transaction barrier (the loop's top waits for its
+  // phase), or, where the entry is not 16-byte aligned, with plain loads and stores before its
+  // arrival (which releases them); an empty slot arrives with no bytes. (Before: every warp
+  // issued 16-byte cp.async for four entries in turn, an eighth of the stall samples at batch 64.)
+  // Elsewhere: a warp per entry at a time, 16-byte cp.async where the entry allows it, else
+  // 4-byte ones (check() guarantees 4-byte aligned entries), else (a size that is not a multiple
+  // of 4: narrow Dims) plain loads and stores, which the next barrier makes visible.
+#if DSV4_BULK_COPY_PASS
+  constexpr bool kBulk = kStage > 0;
+#else
+  constexpr bool kBulk = false;
+#endif
+  __shared__ std::uint64_t stage_landed[2];  // the staging buffers' transaction barriers (kBulk)
+  if constexpr (kBulk) {
+    if (threadIdx.x == 0) {
+      for (auto& bar : stage_landed) bulk_copy::init(&bar, sparse_chunk);
+      bulk_copy::init_fence();  // before the barrier that precedes the first copy
+    }
+  }
   auto stage_chunk = [&](int b) {
-    if constexpr (kStage > 0) {
+    if constexpr (kBulk) {
+      if (threadIdx.x < sparse_chunk) {
+        const int e = threadIdx.x, j = chunk_idx[b][e], bytes = j >= 0 ? kv.entry_bytes(j) : 0;
+        const std::uint8_t* src = chunk_at[b][e];
+        std::uint8_t* dst = stage + (b * sparse_chunk + e) * kStage;
+        if (bytes > 0 && bytes % 16 == 0 && reinterpret_cast<std::uintptr_t>(src) % 16 == 0) {
+          bulk_copy::fence_before_refill();  // the previous chunk's reads of this slot come first
+          bulk_copy::expect_bytes(&stage_landed[b], unsigned(bytes));
+          bulk_copy::copy(dst, src, unsigned(bytes), &stage_landed[b],
+                          bulk_copy::l2_policy(bulk_copy::l2_eviction::normal));
+        } else {
+          if (bytes % 4 == 0)
+            for (int o = 0; o < bytes; o += 4)
+              *reinterpret_cast<std::uint32_t*>(dst + o) = *reinterpret_cast<const std::uint32_t*>(src + o);
+          else
+            for (int o = 0; o < bytes; ++o) dst[o] = src[o];
+          bulk_copy::expect_bytes(&stage_landed[b], 0);
+        }
+      }
+    } else if constexpr (kStage > 0) {
       for (int e = warp; e < sparse_chunk; e += kWarps) {
         const int j = chunk_idx[b][e];
         if (j < 0) continue;
@@ -511,45 +612,78 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
       __pipeline_commit();
     }
   };
+  // Waits until buffer b's copies of its use-th staging (0, 1, 2, ...) have landed (this thread's
+  // for cp.async: the barrier after it covers the others').
+  auto wait_staged = [&](int b, int use) {
+    if constexpr (kBulk)
+      bulk_copy::wait(&stage_landed[b], unsigned(use & 1));
+    else if constexpr (kStage > 0)
+      __pipeline_wait_prior(0);
+  };
   // Buffer b's entries as bf16 into the tile; empty slots are zeros: they must not feed NaN
-  // garbage to 0 * x.
+  // garbage to 0 * x. Item t of a chunk is 8 channels of one entry: mma.sync a warp per entry
+  // row; wgmma eight entries at a time (one core matrix column), so that each quarter warp's eight
+  // 16-byte stores fall in different banks. Thread i converts items i, i + kThreads, ...
+  constexpr int kItems = sparse_chunk * (Dim / 8), kItemsPerThread = kItems / kThreads;
+  static_assert(kItems % kThreads == 0,
+                "sparse_attention: a chunk's 8-channel items must divide over the CTA");
+  auto item_entry = [](unsigned t) { return int(Wgmma ? (t / (8 * (Dim / 8))) * 8 + t % 8 : t / (Dim / 8)); };
+  auto item_channel = [](unsigned t) { return int(Wgmma ? ((t / 8) % (Dim / 8)) * 8 : (t % (Dim / 8)) * 8); };
   auto dequantize_chunk = [&](int b) {
-    constexpr int kInFlight = Dim > 512 ? 2 : 4;  // beyond V4.1's 512 channels the registers run short
-#pragma unroll kInFlight
-    for (int t = threadIdx.x; t < sparse_chunk * (Dim / 8); t += kThreads) {
-      // mma.sync: a warp per entry row; wgmma: eight entries at a time (one core matrix column),
-      // so that each quarter warp's eight 16-byte stores fall in different banks.
-      const int e = Wgmma ? (t / (8 * (Dim / 8))) * 8 + t % 8 : t / (Dim / 8);
-      const int c = Wgmma ? ((t / 8) % (Dim / 8)) * 8 : (t % (Dim / 8)) * 8;
-      const int j = chunk_idx[b][e];
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (j >= 0) {
-        if constexpr (kStage > 0)
-          v = kv.template load8<numerics::packed_source::any>(stage + (b * sparse_chunk + e) * kStage, j, c);
-        else
-          v = kv.load8(chunk_at[b][e], j, c);
+    if constexpr (kStage > 0) {
+      // Staged: a batch of items' indices, then their packed bits, then their values, so that the
+      // shared loads of a batch are in flight together (converting item by item, each behind its
+      // own branches, made this loop half of the kernel's stall samples at batch 64).
+      constexpr int kBatch = 4;
+#pragma unroll
+      for (int u0 = 0; u0 < kItemsPerThread; u0 += kBatch) {
+        int j[kBatch];
+        typename KV::staged8 bits[kBatch];
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k)
+          if (u0 + k < kItemsPerThread) j[k] = chunk_idx[b][item_entry(threadIdx.x + (u0 + k) * kThreads)];
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          const unsigned t = threadIdx.x + (u0 + k) * kThreads;
+          if (u0 + k < kItemsPerThread)
+            bits[k] =
+                kv.load_staged8(stage + (b * sparse_chunk + item_entry(t)) * kStage, j[k], item_channel(t));
+        }
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          const unsigned t = threadIdx.x + (u0 + k) * kThreads;
+          if (u0 + k < kItemsPerThread)
+            *reinterpret_cast<uint4*>(kv_tile + tile_offset(item_entry(t), item_channel(t))) =
+                j[k] >= 0 ? kv.decode_staged8(bits[k]) : make_uint4(0, 0, 0, 0);
+        }
       }
-      *reinterpret_cast<uint4*>(kv_tile + tile_offset(e, c)) = v;
+    } else {
+      constexpr int kInFlight = Dim > 512 ? 2 : 4;  // beyond V4.1's 512 channels the registers run short
+#pragma unroll kInFlight
+      for (int u = 0; u < kItemsPerThread; ++u) {
+        const unsigned t = threadIdx.x + u * kThreads;
+        const int e = item_entry(t), c = item_channel(t), j = chunk_idx[b][e];
+        *reinterpret_cast<uint4*>(kv_tile + tile_offset(e, c)) =
+            j >= 0 ? kv.load8(chunk_at[b][e], j, c) : make_uint4(0, 0, 0, 0);
+      }
     }
     if constexpr (Wgmma)
       wgmma::fence_shared_for_async();  // these stores, before the barrier, to the MMAs' reads
   };
 
-  // The pipeline's start: the first chunk located and its copy started, the second located.
+  // The pipeline's start: the first two chunks located (both lookups in flight at once), the
+  // first one's copy started.
   if (threadIdx.x < sparse_chunk) {
-    const int j = read_index(first);
-    chunk_idx[0][threadIdx.x] = j, chunk_at[0][threadIdx.x] = locate(j);
+    const typename KV::entry_ref at[2] = {locate(first_index[0]), locate(first_index[1])};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) chunk_idx[i][threadIdx.x] = first_index[i], chunk_at[i][threadIdx.x] = at[i];
   }
   __syncthreads();
   stage_chunk(0);
-  if (threadIdx.x < sparse_chunk) {
-    const int j = read_index(first + sparse_chunk);
-    chunk_idx[1][threadIdx.x] = j, chunk_at[1][threadIdx.x] = locate(j);
-  }
 
   int b = 0;  // the buffer of the chunk at c0
   for (int c0 = first; c0 < last; c0 += sparse_chunk, b ^= 1) {
-    if constexpr (kStage > 0) __pipeline_wait_prior(0);
+    wait_staged(b, (c0 - first) / (2 * sparse_chunk));
     // This chunk's bytes have landed (every thread's copies), the next chunk is located, and the
     // previous chunk's tile and probabilities are no longer read.
     __syncthreads();
@@ -639,8 +773,8 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
 #pragma unroll
         for (int i = 0; i < 2; ++i)
           if (head_ok[i])
-            for (int c = 0; c < split; ++c)
-              m[i] = fmaxf(m[i], __ldcg(sp.chunk_max + (static_cast<long long>(row) * a.heads + my_head[i]) * sp.chunks + c));
+            m[i] = max_of(sp.chunk_max + (static_cast<long long>(row) * a.heads + my_head[i]) * sp.chunks,
+                          split, m[i]);
     }
     // Probabilities: fp32 for the denominator (each quarter's sum through shared memory), bf16 into
     // the tile that is the value product's A operand.
@@ -736,7 +870,7 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
   }
   // Nothing is in flight here (the last chunk's successor lies past `last`: no copies; the maximum
   // pass has one chunk), but a copy must never outlive the CTA's shared memory.
-  if constexpr (kStage > 0) __pipeline_wait_prior(0);
+  if constexpr (kStage > 0 && !kBulk) __pipeline_wait_prior(0);
   if (sp.max_pass) return;
   // Fragment element i of channel tile n: head my_head[i / 2], channel ch0 + 8 n + 2 quad + i % 2.
   if (sp.partials && tile_live) {  // the split's share; the merge adds the sink
@@ -753,9 +887,9 @@ DSV4_KERNEL void __launch_bounds__(HeadTiles * channel_parts * 32, 1)
   if (sp.barriers) {  // single launch: once every split's share is written, the splits merge the group's heads
     unsigned* barriers = sp.barriers + group_barriers(row);
     runtime::group_arrive_and_wait(barriers + 1, unsigned(sp.splits));
-    const int items = min(kHeads, a.heads - head0) * (Dim / 4);
+    const int items = min(kHeads, a.heads - head0) * (Dim / 8);  // eight channels each: one pass at 8+ splits
     for (int item = split * kThreads + int(threadIdx.x); item < items; item += sp.splits * kThreads)
-      merge_channels<Dim>(a, sp, row, head0 + item / (Dim / 4), 4 * (item % (Dim / 4)));
+      merge_channels<Dim, 8>(a, sp, row, head0 + item / (Dim / 8), 8 * (item % (Dim / 8)));
     if (threadIdx.x == 0) runtime::leave_group(barriers, sparse_attention_workspace::counters_per_group, unsigned(sp.splits));
     return;
   }
