@@ -7,6 +7,7 @@
 #include <boost/test/unit_test.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <random>
 #include <vector>
@@ -97,6 +98,43 @@ BOOST_AUTO_TEST_CASE(bad_tensors_are_named) {
   const test::temp_checkpoint tmp2("attn_missing", fewer, 13);
   io::checkpoint ck2(tmp2.dir);
   BOOST_TEST(test::throws_with([&] { model::attention_weights<tiny>(ck2, 1); }, "missing tensor 'layers.1.attn.attn_sink'"));
+}
+
+// A NaN weight code (E4M3 S.1111.111) or scale (UE8M0 0xFF) makes the reference compute NaN, and
+// the CUDA kernels (which decode weights by bit placement) something else: the loader refuses
+// the checkpoint, naming the tensor and the first such element.
+BOOST_AUTO_TEST_CASE(nan_weight_codes_are_refused) {
+  const auto schema = models::checkpoint_schema<tiny>();
+  const test::temp_checkpoint tmp("attn_nan", schema, 14);
+  io::checkpoint src(tmp.dir);
+  auto poisoned = [&](const std::string& target, std::size_t at, std::uint8_t code) {
+    auto ck = io::checkpoint::in_memory();
+    for (const auto& t : schema) {
+      if (!src.contains(t.name)) continue;
+      const io::tensor_view& v = src.tensor(t.name);
+      std::vector<std::uint8_t> b(v.bytes.size());
+      std::memcpy(b.data(), v.bytes.data(), b.size());
+      if (t.name == target) b.at(at) = code;
+      ck.add(t.name, v.dtype, v.shape, std::move(b));
+    }
+    return ck;
+  };
+  auto clean = poisoned("", 0, 0);
+  BOOST_CHECK_NO_THROW(model::attention_weights<tiny>(clean, 3));
+  auto nan_code = poisoned("layers.3.attn.wq_a.weight", 5 * 256 + 7, 0x7F);
+  BOOST_TEST(test::throws_with([&] { model::attention_weights<tiny>(nan_code, 3); },
+                               "tensor 'layers.3.attn.wq_a.weight' in (in memory) holds 1 NaN E4M3 code(s)"));
+  BOOST_TEST(test::throws_with([&] { model::attention_weights<tiny>(nan_code, 3); }, "the first at [5, 7]"));
+  auto negative_nan = poisoned("layers.3.attn.wkv.weight", 3, 0xFF);
+  BOOST_TEST(test::throws_with([&] { model::attention_weights<tiny>(negative_nan, 3); },
+                               "'layers.3.attn.wkv.weight'"));
+  auto nan_scale = poisoned("layers.3.attn.wq_a.scale", 9, 0xFF);
+  BOOST_TEST(test::throws_with(
+      [&] { model::attention_weights<tiny>(nan_scale, 3); },
+      "'layers.3.attn.wq_a.scale' in (in memory) holds 1 NaN UE8M0 scale(s) (0xFF), the first at [1, 1]"));
+  // The largest finite codes pass: 0x7E (448) and 0xFE (-448), and scale 0xFE (2^127).
+  auto largest = poisoned("layers.3.attn.wq_a.weight", 0, 0x7E);
+  BOOST_CHECK_NO_THROW(model::attention_weights<tiny>(largest, 3));
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -7,6 +7,7 @@
 //! Every problem names the tensor: a missing tensor, a dtype the spec does not allow, a shape
 //! that does not match the variant.
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -104,15 +105,47 @@ inline std::vector<std::uint8_t> bytes(io::checkpoint& ck, const std::string& na
   return {v.begin(), v.end()};
 }
 
+//! Throws if the codes of tensor `name` (E4M3 elements or UE8M0 scales, rows of `cols` codes)
+//! hold NaN (E4M3 S.1111.111, UE8M0 0xFF). The reference computes NaN from such weights; the
+//! CUDA kernels decode weight codes by bit placement (gemm/folded_gemm.cuh: the E4M3 NaN reads
+//! as 480, a NaN scale as infinity) and would compute something else. A checkpoint holding them
+//! is corrupt: refuse it, naming the tensor, the file and the first such element.
+inline void reject_nan_codes(io::checkpoint& ck, const std::string& name, std::span<const std::uint8_t> codes,
+                             io::st_dtype dtype, long long cols) {
+  const bool e4m3 = dtype == io::st_dtype::F8_E4M3;
+  if (!e4m3 && dtype != io::st_dtype::F8_E8M0)
+    throw error("reject_nan_codes: '" + name + "' is neither E4M3 nor E8M0");
+  std::size_t count = 0, first = 0;
+  for (std::size_t i = 0; i < codes.size(); ++i) {
+    const bool nan = e4m3 ? (codes[i] & 0x7Fu) == 0x7Fu : codes[i] == 0xFFu;
+    if (nan && count++ == 0) first = i;
+  }
+  if (count == 0) return;
+  const long long c = std::max(1LL, cols);
+  throw error("checkpoint: tensor '" + name + "' in " + ck.file_of(name) + " holds " + std::to_string(count) +
+              " NaN " + (e4m3 ? "E4M3 code(s) (0x7F / 0xFF)" : "UE8M0 scale(s) (0xFF)") + ", the first at [" +
+              std::to_string(static_cast<long long>(first) / c) + ", " +
+              std::to_string(static_cast<long long>(first) % c) + "]: the checkpoint is corrupt");
+}
+
+//! bytes() of an FP8 weight's codes or scales, refused if any is NaN (reject_nan_codes).
+inline std::vector<std::uint8_t> finite_codes(io::checkpoint& ck, const std::string& name,
+                                              std::vector<long long> shape, io::st_dtype dtype) {
+  const long long cols = shape.empty() ? 1 : shape.back();
+  auto v = bytes(ck, name, std::move(shape), dtype);
+  reject_nan_codes(ck, name, v, dtype, cols);
+  return v;
+}
+
 inline fp8_linear fp8(io::checkpoint& ck, const std::string& name, int n, int k) {
-  return {n, k, bytes(ck, name + ".weight", {n, k}, io::st_dtype::F8_E4M3),
-          bytes(ck, name + ".scale", {(n + 31) / 32, (k + 31) / 32}, io::st_dtype::F8_E8M0)};
+  return {n, k, finite_codes(ck, name + ".weight", {n, k}, io::st_dtype::F8_E4M3),
+          finite_codes(ck, name + ".scale", {(n + 31) / 32, (k + 31) / 32}, io::st_dtype::F8_E8M0)};
 }
 
 //! wo_a: FP8 codes with 32 x 32 or 128 x 128 UE8M0 tiles (convert.py accepts both), dequantized
 //! to bf16 values (exact: an E4M3 value times a power of two).
 inline std::vector<float> dequantized_fp8(io::checkpoint& ck, const std::string& name, int n, int k) {
-  const auto codes = bytes(ck, name + ".weight", {n, k}, io::st_dtype::F8_E4M3);
+  const auto codes = finite_codes(ck, name + ".weight", {n, k}, io::st_dtype::F8_E4M3);
   const io::tensor_view s = need(ck, name + ".scale", {});
   int tile = 0;
   for (int t : {32, 128})
@@ -122,6 +155,7 @@ inline std::vector<float> dequantized_fp8(io::checkpoint& ck, const std::string&
                 " must be F8_E8M0 with 32 x 32 or 128 x 128 tiles of [" + std::to_string(n) + ", " + std::to_string(k) + "]");
   const auto scales = io::copy_as<std::uint8_t>(s);
   const int tiles_k = (k + tile - 1) / tile;
+  reject_nan_codes(ck, name + ".scale", scales, io::st_dtype::F8_E8M0, tiles_k);
   std::vector<float> v(codes.size());
   for (int r = 0; r < n; ++r)
     for (int c = 0; c < k; ++c) {
