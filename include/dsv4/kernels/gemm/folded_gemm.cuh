@@ -17,7 +17,8 @@
 //! range), so every product is exact and only the order of the fp32 sum differs from the
 //! reference (it adds per-32 block sums), as with cuBLAS or split K. Weight codes are decoded by
 //! bit placement (`e4m3x4_to_bf16_pairs`), which reads the E4M3 NaN code (S.1111.111) as 480:
-//! checkpoint weights are finite; activations come from act_quant, which never writes NaN.
+//! the checkpoint loader refuses NaN weight codes and scales (model/attention_weights.hpp,
+//! reject_nan_codes); activations come from act_quant, which never writes NaN.
 //!
 //! Method:
 //! - One warpgroup per CTA: 64 weight rows (four 16-row tiles, the MMA's M side, as in the other
