@@ -8,10 +8,13 @@
 //! that does not match the variant.
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "dsv4/core/error.hpp"
@@ -105,35 +108,43 @@ inline std::vector<std::uint8_t> bytes(io::checkpoint& ck, const std::string& na
   return {v.begin(), v.end()};
 }
 
-//! Throws if the codes of tensor `name` (E4M3 elements or UE8M0 scales, rows of `cols` codes)
-//! hold NaN (E4M3 S.1111.111, UE8M0 0xFF). The reference computes NaN from such weights; the
-//! CUDA kernels decode weight codes by bit placement (gemm/folded_gemm.cuh: the E4M3 NaN reads
-//! as 480, a NaN scale as infinity) and would compute something else. A checkpoint holding them
-//! is corrupt: refuse it, naming the tensor, the file and the first such element.
-inline void reject_nan_codes(io::checkpoint& ck, const std::string& name, std::span<const std::uint8_t> codes,
-                             io::st_dtype dtype, long long cols) {
-  const bool e4m3 = dtype == io::st_dtype::F8_E4M3;
-  if (!e4m3 && dtype != io::st_dtype::F8_E8M0)
-    throw error("reject_nan_codes: '" + name + "' is neither E4M3 nor E8M0");
+//! Throws if the codes of tensor `name` (rows of `cols` codes of Code: E4M3 elements or UE8M0
+//! scales) hold NaN, as numerics::decode reads them. The reference computes NaN from such
+//! weights; the CUDA kernels decode weight codes by bit placement (gemm/folded_gemm.cuh: the E4M3
+//! NaN reads as 480, a NaN scale as infinity) and would compute something else. A checkpoint
+//! holding them is corrupt: refuse it, naming the tensor, the file and the first such element.
+template <class Code>
+void reject_nan_codes(io::checkpoint& ck, const std::string& name, std::span<const std::uint8_t> codes,
+                      long long cols) {
+  static const std::array<bool, 256> is_nan = [] {
+    std::array<bool, 256> t{};
+    for (int c = 0; c < 256; ++c) t[std::size_t(c)] = std::isnan(numerics::decode<Code>(std::uint8_t(c)));
+    return t;
+  }();
   std::size_t count = 0, first = 0;
-  for (std::size_t i = 0; i < codes.size(); ++i) {
-    const bool nan = e4m3 ? (codes[i] & 0x7Fu) == 0x7Fu : codes[i] == 0xFFu;
-    if (nan && count++ == 0) first = i;
-  }
+  for (std::size_t i = 0; i < codes.size(); ++i)
+    if (is_nan[codes[i]] && count++ == 0) first = i;
   if (count == 0) return;
+  constexpr bool scales = std::is_same_v<Code, numerics::ue8m0>;
   const long long c = std::max(1LL, cols);
   throw error("checkpoint: tensor '" + name + "' in " + ck.file_of(name) + " holds " + std::to_string(count) +
-              " NaN " + (e4m3 ? "E4M3 code(s) (0x7F / 0xFF)" : "UE8M0 scale(s) (0xFF)") + ", the first at [" +
-              std::to_string(static_cast<long long>(first) / c) + ", " +
+              (scales ? " NaN UE8M0 scale(s) (0xFF)" : " NaN E4M3 code(s) (0x7F / 0xFF)") +
+              ", the first at [" + std::to_string(static_cast<long long>(first) / c) + ", " +
               std::to_string(static_cast<long long>(first) % c) + "]: the checkpoint is corrupt");
 }
 
-//! bytes() of an FP8 weight's codes or scales, refused if any is NaN (reject_nan_codes).
+//! bytes() of an FP8 weight's E4M3 codes or UE8M0 scales, refused if any is NaN (reject_nan_codes).
 inline std::vector<std::uint8_t> finite_codes(io::checkpoint& ck, const std::string& name,
                                               std::vector<long long> shape, io::st_dtype dtype) {
   const long long cols = shape.empty() ? 1 : shape.back();
   auto v = bytes(ck, name, std::move(shape), dtype);
-  reject_nan_codes(ck, name, v, dtype, cols);
+  if (dtype == io::st_dtype::F8_E4M3)
+    reject_nan_codes<numerics::e4m3>(ck, name, v, cols);
+  else if (dtype == io::st_dtype::F8_E8M0)
+    reject_nan_codes<numerics::ue8m0>(ck, name, v, cols);
+  else
+    throw error("finite_codes: '" + name + "' must be read as F8_E4M3 or F8_E8M0, not " +
+                io::dtype_name(dtype));
   return v;
 }
 
@@ -155,7 +166,7 @@ inline std::vector<float> dequantized_fp8(io::checkpoint& ck, const std::string&
                 " must be F8_E8M0 with 32 x 32 or 128 x 128 tiles of [" + std::to_string(n) + ", " + std::to_string(k) + "]");
   const auto scales = io::copy_as<std::uint8_t>(s);
   const int tiles_k = (k + tile - 1) / tile;
-  reject_nan_codes(ck, name + ".scale", scales, io::st_dtype::F8_E8M0, tiles_k);
+  reject_nan_codes<numerics::ue8m0>(ck, name + ".scale", scales, tiles_k);
   std::vector<float> v(codes.size());
   for (int r = 0; r < n; ++r)
     for (int c = 0; c < k; ++c) {

@@ -78,8 +78,8 @@ block_weights block_weights_at(io::checkpoint& ck, const std::string& p, kernels
   b.gate.norm_topk_prob = c.moe.norm_topk_prob;
   auto fp4 = [&](const std::string& name, int n, int k, std::vector<std::uint8_t>& w, std::vector<std::uint8_t>& s) {
     w = detail::bytes(ck, name + ".weight", {n, k / 2}, io::st_dtype::I8);
-    s = detail::finite_codes(ck, name + ".scale", {n, k / 32},
-                             io::st_dtype::F8_E8M0);  // FP4 has no NaN codes
+    // E2M1 has no NaN code; its UE8M0 scales can.
+    s = detail::finite_codes(ck, name + ".scale", {n, k / 32}, io::st_dtype::F8_E8M0);
   };
   if (held_experts < 0) held_experts = experts - first_expert;
   if (first_expert < 0 || first_expert + held_experts > experts)

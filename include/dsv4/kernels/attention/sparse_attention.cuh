@@ -65,7 +65,6 @@ struct bf16_kv {
   //! bf16 row is 1 KB at Dim 512, too large to stage two chunks of).
   static constexpr int stage_bytes = 0;
   DSV4_DEVICE entry_ref locate(int seq, int e) const { return kv + seq * seq_stride + e * row_stride; }
-  template <numerics::packed_source = numerics::packed_source::global>
   DSV4_DEVICE uint4 load8(entry_ref p, int /*e*/, int c0) const { return __ldg(reinterpret_cast<const uint4*>(p + c0)); }
   std::string check() const {
     if (entries > 0 && (!kv || reinterpret_cast<std::uintptr_t>(kv) % 16 || row_stride % 8 || seq_stride % 8))
@@ -91,8 +90,6 @@ struct window_ring {
     const long long ring = slots ? slots[seq] : seq;
     return base + ring * seq_stride + e * stride;
   }
-  template <numerics::packed_source Src = numerics::packed_source::global>
-  DSV4_DEVICE uint4 load8(entry_ref p, int /*e*/, int c0) const { return numerics::dequantize8_packed<WindowFormat, Dim, Src>(p, c0); }
   std::string check() const {
     if (rows > 0 && (!base || reinterpret_cast<std::uintptr_t>(base) % 4 || stride % 4 || seq_stride % 4))
       return "window cache must be 4-byte aligned with strides that are multiples of 4 bytes";
@@ -102,9 +99,9 @@ struct window_ring {
 
 //! What the packed operands below share: entry e is a WindowFormat vector where the operand's
 //! `windowed(e)` says so, else a GlobalFormat one. The kernel stages each chunk's packed bytes in
-//! shared memory (cp.async, `entry_bytes` each, in slots of `stage_bytes`) while it computes the
-//! chunk before, then dequantizes them from there (`load8` with packed_source::any); `load8` from
-//! global memory serves the kernel's tests of the codecs.
+//! shared memory (bulk copies or cp.async, `entry_bytes` each, in slots of `stage_bytes`) while it
+//! computes the chunk before, then dequantizes them from there (`load_staged8`, `decode_staged8`);
+//! `load8` reads an entry in place (launches that do not stage: one head tile, wide Dims).
 template <class WindowFormat, class GlobalFormat, int Dim, class Operand>
 struct two_format_entries {
   using window_layout = numerics::packed_vector<WindowFormat, Dim>;
@@ -113,10 +110,10 @@ struct two_format_entries {
   DSV4_DEVICE int entry_bytes(int e) const {
     return static_cast<const Operand*>(this)->windowed(e) ? int(window_layout::bytes) : int(global_layout::bytes);
   }
-  template <numerics::packed_source Src = numerics::packed_source::global>
   DSV4_DEVICE uint4 load8(const std::uint8_t* p, int e, int c0) const {
-    return static_cast<const Operand*>(this)->windowed(e) ? numerics::dequantize8_packed<WindowFormat, Dim, Src>(p, c0)
-                                                          : numerics::dequantize8_packed<GlobalFormat, Dim, Src>(p, c0);
+    return static_cast<const Operand*>(this)->windowed(e)
+               ? numerics::dequantize8_packed<WindowFormat, Dim>(p, c0)
+               : numerics::dequantize8_packed<GlobalFormat, Dim>(p, c0);
   }
   //! load8 from a staged copy in two steps, so that the kernel can issue the loads of several
   //! entries before it converts the first: the bits of channels [c0, c0 + 8) of entry e at p
