@@ -16,11 +16,13 @@
 #include <cstdint>
 #include <functional>
 #include <numeric>
+#include <sstream>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "dsv4/io/checkpoint.hpp"
+#include "dsv4/kernels/moe/reference.hpp"
 #include "dsv4/model/device_dspark.cuh"
 #include "dsv4/model/device_model.cuh"
 #include "dsv4/model/device_speculative.cuh"
@@ -86,21 +88,50 @@ double worst_relative(std::span<const bf16> got, std::span<const bf16> want) {
   return d / peak;
 }
 
+//! One draft block's device-vs-host differences beside the host's smallest routing margin over the
+//! block's stages and rows (kernels::moe::routing::margin).
+struct block_record {
+  float margin;
+  double logits_worst, conf_worst;
+};
+
+//! The host drafter's step with its routing margins recorded.
+template <class F>
+model::dspark_draft with_margin(float& margin, F&& host_step) {
+  kernels::moe::routing_margin_recorder rec;
+  auto d = host_step();
+  margin = rec.smallest();
+  return d;
+}
+
 //! Compares a device draft with the host's: the same ids (teacher forced), logits per row, and
 //! confidences relative to the largest |confidence| of the block (plus one: they are raw scalars).
-void compare(const model::dspark_draft& got, const model::dspark_draft& want, test::logit_stats& logits,
-             double& conf_worst) {
+void compare(const model::dspark_draft& got, const model::dspark_draft& want, float margin,
+             test::logit_stats& logits, double& conf_worst, std::vector<block_record>& blocks) {
   BOOST_REQUIRE(got.ids == want.ids);
   BOOST_REQUIRE_EQUAL(got.logits.size(), want.logits.size());
-  for (std::size_t i = 0; i < want.confidence.size(); ++i)
+  test::logit_stats block;
+  for (std::size_t i = 0; i < want.confidence.size(); ++i) {
     logits.add(std::span<const float>(got.logits).subspan(i * V, V),
                std::span<const float>(want.logits).subspan(i * V, V));
-  double peak = 1;
+    block.add(std::span<const float>(got.logits).subspan(i * V, V),
+              std::span<const float>(want.logits).subspan(i * V, V));
+  }
+  double peak = 1, block_conf = 0;
   for (float v : want.confidence) peak = std::max(peak, double(std::fabs(v)));
   for (std::size_t i = 0; i < want.confidence.size(); ++i) {
     BOOST_REQUIRE(std::isfinite(got.confidence[i]));
-    conf_worst = std::max(conf_worst, std::fabs(double(got.confidence[i]) - want.confidence[i]) / peak);
+    block_conf = std::max(block_conf, std::fabs(double(got.confidence[i]) - want.confidence[i]) / peak);
   }
+  conf_worst = std::max(conf_worst, block_conf);
+  blocks.push_back({margin, block.worst, block_conf});
+}
+
+std::string describe(const std::vector<block_record>& blocks) {
+  std::ostringstream os;
+  os << "blocks (host margin / logits worst / confidence worst):";
+  for (const auto& b : blocks) os << " [" << b.margin << " " << b.logits_worst << " " << b.conf_worst << "]";
+  return os.str();
 }
 }  // namespace
 
@@ -127,6 +158,7 @@ BOOST_AUTO_TEST_CASE(drafter_matches_host_on_the_same_input,
 
   test::logit_stats stats;
   double conf_worst = 0;
+  std::vector<block_record> blocks;
   for (int step = 0; step < 7; ++step) {
     const std::int32_t next = std::int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
     // Step 6 appends a chunk of 5 tokens (the next, then 4 random ones) instead of one.
@@ -137,17 +169,18 @@ BOOST_AUTO_TEST_CASE(drafter_matches_host_on_the_same_input,
     }
     logits = model::forward(f.m, seq, call, nullptr, &mh);
     const std::int32_t input = std::int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
-    const auto want = model::dspark_decode<tiny>(f.m, f.w, st, input, mh);
+    float margin = 0;
+    const auto want = with_margin(margin, [&] { return model::dspark_decode<tiny>(f.m, f.w, st, input, mh); });
     runtime::device_buffer<bf16> step_mh{std::span<const bf16>(mh)};
     const auto got = dd.decode(0, input, step_mh.data(), (long long)call.size(), (long long)call.size(),
                                {0.0f}, 0, want.ids);
-    compare(got, want, stats, conf_worst);
+    compare(got, want, margin, stats, conf_worst, blocks);
     BOOST_TEST(dd.length(0) == st.length);
   }
   BOOST_TEST_MESSAGE("DSpark on CUDA vs host, same input: "
                      << stats.rows << " draft rows, logits worst " << stats.worst
                      << ", cosine >= " << stats.min_cosine << ", argmax " << stats.argmax_same << "/"
-                     << stats.rows << "; confidence worst " << conf_worst);
+                     << stats.rows << "; confidence worst " << conf_worst << "; " << describe(blocks));
   // The drafter's pieces agree with the host's to rounding (the GEMMs' MMA sums, cuBLAS's head
   // and Markov GEMV); through the stages an ulp can move an FP8 code or a MoE routing near-tie,
   // as in the backbone (test_device_model_cuda). Bounds: a wrong composition is uncorrelated.
@@ -233,6 +266,7 @@ BOOST_AUTO_TEST_CASE(capture_and_pipeline_follow_the_host,
   }
   test::logit_stats stats, mirror_stats;
   double conf_worst = 0, mirror_conf_worst = 0;
+  std::vector<block_record> blocks, mirror_blocks;
   for (int step = 0; step < 4; ++step) {
     const auto tok = random_ids(2, 100 + std::uint64_t(step));
     dm.decode(slots, tok);
@@ -248,11 +282,15 @@ BOOST_AUTO_TEST_CASE(capture_and_pipeline_follow_the_host,
       capture_worst = std::max(capture_worst, worst_relative(captured, mh));
       const std::int32_t input =
           std::int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
-      const auto want = model::dspark_decode<tiny>(f.m, f.w, states[s], input, mh);
+      float margin = 0, mirror_margin = 0;
+      const auto want =
+          with_margin(margin, [&] { return model::dspark_decode<tiny>(f.m, f.w, states[s], input, mh); });
       const auto got = dd.decode(slots[s], input, dm.main_hidden() + s * width, 1, 1, {0.0f}, 0, want.ids);
-      compare(got, want, stats, conf_worst);
-      const auto same_input = model::dspark_decode<tiny>(f.m, f.w, mirror[s], input, captured, {0.0f}, 0, want.ids);
-      compare(got, same_input, mirror_stats, mirror_conf_worst);
+      compare(got, want, margin, stats, conf_worst, blocks);
+      const auto same_input = with_margin(mirror_margin, [&] {
+        return model::dspark_decode<tiny>(f.m, f.w, mirror[s], input, captured, {0.0f}, 0, want.ids);
+      });
+      compare(got, same_input, mirror_margin, mirror_stats, mirror_conf_worst, mirror_blocks);
     }
   }
   BOOST_TEST_MESSAGE(
@@ -261,7 +299,8 @@ BOOST_AUTO_TEST_CASE(capture_and_pipeline_follow_the_host,
       << ", cosine >= " << stats.min_cosine << ", argmax " << stats.argmax_same << "/" << stats.rows
       << "; confidence worst " << conf_worst << "; against the host drafter on the capture: logits worst "
       << mirror_stats.worst << ", argmax " << mirror_stats.argmax_same << "/" << mirror_stats.rows
-      << ", confidence worst " << mirror_conf_worst << " (" << mirror_stats.worst_rows(4, 0.05) << ")");
+      << ", confidence worst " << mirror_conf_worst << " (" << mirror_stats.worst_rows(4, 0.05) << "); mirror "
+      << describe(mirror_blocks));
   // The capture carries the backbone's device-vs-host differences (test_device_model_cuda: worst
   // 6-17% of the logit range on tiny's random layers), the drafts those and the drafter's own
   // (seeds 0, 12579890409632215566 and 777 on the H200: 0.226, 0.244 and 0.320).
