@@ -8,6 +8,7 @@
 
 #include <boost/test/unit_test.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -290,6 +291,86 @@ BOOST_AUTO_TEST_CASE(appended_chunk_equals_steps_and_errors) {
   BOOST_TEST(test::throws_with([&] { model::forward_spec(f.m, f.w, st, 1, one, st.length + 1); }, "start position"));
   BOOST_TEST(test::throws_with([&] { model::forward_spec(f.m, f.w, st, c.vocab_size, one, st.length); }, "outside the vocabulary"));
   BOOST_TEST(test::throws_with([&] { model::dspark_prefill<tiny>(f.w, st, one.first(row - 1)); }, "main_hidden must be"));
+}
+
+// The rings are the drafter's only state, and a slot reaches the drafts exactly until a decode step
+// overwrites it: one value of one slot moved by an FP8 code step leaves every draft from that
+// step on bit-identical. How far the drafts move before that is reported: on tiny's random
+// weights one code of one ring value moved the draft logits by 5-20% of a row's largest logit and
+// the confidences by up to 60% (docs/decisions.md, "DSpark device test"), which is why
+// test_dspark_cuda gives the host drafter the device's rings after every call.
+BOOST_AUTO_TEST_CASE(a_ring_slot_reaches_the_drafts_until_it_is_overwritten,
+                     *boost::unit_test::label("long")) {
+  auto& f = shared();
+  const auto prompt = random_ids(W + 8, 41);  // prefill: positions 8 .. W + 7, every slot written
+  const int steps = 6;
+  model::host_sequence seq;
+  std::vector<bf16> mh;
+  auto logits = model::forward(f.m, seq, prompt, nullptr, &mh);
+  model::dspark_state start;
+  model::dspark_prefill<tiny>(f.w, start, mh);
+  std::vector<std::vector<bf16>> rows;  // each step's main_hidden row
+  std::vector<std::int32_t> inputs;
+  for (int i = 0; i < steps; ++i) {
+    const std::int32_t next = std::int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    logits = model::forward(f.m, seq, std::span<const std::int32_t>(&next, 1), nullptr, &mh);
+    rows.push_back(mh);
+    inputs.push_back(std::int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin()));
+  }
+  auto drafts = [&](model::dspark_state st, const std::vector<model::dspark_draft>* forced) {
+    std::vector<model::dspark_draft> out;
+    for (int i = 0; i < steps; ++i)
+      out.push_back(
+          model::dspark_decode<tiny>(f.m, f.w, st, inputs[std::size_t(i)], rows[std::size_t(i)], {0.0f}, 0,
+                                     forced ? std::span<const std::int32_t>((*forced)[std::size_t(i)].ids)
+                                            : std::span<const std::int32_t>{}));
+    return out;
+  };
+  const auto base = drafts(start, nullptr);
+  const int hd = c.attn.head_dim, stages = int(start.rings.size());
+  const long long first = (long long)prompt.size();  // step i writes position first + i
+  auto rng = test::make_rng(43);
+  int moved = 0;
+  double largest = 0;
+  for (int slot = 0; slot < W; ++slot) {
+    model::dspark_state st = start;
+    auto& ring = st.rings[std::size_t(slot % stages)];
+    std::size_t at = std::size_t(slot) * std::size_t(hd) + std::size_t(rng() % std::uint64_t(hd));
+    while (ring[at].to_float() == 0.0f) at = std::size_t(slot) * std::size_t(hd) + (at + 1) % std::size_t(hd);
+    const float v = ring[at].to_float();
+    ring[at] =
+        bf16::from_float(v + std::exp2(std::floor(std::log2(std::fabs(v))) - 3.0f));  // one E4M3 code up
+    const auto got = drafts(st, &base);
+    int overwritten = steps;  // the step that writes this slot's next position
+    for (int i = 0; i < steps; ++i)
+      if ((first + i) % W == slot) overwritten = std::min(overwritten, i);
+    bool any = false;
+    for (int i = 0; i < steps; ++i) {
+      const auto& g = got[std::size_t(i)];
+      const auto& b = base[std::size_t(i)];
+      const bool same = same_bits(g.logits, b.logits) && same_bits(g.confidence, b.confidence);
+      if (i >= overwritten)
+        BOOST_TEST(same,
+                   "slot " << slot << " overwritten at step " << overwritten << " still moves step " << i);
+      if (i < overwritten && !same) {
+        any = true;
+        for (std::size_t r = 0; r < g.logits.size() / std::size_t(c.vocab_size); ++r) {
+          float d = 0, peak = 0;
+          for (int k = 0; k < c.vocab_size; ++k) {
+            const std::size_t j = r * std::size_t(c.vocab_size) + std::size_t(k);
+            d = std::max(d, std::fabs(g.logits[j] - b.logits[j])),
+            peak = std::max(peak, std::fabs(b.logits[j]));
+          }
+          largest = std::max(largest, double(d / peak));
+        }
+      }
+    }
+    moved += any;
+  }
+  BOOST_TEST_MESSAGE("one FP8 code step in one ring slot: "
+                     << moved << " of " << W << " slots moved the drafts before their overwrite, by up to "
+                     << largest << " of a row's largest logit");
+  BOOST_TEST(moved > 0);  // the rings are read at all
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -1,8 +1,13 @@
 // The DSpark drafter on CUDA (model/device_dspark.cuh) against the host drafter
 // (model/dspark_reference.hpp) on tiny's random checkpoint:
 // - with the same input (the host backbone's main_hidden uploaded), prefill and decode steps
-//   teacher-forced with the host's drafts: every row's logits and confidence within summation-order
-//   bounds, the rings' effect included (each step's drafts read every earlier step's ring writes);
+//   teacher-forced with the host's drafts and the device's rings: the rings equal the host's up to
+//   isolated FP8 code flips (the GEMMs' other summation order), and every row's logits and
+//   confidence lie within summation-order bounds once the host continues from the device's rings.
+//   Why the rings are handed over: on tiny's random weights one FP8 code of one ring value moves the
+//   drafts by 5-20% of a row's range until its slot is overwritten (test_dspark's
+//   a_ring_slot_reaches_the_drafts_until_it_is_overwritten; docs/decisions.md, "DSpark device
+//   test"), which made this test fail on seeds whose 16-row prefill flipped one code;
 // - the backbone's capture (device_model::capture_main_hidden) against the host's main_hidden, for
 //   a prefill (its last window rows) and a decode batch (one row per sequence in slot order);
 // - the whole device pipeline (drafts from the device backbone's own capture) against the host's,
@@ -22,7 +27,6 @@
 #include <vector>
 
 #include "dsv4/io/checkpoint.hpp"
-#include "dsv4/kernels/moe/reference.hpp"
 #include "dsv4/model/device_dspark.cuh"
 #include "dsv4/model/device_model.cuh"
 #include "dsv4/model/device_speculative.cuh"
@@ -88,26 +92,15 @@ double worst_relative(std::span<const bf16> got, std::span<const bf16> want) {
   return d / peak;
 }
 
-//! One draft block's device-vs-host differences beside the host's smallest routing margin over the
-//! block's stages and rows (kernels::moe::routing::margin).
+//! One draft block's device-vs-host differences: its rows' worst logits and confidence errors.
 struct block_record {
-  float margin;
   double logits_worst, conf_worst;
 };
 
-//! The host drafter's step with its routing margins recorded.
-template <class F>
-model::dspark_draft with_margin(float& margin, F&& host_step) {
-  kernels::moe::routing_margin_recorder rec;
-  auto d = host_step();
-  margin = rec.smallest();
-  return d;
-}
-
 //! Compares a device draft with the host's: the same ids (teacher forced), logits per row, and
 //! confidences relative to the largest |confidence| of the block (plus one: they are raw scalars).
-void compare(const model::dspark_draft& got, const model::dspark_draft& want, float margin,
-             test::logit_stats& logits, double& conf_worst, std::vector<block_record>& blocks) {
+void compare(const model::dspark_draft& got, const model::dspark_draft& want, test::logit_stats& logits,
+             double& conf_worst, std::vector<block_record>& blocks) {
   BOOST_REQUIRE(got.ids == want.ids);
   BOOST_REQUIRE_EQUAL(got.logits.size(), want.logits.size());
   test::logit_stats block;
@@ -124,13 +117,71 @@ void compare(const model::dspark_draft& got, const model::dspark_draft& want, fl
     block_conf = std::max(block_conf, std::fabs(double(got.confidence[i]) - want.confidence[i]) / peak);
   }
   conf_worst = std::max(conf_worst, block_conf);
-  blocks.push_back({margin, block.worst, block_conf});
+  blocks.push_back({block.worst, block_conf});
 }
+
+//! The device drafter's rings against the host's (dspark_state::rings) after a call.
+struct ring_check {
+  long long entries = 0, values = 0, differing = 0;  //!< over every stage and slot checked
+  double worst_step = 0;     //!< largest |device - host| over the value's own FP8 code step
+  std::ostringstream where;  //!< per call: stage:slot(differing values by code steps) of each differing entry
+  int calls = 0;
+
+  //! Compares the rings of `slot` with `st`'s, then (teacher forcing of the state) gives the host
+  //! the device's rings, so that the next step of both starts from the same state.
+  void compare_and_sync(model::device_dspark<tiny>& dd, int slot, model::dspark_state& st) {
+    const std::size_t hd = std::size_t(c.attn.head_dim);
+    std::ostringstream call;  // this call's differing entries
+    for (std::size_t s = 0; s < st.rings.size(); ++s) {
+      auto got = dd.ring_values(int(s), slot);
+      BOOST_REQUIRE_EQUAL(got.size(), st.rings[s].size());
+      for (std::size_t r = 0; r < got.size() / hd; ++r) {
+        int diff = 0;
+        double entry_steps = 0;
+        for (std::size_t b = r * hd; b < (r + 1) * hd; b += 32) {  // E4M3 blocks of 32, UE8M0 scales
+          double peak = 0;
+          for (std::size_t i = b; i < b + 32; ++i)
+            peak = std::max(
+                {peak, double(std::fabs(got[i].to_float())), double(std::fabs(st.rings[s][i].to_float()))});
+          // The block's scale is at least the power of two above peak / 448; a value's code step is
+          // 2^-3 of its binade, and never below the subnormal step 2^-9 of the scale.
+          const double floor_step = peak > 0 ? std::exp2(std::ceil(std::log2(peak / 448.0)) - 9) : 0;
+          for (std::size_t i = b; i < b + 32; ++i) {
+            const double g = got[i].to_float(), h = st.rings[s][i].to_float();
+            BOOST_REQUIRE_MESSAGE(std::isfinite(g), "non-finite ring value, stage " << s << " slot " << r);
+            if (g == h) continue;
+            ++diff;
+            const double low = std::min(std::fabs(g), std::fabs(h));
+            const double step =
+                std::max(floor_step, low > 0 ? std::exp2(std::floor(std::log2(low)) - 3) : 0.0);
+            entry_steps = std::max(entry_steps, step > 0 ? std::fabs(g - h) / step : HUGE_VAL);
+          }
+        }
+        entries += 1, values += (long long)hd, differing += diff;
+        worst_step = std::max(worst_step, entry_steps);
+        if (diff) call << ' ' << s << ':' << r << '(' << diff << " by " << entry_steps << ')';
+      }
+      st.rings[s] = std::move(got);
+    }
+    where << " | call " << calls++ << ':' << (call.str().empty() ? std::string(" =") : call.str());
+  }
+  //! The state agrees up to isolated FP8 code flips: an ulp of a GEMM sum that moved a value across
+  //! a rounding boundary of the ring's E4M3 codes. A wrong slot, position, RoPE or norm moves most
+  //! values of an entry, and by more than a code.
+  void check(const char* what) const {
+    BOOST_TEST_MESSAGE(what << " rings vs host: " << differing << " of " << values << " values in " << entries
+                            << " entries differ, by at most " << worst_step << " E4M3 code steps;"
+                            << where.str());
+    BOOST_TEST(entries > 0);
+    BOOST_TEST(worst_step <= 1.0 + 1e-9);
+    BOOST_TEST(differing * 100 <= values);
+  }
+};
 
 std::string describe(const std::vector<block_record>& blocks) {
   std::ostringstream os;
-  os << "blocks (host margin / logits worst / confidence worst):";
-  for (const auto& b : blocks) os << " [" << b.margin << " " << b.logits_worst << " " << b.conf_worst << "]";
+  os << "blocks (logits worst / confidence worst):";
+  for (const auto& b : blocks) os << " [" << b.logits_worst << " " << b.conf_worst << "]";
   return os.str();
 }
 }  // namespace
@@ -139,7 +190,8 @@ BOOST_AUTO_TEST_SUITE(dspark_cuda)
 
 // The same main_hidden on both sides: the drafter alone. A prompt longer than the window (its
 // prefill seeds the rings with the last W rows at positions 30 - W ..), then 6 decode steps of one
-// row and an appended chunk of 5 rows, each teacher-forced with the host's drafts.
+// row and an appended chunk of 5 rows, each teacher-forced with the host's drafts; after every
+// call the rings are compared and the host takes the device's (ring_check).
 BOOST_AUTO_TEST_CASE(drafter_matches_host_on_the_same_input,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   fixture f;
@@ -155,6 +207,8 @@ BOOST_AUTO_TEST_CASE(drafter_matches_host_on_the_same_input,
   runtime::device_buffer<bf16> dmh(last_rows(mh, rows));
   dd.prefill(0, dmh.data(), (long long)rows, (long long)(prompt.size() - rows));
   BOOST_TEST(dd.length(0) == (long long)prompt.size());
+  ring_check rings;
+  rings.compare_and_sync(dd, 0, st);
 
   test::logit_stats stats;
   double conf_worst = 0;
@@ -169,18 +223,19 @@ BOOST_AUTO_TEST_CASE(drafter_matches_host_on_the_same_input,
     }
     logits = model::forward(f.m, seq, call, nullptr, &mh);
     const std::int32_t input = std::int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
-    float margin = 0;
-    const auto want = with_margin(margin, [&] { return model::dspark_decode<tiny>(f.m, f.w, st, input, mh); });
+    const auto want = model::dspark_decode<tiny>(f.m, f.w, st, input, mh);
     runtime::device_buffer<bf16> step_mh{std::span<const bf16>(mh)};
     const auto got = dd.decode(0, input, step_mh.data(), (long long)call.size(), (long long)call.size(),
                                {0.0f}, 0, want.ids);
-    compare(got, want, margin, stats, conf_worst, blocks);
+    compare(got, want, stats, conf_worst, blocks);
     BOOST_TEST(dd.length(0) == st.length);
+    rings.compare_and_sync(dd, 0, st);
   }
   BOOST_TEST_MESSAGE("DSpark on CUDA vs host, same input: "
                      << stats.rows << " draft rows, logits worst " << stats.worst
                      << ", cosine >= " << stats.min_cosine << ", argmax " << stats.argmax_same << "/"
                      << stats.rows << "; confidence worst " << conf_worst << "; " << describe(blocks));
+  rings.check("same input:");
   // The drafter's pieces agree with the host's to rounding (the GEMMs' MMA sums, cuBLAS's head
   // and Markov GEMV); through the stages an ulp can move an FP8 code or a MoE routing near-tie,
   // as in the backbone (test_device_model_cuda). Bounds: a wrong composition is uncorrelated.
@@ -245,6 +300,7 @@ BOOST_AUTO_TEST_CASE(capture_and_pipeline_follow_the_host,
   // states: the host drafter on the host backbone's main_hidden; mirror: the host drafter on the
   // device's capture (the same input as the device drafter: its own error, without the backbone's).
   std::vector<model::dspark_state> states(2), mirror(2);
+  ring_check mirror_rings;  // the device's rings against the mirror's (then the mirror takes them)
   std::vector<int> slots;
   double capture_worst = 0;
   const std::size_t width = std::size_t(T) * D;
@@ -263,6 +319,7 @@ BOOST_AUTO_TEST_CASE(capture_and_pipeline_follow_the_host,
     model::dspark_prefill<tiny>(f.w, states[s], mh);
     model::dspark_prefill<tiny>(f.w, mirror[s], captured, (long long)(prompts[s].size() - rows));
     dd.prefill(slots[s], dm.main_hidden(), (long long)rows, (long long)(prompts[s].size() - rows));
+    mirror_rings.compare_and_sync(dd, slots[s], mirror[s]);
   }
   test::logit_stats stats, mirror_stats;
   double conf_worst = 0, mirror_conf_worst = 0;
@@ -282,15 +339,13 @@ BOOST_AUTO_TEST_CASE(capture_and_pipeline_follow_the_host,
       capture_worst = std::max(capture_worst, worst_relative(captured, mh));
       const std::int32_t input =
           std::int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
-      float margin = 0, mirror_margin = 0;
-      const auto want =
-          with_margin(margin, [&] { return model::dspark_decode<tiny>(f.m, f.w, states[s], input, mh); });
+      const auto want = model::dspark_decode<tiny>(f.m, f.w, states[s], input, mh);
       const auto got = dd.decode(slots[s], input, dm.main_hidden() + s * width, 1, 1, {0.0f}, 0, want.ids);
-      compare(got, want, margin, stats, conf_worst, blocks);
-      const auto same_input = with_margin(mirror_margin, [&] {
-        return model::dspark_decode<tiny>(f.m, f.w, mirror[s], input, captured, {0.0f}, 0, want.ids);
-      });
-      compare(got, same_input, mirror_margin, mirror_stats, mirror_conf_worst, mirror_blocks);
+      compare(got, want, stats, conf_worst, blocks);
+      const auto same_input =
+          model::dspark_decode<tiny>(f.m, f.w, mirror[s], input, captured, {0.0f}, 0, want.ids);
+      compare(got, same_input, mirror_stats, mirror_conf_worst, mirror_blocks);
+      mirror_rings.compare_and_sync(dd, slots[s], mirror[s]);
     }
   }
   BOOST_TEST_MESSAGE(
@@ -301,6 +356,7 @@ BOOST_AUTO_TEST_CASE(capture_and_pipeline_follow_the_host,
       << mirror_stats.worst << ", argmax " << mirror_stats.argmax_same << "/" << mirror_stats.rows
       << ", confidence worst " << mirror_conf_worst << " (" << mirror_stats.worst_rows(4, 0.05) << "); mirror "
       << describe(mirror_blocks));
+  mirror_rings.check("capture:");
   // The capture carries the backbone's device-vs-host differences (test_device_model_cuda: worst
   // 6-17% of the logit range on tiny's random layers), the drafts those and the drafter's own
   // (seeds 0, 12579890409632215566 and 777 on the H200: 0.226, 0.244 and 0.320).

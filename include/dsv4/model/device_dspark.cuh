@@ -223,6 +223,29 @@ class device_dspark {
   //! Positions the drafter of `slot` has seen (the backbone's length when both are in step).
   long long length(int slot) const { return lengths_.at(check_slot(slot, "length")); }
 
+  //! The ring of stage `stage` and `slot`, dequantised: [window, head_dim] values in slot order,
+  //! as dspark_state::rings holds them on the host (for tests and debugging; waits for the stream).
+  std::vector<bf16> ring_values(int stage, int slot) {
+    check_slot(slot, "ring_values");
+    if (stage < 0 || stage >= int(stages_.size()))
+      throw error("device_dspark::ring_values: no stage " + std::to_string(stage) + " (the drafter has " +
+                  std::to_string(stages_.size()) + ")");
+    using layout = window_layout;
+    std::vector<std::uint8_t> bytes(std::size_t(sh.window) * layout::bytes);
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(bytes.data(), ring_of(stages_[std::size_t(stage)], slot), bytes.size(),
+                                    cudaMemcpyDeviceToHost, stream()));
+    DSV4_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    std::vector<bf16> out(std::size_t(sh.window) * head_dim);
+    for (int r = 0; r < sh.window; ++r) {
+      const auto entry =
+          std::span<const std::uint8_t>(bytes).subspan(std::size_t(r) * layout::bytes, layout::bytes);
+      numerics::dequantize_vector<window_format>(
+          entry.first(layout::code_bytes), entry.subspan(layout::scale_offset, layout::scale_bytes),
+          std::span<bf16>(out).subspan(std::size_t(r) * head_dim, head_dim));
+    }
+    return out;
+  }
+
   //! The DSpark prefill of `slot` (see the file comment): main_hidden [rows, targets * dim] in
   //! device memory holds positions first_position .. first_position + rows - 1, rows <= window.
   void prefill(int slot, const bf16* main_hidden, long long rows, long long first_position = 0) {

@@ -47,38 +47,6 @@ struct gate_params {
 struct routing {
   std::vector<int> experts;     //!< in descending biased-score order
   std::vector<float> weights;   //!< same order
-  //! How far the choice is from flipping: the last chosen biased score minus the best unchosen one
-  //! (+inf when every expert is chosen, NaN where a NaN score is involved). A device run whose gate
-  //! sums in another order can choose differently only where this is of the order of its rounding.
-  float margin = INFINITY;
-};
-
-//! Diagnostics for tests that must tell a routing near-tie from a fault: while one is alive on a
-//! thread, every route_reference call on that thread appends its margin (innermost recorder only).
-class routing_margin_recorder {
- public:
-  routing_margin_recorder() : outer_(current()) { current() = this; }
-  ~routing_margin_recorder() { current() = outer_; }
-  routing_margin_recorder(const routing_margin_recorder&) = delete;
-  routing_margin_recorder& operator=(const routing_margin_recorder&) = delete;
-  const std::vector<float>& margins() const { return margins_; }
-  //! The smallest margin recorded (+inf if none; NaN margins count as 0: no distance at all).
-  float smallest() const {
-    float m = INFINITY;
-    for (float v : margins_) m = std::min(m, std::isnan(v) ? 0.0f : v);
-    return m;
-  }
-  static void record(float margin) {
-    if (current()) current()->margins_.push_back(margin);
-  }
-
- private:
-  static routing_margin_recorder*& current() {
-    static thread_local routing_margin_recorder* r = nullptr;
-    return r;
-  }
-  routing_margin_recorder* outer_;
-  std::vector<float> margins_;
 };
 
 inline float softplus_torch(float s) { return s > 20.0f ? s : std::log1p(std::exp(s)); }
@@ -111,18 +79,12 @@ inline routing route_reference(std::span<const bf16> x, const gate_params& g) {
   // A total order (integer keys, then ids), so NaN scores cannot break the sort's contract.
   std::vector<int> order(s.size());
   std::iota(order.begin(), order.end(), 0);
-  const int ranked = std::min(g.k + 1, g.experts);  // one past the chosen, for the margin
-  std::partial_sort(order.begin(), order.begin() + ranked, order.end(), [&](int a, int b) {
+  std::partial_sort(order.begin(), order.begin() + g.k, order.end(), [&](int a, int b) {
     const std::uint32_t ka = key[std::size_t(a)], kb = key[std::size_t(b)];
     return ka != kb ? ka > kb : a < b;
   });
   routing r;
   r.experts.assign(order.begin(), order.begin() + g.k);
-  if (g.k < g.experts) {
-    const auto biased = [&](int e) { return s[std::size_t(e)] + g.bias[std::size_t(e)]; };
-    r.margin = biased(order[std::size_t(g.k - 1)]) - biased(order[std::size_t(g.k)]);
-  }
-  routing_margin_recorder::record(r.margin);
   float sum = 0.0f;
   for (int e : r.experts) {
     r.weights.push_back(s[std::size_t(e)]);
