@@ -137,40 +137,46 @@ struct ring_check {
       BOOST_REQUIRE_EQUAL(got.size(), st.rings[s].size());
       for (std::size_t r = 0; r < got.size() / hd; ++r) {
         int diff = 0;
-        double entry_steps = 0;
+        double entry_steps = 0, worst_g = 0, worst_h = 0, worst_peak = 0;  // the entry's worst value
         for (std::size_t b = r * hd; b < (r + 1) * hd; b += 32) {  // E4M3 blocks of 32, UE8M0 scales
           double peak = 0;
           for (std::size_t i = b; i < b + 32; ++i)
             peak = std::max(
                 {peak, double(std::fabs(got[i].to_float())), double(std::fabs(st.rings[s][i].to_float()))});
-          // The block's scale is at least the power of two above peak / 448; a value's code step is
-          // 2^-3 of its binade, and never below the subnormal step 2^-9 of the scale.
-          const double floor_step = peak > 0 ? std::exp2(std::ceil(std::log2(peak / 448.0)) - 9) : 0;
+          // What a GEMM ulp upstream can do to an entry: move a value across a rounding boundary of
+          // its E4M3 codes (one code step at its binade, 2^-3 of it), or, where it moved a code of
+          // main_x's act_quant (read by every stage's wkv), shift the entry's values by up to a few
+          // percent of their block's peak, several codes for a small value (H100, seed 11: slot 7
+          // of all three stages, 12-14 values each, the worst -0.00171 against -0.00293 in a block
+          // of peak 0.0625, 2% of it). Allowance: the larger of one code step and 2^-5 of the peak.
           for (std::size_t i = b; i < b + 32; ++i) {
             const double g = got[i].to_float(), h = st.rings[s][i].to_float();
             BOOST_REQUIRE_MESSAGE(std::isfinite(g), "non-finite ring value, stage " << s << " slot " << r);
             if (g == h) continue;
             ++diff;
-            const double low = std::min(std::fabs(g), std::fabs(h));
-            const double step =
-                std::max(floor_step, low > 0 ? std::exp2(std::floor(std::log2(low)) - 3) : 0.0);
-            entry_steps = std::max(entry_steps, step > 0 ? std::fabs(g - h) / step : HUGE_VAL);
+            const double high = std::max(std::fabs(g), std::fabs(h));
+            const double allowed = std::max(std::exp2(std::floor(std::log2(high)) - 3), std::exp2(-5) * peak);
+            if (std::fabs(g - h) / allowed > entry_steps)
+              entry_steps = std::fabs(g - h) / allowed, worst_g = g, worst_h = h, worst_peak = peak;
           }
         }
         entries += 1, values += (long long)hd, differing += diff;
         worst_step = std::max(worst_step, entry_steps);
-        if (diff) call << ' ' << s << ':' << r << '(' << diff << " by " << entry_steps << ')';
+        if (diff)
+          call << ' ' << s << ':' << r << '(' << diff << " by " << entry_steps << ": " << worst_g << " vs " << worst_h
+               << " in a block of peak " << worst_peak << ')';
       }
       st.rings[s] = std::move(got);
     }
     where << " | call " << calls++ << ':' << (call.str().empty() ? std::string(" =") : call.str());
   }
   //! The state agrees up to isolated FP8 code flips: an ulp of a GEMM sum that moved a value across
-  //! a rounding boundary of the ring's E4M3 codes. A wrong slot, position, RoPE or norm moves most
-  //! values of an entry, and by more than a code.
+  //! a rounding boundary of the ring's E4M3 codes, or a code of main_x that moved a few values of
+  //! an entry by a few percent of their block. A wrong slot, position, RoPE or norm moves most
+  //! values of an entry, and by far more.
   void check(const char* what) const {
     BOOST_TEST_MESSAGE(what << " rings vs host: " << differing << " of " << values << " values in " << entries
-                            << " entries differ, by at most " << worst_step << " E4M3 code steps;"
+                            << " entries differ, by at most " << worst_step << " of their allowance;"
                             << where.str());
     BOOST_TEST(entries > 0);
     BOOST_TEST(worst_step <= 1.0 + 1e-9);
