@@ -105,10 +105,10 @@ void compare(const model::dspark_draft& got, const model::dspark_draft& want, te
   BOOST_REQUIRE_EQUAL(got.logits.size(), want.logits.size());
   test::logit_stats block;
   for (std::size_t i = 0; i < want.confidence.size(); ++i) {
-    logits.add(std::span<const float>(got.logits).subspan(i * V, V),
-               std::span<const float>(want.logits).subspan(i * V, V));
-    block.add(std::span<const float>(got.logits).subspan(i * V, V),
-              std::span<const float>(want.logits).subspan(i * V, V));
+    const auto g = std::span<const float>(got.logits).subspan(i * V, V);
+    const auto w = std::span<const float>(want.logits).subspan(i * V, V);
+    logits.add(g, w);  // the run's totals
+    block.add(g, w);   // this block's record
   }
   double peak = 1, block_conf = 0;
   for (float v : want.confidence) peak = std::max(peak, double(std::fabs(v)));
