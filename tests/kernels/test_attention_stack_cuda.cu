@@ -1,7 +1,8 @@
 // The CUDA attention sublayer (kernels/attention/layer.cuh) against the host reference
 // (layer_reference.hpp) on the five-layer stack with every role: three sequences of different
 // lengths, each prefilled alone, then decoded together as one batch (prefill lengths below and
-// above the window, the top-k and the candidate pool), then chunks appended in exact mode.
+// above the window, the top-k and the candidate pool), then chunks appended in exact mode, one
+// sequence per call and then several sequences in one call.
 
 #include <boost/test/unit_test.hpp>
 
@@ -74,7 +75,7 @@ BOOST_AUTO_TEST_CASE(prefill_and_batched_decode_match_host, *utf::label("gpu") *
   const int layers = int(st.wiring.size());
   const std::vector<int> prefill = {21, 6, 37};  // around the window (16), top-k (8 entries) and pool (12 positions)
   const int decode_steps = 14, seqs = int(prefill.size());
-  const int max_len = *std::max_element(prefill.begin(), prefill.end()) + decode_steps + 22;  // + appended chunks
+  const int max_len = *std::max_element(prefill.begin(), prefill.end()) + decode_steps + 30;  // + appended chunks
   const inputs in(seqs, layers, max_len, rng);
 
   attention_stack<128, 64>::limits lim;
@@ -132,8 +133,10 @@ BOOST_AUTO_TEST_CASE(prefill_and_batched_decode_match_host, *utf::label("gpu") *
     }
     dev.end_call();
   }
-  // Appended chunks (exact mode), shorter and longer than the window, then one more batched
-  // decode step, which reads the rings the chunks left.
+  // Appended chunks (exact mode), shorter and longer than the window, one sequence per call, then
+  // chunks of three sequences in one call (begin_appends: a batch of speculative rounds'
+  // verifications; odd and even lengths, so ratio-2 groups complete inside the chunk and across
+  // its start), then one more batched decode step, which reads the rings the chunks left.
   row_stats append_stats;
   std::vector<long long> len(static_cast<std::size_t>(seqs));
   for (int s = 0; s < seqs; ++s) len[std::size_t(s)] = prefill[std::size_t(s)] + decode_steps;
@@ -152,6 +155,37 @@ BOOST_AUTO_TEST_CASE(prefill_and_batched_decode_match_host, *utf::label("gpu") *
     }
     dev.end_call();
     len[std::size_t(s)] += n;
+  }
+  {
+    const std::vector<std::pair<int, int>> chunks = {{2, 3}, {0, 7}, {1, 1}};  // (sequence, tokens), not slot order
+    std::vector<int> call_slots, call_tokens;
+    for (const auto& [s, n] : chunks) call_slots.push_back(slot[std::size_t(s)]), call_tokens.push_back(n);
+    dev.begin_appends(call_slots, call_tokens);
+    for (int l = 0; l < layers; ++l) {
+      std::vector<bf16> x;
+      for (const auto& [s, n] : chunks) {
+        const auto r = in.rows(s, l, len[std::size_t(s)], n);
+        x.insert(x.end(), r.begin(), r.end());
+      }
+      DSV4_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), x.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+      dev.forward(l, dx.data(), dout.data());
+      std::vector<bf16> got(x.size());
+      DSV4_CUDA_CHECK(cudaMemcpy(got.data(), dout.data(), x.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+      std::size_t row = 0;
+      for (const auto& [s, n] : chunks) {
+        const auto want = host_layer(s, l, len[std::size_t(s)], n);
+        for (int r = 0; r < n; ++r, ++row)
+          append_stats.add(std::span<const bf16>(got).subspan(row * shape.dim, shape.dim),
+                           std::span<const bf16>(want).subspan(std::size_t(r) * shape.dim, shape.dim));
+      }
+    }
+    dev.end_call();
+    for (const auto& [s, n] : chunks) len[std::size_t(s)] += n;
+    // Refused before anything changes: a slot twice, a count missing, a chunk beyond the window
+    // among several sequences.
+    BOOST_CHECK_THROW(dev.begin_appends({slot[0], slot[0]}, {1, 1}), dsv4::error);
+    BOOST_CHECK_THROW(dev.begin_appends({slot[0], slot[1]}, {1}), dsv4::error);
+    BOOST_CHECK_THROW(dev.begin_appends({slot[0], slot[1]}, {shape.window + 1, 1}), dsv4::error);
   }
   dev.begin_decode(batch_slots);
   for (int l = 0; l < layers; ++l) {

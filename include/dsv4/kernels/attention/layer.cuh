@@ -111,8 +111,8 @@ struct index_list_args {
   const std::int64_t* positions = nullptr;
   int rows = 0, window_width = 0, topk_width = 0, window = 0;
   bool prefill = false;               //!< prefill: operand = the call's rows; decode: the ring
-  bool append = false;                //!< an appended chunk: the ring, then the call's rows
-  long long chunk_start = 0;          //!< append: position of the chunk's first row
+  bool append = false;                //!< appended chunks: the ring, then the chunk's rows
+  const std::int32_t* row_first = nullptr;  //!< append: [rows] the call row of each row's chunk start
 };
 DSV4_KERNEL void index_list_kernel(index_list_args a) {
   runtime::start_after_previous_grid();
@@ -127,8 +127,8 @@ DSV4_KERNEL void index_list_kernel(index_list_args a) {
     const int e = max(r - a.window + 1, 0) + j;
     v = e > r ? -1 : e;
   } else if (a.append) {  // positions p - window + 1 .. p, oldest first: the ring before the chunk, then its rows
-    const long long q = a.positions[r] - a.window + 1 + j;
-    v = q < 0 ? -1 : q < a.chunk_start ? int(q % a.window) : a.window + int(q - a.chunk_start);
+    const long long q = a.positions[r] - a.window + 1 + j, chunk_start = a.positions[a.row_first[r]];
+    v = q < 0 ? -1 : q < chunk_start ? int(q % a.window) : a.window + int(q - chunk_start);
   } else {  // ring slots oldest first: slot + 1 .. window - 1, then 0 .. slot; unwritten slots -1
     const long long pos = a.positions[r];
     const int slot = int(pos % a.window);
@@ -368,17 +368,38 @@ class attention_stack {
   }
   //! A chunk of `tokens` tokens appended to a sequence after its prefill (a tool result, a new
   //! turn), in exact mode: each row as the decode step of its position would compute it.
-  void begin_append(int slot, int tokens) {
-    check_slot(slot);
-    const long long len = lengths_[std::size_t(slot)];
-    if (len <= 0) throw error("attention_stack::begin_append: sequence slot " + std::to_string(slot) + " has no prefill");
-    if (ced_pending_[std::size_t(slot)] >= 0)
-      throw error("attention_stack::begin_append: sequence slot " + std::to_string(slot) + " waits for its CED replay");
-    if (tokens <= 0 || tokens > lim_.max_rows || len + tokens > lim_.max_tokens)
-      throw error("attention_stack::begin_append: " + std::to_string(tokens) + " tokens after " + std::to_string(len) +
-                  "; the limits allow " + std::to_string(lim_.max_rows) + " per call and " + std::to_string(lim_.max_tokens) +
-                  " per sequence");
-    begin({slot}, {tokens}, false);
+  void begin_append(int slot, int tokens) { begin_appends({slot}, {tokens}); }
+  //! Chunks appended to several sequences in one call (`slots` distinct, tokens[b] for
+  //! slots[b]; the call's rows are the chunks in that order), each as begin_append's: a batch of
+  //! speculative rounds' verifications. With more than one sequence a chunk may hold at most
+  //! `window` tokens (each then enters its ring whole after the attention).
+  void begin_appends(const std::vector<int>& slots, const std::vector<int>& tokens) {
+    const std::string where = "attention_stack::begin_append" + std::string(slots.size() > 1 ? "s" : "") + ": ";
+    if (slots.empty() || slots.size() != tokens.size())
+      throw error(where + std::to_string(slots.size()) + " sequences and " + std::to_string(tokens.size()) +
+                  " token counts (one count per sequence, at least one sequence)");
+    long long rows = 0;
+    for (std::size_t b = 0; b < slots.size(); ++b) {
+      const int slot = slots[b], n = tokens[b];
+      check_slot(slot);
+      const long long len = lengths_[std::size_t(slot)];
+      if (len <= 0) throw error(where + "sequence slot " + std::to_string(slot) + " has no prefill");
+      if (ced_pending_[std::size_t(slot)] >= 0)
+        throw error(where + "sequence slot " + std::to_string(slot) + " waits for its CED replay");
+      if (std::count(slots.begin(), slots.end(), slot) > 1) throw error(where + "sequence slot " + std::to_string(slot) + " appears twice");
+      if (n <= 0 || n > lim_.max_rows || len + n > lim_.max_tokens)
+        throw error(where + std::to_string(n) + " tokens after " + std::to_string(len) + " in sequence slot " +
+                    std::to_string(slot) + "; the limits allow " + std::to_string(lim_.max_rows) + " per call and " +
+                    std::to_string(lim_.max_tokens) + " per sequence");
+      if (slots.size() > 1 && n > shape_.window)
+        throw error(where + "a chunk of " + std::to_string(n) + " tokens for sequence slot " + std::to_string(slot) +
+                    " in a call of several sequences; each may hold at most the window (" + std::to_string(shape_.window) +
+                    " tokens): append longer chunks alone");
+      rows += n;
+    }
+    if (rows > lim_.max_rows)
+      throw error(where + std::to_string(rows) + " tokens in one call, beyond limits::max_rows (" + std::to_string(lim_.max_rows) + ")");
+    begin(slots, tokens, false);
     call_->append = true;
   }
 
@@ -479,6 +500,8 @@ class attention_stack {
     const std::int64_t* positions = nullptr;                      //!< [rows]
     const std::int32_t* row_batch = nullptr;                      //!< [rows] batch entry of each row
     const std::int32_t* row_slot = nullptr;                       //!< [rows] sequence slot of each row
+    const std::int32_t* row_first = nullptr;                      //!< [rows] call row of each row's batch entry's first row
+    int chunk_width = 0;                                          //!< the most tokens of one batch entry
     const std::int32_t* batch_slot = nullptr;                     //!< [batch]
     const std::int32_t* block_tables = nullptr;                   //!< [batch, max_pages]
     // per compressed ratio r in {1, 2} (index r): latents of this call
@@ -608,7 +631,7 @@ class attention_stack {
   void allocate_metadata() {
     using A = runtime::upload_arena;
     const std::size_t rows = std::size_t(lim_.max_rows), batch = std::size_t(std::min(lim_.max_rows, lim_.max_seqs));
-    std::size_t bytes = A::space<std::int64_t>(rows) + 2 * A::space<std::int32_t>(rows) + A::space<std::int32_t>(batch) +
+    std::size_t bytes = A::space<std::int64_t>(rows) + 3 * A::space<std::int32_t>(rows) + A::space<std::int32_t>(batch) +
                         A::space<std::int32_t>(batch * std::size_t(max_pages_));
     for (int ratios = 0; ratios < 2; ++ratios)  // r = 1, 2
       bytes += A::space<std::int64_t>(rows) + A::space<compressor::pool_sequence>(batch) + A::space<std::int64_t>(rows) +
@@ -622,7 +645,7 @@ class attention_stack {
     call_state c;
     c.slots = slots, c.tokens = tokens, c.prefill = prefill;
     std::vector<std::int64_t> pos;
-    std::vector<std::int32_t> row_batch, row_slot, batch_slot(slots.begin(), slots.end());
+    std::vector<std::int32_t> row_batch, row_slot, row_first, batch_slot(slots.begin(), slots.end());
     std::vector<std::int32_t> tables(slots.size() * std::size_t(max_pages_), 0);
     if (replay_from < 0) {  // pages for the new tokens of the whole batch, or none (checked before any is taken)
       long long need = 0;
@@ -649,7 +672,10 @@ class attention_stack {
     for (std::size_t b = 0; b < slots.size(); ++b) {
       const long long start = replay_from >= 0 ? replay_from : lengths_[std::size_t(slots[b])];
       c.start.push_back(start);
-      for (int t = 0; t < tokens[b]; ++t) pos.push_back(start + t), row_batch.push_back(int(b)), row_slot.push_back(slots[b]);
+      const int first_row = int(pos.size());
+      for (int t = 0; t < tokens[b]; ++t)
+        pos.push_back(start + t), row_batch.push_back(int(b)), row_slot.push_back(slots[b]), row_first.push_back(first_row);
+      c.chunk_width = std::max(c.chunk_width, tokens[b]);
       const auto& bt = alloc_->block_table(slot_seq_[std::size_t(slots[b])]);
       if (bt.size() > std::size_t(max_pages_)) throw error("attention_stack: a block table outgrew max_pages (internal error)");
       std::copy(bt.begin(), bt.end(), tables.begin() + std::ptrdiff_t(b) * max_pages_);
@@ -662,6 +688,7 @@ class attention_stack {
     c.positions = meta_.put(std::span<const std::int64_t>(pos), rows, "positions");
     c.row_batch = meta_.put(std::span<const std::int32_t>(row_batch), rows, "row_batch");
     c.row_slot = meta_.put(std::span<const std::int32_t>(row_slot), rows, "row_slot");
+    c.row_first = meta_.put(std::span<const std::int32_t>(row_first), rows, "row_first");
     c.batch_slot = meta_.put(std::span<const std::int32_t>(batch_slot), batch, "batch_slot");
     c.block_tables = meta_.put(std::span<const std::int32_t>(tables), batch * std::size_t(max_pages_), "block_tables");
     for (int r : {1, 2}) {
@@ -794,13 +821,15 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
         stream);
   };
   const bool own_rows = c.prefill || c.replay;  // the window operand is the call's own rows
-  const int ring_first = std::max(0, R - s.window);  // the call's last positions are what the ring keeps
+  // The call's last positions are what the ring keeps: of one sequence's rows the last `window`;
+  // appends to several sequences hold at most `window` rows each (begin_appends), all kept.
+  const int ring_first = c.slots.size() > 1 ? 0 : std::max(0, R - s.window);
   if (own_rows || c.append) pack_window(0, R, rows_dst, nullptr);
   if (own_rows) pack_window(ring_first, R - ring_first, ring_dst, c.row_slot);
   else if (!c.append) pack_window(0, R, ring_dst, c.row_slot);  // decode: straight into the ring
   // (an appended chunk enters the ring after the attention, which still reads the old slots)
   const int window_width = own_rows ? std::min(R, s.window) : s.window;
-  const int operand_rows = own_rows ? R : c.append ? s.window + R : s.window;
+  const int operand_rows = own_rows ? R : c.append ? s.window + c.chunk_width : s.window;
 
   // Global branch.
   int topk_width = 0;
@@ -864,7 +893,7 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
   // Index lists, attention, output.
   const int width = window_width + topk_width;
   index_list_args il{idx_.data(), topk_.data(), c.positions, R, window_width, topk_width, s.window, own_rows,
-                     c.append, c.append ? c.start[0] : 0};
+                     c.append, c.row_first};
   runtime::launch_programmatic(index_list_kernel, dim3(blocks_for(1LL * R * width)), dim3(256), 0, stream, il);
   DSV4_CUDA_CHECK_LAUNCH();
   sparse_attention_args sa;
@@ -883,9 +912,12 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
   }
   const cache::owner_region* region = wr.ratio > 0 ? &regions_.at(wr.kv_owner) : nullptr;
   if (c.append) {
-    sa.batch = 1, sa.rows = R;
+    // Every row a batch entry of its own (decode's grid: a CTA per row and head group either
+    // way), mapped to its sequence's ring, chunk and block table.
+    sa.batch = R, sa.rows = 1;
     appended_kv<window_format, numerics::main_kv_format, HeadDim> kv;
-    kv.window = win, kv.chunk = chunk_kv_.data(), kv.chunk_rows = R;
+    kv.window = win, kv.window.slots = c.row_slot;
+    kv.chunk = chunk_kv_.data(), kv.chunk_rows = c.chunk_width, kv.chunk_first = c.row_first, kv.table_row = c.row_batch;
     if (region) {
       kv.pool = pool_.data(), kv.block_tables = c.block_tables, kv.max_pages = max_pages_;
       kv.page_bytes = page_bytes_, kv.region_offset = region->main_offset, kv.entries_per_page = region->entries_per_page;

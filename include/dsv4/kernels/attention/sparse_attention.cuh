@@ -198,18 +198,27 @@ struct paged_kv : two_format_entries<WindowFormat, GlobalFormat, Dim, paged_kv<W
 
 //! A chunk appended after the prefill (exact mode): index j < window.rows reads the sequence's
 //! ring (positions before the chunk), j < window.rows + chunk_rows reads the chunk's own window
-//! entries (one sequence per call), and the rest reads global entries through the block table,
-//! when there is a global cache (pool not null).
+//! entries, and the rest reads global entries through the block table, when there is a global
+//! cache (pool not null). One sequence's chunk (chunk_first and table_row null), or several
+//! sequences' chunks of one call with every query row a batch entry of its own (the attention
+//! stack's appends: window.slots, chunk_first and table_row then map a row to its sequence).
 template <class WindowFormat, class GlobalFormat, int Dim>
 struct appended_kv : two_format_entries<WindowFormat, GlobalFormat, Dim, appended_kv<WindowFormat, GlobalFormat, Dim>> {
   using window_layout = numerics::packed_vector<WindowFormat, Dim>;
   using global_layout = numerics::packed_vector<GlobalFormat, Dim>;
   window_ring<WindowFormat, Dim> window;
-  const std::uint8_t* chunk = nullptr;          //!< [chunk_rows] window entries of the chunk
+  const std::uint8_t* chunk = nullptr;          //!< window entries of the chunks (below)
   long long chunk_stride = window_layout::bytes;
+  //! The chunk part's width in the operand: entries window.rows .. window.rows + chunk_rows - 1
+  //! are chunk rows (an entry list of a shorter chunk never reaches past its own rows).
   int chunk_rows = 0;
+  //! Optional [batch]: where batch entry b's chunk starts among `chunk`'s rows (several
+  //! sequences' chunks in one call, each query row its own batch entry); null: row 0.
+  const std::int32_t* chunk_first = nullptr;
+  //! Optional [batch]: the block-table row of batch entry b; null: row b.
+  const std::int32_t* table_row = nullptr;
   const std::uint8_t* pool = nullptr;           //!< page pool base, or null (a local layer)
-  const std::int32_t* block_tables = nullptr;   //!< [batch, max_pages]
+  const std::int32_t* block_tables = nullptr;   //!< [table rows, max_pages]
   int max_pages = 0;
   long long page_bytes = 0;
   long long region_offset = 0;
@@ -218,9 +227,13 @@ struct appended_kv : two_format_entries<WindowFormat, GlobalFormat, Dim, appende
   using entry_ref = const std::uint8_t*;
   DSV4_DEVICE entry_ref locate(int seq, int e) const {
     if (e < window.rows) return window.locate(seq, e);
-    if (e < window.rows + chunk_rows) return chunk + static_cast<long long>(e - window.rows) * chunk_stride;
+    if (e < window.rows + chunk_rows) {
+      const long long first = chunk_first ? chunk_first[seq] : 0;
+      return chunk + (first + (e - window.rows)) * chunk_stride;
+    }
     const int g = e - window.rows - chunk_rows;
-    const long long page = block_tables[static_cast<long long>(seq) * max_pages + g / entries_per_page];
+    const long long table = table_row ? table_row[seq] : seq;
+    const long long page = block_tables[table * max_pages + g / entries_per_page];
     return pool + page * page_bytes + region_offset + static_cast<long long>(g % entries_per_page) * global_layout::bytes;
   }
   DSV4_DEVICE bool windowed(int e) const { return e < window.rows + chunk_rows; }
