@@ -292,6 +292,72 @@ BOOST_AUTO_TEST_CASE(rolled_back_rounds_leave_no_trace, *utf::label("gpu") * utf
   BOOST_TEST(test::throws_with([&] { dm.append_all(a, random_ids(9)); }, "limits::logit_rows"));
 }
 
+// Chunks appended to several sequences in one call (append_all over slots: a batch of
+// speculative rounds' verifications) give each sequence what its own append_all gives: three
+// prompts (longer than the window and the pool, odd and even, one shorter than the window) and
+// chunks of 5, 1 and 8 tokens in a call whose order is not the slot order, against twin
+// sequences appended one by one; then one decode step of all six, which reads the caches, rings
+// and compressor states the appends left. Not bit for bit: the GEMMs split and tile by the call's
+// row count (docs/decisions.md, not batch-invariant), and 40 random layers amplify a rounding
+// step (the host-vs-device bound of tiny_logits_match_host applies).
+BOOST_AUTO_TEST_CASE(appends_to_several_sequences_in_one_call, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  const auto hm = load_tiny("device_model_appends", 49);
+  auto lim = tiny_limits(6, 64, 128);
+  lim.logit_rows = 24;
+  model::device_model<tiny> dm(hm, lim);
+  auto rng = test::make_rng(78);
+  const int V = tiny::dims.vocab_size;
+  auto random_ids = [&](int n) {
+    std::vector<std::int32_t> v(static_cast<std::size_t>(n));
+    for (auto& id : v) id = std::int32_t(rng() % std::uint64_t(V));
+    return v;
+  };
+  const std::vector<int> prompt_len = {37, 10, 50}, chunk_len = {5, 1, 8};
+  const std::vector<std::size_t> order = {2, 0, 1};
+  std::vector<int> batched, alone;
+  std::vector<std::vector<std::int32_t>> chunks;
+  for (std::size_t s = 0; s < prompt_len.size(); ++s) {
+    const auto prompt = random_ids(prompt_len[s]);
+    batched.push_back(dm.add_sequence()), alone.push_back(dm.add_sequence());
+    dm.prefill(batched.back(), prompt), dm.prefill(alone.back(), prompt);
+    chunks.push_back(random_ids(chunk_len[s]));
+  }
+  std::vector<int> call_slots;
+  std::vector<std::vector<std::int32_t>> call_chunks;
+  for (std::size_t s : order) call_slots.push_back(batched[s]), call_chunks.push_back(chunks[s]);
+  const auto together = dm.append_all(call_slots, call_chunks);
+  BOOST_REQUIRE_EQUAL(together.size(), std::size_t(5 + 1 + 8) * std::size_t(V));
+  test::logit_stats rows;
+  std::size_t row = 0;
+  for (std::size_t s : order) {
+    const auto one = dm.append_all(alone[s], chunks[s]);
+    for (int r = 0; r < chunk_len[s]; ++r, ++row)
+      rows.add(std::span<const float>(together).subspan(row * std::size_t(V), std::size_t(V)),
+               std::span<const float>(one).subspan(std::size_t(r) * std::size_t(V), std::size_t(V)));
+  }
+  for (std::size_t s = 0; s < prompt_len.size(); ++s) {
+    BOOST_TEST(dm.length(batched[s]) == prompt_len[s] + chunk_len[s]);
+    BOOST_TEST(dm.length(alone[s]) == prompt_len[s] + chunk_len[s]);
+  }
+  const auto tok = random_ids(3);
+  const auto step_batched = dm.decode(batched, tok), step_alone = dm.decode(alone, tok);
+  for (std::size_t s = 0; s < prompt_len.size(); ++s)
+    rows.add(std::span<const float>(step_batched).subspan(s * std::size_t(V), std::size_t(V)),
+             std::span<const float>(step_alone).subspan(s * std::size_t(V), std::size_t(V)));
+  BOOST_TEST_MESSAGE("appends to several sequences in one call vs one by one (" << rows.rows << " rows with the decode step "
+                     "after): worst " << rows.worst << ", min cosine " << rows.min_cosine << ", argmax equal "
+                     << rows.argmax_same << "; " << rows.worst_rows(3, 0.05));
+  BOOST_TEST(rows.min_cosine > 0.98);
+  BOOST_TEST(rows.argmax_same * 10 >= rows.rows * 9);
+  // Refused before anything changes: a slot twice, a chunk past the window among several
+  // sequences, more rows than limits::logit_rows, a chunk count that does not match.
+  BOOST_TEST(test::throws_with([&] { dm.append_all({batched[0], batched[0]}, {random_ids(1), random_ids(1)}); }, "appears twice"));
+  BOOST_TEST(test::throws_with([&] { dm.append_all({batched[0], batched[1]}, {random_ids(17), random_ids(1)}); }, "at most the window"));
+  BOOST_TEST(test::throws_with([&] { dm.append_all({batched[0], batched[1]}, {random_ids(12), random_ids(13)}); }, "limits::logit_rows"));
+  BOOST_TEST(test::throws_with([&] { dm.append_all({batched[0], batched[1]}, {random_ids(1)}); }, "2 sequences and 1 chunks"));
+  for (std::size_t s = 0; s < prompt_len.size(); ++s) BOOST_TEST(dm.length(batched[s]) == prompt_len[s] + chunk_len[s] + 1);
+}
+
 // Draws on the device (decode_on_device + sample) are the host sampler's draws from the same
 // logits: two sequences decoded together with different parameters, and a prefill's last row.
 BOOST_AUTO_TEST_CASE(device_draws_follow_the_host_sampler, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {

@@ -330,7 +330,8 @@ class device_model {
   //! prefill, an append or a CED prefill the last min(tokens, window) rows of the call (all a
   //! drafter's rings keep); after a CED append the replayed rows, i.e. the sequence's last
   //! min(length, window) positions, of which the chunk's are the last min(chunk, window); for a
-  //! decode batch one row per entry in the order given. Read with main_hidden() /
+  //! decode batch one row per entry in the order given; for appends to several sequences every
+  //! row of the call, in the call's order. Read with main_hidden() /
   //! main_hidden_rows() until the next call (0 rows after a failed one). Not on a
   //! tensor-parallel rank.
   void capture_main_hidden(bool on) {
@@ -340,7 +341,9 @@ class device_model {
     } else {
       if (on && comm_) throw error("device_model::capture_main_hidden: not supported on a tensor-parallel rank yet");
       if (on && !main_hidden_.size()) {
-        const std::size_t rows = std::size_t(std::max<long long>(c.attn.window_size, std::min(lim_.max_rows, lim_.max_seqs)));
+        // A prefill keeps its last window rows, a decode step one per sequence, appends to
+        // several sequences all of their rows (at most logit_rows_, which covers a decode batch).
+        const std::size_t rows = std::size_t(std::max(c.attn.window_size, logit_rows_));
         main_hidden_ = runtime::device_buffer<bf16>(rows * std::size_t(sched::drafter::targets::size) * std::size_t(c.dim));
       }
     }
@@ -395,6 +398,23 @@ class device_model {
       throw error("device_model::append_all_on_device: " + std::to_string(ids.size()) +
                   " tokens, but limits::logit_rows holds " + std::to_string(logit_rows_) + " rows of logits");
     begin_append(slot, ids);
+    pending_->all_rows = true;
+    finish_on_device();
+  }
+  //! Chunks appended to several sequences in one call (exact mode; `slots` distinct, chunks[b]
+  //! for slots[b], each at most `window` tokens when there are several), every row's logits:
+  //! [total tokens, vocab], the chunks' rows in the order given. A batch of speculative rounds'
+  //! verifications; each chunk's rows as append_all of it alone would compute them (up to the
+  //! GEMMs' row-count dependence, docs/decisions.md). At most limits::logit_rows tokens.
+  std::vector<float> append_all(const std::vector<int>& slots, const std::vector<std::vector<std::int32_t>>& chunks) {
+    begin_appends(slots, chunks, "append_all");
+    pending_->all_rows = true;
+    return finish_call();
+  }
+  //! append_all of several sequences without the way back (sample() draws from the rows).
+  void append_all_on_device(const std::vector<int>& slots, const std::vector<std::vector<std::int32_t>>& chunks) {
+    if (comm_) throw error("device_model::append_all_on_device: not on a tensor-parallel rank (use append_all)");
+    begin_appends(slots, chunks, "append_all_on_device");
     pending_->all_rows = true;
     finish_on_device();
   }
@@ -473,22 +493,41 @@ class device_model {
   void begin_prefill(int slot, std::span<const std::int32_t> ids) {
     begin_call();
     check_ids(ids);
-    pending_call p{pending_call::kind::normal, {slot}, {ids.begin(), ids.end()}, true};
+    pending_call p{pending_call::kind::normal, {slot}, {ids.begin(), ids.end()}, {int(ids.size())}, true};
     stack_->begin_prefill(slot, int(ids.size()));
     pending_ = std::move(p);
   }
   void begin_append(int slot, std::span<const std::int32_t> ids) {
     begin_call();
     check_ids(ids);
-    pending_call p{pending_call::kind::normal, {slot}, {ids.begin(), ids.end()}, true};
+    pending_call p{pending_call::kind::normal, {slot}, {ids.begin(), ids.end()}, {int(ids.size())}, true};
     stack_->begin_append(slot, int(ids.size()));
+    pending_ = std::move(p);
+  }
+  //! Appends to several sequences (append_all's several-sequence form); `what` names the caller.
+  void begin_appends(const std::vector<int>& slots, const std::vector<std::vector<std::int32_t>>& chunks,
+                     const char* what = "begin_appends") {
+    begin_call();
+    const std::string where = std::string("device_model::") + what + ": ";
+    if (slots.size() != chunks.size())
+      throw error(where + std::to_string(slots.size()) + " sequences and " + std::to_string(chunks.size()) + " chunks");
+    pending_call p{pending_call::kind::normal, slots, {}, {}, slots.size() == 1};  // (one: a chunk of any length)
+    for (const auto& ch : chunks) {
+      check_ids(ch);
+      p.ids.insert(p.ids.end(), ch.begin(), ch.end());
+      p.tokens.push_back(int(ch.size()));
+    }
+    if (static_cast<long long>(p.ids.size()) > logit_rows_)
+      throw error(where + std::to_string(p.ids.size()) + " tokens, but limits::logit_rows holds " + std::to_string(logit_rows_) +
+                  " rows of logits");
+    stack_->begin_appends(slots, p.tokens);
     pending_ = std::move(p);
   }
   void begin_decode(const std::vector<int>& slots, std::span<const std::int32_t> ids) {
     begin_call();
     if (ids.size() != slots.size()) throw error("device_model::decode: one token id per sequence");
     check_ids(ids);
-    pending_call p{pending_call::kind::normal, slots, {ids.begin(), ids.end()}, false};
+    pending_call p{pending_call::kind::normal, slots, {ids.begin(), ids.end()}, std::vector<int>(slots.size(), 1), false, true};
     stack_->begin_decode(slots);
     pending_ = std::move(p);
   }
@@ -496,7 +535,7 @@ class device_model {
     static_assert(ced_prefill_possible<sched>(), "device_model::prefill_ced: every decoder KV owner must be the first decoder layer");
     begin_call();
     check_ids(ids);
-    pending_call p{pending_call::kind::ced, {slot}, {ids.begin(), ids.end()}, true};
+    pending_call p{pending_call::kind::ced, {slot}, {ids.begin(), ids.end()}, {int(ids.size())}, true};
     stack_->begin_prefill(slot, int(ids.size()));
     pending_ = std::move(p);
   }
@@ -527,7 +566,7 @@ class device_model {
         if (t < E)
           throw error("device_model::append_ced: a CED append cannot give the DSpark input of encoder layer " + std::to_string(t) +
                       " (its rows are not the replayed positions; as forward_ced refuses)");
-    pending_call p{pending_call::kind::ced_append, {slot}, {ids.begin(), ids.end()}, true};
+    pending_call p{pending_call::kind::ced_append, {slot}, {ids.begin(), ids.end()}, {int(ids.size())}, true};
     stack_->begin_append(slot, int(s));
     pending_ = std::move(p);
   }
@@ -540,7 +579,7 @@ class device_model {
       if (p.what == pending_call::kind::ced) return run_ced(p.slots[0], p.ids);
       if (p.what == pending_call::kind::ced_append) return run_ced_append(p.slots[0], p.ids);
     }
-    return run(p.slots, p.ids, p.one_sequence, p.all_rows);
+    return run(p);
   }
   //! Drops a begun call (its sequences become unusable, as after a failed call: release them).
   void cancel_call() {
@@ -603,9 +642,11 @@ class device_model {
   struct pending_call {
     enum class kind { normal, ced, ced_append } what = kind::normal;
     std::vector<int> slots;
-    std::vector<std::int32_t> ids;
-    bool one_sequence = true;
-    bool all_rows = false;  //!< append_all
+    std::vector<std::int32_t> ids;  //!< every slot's tokens, in slot order
+    std::vector<int> tokens;        //!< per slot
+    bool one_sequence = true;       //!< a prefill or append of slots[0]: logits of the last row
+    bool decode = false;            //!< a decode step (one token per slot)
+    bool all_rows = false;          //!< append_all: every row's logits
   };
   std::optional<pending_call> pending_;
   layer_observer observe_;
@@ -647,15 +688,18 @@ class device_model {
   long long engram_row0_ = 0;
 
   //! Engram hash ids of every module from each sequence's compressed-token history, the embedding.
-  //! `gather`: a CED append's replay rows in the tail (uploaded with the call's inputs).
-  void start(const std::vector<int>& slots, std::span<const std::int32_t> ids, bool one_sequence,
+  //! tokens[b]: slots[b]'s rows of the call (consecutive, in slot order). `gather`: a CED
+  //! append's replay rows in the tail (uploaded with the call's inputs).
+  void start(const std::vector<int>& slots, std::span<const std::int32_t> ids, std::span<const int> tokens, bool decode,
              std::span<const std::int32_t> gather = {}) {
     using namespace device_detail;
     const long long R = static_cast<long long>(ids.size());
     // Prefill and appended chunks may take the MoE's routed cuBLAS path (it synchronizes the
     // stream once per layer); a decode batch never does, whatever its size, so a decode step
     // stays free of host waits (and capturable, docs/decode-graph.md).
-    moe_host_sync_ = one_sequence;
+    moe_host_sync_ = !decode;
+    std::vector<long long> first_row(slots.size() + 1, 0);  // slots[b]'s rows: [first_row[b], first_row[b + 1])
+    for (std::size_t b = 0; b < slots.size(); ++b) first_row[b + 1] = first_row[b] + tokens[b];
     inputs_.begin_pack();
     const std::int32_t* ids_d = inputs_.put(ids, std::size_t(R), "token ids");
     tail_push_ = tail_gather_ = nullptr;
@@ -664,11 +708,11 @@ class device_model {
       // p mod window); rows a later row of the call overwrites are skipped.
       const long long W = c.attn.window_size;
       std::vector<std::int32_t> push(std::size_t(R), -1);
-      for (long long r = 0; r < R; ++r) {
-        const int slot = one_sequence ? slots[0] : slots[std::size_t(r)];
-        const long long pos = stack_->length(slot) + (one_sequence ? r : 0);
-        if (!one_sequence || r >= R - W) push[std::size_t(r)] = std::int32_t(slot * W + pos % W);
-      }
+      for (std::size_t b = 0; b < slots.size(); ++b)
+        for (long long r = std::max(first_row[b], first_row[b + 1] - W); r < first_row[b + 1]; ++r) {
+          const long long pos = stack_->length(slots[b]) + (r - first_row[b]);
+          push[std::size_t(r)] = std::int32_t(slots[b] * W + pos % W);
+        }
       tail_push_ = inputs_.put(std::span<const std::int32_t>(push), std::size_t(R), "encoder tail rows");
       if (!gather.empty()) tail_gather_ = inputs_.put(gather, std::size_t(lim_.max_rows), "replay rows");
     }
@@ -677,7 +721,7 @@ class device_model {
       const std::vector<std::int64_t> mv(mult.begin(), mult.end());
       std::vector<std::int64_t> all;
       for (std::size_t b = 0; b < slots.size(); ++b) {
-        const auto seq_ids = one_sequence ? ids : ids.subspan(b, 1);
+        const auto seq_ids = ids.subspan(std::size_t(first_row[b]), std::size_t(tokens[b]));
         const auto h = engram::hash_tokens(hashes_, int(j), mv, seq_ids, {}, token_map_, c.engram.engram_pad_id,
                                            histories_[std::size_t(slots[b])][j], stack_->length(slots[b]));
         all.insert(all.end(), h.begin(), h.end());
@@ -842,20 +886,20 @@ class device_model {
     return out;
   }
 
-  //! `one_sequence`: the ids are a prefill or appended chunk of slots[0] (logits of the last row);
-  //! otherwise one id per slot (logits of every row).
-  std::vector<float> run(const std::vector<int>& slots, std::span<const std::int32_t> ids, bool one_sequence, bool all_rows = false) {
-    const long long R = static_cast<long long>(ids.size());
+  //! A begun call (not CED): logits of the last row for a prefill or append of one sequence
+  //! (p.one_sequence) unless p.all_rows, otherwise of every row.
+  std::vector<float> run(const pending_call& p) {
+    const long long R = static_cast<long long>(p.ids.size());
     try {
-      start(slots, ids, one_sequence);
+      start(p.slots, p.ids, p.tokens, p.decode);
       main_hidden_rows_ = 0;
       for (int l = 0; l < sched::num_layers; ++l) {
         enter_block(l, R);
-        capture(l, 0, R, one_sequence);
+        capture(l, 0, R, p.one_sequence);
         if (l == sched::encoder_layers) push_tail(R);
         finish_block(l, R);
       }
-      auto out = exit_logits(R, one_sequence && !all_rows);
+      auto out = exit_logits(R, p.one_sequence && !p.all_rows);
       stack_->end_call();
       return out;
     } catch (...) {
@@ -965,7 +1009,8 @@ class device_model {
     constexpr int E = sched::encoder_layers;
     const long long N = static_cast<long long>(ids.size());
     try {
-      start({slot}, ids, true, gather);
+      const int n = int(N);
+      start({slot}, ids, std::span<const int>(&n, 1), false, gather);
       main_hidden_rows_ = 0;
       for (int l = 0; l < E; ++l) enter_block(l, N), capture(l, 0, N, true), finish_block(l, N);
       enter_block(E, N);  // h_ = the first decoder layer's input over every token of the call
