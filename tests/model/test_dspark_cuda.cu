@@ -459,4 +459,86 @@ BOOST_AUTO_TEST_CASE(speculative_generation_matches_plain_decoding,
   }
 }
 
+// A batch of speculative generations (generate_speculative_batch: every sequence's round verified
+// in one backbone call, the rejected ones re-appended in a second): three sequences with prompts
+// longer than the window, of one token (the prefill's extra decode step) and shorter than the
+// window, and different token budgets, with the untrained drafter (rollbacks nearly every round)
+// and with an oracle drafter per sequence. Each sequence's tokens must be its plain decoding's up
+// to that decoding's first close call, as in the test above.
+BOOST_AUTO_TEST_CASE(batched_speculative_generation_matches_plain_decoding,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  fixture f;
+  constexpr int B = c.dspark.dspark_block_size;
+  const std::vector<std::vector<std::int32_t>> prompts = {random_ids(25, 41), random_ids(1, 42), random_ids(9, 43)};
+  const std::vector<long long> n = {20, 13, 17};
+  const std::size_t N = prompts.size();
+  auto lim = limits(3 * int(N) + 1);
+  lim.logit_rows = int(N) * (B + 1);
+  model::device_model<tiny> dm(f.m, lim);
+  model::device_dspark<tiny> dd(dm, f.w, lim.max_seqs);
+  const kernels::sampling::sampling_params greedy{0.0f};
+  std::vector<std::vector<std::int32_t>> plain(N);
+  std::vector<long long> clear(N);
+  for (std::size_t b = 0; b < N; ++b) {  // plain decoding, and where its first close call falls
+    const int p = dm.add_sequence();
+    auto logits = dm.prefill(p, prompts[b]);
+    clear[b] = n[b];
+    for (long long i = 0; i < n[b]; ++i) {
+      const std::int32_t tok = kernels::sampling::sample_reference(logits, greedy, b, std::uint64_t(dm.length(p)));
+      plain[b].push_back(tok);
+      std::vector<float> sorted(logits);
+      std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+      float peak = 0;
+      for (float v : logits) peak = std::max(peak, std::fabs(v));
+      if (clear[b] == n[b] && sorted[0] - sorted[1] < 0.05f * peak) clear[b] = i;
+      if (i + 1 < n[b]) logits = dm.decode({p}, std::span<const std::int32_t>(&tok, 1));
+    }
+  }
+  auto requests = [&] {
+    std::vector<model::speculative_request> r;
+    for (std::size_t b = 0; b < N; ++b) r.push_back({dm.add_sequence(), prompts[b], n[b], greedy, b});
+    return r;
+  };
+  std::vector<model::speculative_stats> untrained, oracle;
+  const auto got = model::generate_speculative_batch(dm, dd, requests(), untrained);
+  const auto got_oracle = model::generate_speculative_batch(
+      dm, dd, requests(), oracle, model::prompt_prefill::exact,
+      [&](std::size_t b, long long first, std::vector<std::int32_t>& ids) {
+        const long long P = (long long)prompts[b].size();
+        for (std::size_t i = 1; i < ids.size(); ++i) {
+          const long long k = first + (long long)i - 1 - P;
+          if (k >= 0 && k < n[b]) ids[i] = plain[b][std::size_t(k)];
+        }
+      });
+  BOOST_REQUIRE_EQUAL(got.size(), N);
+  BOOST_REQUIRE_EQUAL(got_oracle.size(), N);
+  for (std::size_t b = 0; b < N; ++b) {
+    auto matching = [&](const std::vector<std::int32_t>& v) {
+      long long k = 0;
+      while (k < n[b] && k < (long long)v.size() && v[std::size_t(k)] == plain[b][std::size_t(k)]) ++k;
+      return k;
+    };
+    BOOST_TEST_MESSAGE("batched speculative, sequence " << b << ": untrained drafter " << untrained[b].rounds << " rounds, "
+                       << untrained[b].accepted << " of " << untrained[b].drafted << " accepted; oracle " << oracle[b].rounds
+                       << " rounds, " << oracle[b].accepted << " of " << oracle[b].drafted << "; plain decoding's first close call at "
+                       << clear[b] << " of " << n[b] << ", tokens equal: " << matching(got[b]) << " (untrained), "
+                       << matching(got_oracle[b]) << " (oracle)");
+    BOOST_TEST(got[b].size() == std::size_t(n[b]));
+    BOOST_TEST(got_oracle[b].size() == std::size_t(n[b]));
+    BOOST_TEST(matching(got[b]) >= clear[b], "sequence " << b << ", untrained drafter: a token differs before the first close call");
+    BOOST_TEST(matching(got_oracle[b]) >= clear[b], "sequence " << b << ", oracle drafter: a token differs before the first close call");
+    BOOST_TEST(untrained[b].rounds > 0);
+    if (clear[b] > B + 1) BOOST_TEST(oracle[b].accepted > untrained[b].accepted);
+    if (clear[b] == n[b]) {
+      BOOST_TEST(oracle[b].accepted == oracle[b].drafted);
+      BOOST_TEST(oracle[b].rounds < untrained[b].rounds);
+    }
+  }
+  // Refused: a slot twice, a batch whose round exceeds limits::logit_rows.
+  const int s = dm.add_sequence();
+  const std::vector<model::speculative_request> twice = {{s, prompts[2], 4, greedy, 0}, {s, prompts[2], 4, greedy, 1}};
+  std::vector<model::speculative_stats> st;
+  BOOST_CHECK_THROW(model::generate_speculative_batch(dm, dd, twice, st), dsv4::error);
+}
+
 BOOST_AUTO_TEST_SUITE_END()
