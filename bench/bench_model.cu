@@ -35,7 +35,14 @@
 //! context, then per round one backbone decode step with the capture of main_hidden and one draft
 //! block, timed apart (row `dspark-draft`: the block's drafts per second; its floor is the
 //! drafter's weights, the head and the expected distinct DSpark experts of a block, over the copy
-//! bandwidth).
+//! bandwidth). Then, per decode batch size N, batched speculative rounds
+//! (model/device_speculative.cuh) in their parts: N draft blocks (one drafter call per
+//! sequence), the verification of N x (block + 1) rows in one backbone call (row `spec-verify`),
+//! and the rollback of a round whose every draft was rejected (restore, re-append one row per
+//! sequence: row `spec-redo`); with the decode step of the same batch, they bound what a round
+//! yields: every draft accepted (block + 1 tokens per sequence, no rollback) and none (1 token
+//! per sequence, with the rollback), printed against plain decoding. The drafter is untrained
+//! (random weights): where a trained one lands between the bounds is its acceptance rate.
 
 #include <chrono>
 #include <cmath>
@@ -166,6 +173,12 @@ int run(FILE* jf, const options& opt) {
   lim.max_tokens = std::max<long long>(longest, decode_context + steps + 1), lim.page_tokens = 256;
   lim.ced_appends = opt.chunk > 0 && opt.chunk < longest;  // chunked CED prompts append in CED mode
   lim.engram_host_tables = opt.engram_host_tables;
+  // --dspark: a speculative round of every sequence of the largest batch in one call, and room
+  // for the rounds (block + 1 tokens each, the warm-up's too) after the decode context.
+  if (opt.dspark) {
+    lim.logit_rows = std::min(lim.max_rows, (lim.max_seqs - 2) * (c.dspark.dspark_block_size + 1));
+    lim.max_tokens = std::max<long long>(lim.max_tokens, decode_context + 1 + (steps + 1LL) * (c.dspark.dspark_block_size + 1));
+  }
   t0 = clock::now();
   model::device_model<Model> dm(hm, lim);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
@@ -263,12 +276,14 @@ int run(FILE* jf, const options& opt) {
       }
     }
   // Decode: `batch` sequences at `decode_context` tokens, `steps` steps each.
+  std::vector<double> decode_s;  // per batch size, for the speculative rounds' comparison
   for (int batch : batches) {
     const auto slots = decode_batch(batch);
     const std::vector<std::int32_t> tok(std::size_t(batch), 5);
     const auto t = clock::now();
     for (int i = 0; i < steps; ++i) dm.decode(slots, tok);
     const double s = seconds_since(t) / steps;
+    decode_s.push_back(s);
     row("decode", decode_context, batch, s, batch / s, traffic.decode_bytes(batch) / ceiling.copy_bps);
     for (int sl : slots) dm.release_sequence(sl);
   }
@@ -302,8 +317,66 @@ int run(FILE* jf, const options& opt) {
       std::printf("           (%d drafts a round; the backbone's decode step with the capture: %.4f s, so a round of drafts "
                   "costs %.2f backbone steps)\n",
                   block, backbone_s, draft_s / backbone_s);
-      dm.capture_main_hidden(false);
       dm.release_sequence(slot);
+      // Batched speculative rounds in their parts (see the file comment).
+      const std::size_t hidden_row = std::size_t(sched::drafter::targets::size) * std::size_t(c.dim);
+      for (std::size_t bi = 0; bi < batches.size(); ++bi) {
+        const int N = batches[bi];
+        if (N * (block + 1) > dm.logit_rows()) continue;
+        std::vector<int> slots;
+        for (int b = 0; b < N; ++b) {
+          slots.push_back(dm.add_sequence());
+          put_prompt(slots.back(), decode_context, true);
+          const long long r = dm.main_hidden_rows();
+          dd.prefill(slots.back(), dm.main_hidden(), r, dm.length(slots.back()) - r);
+        }
+        dm.decode(slots, std::vector<std::int32_t>(std::size_t(N), 5));  // every sequence's first pending row
+        long long pending = 1;
+        std::vector<std::vector<std::int32_t>> chunks(static_cast<std::size_t>(N));
+        std::vector<typename model::device_model<Model>::sequence_snapshot> snaps(static_cast<std::size_t>(N));
+        double draft_total = 0, verify_total = 0, redo_total = 0;
+        for (int i = -1; i < steps; ++i) {  // (round -1 warms up)
+          auto t = clock::now();
+          for (int b = 0; b < N; ++b) {  // the drafter reads the last call's capture in place
+            const numerics::bf16* rows = dm.main_hidden();
+            rows += std::size_t(b) * std::size_t(pending) * hidden_row;
+            model::dspark_draft draft = dd.decode(slots[std::size_t(b)], 5, rows, pending);
+            chunks[std::size_t(b)] = std::move(draft.ids);
+          }
+          const double d = seconds_since(t);
+          for (int b = 0; b < N; ++b) dm.save_sequence(slots[std::size_t(b)], snaps[std::size_t(b)]);
+          t = clock::now();
+          dm.append_all_on_device(slots, chunks);
+          DSV4_CUDA_CHECK(cudaStreamSynchronize(dm.stream()));
+          const double v = seconds_since(t);
+          // The rollback of a round with every draft rejected, timed, then the round again so that
+          // every sequence holds all block + 1 rows (the next drafts read their capture).
+          t = clock::now();
+          std::vector<std::vector<std::int32_t>> firsts;
+          for (int b = 0; b < N; ++b) {
+            dm.restore_sequence(slots[std::size_t(b)], snaps[std::size_t(b)]);
+            firsts.push_back({chunks[std::size_t(b)][0]});
+          }
+          dm.append_all_on_device(slots, firsts);
+          DSV4_CUDA_CHECK(cudaStreamSynchronize(dm.stream()));
+          const double r = seconds_since(t);
+          for (int b = 0; b < N; ++b) dm.restore_sequence(slots[std::size_t(b)], snaps[std::size_t(b)]);
+          dm.append_all_on_device(slots, chunks);
+          DSV4_CUDA_CHECK(cudaStreamSynchronize(dm.stream()));  // (not in the next round's draft time)
+          pending = block + 1;
+          if (i >= 0) draft_total += d, verify_total += v, redo_total += r;
+        }
+        const double draft = draft_total / steps, verify = verify_total / steps, redo = redo_total / steps;
+        row("spec-verify", block + 1, N, verify, N * (block + 1) / verify,
+            traffic.decode_bytes(N * (block + 1)) / ceiling.copy_bps);
+        row("spec-redo", 1, N, redo, N / redo, traffic.decode_bytes(N) / ceiling.copy_bps);
+        const double all = N * (block + 1) / (draft + verify), none = N / (draft + verify + redo), plain = N / decode_s[bi];
+        std::printf("           batch %d: drafts %.4f s a round (%d drafter calls); tokens/s with every draft accepted %.1f "
+                    "(%.2fx plain decoding's %.1f), with none %.1f (%.2fx)\n",
+                    N, draft, N, all, all / plain, plain, none, none / plain);
+        for (int sl : slots) dm.release_sequence(sl);
+      }
+      dm.capture_main_hidden(false);
     }
   } else if (opt.dspark) {
     throw error(std::string("--dspark: ") + Model::name + " has no DSpark stages");
