@@ -12,6 +12,8 @@
 //!     `positions` positions (a decode step: 1; an appended chunk: its length), whose last `rows`
 //!     rows main_hidden holds, writes their main_kv into the rings and returns the draft block of
 //!     the last position: ids, fp32 logits with the Markov bias, raw confidences.
+//!   decode(steps): the same for several sequences in one pass (their draft rows as one batch of
+//!     rows through the stages and the head; the chain below one row of every sequence at a time).
 //!
 //! Each stage runs as the backbone's blocks do: the mHC boundary (mhc_step), the attention, the
 //! boundary into the FFN, the MoE with the DSpark expert counts (moe_forward, kernel path). The
@@ -21,10 +23,10 @@
 //! ring, then the draft rows' own window entries), inverse RoPE, wo_a, wo_b (attention_output).
 //! The window entries are packed FP8 exactly as the backbone's ring: FP8QDQ(RoPE(kv_norm(wkv x))).
 //! The head: the backbone's fp32 head GEMM on norm(hc_pre(streams, pre)); the Markov bias of row i
-//! (e_i = markov_embed[id_i], an fp32 GEMV on the device) is added before row i is sampled, on the
-//! device (kernels/sampling: sample_reference's draw at step p + 2 + i, bit for bit), which gives
-//! id_{i+1}: one id back and one wait per draft row; the rows' logits come back once, after the
-//! chain. The confidence is an fp32 dot product on the device.
+//! (e_i = markov_embed[id_i], an fp32 GEMM on the device over the sequences' gathered rows) is
+//! added before row i is sampled, on the device (kernels/sampling: sample_reference's draw at step
+//! p + 2 + i, bit for bit), which gives id_{i+1}: one wait per draft row of the batch; the rows'
+//! logits come back once, after the chain (or not at all: decode(steps, false)). The confidence is an fp32 dot product on the device.
 //!
 //! Differences from the host drafter are summation orders only (cuBLAS's fp32 GEMV and head,
 //! the MMA sums of the GEMMs and attention, the confidence's fp32 tree against the host's double
@@ -81,10 +83,22 @@ DSV4_KERNEL void hc_pre_kernel(const bf16* y, const float* pre, long long rows, 
   x[i] = bf16::from_float(s);
 }
 //! row[v] += bias[v] (fp32).
-DSV4_KERNEL void add_bias_kernel(float* row, const float* bias, long long n) {
+//! rows[r * stride + i] += bias[r * n + i] for r < count, i < n (a draft row of each sequence, its
+//! own Markov bias).
+DSV4_KERNEL void add_bias_kernel(float* rows, long long stride, const float* bias, long long n, long long count) {
   runtime::start_after_previous_grid();
-  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) row[i] = __fadd_rn(row[i], bias[i]);
+  const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= n * count) return;
+  const long long r = t / n, i = t % n;
+  rows[r * stride + i] = __fadd_rn(rows[r * stride + i], bias[t]);
+}
+//! out[r, :] = table[ids[r], :] ([rows, width] fp32).
+DSV4_KERNEL void gather_rows_kernel(const float* table, const std::int32_t* ids, int width, int rows, float* out) {
+  runtime::start_after_previous_grid();
+  const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= static_cast<long long>(rows) * width) return;
+  const long long r = t / width, i = t % width;
+  out[t] = table[static_cast<long long>(ids[r]) * width + i];
 }
 //! conf[i] = [fp32(x_i) || e_i] . w for row i (one CTA per row): x [rows, dim] bf16, e_i the fp32
 //! Markov embedding row of ids[i] ([vocab, rank]), w [dim + rank] fp32.
@@ -123,8 +137,10 @@ class device_dspark {
   using operand_t = kernels::attention::appended_kv<window_format, numerics::main_kv_format, head_dim>;
 
   //! The drafter of `backbone` (which must outlive it), from the host drafter's weights, for
-  //! sequence slots 0 .. max_seqs - 1 (the backbone's slots).
-  device_dspark(device_model<Model>& backbone, const dspark_weights& w, int max_seqs)
+  //! sequence slots 0 .. max_seqs - 1 (the backbone's slots); one decode pass takes up to
+  //! `max_batch` sequences (0: max_seqs; at most the backbone's max_rows / block, whose head
+  //! scratch the draft rows use), a batch of more runs in groups of that many.
+  device_dspark(device_model<Model>& backbone, const dspark_weights& w, int max_seqs, int max_batch = 0)
       : m_(backbone), max_seqs_(max_seqs), block_(w.block), noise_(w.noise_token), rank_(w.rank) {
     using namespace device_detail;
     using kernels::attention::device_detail::fp8_weight;
@@ -152,7 +168,9 @@ class device_dspark {
     if (block_ <= 0 || block_ > sh.window)
       throw error("device_dspark: draft block " + std::to_string(block_) + " outside 1 .. window (" +
                   std::to_string(sh.window) + ")");
-    const int W = sh.window, B = block_;
+    if (max_batch < 0) throw error("device_dspark: negative max_batch");
+    max_batch_ = std::max(1, std::min({max_batch > 0 ? max_batch : max_seqs, max_seqs, backbone.max_rows() / block_}));
+    const int W = sh.window, B = block_ * max_batch_;  // B: the draft rows of a pass
     for (const auto& st : w.stages) {
       stage d;
       d.wq_a = fp8_weight::upload(st.attn.wq_a), d.wq_b = fp8_weight::upload(st.attn.wq_b);
@@ -196,15 +214,23 @@ class device_dspark {
     for (int t = 0; t < B; ++t) one_hot[std::size_t(t) * hc] = 1.0f;
     one_hot_ = upload(one_hot);
     logits_ = device_buffer<float>(std::size_t(B) * c.vocab_size),
-    bias_ = device_buffer<float>(std::size_t(c.vocab_size));
+    bias_ = device_buffer<float>(std::size_t(max_batch_) * c.vocab_size);
     conf_ = device_buffer<float>(std::size_t(B));
     logits_host_ = runtime::pinned_buffer<float>(std::size_t(B) * c.vocab_size),
     conf_host_ = runtime::pinned_buffer<float>(std::size_t(B));
-    const long long topk = W + B;
-    inputs_ = runtime::upload_arena(2 * runtime::upload_arena::space<std::int64_t>(std::size_t(R)) +
-                                        2 * runtime::upload_arena::space<std::int32_t>(std::size_t(B)) +
-                                        runtime::upload_arena::space<std::int32_t>(std::size_t(B * topk)),
-                                    "device_dspark call inputs");
+    markov_rows_ = device_buffer<float>(std::size_t(max_batch_) * std::size_t(rank_));
+    markov_ids_host_ = runtime::pinned_buffer<std::int32_t>(std::size_t(max_batch_));
+    markov_ids_ = device_buffer<std::int32_t>(std::size_t(max_batch_));
+    sampler_.emplace(max_batch_);
+    // A decode pass's inputs (decode_group): per sequence its main rows' positions (a slot of
+    // max(window, block) each, put_positions), the draft rows' positions, ids and index lists,
+    // the ring slots and draft row starts; a prefill's positions fit the first slot.
+    using A = runtime::upload_arena;
+    const std::size_t P = std::size_t(std::max(W, block_)), NB = std::size_t(B);
+    inputs_ = A(std::size_t(max_batch_) * A::space<std::int64_t>(P) + A::space<std::int64_t>(NB) +
+                    A::space<std::int32_t>(NB) + A::space<std::int32_t>(NB * std::size_t(W + block_)) +
+                    2 * A::space<std::int32_t>(std::size_t(max_batch_)),
+                "device_dspark call inputs");
     gemm_ws_.emplace(std::size_t(1) << 22,
                      kernels::gemm::dequant_elems_for(
                          R, {{c.dim, K}, {head_dim, c.dim}, {sh.q_lora, c.dim}, {heads_hd, sh.q_lora}}),
@@ -264,6 +290,18 @@ class device_dspark {
     lengths_[std::size_t(slot)] = first_position + rows;
   }
 
+  //! One sequence's part of a batched decode step (see decode below).
+  struct step {
+    int slot = -1;
+    std::int32_t input_id = 0;
+    const bf16* main_hidden = nullptr;  //!< the backbone call's last `rows` rows of this sequence
+    long long rows = 0;
+    long long positions = -1;  //!< positions the backbone's call added (default: rows)
+    kernels::sampling::sampling_params sampling{0.0f};
+    std::uint64_t sequence = 0;
+    std::span<const std::int32_t> forced = {};
+  };
+
   //! A DSpark decode step of `slot` (see the file comment). `positions` (default: rows) is how
   //! many positions the backbone's call added; main_hidden holds its last `rows` (<= window).
   //! `sampling` defaults to greedy; `forced` (block + 1 ids starting with input_id) replaces the
@@ -271,55 +309,101 @@ class device_dspark {
   dspark_draft decode(int slot, std::int32_t input_id, const bf16* main_hidden, long long rows,
                       long long positions = -1, const kernels::sampling::sampling_params& sampling = {0.0f},
                       std::uint64_t sequence = 0, std::span<const std::int32_t> forced = {}) {
-    using namespace device_detail;
-    check_slot(slot, "decode");
-    check_rows(main_hidden, rows, "decode");
-    if (positions == -1) positions = rows;
-    // Every position the rings keep must come in: the call's last min(positions, window) rows.
-    if (positions < 1 || rows != std::min<long long>(positions, sh.window))
-      throw error(
-          "device_dspark::decode: " + std::to_string(rows) + " main_hidden rows of a call that added " +
-          std::to_string(positions) + " positions; expected its last min(positions, window) = " +
-          std::to_string(std::max<long long>(0, std::min<long long>(positions, sh.window))) + " rows");
-    const long long len = lengths_[std::size_t(slot)];
-    if (len <= 0)
-      throw error("device_dspark::decode: no DSpark prefill of slot " + std::to_string(slot) + " yet");
-    if (input_id < 0 || input_id >= c.vocab_size)
-      throw error("device_dspark::decode: token id " + std::to_string(input_id) +
-                  " outside the vocabulary of " + std::to_string(c.vocab_size));
-    if (!forced.empty() && (forced.size() != std::size_t(block_) + 1 || forced[0] != input_id))
-      throw error("device_dspark::decode: forced ids must be block + 1 = " + std::to_string(block_ + 1) +
-                  " ids starting with the input id");
-    for (std::int32_t id : forced)
-      if (id < 0 || id >= c.vocab_size)
-        throw error("device_dspark::decode: forced id " + std::to_string(id) + " outside the vocabulary");
-    const long long p = len + positions - 1;  // the last row's position
-    const int B = block_, W = sh.window, nwin = int(std::min<long long>(W, p + 1)), topk = nwin + B;
-    lengths_[std::size_t(slot)] =
-        0;  // until the step has run: a failed step leaves the slot needing a prefill
+    const step one{slot, input_id, main_hidden, rows, positions, sampling, sequence, forced};
+    return std::move(decode(std::span<const step>(&one, 1))[0]);
+  }
 
-    // Inputs: the main rows' positions, the draft rows' positions and ids, the index lists.
-    inputs_.begin_pack();
-    const std::int64_t* main_pos = put_positions(p - rows + 1, rows);
-    const std::int64_t* draft_pos = put_positions(p + 1, B);
-    std::vector<std::int32_t> ids(std::size_t(B), noise_);
-    ids[0] = input_id;
-    const std::int32_t* draft_ids =
-        inputs_.put(std::span<const std::int32_t>(ids), std::size_t(B), "draft ids");
-    std::vector<std::int32_t> idx;
-    idx.reserve(std::size_t(B) * topk);
-    for (int i = 0; i < B; ++i) {
-      for (int j = 0; j < nwin; ++j) idx.push_back(j);
-      for (int j = 0; j < B; ++j) idx.push_back(W + j);
+  //! Decode steps of several sequences (distinct slots) in one pass: their draft rows go through
+  //! the stages, the head and the Markov chain together (the chain's row i of every sequence at
+  //! once), so the weights are read once and the chain waits block times, not block times the
+  //! sequences. Each sequence's block is what its own decode would give up to summation order
+  //! (the attention's split over a longer index list, the Markov GEMM's rows). Batches larger
+  //! than max_batch() run in groups. `copy_logits` false leaves dspark_draft::logits empty (a
+  //! speculative loop needs only the ids: at V4.1's vocabulary a block's rows are 2.6 MB).
+  std::vector<dspark_draft> decode(std::span<const step> steps, bool copy_logits = true) {
+    std::vector<dspark_draft> out;
+    out.reserve(steps.size());
+    for (std::size_t i = 0; i < steps.size(); ++i)
+      for (std::size_t j = 0; j < i; ++j)
+        if (steps[i].slot == steps[j].slot)
+          throw error("device_dspark::decode: sequence slot " + std::to_string(steps[i].slot) + " appears twice in one batch");
+    for (std::size_t first = 0; first < steps.size(); first += std::size_t(max_batch_)) {
+      auto part = decode_group(steps.subspan(first, std::min(steps.size() - first, std::size_t(max_batch_))), copy_logits);
+      for (auto& d : part) out.push_back(std::move(d));
     }
-    const std::int32_t* draft_idx =
-        inputs_.put(std::span<const std::int32_t>(idx), std::size_t(B) * (W + B), "draft index lists");
+    return out;
+  }
+  //! The most sequences one pass of decode() takes (the constructor's max_batch).
+  int max_batch() const { return max_batch_; }
+
+ private:
+  std::vector<dspark_draft> decode_group(std::span<const step> steps, bool copy_logits) {
+    using namespace device_detail;
+    const int N = int(steps.size()), B = block_, W = sh.window, NB = N * B;
+    std::vector<long long> p(steps.size()), advance(steps.size());
+    int widest = 0;  // the most ring slots a sequence's draft rows see
+    for (std::size_t n = 0; n < steps.size(); ++n) {
+      const step& s = steps[n];
+      check_slot(s.slot, "decode");
+      check_rows(s.main_hidden, s.rows, "decode");
+      const long long positions = s.positions == -1 ? s.rows : s.positions;
+      // Every position the rings keep must come in: the call's last min(positions, window) rows.
+      if (positions < 1 || s.rows != std::min<long long>(positions, W))
+        throw error("device_dspark::decode: " + std::to_string(s.rows) + " main_hidden rows of a call that added " +
+                    std::to_string(positions) + " positions; expected its last min(positions, window) = " +
+                    std::to_string(std::max<long long>(0, std::min<long long>(positions, W))) + " rows");
+      const long long len = lengths_[std::size_t(s.slot)];
+      if (len <= 0) throw error("device_dspark::decode: no DSpark prefill of slot " + std::to_string(s.slot) + " yet");
+      if (s.input_id < 0 || s.input_id >= c.vocab_size)
+        throw error("device_dspark::decode: token id " + std::to_string(s.input_id) + " outside the vocabulary of " +
+                    std::to_string(c.vocab_size));
+      if (!s.forced.empty() && (s.forced.size() != std::size_t(B) + 1 || s.forced[0] != s.input_id))
+        throw error("device_dspark::decode: forced ids must be block + 1 = " + std::to_string(B + 1) +
+                    " ids starting with the input id");
+      for (std::int32_t id : s.forced)
+        if (id < 0 || id >= c.vocab_size) throw error("device_dspark::decode: forced id " + std::to_string(id) + " outside the vocabulary");
+      kernels::sampling::check_sampling_params(s.sampling, "device_dspark::decode: ");
+      advance[n] = positions;
+      p[n] = len + positions - 1;  // the last row's position
+      widest = std::max(widest, int(std::min<long long>(W, p[n] + 1)));
+    }
+    const int topk = widest + B;
+    // Until the step has run: a failed step leaves the slots needing a prefill.
+    std::vector<long long> lengths_before;
+    for (const step& s : steps) lengths_before.push_back(lengths_[std::size_t(s.slot)]), lengths_[std::size_t(s.slot)] = 0;
+
+    // Inputs: each sequence's main rows' positions, the draft rows' positions and ids, the index
+    // lists (ring slots 0 .. min(window, p + 1) - 1, then the sequence's draft rows, then -1), the
+    // rings' slots and where each sequence's draft rows start.
+    inputs_.begin_pack();
+    std::vector<const std::int64_t*> main_pos;
+    for (std::size_t n = 0; n < steps.size(); ++n) main_pos.push_back(put_positions(p[n] - steps[n].rows + 1, steps[n].rows));
+    std::vector<std::int64_t> dpos;
+    std::vector<std::int32_t> ids, idx, ring_slots, chunk_first;
+    idx.reserve(std::size_t(NB) * std::size_t(topk));
+    for (std::size_t n = 0; n < steps.size(); ++n) {
+      const int nwin = int(std::min<long long>(W, p[n] + 1));
+      for (int i = 0; i < B; ++i) {
+        dpos.push_back(p[n] + 1 + i);
+        ids.push_back(i == 0 ? steps[n].input_id : noise_);
+        for (int j = 0; j < nwin; ++j) idx.push_back(j);
+        for (int j = 0; j < B; ++j) idx.push_back(W + j);
+        for (int j = nwin; j < widest; ++j) idx.push_back(-1);
+      }
+      ring_slots.push_back(steps[n].slot), chunk_first.push_back(int(n) * B);
+    }
+    const std::size_t max_nb = std::size_t(max_batch_) * std::size_t(B);
+    const std::int64_t* draft_pos = inputs_.put(std::span<const std::int64_t>(dpos), max_nb, "draft positions");
+    const std::int32_t* draft_ids = inputs_.put(std::span<const std::int32_t>(ids), max_nb, "draft ids");
+    const std::int32_t* draft_idx = inputs_.put(std::span<const std::int32_t>(idx), max_nb * std::size_t(W + B), "draft index lists");
+    const std::int32_t* slots_d = inputs_.put(std::span<const std::int32_t>(ring_slots), std::size_t(max_batch_), "ring slots");
+    const std::int32_t* first_d = inputs_.put(std::span<const std::int32_t>(chunk_first), std::size_t(max_batch_), "draft row starts");
     inputs_.upload(stream());
 
-    write_rings(slot, main_hidden, rows, main_pos);
-    runtime::launch_programmatic(embed_kernel, dim3(blocks_for(1LL * B * hc * c.dim)), dim3(256), 0, stream(),
+    for (std::size_t n = 0; n < steps.size(); ++n) write_rings(steps[n].slot, steps[n].main_hidden, steps[n].rows, main_pos[n]);
+    runtime::launch_programmatic(embed_kernel, dim3(blocks_for(1LL * NB * hc * c.dim)), dim3(256), 0, stream(),
                                  m_.embedding(), 0LL, static_cast<long long>(c.vocab_size), draft_ids,
-                                 static_cast<long long>(B), c.dim, hc, x_.data());
+                                 static_cast<long long>(NB), c.dim, hc, x_.data());
     DSV4_CUDA_CHECK_LAUNCH();
     bf16 *X = x_.data(), *Y = y_.data();
     const mhc_constants k = mhc_constants_of<Model>();
@@ -327,73 +411,104 @@ class device_dspark {
       stage& st = stages_[s];
       const device_block& b = st.block;
       if (s == 0) {
-        mhc_boundary(k, B, X, nullptr, nullptr, nullptr, one_hot_.data(), b.attn_norm.data(), nullptr,
+        mhc_boundary(k, NB, X, nullptr, nullptr, nullptr, one_hot_.data(), b.attn_norm.data(), nullptr,
                      h_.data(), b.attn_fn.data(), b.attn_base.data(), b.attn_scale.data(), a_pre_.data(),
                      a_post_.data(), a_comb_.data(), *mhc_ws_, stream());
       } else {
-        mhc_boundary(k, B, X, sub_.data(), f_post_.data(), f_comb_.data(), f_pre_.data(), b.attn_norm.data(),
+        mhc_boundary(k, NB, X, sub_.data(), f_post_.data(), f_comb_.data(), f_pre_.data(), b.attn_norm.data(),
                      Y, h_.data(), b.attn_fn.data(), b.attn_base.data(), b.attn_scale.data(), a_pre_.data(),
                      a_post_.data(), a_comb_.data(), *mhc_ws_, stream());
         std::swap(X, Y);
       }
-      attention(st, slot, draft_pos, draft_idx, topk);
-      mhc_boundary(k, B, X, sub_.data(), a_post_.data(), a_comb_.data(), a_pre_.data(), b.ffn_norm.data(), Y,
+      attention(st, N, slots_d, first_d, draft_pos, draft_idx, topk);
+      mhc_boundary(k, NB, X, sub_.data(), a_post_.data(), a_comb_.data(), a_pre_.data(), b.ffn_norm.data(), Y,
                    h_.data(), b.ffn_fn.data(), b.ffn_base.data(), b.ffn_scale.data(), f_pre_.data(),
                    f_post_.data(), f_comb_.data(), *mhc_ws_, stream());
       std::swap(X, Y);
-      kernels::moe::moe_forward(h_.data(), B, nullptr, b.moe(), sub_.data(), *moe_ws_, stream(), m_.blas(),
+      kernels::moe::moe_forward(h_.data(), NB, nullptr, b.moe(), sub_.data(), *moe_ws_, stream(), m_.blas(),
                                 false);
     }
     // forward_head: Y = the streams after the last FFN, h = norm(hc_pre(Y, pre)), x = hc_pre(Y, pre).
-    mhc_boundary(k, B, X, sub_.data(), f_post_.data(), f_comb_.data(), f_pre_.data(), norm_.data(), Y,
+    mhc_boundary(k, NB, X, sub_.data(), f_post_.data(), f_comb_.data(), f_pre_.data(), norm_.data(), Y,
                  h_.data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, *mhc_ws_, stream());
-    runtime::launch_programmatic(hc_pre_kernel, dim3(blocks_for(1LL * B * c.dim)), dim3(256), 0, stream(),
+    runtime::launch_programmatic(hc_pre_kernel, dim3(blocks_for(1LL * NB * c.dim)), dim3(256), 0, stream(),
                                  static_cast<const bf16*>(Y), static_cast<const float*>(f_pre_.data()),
-                                 static_cast<long long>(B), c.dim, hc, xpre_.data());
+                                 static_cast<long long>(NB), c.dim, hc, xpre_.data());
     DSV4_CUDA_CHECK_LAUNCH();
-    m_.head_logits(h_.data(), B, logits_.data());
+    m_.head_logits(h_.data(), NB, logits_.data());
 
-    dspark_draft out;
-    out.ids.assign(std::size_t(B) + 1, 0);
-    out.ids[0] = input_id;
+    std::vector<dspark_draft> out(steps.size());
+    for (std::size_t n = 0; n < steps.size(); ++n) {
+      out[n].ids.assign(std::size_t(B) + 1, 0);
+      out[n].ids[0] = steps[n].input_id;
+    }
     const std::size_t V = std::size_t(c.vocab_size);
-    for (int i = 0; i < B; ++i) {  // row i's Markov bias depends on the id drawn from row i - 1
-      float* row = logits_.data() + std::size_t(i) * V;
-      kernels::gemm::linear_fp32(m_.blas(),
-                                 markov_embed_.data() + std::size_t(out.ids[std::size_t(i)]) * rank_,
-                                 markov_head_.data(), bias_.data(), 1, c.vocab_size, rank_, stream());
-      runtime::launch_programmatic(add_bias_kernel, dim3(blocks_for(c.vocab_size)), dim3(256), 0, stream(),
-                                   row, static_cast<const float*>(bias_.data()),
-                                   static_cast<long long>(c.vocab_size));
+    std::vector<kernels::sampling::row_request> draws;
+    for (int i = 0; i < B; ++i) {
+      // Row i of every sequence (rows n * B + i) takes the Markov bias of the id drawn from its
+      // row i - 1: the embedding rows gathered, one GEMM for all, added to the strided rows.
+      for (int n = 0; n < N; ++n) markov_ids_host_.data()[n] = out[std::size_t(n)].ids[std::size_t(i)];
+      DSV4_CUDA_CHECK(cudaMemcpyAsync(markov_ids_.data(), markov_ids_host_.data(), std::size_t(N) * sizeof(std::int32_t),
+                                      cudaMemcpyHostToDevice, stream()));
+      runtime::launch_programmatic(gather_rows_kernel, dim3(blocks_for(1LL * N * rank_)), dim3(256), 0, stream(),
+                                   static_cast<const float*>(markov_embed_.data()),
+                                   static_cast<const std::int32_t*>(markov_ids_.data()), rank_, N, markov_rows_.data());
       DSV4_CUDA_CHECK_LAUNCH();
-      if (forced.empty()) {  // drawn on the device (the host sampler's draw, bit for bit): one id comes back
-        const kernels::sampling::row_request draw{sampling, sequence, std::uint64_t(p + 2 + i)};
-        out.ids[std::size_t(i) + 1] = sampler_.sample(row, c.vocab_size, std::span(&draw, 1), stream())[0];
-      } else {
-        out.ids[std::size_t(i) + 1] = forced[std::size_t(i) + 1];
+      kernels::gemm::linear_fp32(m_.blas(), markov_rows_.data(), markov_head_.data(), bias_.data(), N, c.vocab_size, rank_,
+                                 stream());
+      float* rows = logits_.data() + std::size_t(i) * V;
+      const long long row_stride = static_cast<long long>(B) * c.vocab_size;
+      runtime::launch_programmatic(add_bias_kernel, dim3(blocks_for(1LL * N * c.vocab_size)), dim3(256), 0, stream(), rows,
+                                   row_stride, static_cast<const float*>(bias_.data()), static_cast<long long>(c.vocab_size),
+                                   static_cast<long long>(N));
+      DSV4_CUDA_CHECK_LAUNCH();
+      draws.clear();
+      std::vector<int> drawn_at;  // the sequences whose row i is drawn, not forced
+      for (int n = 0; n < N; ++n) {
+        const step& s = steps[std::size_t(n)];
+        if (s.forced.empty()) {
+          draws.push_back({s.sampling, s.sequence, std::uint64_t(p[std::size_t(n)] + 2 + i)});
+          drawn_at.push_back(n);
+        } else {
+          out[std::size_t(n)].ids[std::size_t(i) + 1] = s.forced[std::size_t(i) + 1];
+        }
+      }
+      if (!draws.empty()) {  // drawn on the device (the host sampler's draw, bit for bit) from the rows gathered into bias_
+        for (std::size_t d = 0; d < drawn_at.size(); ++d)
+          DSV4_CUDA_CHECK(cudaMemcpyAsync(bias_.data() + d * V, rows + std::size_t(drawn_at[d]) * std::size_t(row_stride),
+                                          V * sizeof(float), cudaMemcpyDeviceToDevice, stream()));
+        const auto drawn = sampler_->sample(bias_.data(), c.vocab_size, draws, stream());
+        for (std::size_t d = 0; d < drawn_at.size(); ++d) out[std::size_t(drawn_at[d])].ids[std::size_t(i) + 1] = drawn[d];
       }
     }
-    // The draft rows' logits, for the caller (one copy after the chain instead of one per row).
-    DSV4_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), std::size_t(B) * V * sizeof(float),
-                                    cudaMemcpyDeviceToHost, stream()));
-    DSV4_CUDA_CHECK(cudaStreamSynchronize(stream()));
-    out.logits.assign(logits_host_.data(), logits_host_.data() + std::size_t(B) * V);
+    if (copy_logits) {  // the draft rows' logits, for the caller (one copy after the chain)
+      DSV4_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), std::size_t(NB) * V * sizeof(float),
+                                      cudaMemcpyDeviceToHost, stream()));
+      DSV4_CUDA_CHECK(cudaStreamSynchronize(stream()));
+      for (int n = 0; n < N; ++n)
+        out[std::size_t(n)].logits.assign(logits_host_.data() + std::size_t(n) * B * V,
+                                          logits_host_.data() + std::size_t(n + 1) * B * V);
+    }
     inputs_.begin_pack();
-    const std::int32_t* row_ids = inputs_.put(std::span<const std::int32_t>(out.ids).first(std::size_t(B)),
-                                              std::size_t(B), "draft row ids");
+    std::vector<std::int32_t> row_ids;
+    for (const auto& d : out) row_ids.insert(row_ids.end(), d.ids.begin(), d.ids.begin() + B);
+    const std::int32_t* row_ids_d = inputs_.put(std::span<const std::int32_t>(row_ids), max_nb, "draft row ids");
     inputs_.upload(stream());
-    runtime::launch_programmatic(confidence_kernel, dim3(unsigned(B)), dim3(256), 0, stream(),
+    runtime::launch_programmatic(confidence_kernel, dim3(unsigned(NB)), dim3(256), 0, stream(),
                                  static_cast<const bf16*>(xpre_.data()),
-                                 static_cast<const float*>(markov_embed_.data()), row_ids,
+                                 static_cast<const float*>(markov_embed_.data()), row_ids_d,
                                  static_cast<const float*>(confidence_.data()), c.dim, rank_, conf_.data());
     DSV4_CUDA_CHECK_LAUNCH();
-    DSV4_CUDA_CHECK(cudaMemcpyAsync(conf_host_.data(), conf_.data(), std::size_t(B) * sizeof(float),
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(conf_host_.data(), conf_.data(), std::size_t(NB) * sizeof(float),
                                     cudaMemcpyDeviceToHost, stream()));
     DSV4_CUDA_CHECK(cudaStreamSynchronize(stream()));
-    out.confidence.assign(conf_host_.data(), conf_host_.data() + B);
-    lengths_[std::size_t(slot)] = len + positions;
+    for (int n = 0; n < N; ++n) {
+      out[std::size_t(n)].confidence.assign(conf_host_.data() + std::size_t(n) * B, conf_host_.data() + std::size_t(n + 1) * B);
+      lengths_[std::size_t(steps[std::size_t(n)].slot)] = lengths_before[std::size_t(n)] + advance[std::size_t(n)];
+    }
     return out;
   }
+
 
  private:
   struct stage {
@@ -405,7 +520,7 @@ class device_dspark {
   };
 
   device_model<Model>& m_;
-  int max_seqs_ = 0, block_ = 0, noise_ = 0, rank_ = 0;
+  int max_seqs_ = 0, max_batch_ = 1, block_ = 0, noise_ = 0, rank_ = 0;
   std::vector<stage> stages_;
   kernels::moe::moe_shape moe_shape_;
   kernels::attention::device_detail::fp8_weight main_proj_;
@@ -415,9 +530,13 @@ class device_dspark {
       chunk_kv_;
   runtime::device_buffer<bf16> main_x_, kv_, qr_, q_, o_, x_, y_, h_, sub_, xpre_;
   runtime::device_buffer<float> a_pre_, a_post_, a_comb_, f_pre_, f_post_, f_comb_, one_hot_, logits_, bias_,
-      conf_;
+      conf_, markov_rows_;
   runtime::pinned_buffer<float> logits_host_, conf_host_;
-  kernels::sampling::device_sampler sampler_{1};  //!< one draft row at a time (the Markov chain)
+  //! The Markov chain's ids of the current draft row, one per sequence, and their device copy.
+  runtime::pinned_buffer<std::int32_t> markov_ids_host_;
+  runtime::device_buffer<std::int32_t> markov_ids_;
+  //! One draft row of each sequence at a time (the Markov chain); sized in the constructor.
+  std::optional<kernels::sampling::device_sampler> sampler_;
   runtime::upload_arena inputs_;
   std::optional<kernels::gemm::gemm_workspace> gemm_ws_;
   std::optional<kernels::output::output_workspace> out_ws_;
@@ -489,9 +608,11 @@ class device_dspark {
          sh.rope_dim / 2, dst},
         stream());
   }
-  //! DSparkAttention of the draft rows (h_) into sub_ (see the file comment).
-  void attention(stage& st, int slot, const std::int64_t* draft_pos, const std::int32_t* idx, int topk) {
-    const int B = block_, pairs = sh.rope_dim / 2;
+  //! DSparkAttention of the draft rows (h_, `seqs` sequences of block rows) into sub_ (see the
+  //! file comment): sequence n reads its ring `slots[n]`, then its own draft rows (from row first[n]).
+  void attention(stage& st, int seqs, const std::int32_t* slots, const std::int32_t* first, const std::int64_t* draft_pos,
+                 const std::int32_t* idx, int topk) {
+    const int B = seqs * block_, pairs = sh.rope_dim / 2;
     numerics::quantize<window_format>(
         {h_.data(), B, c.dim, c.dim, x_codes_.data(), c.dim, x_scales_.data(), c.dim / 32}, stream());
     linear(st.wq_a, B, x_codes_.data(), x_scales_.data(), qr_.data());
@@ -510,14 +631,16 @@ class device_dspark {
     rows_dst.entry_stride = window_layout::bytes;
     pack_window(st, B, draft_pos, rows_dst);
     operand_t kv;
-    kv.window.base = ring_of(st, slot);
+    kv.window.base = st.ring.data();
     kv.window.rows = sh.window;
-    kv.window.seq_stride = 0;
+    kv.window.seq_stride = 1LL * sh.window * window_layout::bytes;
+    kv.window.slots = slots;
     kv.chunk = chunk_kv_.data();
-    kv.chunk_rows = B;
+    kv.chunk_rows = block_;
+    kv.chunk_first = first;
     kernels::attention::sparse_attention_args a;
     a.q = q_.data(), a.idx = idx, a.sink = st.sink.data(), a.out = o_.data();
-    a.batch = 1, a.rows = B, a.heads = sh.heads, a.topk = topk;
+    a.batch = seqs, a.rows = block_, a.heads = sh.heads, a.topk = topk;
     a.scale = float(std::pow(double(head_dim), -0.5));
     kernels::attention::sparse_attention<head_dim>(a, kv, stream(), &*attn_ws_);
     kernels::output::attention_output(o_.data(), draft_pos, B, freqs_.data(), sh.rope_dim, st.wo_a.data(),
