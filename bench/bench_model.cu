@@ -36,8 +36,8 @@
 //! block, timed apart (row `dspark-draft`: the block's drafts per second; its floor is the
 //! drafter's weights, the head and the expected distinct DSpark experts of a block, over the copy
 //! bandwidth). Then, per decode batch size N, batched speculative rounds
-//! (model/device_speculative.cuh) in their parts: N draft blocks (one drafter call per
-//! sequence), the verification of N x (block + 1) rows in one backbone call (row `spec-verify`),
+//! (model/device_speculative.cuh) in their parts: N draft blocks (one drafter pass over the
+//! batch), the verification of N x (block + 1) rows in one backbone call (row `spec-verify`),
 //! and the rollback of a round whose every draft was rejected (restore, re-append one row per
 //! sequence: row `spec-redo`); with the decode step of the same batch, they bound what a round
 //! yields: every draft accepted (block + 1 tokens per sequence, no rollback) and none (1 token
@@ -337,12 +337,14 @@ int run(FILE* jf, const options& opt) {
         double draft_total = 0, verify_total = 0, redo_total = 0;
         for (int i = -1; i < steps; ++i) {  // (round -1 warms up)
           auto t = clock::now();
+          std::vector<typename model::device_dspark<Model>::step> draft_steps;
           for (int b = 0; b < N; ++b) {  // the drafter reads the last call's capture in place
             const numerics::bf16* rows = dm.main_hidden();
             rows += std::size_t(b) * std::size_t(pending) * hidden_row;
-            model::dspark_draft draft = dd.decode(slots[std::size_t(b)], 5, rows, pending);
-            chunks[std::size_t(b)] = std::move(draft.ids);
+            draft_steps.push_back({slots[std::size_t(b)], 5, rows, pending});
           }
+          auto drafts = dd.decode(draft_steps, false);  // one pass for the batch, ids only
+          for (int b = 0; b < N; ++b) chunks[std::size_t(b)] = std::move(drafts[std::size_t(b)].ids);
           const double d = seconds_since(t);
           for (int b = 0; b < N; ++b) dm.save_sequence(slots[std::size_t(b)], snaps[std::size_t(b)]);
           t = clock::now();
@@ -371,7 +373,7 @@ int run(FILE* jf, const options& opt) {
             traffic.decode_bytes(N * (block + 1)) / ceiling.copy_bps);
         row("spec-redo", 1, N, redo, N / redo, traffic.decode_bytes(N) / ceiling.copy_bps);
         const double all = N * (block + 1) / (draft + verify), none = N / (draft + verify + redo), plain = N / decode_s[bi];
-        std::printf("           batch %d: drafts %.4f s a round (%d drafter calls); tokens/s with every draft accepted %.1f "
+        std::printf("           batch %d: drafts %.4f s a round (one pass over %d sequences); tokens/s with every draft accepted %.1f "
                     "(%.2fx plain decoding's %.1f), with none %.1f (%.2fx)\n",
                     N, draft, N, all, all / plain, plain, none, none / plain);
         for (int sl : slots) dm.release_sequence(sl);

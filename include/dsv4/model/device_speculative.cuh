@@ -17,9 +17,9 @@
 //!           of the kept positions, which the next round's drafter step takes.
 //! So a round costs one drafter step and one or two backbone calls of up to B + 1 rows, and emits
 //! a + 1 tokens; the sequence ends as plain decoding leaves it (the last token drawn, not fed).
-//! A batch of sequences runs its rounds together: every sequence's verification in one backbone
-//! call (append_all_on_device over several slots), every rejected sequence's re-append in a second
-//! one; the drafter still steps one sequence at a time (device_dspark takes one slot per call).
+//! A batch of sequences runs its rounds together: every sequence's drafts in one drafter pass
+//! (device_dspark::decode over several slots), its verification in one backbone call
+//! (append_all_on_device over several slots), every rejected sequence's re-append in a second.
 //! The rule is the host loop's, but the logits are not plain decoding's bits: the verification's
 //! rows come from a multi-row append (other GEMM splits, the appended-chunk operand; docs/decisions.md:
 //! not batch-invariant), so where plain decoding's top two logits are close a draw may differ from
@@ -163,11 +163,16 @@ std::vector<std::vector<std::int32_t>> generate_speculative_batch(
     if (round.empty()) break;
     std::vector<int> slots;
     std::vector<std::vector<std::int32_t>> chunks;
-    for (std::size_t b : round) {
+    std::vector<typename device_dspark<Model>::step> steps;
+    for (std::size_t b : round)
+      steps.push_back({batch[b].slot, t[b], pending.data() + b * std::size_t(block + 1) * row, pending_rows[b],
+                       pending_rows[b], batch[b].sampling, batch[b].sequence});
+    auto drafted = dd.decode(steps, false);  // (the loop needs the ids only)
+    for (std::size_t i = 0; i < round.size(); ++i) {
+      const std::size_t b = round[i];
       const int slot = batch[b].slot;
       const long long q = dm.length(slot);
-      const bf16* rows = pending.data() + b * std::size_t(block + 1) * row;
-      drafts[b] = dd.decode(slot, t[b], rows, pending_rows[b], pending_rows[b], batch[b].sampling, batch[b].sequence);
+      drafts[b] = std::move(drafted[i]);
       auto& ids = drafts[b].ids;
       if (edit_drafts) edit_drafts(b, q + 1, ids);
       if (ids.size() != std::size_t(block) + 1 || ids[0] != t[b])
