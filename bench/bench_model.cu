@@ -322,7 +322,11 @@ int run(FILE* jf, const options& opt) {
       const std::size_t hidden_row = std::size_t(sched::drafter::targets::size) * std::size_t(c.dim);
       for (std::size_t bi = 0; bi < batches.size(); ++bi) {
         const int N = batches[bi];
-        if (N * (block + 1) > dm.logit_rows()) continue;
+        if (N * (block + 1) > dm.logit_rows()) {
+          std::printf("           batch %d: no speculative rounds (a round's %d rows exceed logit_rows %d)\n", N,
+                      N * (block + 1), dm.logit_rows());
+          continue;
+        }
         std::vector<int> slots;
         for (int b = 0; b < N; ++b) {
           slots.push_back(dm.add_sequence());

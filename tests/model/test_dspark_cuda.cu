@@ -620,6 +620,12 @@ BOOST_AUTO_TEST_CASE(batched_speculative_generation_matches_plain_decoding,
   const std::vector<model::speculative_request> twice = {{s, prompts[2], 4, greedy, 0}, {s, prompts[2], 4, greedy, 1}};
   std::vector<model::speculative_stats> st;
   BOOST_CHECK_THROW(model::generate_speculative_batch(dm, dd, twice, st), dsv4::error);
+  // Refused before any prefill: a slot the models do not have, more tokens than limits::max_tokens.
+  const std::vector<model::speculative_request> no_slot = {{s, prompts[2], 4, greedy, 0}, {lim.max_seqs, prompts[2], 4, greedy, 1}};
+  BOOST_TEST(test::throws_with([&] { model::generate_speculative_batch(dm, dd, no_slot, st); }, "no such slot"));
+  const std::vector<model::speculative_request> too_long = {{s, prompts[0], 1000, greedy, 0}};
+  BOOST_TEST(test::throws_with([&] { model::generate_speculative_batch(dm, dd, too_long, st); }, "limits::max_tokens"));
+  BOOST_TEST(dm.length(s) == 0);  // (nothing was prefilled)
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -216,10 +216,9 @@ class device_dspark {
     logits_ = device_buffer<float>(std::size_t(B) * c.vocab_size),
     bias_ = device_buffer<float>(std::size_t(max_batch_) * c.vocab_size);
     conf_ = device_buffer<float>(std::size_t(B));
-    logits_host_ = runtime::pinned_buffer<float>(std::size_t(B) * c.vocab_size),
-    conf_host_ = runtime::pinned_buffer<float>(std::size_t(B));
+    conf_host_ = runtime::pinned_buffer<float>(std::size_t(B));  // (logits_host_: on the first decode that copies logits)
     markov_rows_ = device_buffer<float>(std::size_t(max_batch_) * std::size_t(rank_));
-    markov_ids_host_ = runtime::pinned_buffer<std::int32_t>(std::size_t(max_batch_));
+    markov_ids_host_ = runtime::pinned_buffer<std::int32_t>(std::size_t(block_) * std::size_t(max_batch_));
     markov_ids_ = device_buffer<std::int32_t>(std::size_t(max_batch_));
     sampler_.emplace(max_batch_);
     // A decode pass's inputs (decode_group): per sequence its main rows' positions (a slot of
@@ -323,10 +322,13 @@ class device_dspark {
   std::vector<dspark_draft> decode(std::span<const step> steps, bool copy_logits = true) {
     std::vector<dspark_draft> out;
     out.reserve(steps.size());
-    for (std::size_t i = 0; i < steps.size(); ++i)
+    // Every step is checked before any group runs: a group that ran has advanced its slots.
+    for (std::size_t i = 0; i < steps.size(); ++i) {
+      check_step(steps[i]);
       for (std::size_t j = 0; j < i; ++j)
         if (steps[i].slot == steps[j].slot)
           throw error("device_dspark::decode: sequence slot " + std::to_string(steps[i].slot) + " appears twice in one batch");
+    }
     for (std::size_t first = 0; first < steps.size(); first += std::size_t(max_batch_)) {
       auto part = decode_group(steps.subspan(first, std::min(steps.size() - first, std::size_t(max_batch_))), copy_logits);
       for (auto& d : part) out.push_back(std::move(d));
@@ -335,36 +337,43 @@ class device_dspark {
   }
   //! The most sequences one pass of decode() takes (the constructor's max_batch).
   int max_batch() const { return max_batch_; }
+  //! Sequence slots 0 .. max_seqs() - 1.
+  int max_seqs() const { return max_seqs_; }
 
  private:
+  //! A decode step's errors (each names the problem); returns the positions it adds.
+  long long check_step(const step& s) const {
+    const int B = block_, W = sh.window;
+    check_slot(s.slot, "decode");
+    check_rows(s.main_hidden, s.rows, "decode");
+    const long long positions = s.positions == -1 ? s.rows : s.positions;
+    // Every position the rings keep must come in: the call's last min(positions, window) rows.
+    if (positions < 1 || s.rows != std::min<long long>(positions, W))
+      throw error("device_dspark::decode: " + std::to_string(s.rows) + " main_hidden rows of a call that added " +
+                  std::to_string(positions) + " positions; expected its last min(positions, window) = " +
+                  std::to_string(std::max<long long>(0, std::min<long long>(positions, W))) + " rows");
+    if (lengths_[std::size_t(s.slot)] <= 0)
+      throw error("device_dspark::decode: no DSpark prefill of slot " + std::to_string(s.slot) + " yet");
+    if (s.input_id < 0 || s.input_id >= c.vocab_size)
+      throw error("device_dspark::decode: token id " + std::to_string(s.input_id) + " outside the vocabulary of " +
+                  std::to_string(c.vocab_size));
+    if (!s.forced.empty() && (s.forced.size() != std::size_t(B) + 1 || s.forced[0] != s.input_id))
+      throw error("device_dspark::decode: forced ids must be block + 1 = " + std::to_string(B + 1) +
+                  " ids starting with the input id");
+    for (std::int32_t id : s.forced)
+      if (id < 0 || id >= c.vocab_size) throw error("device_dspark::decode: forced id " + std::to_string(id) + " outside the vocabulary");
+    if (s.forced.empty()) kernels::sampling::check_sampling_params(s.sampling, "device_dspark::decode: ");  // (forced: not drawn)
+    return positions;
+  }
+
   std::vector<dspark_draft> decode_group(std::span<const step> steps, bool copy_logits) {
     using namespace device_detail;
     const int N = int(steps.size()), B = block_, W = sh.window, NB = N * B;
     std::vector<long long> p(steps.size()), advance(steps.size());
     int widest = 0;  // the most ring slots a sequence's draft rows see
-    for (std::size_t n = 0; n < steps.size(); ++n) {
-      const step& s = steps[n];
-      check_slot(s.slot, "decode");
-      check_rows(s.main_hidden, s.rows, "decode");
-      const long long positions = s.positions == -1 ? s.rows : s.positions;
-      // Every position the rings keep must come in: the call's last min(positions, window) rows.
-      if (positions < 1 || s.rows != std::min<long long>(positions, W))
-        throw error("device_dspark::decode: " + std::to_string(s.rows) + " main_hidden rows of a call that added " +
-                    std::to_string(positions) + " positions; expected its last min(positions, window) = " +
-                    std::to_string(std::max<long long>(0, std::min<long long>(positions, W))) + " rows");
-      const long long len = lengths_[std::size_t(s.slot)];
-      if (len <= 0) throw error("device_dspark::decode: no DSpark prefill of slot " + std::to_string(s.slot) + " yet");
-      if (s.input_id < 0 || s.input_id >= c.vocab_size)
-        throw error("device_dspark::decode: token id " + std::to_string(s.input_id) + " outside the vocabulary of " +
-                    std::to_string(c.vocab_size));
-      if (!s.forced.empty() && (s.forced.size() != std::size_t(B) + 1 || s.forced[0] != s.input_id))
-        throw error("device_dspark::decode: forced ids must be block + 1 = " + std::to_string(B + 1) +
-                    " ids starting with the input id");
-      for (std::int32_t id : s.forced)
-        if (id < 0 || id >= c.vocab_size) throw error("device_dspark::decode: forced id " + std::to_string(id) + " outside the vocabulary");
-      kernels::sampling::check_sampling_params(s.sampling, "device_dspark::decode: ");
-      advance[n] = positions;
-      p[n] = len + positions - 1;  // the last row's position
+    for (std::size_t n = 0; n < steps.size(); ++n) {  // (decode() checked every step)
+      advance[n] = check_step(steps[n]);
+      p[n] = lengths_[std::size_t(steps[n].slot)] + advance[n] - 1;  // the last row's position
       widest = std::max(widest, int(std::min<long long>(W, p[n] + 1)));
     }
     const int topk = widest + B;
@@ -447,8 +456,11 @@ class device_dspark {
     for (int i = 0; i < B; ++i) {
       // Row i of every sequence (rows n * B + i) takes the Markov bias of the id drawn from its
       // row i - 1: the embedding rows gathered, one GEMM for all, added to the strided rows.
-      for (int n = 0; n < N; ++n) markov_ids_host_.data()[n] = out[std::size_t(n)].ids[std::size_t(i)];
-      DSV4_CUDA_CHECK(cudaMemcpyAsync(markov_ids_.data(), markov_ids_host_.data(), std::size_t(N) * sizeof(std::int32_t),
+      // Each row's ids in their own part of the pinned buffer: the copy reads it when it runs,
+      // and with every row forced no draw waits for it before the next row's ids are written.
+      std::int32_t* row_ids_host = markov_ids_host_.data() + std::size_t(i) * std::size_t(max_batch_);
+      for (int n = 0; n < N; ++n) row_ids_host[n] = out[std::size_t(n)].ids[std::size_t(i)];
+      DSV4_CUDA_CHECK(cudaMemcpyAsync(markov_ids_.data(), row_ids_host, std::size_t(N) * sizeof(std::int32_t),
                                       cudaMemcpyHostToDevice, stream()));
       runtime::launch_programmatic(gather_rows_kernel, dim3(blocks_for(1LL * N * rank_)), dim3(256), 0, stream(),
                                    static_cast<const float*>(markov_embed_.data()),
@@ -482,6 +494,7 @@ class device_dspark {
       }
     }
     if (copy_logits) {  // the draft rows' logits, for the caller (one copy after the chain)
+      if (logits_host_.size() < std::size_t(NB) * V) logits_host_ = runtime::pinned_buffer<float>(std::size_t(NB) * V);
       DSV4_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), std::size_t(NB) * V * sizeof(float),
                                       cudaMemcpyDeviceToHost, stream()));
       DSV4_CUDA_CHECK(cudaStreamSynchronize(stream()));
@@ -532,7 +545,8 @@ class device_dspark {
   runtime::device_buffer<float> a_pre_, a_post_, a_comb_, f_pre_, f_post_, f_comb_, one_hot_, logits_, bias_,
       conf_, markov_rows_;
   runtime::pinned_buffer<float> logits_host_, conf_host_;
-  //! The Markov chain's ids of the current draft row, one per sequence, and their device copy.
+  //! The Markov chain's ids, [block, max_batch] (row i's part: one id per sequence), and the
+  //! device copy of the current row's.
   runtime::pinned_buffer<std::int32_t> markov_ids_host_;
   runtime::device_buffer<std::int32_t> markov_ids_;
   //! One draft row of each sequence at a time (the Markov chain); sized in the constructor.

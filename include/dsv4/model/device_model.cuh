@@ -319,6 +319,9 @@ class device_model {
   int world() const { return comm_ ? comm_->size() : 1; }
   //! limits::max_rows: the most rows of one call (and of head_logits).
   int max_rows() const { return lim_.max_rows; }
+  //! limits::max_seqs and max_tokens: sequence slots 0 .. max_seqs() - 1, tokens per sequence.
+  int max_seqs() const { return lim_.max_seqs; }
+  long long max_tokens() const { return lim_.max_tokens; }
   //! The most rows of logits one call returns (append_all; limits::logit_rows).
   int logit_rows() const { return logit_rows_; }
   //! Calls `observe` with each block's intermediates (block_reference.hpp's stages), copied to the
@@ -493,14 +496,14 @@ class device_model {
   void begin_prefill(int slot, std::span<const std::int32_t> ids) {
     begin_call();
     check_ids(ids);
-    pending_call p{pending_call::kind::normal, {slot}, {ids.begin(), ids.end()}, {int(ids.size())}, true};
+    pending_call p{.what = pending_call::kind::normal, .slots = {slot}, .ids = {ids.begin(), ids.end()}, .tokens = {int(ids.size())}};
     stack_->begin_prefill(slot, int(ids.size()));
     pending_ = std::move(p);
   }
   void begin_append(int slot, std::span<const std::int32_t> ids) {
     begin_call();
     check_ids(ids);
-    pending_call p{pending_call::kind::normal, {slot}, {ids.begin(), ids.end()}, {int(ids.size())}, true};
+    pending_call p{.what = pending_call::kind::normal, .slots = {slot}, .ids = {ids.begin(), ids.end()}, .tokens = {int(ids.size())}};
     stack_->begin_append(slot, int(ids.size()));
     pending_ = std::move(p);
   }
@@ -511,7 +514,8 @@ class device_model {
     const std::string where = std::string("device_model::") + what + ": ";
     if (slots.size() != chunks.size())
       throw error(where + std::to_string(slots.size()) + " sequences and " + std::to_string(chunks.size()) + " chunks");
-    pending_call p{pending_call::kind::normal, slots, {}, {}, slots.size() == 1};  // (one: a chunk of any length)
+    pending_call p{.what = pending_call::kind::normal, .slots = slots, .ids = {}, .tokens = {},
+                   .one_sequence = slots.size() == 1};  // (one: a chunk of any length)
     for (const auto& ch : chunks) {
       check_ids(ch);
       p.ids.insert(p.ids.end(), ch.begin(), ch.end());
@@ -527,7 +531,8 @@ class device_model {
     begin_call();
     if (ids.size() != slots.size()) throw error("device_model::decode: one token id per sequence");
     check_ids(ids);
-    pending_call p{pending_call::kind::normal, slots, {ids.begin(), ids.end()}, std::vector<int>(slots.size(), 1), false, true};
+    pending_call p{.what = pending_call::kind::normal, .slots = slots, .ids = {ids.begin(), ids.end()},
+                   .tokens = std::vector<int>(slots.size(), 1), .one_sequence = false, .decode = true};
     stack_->begin_decode(slots);
     pending_ = std::move(p);
   }
@@ -535,7 +540,7 @@ class device_model {
     static_assert(ced_prefill_possible<sched>(), "device_model::prefill_ced: every decoder KV owner must be the first decoder layer");
     begin_call();
     check_ids(ids);
-    pending_call p{pending_call::kind::ced, {slot}, {ids.begin(), ids.end()}, {int(ids.size())}, true};
+    pending_call p{.what = pending_call::kind::ced, .slots = {slot}, .ids = {ids.begin(), ids.end()}, .tokens = {int(ids.size())}};
     stack_->begin_prefill(slot, int(ids.size()));
     pending_ = std::move(p);
   }
@@ -566,7 +571,7 @@ class device_model {
         if (t < E)
           throw error("device_model::append_ced: a CED append cannot give the DSpark input of encoder layer " + std::to_string(t) +
                       " (its rows are not the replayed positions; as forward_ced refuses)");
-    pending_call p{pending_call::kind::ced_append, {slot}, {ids.begin(), ids.end()}, {int(ids.size())}, true};
+    pending_call p{.what = pending_call::kind::ced_append, .slots = {slot}, .ids = {ids.begin(), ids.end()}, .tokens = {int(ids.size())}};
     stack_->begin_append(slot, int(s));
     pending_ = std::move(p);
   }

@@ -74,15 +74,29 @@ std::vector<std::vector<std::int32_t>> generate_speculative_batch(
       std::size_t(c.dim) * std::size_t(models::model_traits<Model>::schedule::drafter::targets::size);
   const std::size_t N = batch.size();
   const std::string where = "generate_speculative (CUDA): ";
+  // Every request is checked before the first prefill (the prefills run one sequence at a time;
+  // after a failure part-way the batch's slots hold partial state: release them).
   for (std::size_t b = 0; b < N; ++b) {
     const speculative_request& r = batch[b];
     const std::string who = "sequence " + std::to_string(b) + " (slot " + std::to_string(r.slot) + "): ";
+    if (r.slot < 0 || r.slot >= dm.max_seqs() || r.slot >= dd.max_seqs())
+      throw error(where + who + "no such slot (the backbone has " + std::to_string(dm.max_seqs()) + ", the drafter " +
+                  std::to_string(dd.max_seqs()) + ")");
     for (std::size_t e = 0; e < b; ++e)
       if (batch[e].slot == r.slot) throw error(where + who + "the slot appears twice in the batch");
+    if (dm.length(r.slot) < 0) throw error(where + who + "no live sequence in the slot (add_sequence first)");
     if (dm.length(r.slot) != 0)
       throw error(where + who + "the slot must be empty (it holds " + std::to_string(dm.length(r.slot)) + " tokens)");
     if (r.prompt.empty()) throw error(where + who + "empty prompt");
     if (r.n_new < 0) throw error(where + who + "negative token count");
+    const long long P = static_cast<long long>(r.prompt.size());
+    if (P > dm.max_rows())
+      throw error(where + who + "a prompt of " + std::to_string(P) + " tokens exceeds limits::max_rows (" +
+                  std::to_string(dm.max_rows()) + "), the prefill's call");
+    // The sequence's longest state: the prompt and every token but the last drawn (never fed).
+    if (P + std::max(r.n_new - 1, 0LL) > dm.max_tokens())
+      throw error(where + who + std::to_string(P) + " prompt tokens and " + std::to_string(r.n_new) +
+                  " to generate exceed limits::max_tokens (" + std::to_string(dm.max_tokens()) + ")");
   }
   const long long round_rows = static_cast<long long>(N) * (block + 1);
   if (dm.max_rows() < round_rows || dm.logit_rows() < round_rows)
