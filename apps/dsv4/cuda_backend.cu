@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,62 +35,93 @@ cudaDeviceProp visible_device(const std::string& who) {
 //! A device_model of `limits.max_sequences` sequences; start() prefills one and draws its first
 //! token, step() decodes the given ones together and draws on the device. Batched decode is not
 //! batch-invariant (GEMM splits and tiles follow the batch; docs/decisions.md), so where two
-//! logits nearly tie a sequence's token can differ from the one-sequence run's.
+//! logits nearly tie a sequence's token can differ from the one-sequence run's. With DSpark
+//! weights a step is one speculative round of every sequence (model::speculative_batch: the
+//! drafts in one drafter pass, the verification in one backbone call, the rollbacks in a second).
 class device_engine final : public cli::sequence_engine {
  public:
   device_engine(const model::host_model<models::tiny>& m, const cli::engine_limits& el,
-                const cudaDeviceProp& prop)
-      : device_(std::string("CUDA backend on ") + prop.name),
-        dm_(m, limits_of(el)),
-        capacity_(el.max_sequences) {}
+                const cudaDeviceProp& prop, const model::dspark_weights* drafter)
+      : device_(std::string("CUDA backend on ") + prop.name + (drafter ? ", DSpark drafts on the GPU" : "")),
+        dm_(m, limits_of(el, drafter)),
+        capacity_(el.max_sequences) {
+    if (drafter) {
+      dd_.emplace(dm_, *drafter, el.max_sequences);
+      drafts_.emplace(dm_, *dd_);
+    }
+  }
   std::string device() const override { return device_; }
   int capacity() const override { return capacity_; }
+  int draft_block() const override { return drafts_ ? models::tiny::dims.dspark.dspark_block_size : 0; }
   started start(std::span<const std::int32_t> prompt, bool ced,
                 const kernels::sampling::sampling_params& sp) override {
     const int slot = dm_.add_sequence();
     try {
+      if (drafts_) return {slot, drafts_->start(slot, prompt, ced ? model::prompt_prefill::ced : model::prompt_prefill::exact, sp)};
       ced ? dm_.prefill_ced(slot, prompt) : dm_.prefill(slot, prompt);
       const kernels::sampling::row_request draw{sp, 0, std::uint64_t(dm_.length(slot))};
       return {slot, dm_.sample(std::span(&draw, 1))[0]};
     } catch (...) {
+      if (drafts_) drafts_->forget(slot);
       dm_.release_sequence(slot);
       throw;
     }
   }
-  std::vector<std::int32_t> step(std::span<const int> handles, std::span<const std::int32_t> ids,
-                                 std::span<const kernels::sampling::sampling_params> sp) override {
+  std::vector<std::vector<std::int32_t>> step(std::span<const int> handles, std::span<const std::int32_t> ids,
+                                              std::span<const kernels::sampling::sampling_params> sp,
+                                              std::span<const long long> budget) override {
+    if (drafts_) {  // (each sequence's input is the last token its rounds returned: ids[i])
+      std::vector<model::speculative_batch<models::tiny>::request> round(handles.size());
+      for (std::size_t i = 0; i < handles.size(); ++i) round[i] = {handles[i], budget[i]};
+      return drafts_->round(round);
+    }
     const std::vector<int> slots(handles.begin(), handles.end());
     dm_.decode_on_device(slots, ids);
     std::vector<kernels::sampling::row_request> draws(slots.size());
     for (std::size_t i = 0; i < slots.size(); ++i) draws[i] = {sp[i], 0, std::uint64_t(dm_.length(slots[i]))};
-    return dm_.sample(draws);
+    const auto drawn = dm_.sample(draws);
+    std::vector<std::vector<std::int32_t>> next(drawn.size());
+    for (std::size_t i = 0; i < drawn.size(); ++i) next[i] = {drawn[i]};
+    return next;
   }
-  void release(int handle) override { dm_.release_sequence(handle); }
+  model::speculative_stats drafts(int handle) const override {
+    return drafts_ ? drafts_->stats(handle) : model::speculative_stats{};
+  }
+  void release(int handle) override {
+    if (drafts_) drafts_->forget(handle);
+    dm_.release_sequence(handle);
+  }
 
  private:
-  static model::device_model<models::tiny>::limits limits_of(const cli::engine_limits& el) {
+  static model::device_model<models::tiny>::limits limits_of(const cli::engine_limits& el, const model::dspark_weights* drafter) {
     if (el.max_sequences < 1) throw error("serve --backend cuda: max_sequences must be >= 1");
     model::device_model<models::tiny>::limits lim;
     lim.max_seqs = el.max_sequences;
-    lim.max_rows = int(std::max<long long>({el.max_prompt_tokens, el.max_sequences, 1}));
+    // A round of every sequence in one call: block + 1 rows each, every row's logits.
+    const int round_rows = drafter ? el.max_sequences * (drafter->block + 1) : el.max_sequences;
+    lim.max_rows = int(std::max<long long>({el.max_prompt_tokens, round_rows, 1}));
+    if (drafter) lim.logit_rows = round_rows;
     lim.max_tokens = std::max(el.max_prompt_tokens + el.max_new_tokens, 1LL);
     return lim;
   }
   std::string device_;
   model::device_model<models::tiny> dm_;
+  std::optional<model::device_dspark<models::tiny>> dd_;
+  std::optional<model::speculative_batch<models::tiny>> drafts_;  // (after dd_: it refers to it)
   int capacity_;
 };
 }  // namespace
 
 std::unique_ptr<cli::sequence_engine> cuda_engine(const model::host_model<models::tiny>& m,
-                                                  const cli::engine_limits& limits) {
+                                                  const cli::engine_limits& limits,
+                                                  const model::dspark_weights* drafter) {
   const cudaDeviceProp prop = visible_device("serve --backend cuda");
   const long long total = limits.max_prompt_tokens + limits.max_new_tokens;
   if (total > models::tiny::dims.rope.max_position_embeddings)
     throw error("serve --backend cuda: --max-prompt-tokens plus --max-tokens (" + std::to_string(total) +
                 ") exceed the model's " + std::to_string(models::tiny::dims.rope.max_position_embeddings) +
                 " positions");
-  return std::make_unique<device_engine>(m, limits, prop);
+  return std::make_unique<device_engine>(m, limits, prop, drafter);
 }
 
 cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cli::run_request& request) {
@@ -123,15 +155,32 @@ cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cl
   g.device = std::string("CUDA backend on ") + prop.name +
              (request.engram_host_tables ? ", Engram tables in host memory" : "") +
              (request.wgmma_gemms ? ", wgmma GEMMs" : "");
-  if (request.dspark) {  // prefill and generation in one loop, timed as the decode
+  if (request.dspark) {  // the prefill, then speculative rounds until n_new tokens (or a cancel)
     model::device_dspark<models::tiny> dd(dm, *request.dspark, lim.max_seqs);
+    model::speculative_batch<models::tiny> drafts(dm, dd);
     g.device += ", DSpark drafts on the GPU";
-    const auto t0 = std::chrono::steady_clock::now();
-    g.tokens = model::generate_speculative(dm, dd, slot, prompt, n_new, request.sampling, g.speculative,
-                                           request.ced ? model::prompt_prefill::ced : model::prompt_prefill::exact);
-    g.decode_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (request.on_token)  // the loop returns its tokens together: a stream gets them at the end
-      for (const std::int32_t t : g.tokens) request.on_token(t);
+    g.draft_block = request.dspark->block;
+    using clock = std::chrono::steady_clock;
+    const auto t0 = clock::now();
+    const std::int32_t first = drafts.start(slot, prompt, request.ced ? model::prompt_prefill::ced : model::prompt_prefill::exact,
+                                            request.sampling);
+    const auto t1 = clock::now();
+    auto take = [&](std::int32_t t) {
+      g.tokens.push_back(t);
+      if (request.on_token) request.on_token(t);
+    };
+    if (n_new > 0) take(first);
+    while ((long long)g.tokens.size() < n_new) {
+      if (cli::stop_requested(request)) {
+        g.cancelled = true;
+        break;
+      }
+      const model::speculative_batch<models::tiny>::request r{slot, n_new - (long long)g.tokens.size()};
+      for (const std::int32_t t : drafts.round(std::span(&r, 1))[0]) take(t);
+    }
+    g.prefill_s = std::chrono::duration<double>(t1 - t0).count();
+    g.decode_s = std::chrono::duration<double>(clock::now() - t1).count();
+    g.speculative = drafts.stats(slot);
     return g;
   }
   // Draws on the device (kernels/sampling/sampling.cuh): the decode steps' logits stay there.

@@ -14,9 +14,11 @@ namespace dsv4::apps {
 cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cli::run_request& request);
 
 //! `dsv4 serve --backend cuda`: the model uploaded once, `limits.max_sequences` sequences decoded
-//! together (model::device_model's batched decode), tokens drawn on the device. Throws
+//! together (model::device_model's batched decode), tokens drawn on the device; with `drafter`
+//! (which must outlive the engine) each step is a speculative round of every sequence. Throws
 //! dsv4::error when no CUDA device is visible.
 std::unique_ptr<cli::sequence_engine> cuda_engine(const model::host_model<models::tiny>& m,
-                                                  const cli::engine_limits& limits);
+                                                  const cli::engine_limits& limits,
+                                                  const model::dspark_weights* drafter = nullptr);
 
 }  // namespace dsv4::apps

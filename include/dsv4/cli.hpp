@@ -71,7 +71,7 @@ inline void usage(std::ostream& os) {
         "                       a round verified in one call and rolled back)\n"
         "  serve [--config tiny] [--checkpoint PATH] [--host ADDR] [--port N] [--backend host|cuda]\n"
         "        [--max-tokens N] [--max-prompt-tokens N] [--max-requests N] [--max-batch N]\n"
-        "        [--max-queued N]\n"
+        "        [--max-queued N] [--speculative off|dspark]\n"
         "                       an HTTP/1.1 JSON server over the model (default 127.0.0.1:8080;\n"
         "                       --port 0 picks a free port and prints it): GET /health, GET\n"
         "                       /v1/model, POST /v1/generate {\"prompt\": [ids], \"max_tokens\": N,\n"
@@ -82,7 +82,10 @@ inline void usage(std::ostream& os) {
         "                       (default 8; 1: one request at a time), and up to --max-queued N\n"
         "                       more wait for room (default 64; beyond, a 503); --max-tokens /\n"
         "                       --max-prompt-tokens cap a request's generated and prompt tokens\n"
-        "                       (defaults 4096 / 4096); --max-requests N exits after N answers\n"
+        "                       (defaults 4096 / 4096); --max-requests N exits after N answers;\n"
+        "                       --speculative dspark drafts with the DSpark stages: each step\n"
+        "                       verifies every sequence's drafts and gives it 1 .. block + 1\n"
+        "                       tokens (the same tokens; answers carry the drafts' counts)\n"
         "  logits --checkpoint PATH [--config tiny] --prompt IDS [--decode IDS] --out FILE\n"
         "         [--index-keys ownership|upstream]\n"
         "                       exact prefill of the prompt, then the decode ids fed one at a\n"
@@ -269,7 +272,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
     if (cmd == "serve") {
       const auto o = detail::parse(args, cmd,
                                    {"config", "checkpoint", "host", "port", "backend", "max-requests",
-                                    "max-tokens", "max-prompt-tokens", "max-batch", "max-queued"});
+                                    "max-tokens", "max-prompt-tokens", "max-batch", "max-queued", "speculative"});
       if (!o.positional.empty()) throw error("serve: unexpected argument '" + o.positional[0] + "'");
       const std::string config = detail::host_config(cmd, o);
       const std::string backend = o.named.count("backend") ? o.named.at("backend") : "host";
@@ -277,6 +280,9 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
         throw error("serve: --backend must be 'host' or 'cuda', got '" + backend + "'");
       if (backend == "cuda" && !extra.cuda)
         throw error("serve: this dsv4 was built without CUDA (no nvcc at configure time); use --backend host");
+      const std::string speculative = o.named.count("speculative") ? o.named.at("speculative") : "off";
+      if (speculative != "off" && speculative != "dspark")
+        throw error("serve: --speculative must be 'off' or 'dspark', got '" + speculative + "'");
       const std::string host = o.named.count("host") ? o.named.at("host") : "127.0.0.1";
       const long long port = o.named.count("port") ? detail::parse_integer(cmd, "port", o.named.at("port")) : 8080;
       const long long max_requests =
@@ -304,6 +310,9 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       const std::string path = o.named.count("checkpoint") ? o.named.at("checkpoint") : "";
       io::checkpoint ck = detail::open_tiny_checkpoint(path, err);
       const auto m = model::host_model<models::tiny>::load(ck, detail::tiny_token_map());
+      std::optional<model::dspark_weights> drafter;  // --speculative dspark: every request drafts
+      if (speculative == "dspark") drafter.emplace(model::dspark_weights_of<models::tiny>(ck));
+      const model::dspark_weights* drafts = drafter ? &*drafter : nullptr;
       // --max-batch 1: one generation at a time, answered in arrival order (a fresh sequence each);
       // otherwise a scheduler whose engine holds max_batch sequences and decodes them together,
       // with a connection thread for every request it can hold (running or queued) and a few more
@@ -311,19 +320,20 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       std::optional<batch_scheduler> scheduler;
       if (max_batch > 1) {
         const engine_limits el{int(max_batch), limits.max_prompt_tokens, limits.max_new_tokens};
-        scheduler.emplace(backend == "cuda" ? extra.cuda_engine(m, el) : std::make_unique<host_engine>(m, el),
+        scheduler.emplace(backend == "cuda" ? extra.cuda_engine(m, el, drafts) : std::make_unique<host_engine>(m, el, drafts),
                           batch_scheduler::options{int(max_queued)});
       }
       const serve::generation_service service =
           scheduler ? serve::generation_service(*scheduler, backend, limits)
                     : serve::generation_service(
-                          m, backend == "cuda" ? extra.cuda : generate_fn(host_generate), backend, limits);
+                          m, backend == "cuda" ? extra.cuda : generate_fn(host_generate), backend, limits, drafts);
       http::server srv(
           host, int(port), [&](const http::request& r) { return service(r); }, std::size_t(1) << 20, 10,
           scheduler ? int(max_batch + max_queued + 4) : 1);
       out << "dsv4 serve: model " << config
           << (!path.empty() ? " from " + path : std::string(" (built-in random weights, seed 42)")) << ", "
           << backend << " backend, "
+          << (drafter ? "DSpark drafts of " + std::to_string(drafter->block) + " tokens verified in every step, " : std::string())
           << (scheduler ? "up to " + std::to_string(max_batch) + " requests decoded together"
                         : std::string("one request at a time"))
           << ", listening on http://" << host << ":" << srv.port()
@@ -378,61 +388,35 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       // --engram-tables host: the tables are read in place from `ck`, which outlives `m` here.
       const auto m = model::host_model<tiny>::load(ck, detail::tiny_token_map(),
                                                    engram_tables == "host" ? model::engram_tables::mapped : model::engram_tables::copied);
-      using clock = std::chrono::steady_clock;
-      model::host_sequence seq;
-      std::vector<std::int32_t> generated;
-      model::speculative_stats spec;
-      int draft_block = 0;
-      std::string device = "host reference backend";
-      auto t0 = clock::now(), t1 = t0, t2 = t0;
-      double prefill_s = 0, decode_s = 0;
       run_request req;  // what the host and CUDA backends are asked
       req.prompt = prompt, req.n_new = n_new, req.sampling = sp, req.ced = prefill_mode == "ced";
       req.engram_host_tables = engram_tables == "host";
       req.wgmma_gemms = gemm == "wgmma";
-      std::optional<model::dspark_weights> cuda_drafter;
-      if (backend == "cuda" && speculative == "dspark") {
-        cuda_drafter.emplace(model::dspark_weights_of<tiny>(ck));
-        req.dspark = &*cuda_drafter;
-        draft_block = cuda_drafter->block;
+      std::optional<model::dspark_weights> drafter;
+      if (speculative == "dspark") {
+        drafter.emplace(model::dspark_weights_of<tiny>(ck));
+        req.dspark = &*drafter;
       }
-      if (backend == "cuda") {  // timed by the backend (device set-up and weight upload excluded)
-        const generation g = extra.cuda(m, req);
-        generated = g.tokens, prefill_s = g.prefill_s, decode_s = g.decode_s, device = g.device, spec = g.speculative;
-      } else if (speculative == "dspark") {  // prefill and generation in one loop: timed as decode
-        const auto w = model::dspark_weights_of<tiny>(ck);
-        draft_block = w.block;
-        t0 = t1 = clock::now();
-        generated = model::generate_speculative(m, w, seq, prompt, n_new, sp, spec,
-                                                prefill_mode == "ced" ? model::prompt_prefill::ced : model::prompt_prefill::exact);
-      } else {
-        const generation g = host_generate(m, req);  // (the tables' placement is already in `m`)
-        generated = g.tokens, prefill_s = g.prefill_s, decode_s = g.decode_s;
-      }
-      if (speculative == "dspark" && backend == "host") {
-        t2 = clock::now();
-        prefill_s = std::chrono::duration<double>(t1 - t0).count();
-        decode_s = std::chrono::duration<double>(t2 - t1).count();
-      }
+      // Timed by the backend (the CUDA backend's device set-up and weight upload excluded).
+      const generation g = backend == "cuda" ? extra.cuda(m, req) : host_generate(m, req);
       out << "model: " << config << (!path.empty() ? " from " + path : std::string(" (built-in random weights, seed 42)"))
-          << ", " << device << "\nprompt:";
+          << ", " << g.device << "\nprompt:";
       for (auto id : prompt) out << " " << id;
       out << "\ngenerated:";
-      for (auto id : generated) out << " " << id;
+      for (auto id : g.tokens) out << " " << id;
       char line[160];
-      // The first token comes from the prefill's logits; each later one costs a decode step.
-      const long long steps = n_new > 1 ? n_new - 1 : 0;
-      if (speculative == "dspark")
-        std::snprintf(line, sizeof line, "\nprefill of %zu tokens and %lld generated tokens in %.3f s\n", prompt.size(), n_new, decode_s);
-      else
-        std::snprintf(line, sizeof line,
-                      "\nprefill: %zu tokens in %.3f s (%.1f tokens/s); decode: %lld steps in %.3f s (%.2f tokens/s)\n",
-                      prompt.size(), prefill_s, double(prompt.size()) / prefill_s, steps, decode_s,
-                      steps > 0 ? double(steps) / decode_s : 0.0);
+      // The first token comes from the prefill's logits; each later one costs a decode step (with
+      // drafts: a share of a round).
+      const long long steps = g.tokens.size() > 1 ? (long long)g.tokens.size() - 1 : 0;
+      std::snprintf(line, sizeof line,
+                    "\nprefill: %zu tokens in %.3f s (%.1f tokens/s); decode: %lld %s in %.3f s (%.2f tokens/s)\n",
+                    prompt.size(), g.prefill_s, g.prefill_s > 0 ? double(prompt.size()) / g.prefill_s : 0.0, steps,
+                    drafter ? "tokens" : "steps", g.decode_s, steps > 0 && g.decode_s > 0 ? double(steps) / g.decode_s : 0.0);
       out << line;
-      if (speculative == "dspark")
-        out << "speculative: DSpark drafts of " << draft_block << " tokens, " << spec.rounds << " rounds, " << spec.accepted << " of "
-            << spec.drafted << " checked drafts accepted (the tokens are plain decoding's; prefill timed with decode)\n";
+      if (drafter)
+        out << "speculative: DSpark drafts of " << drafter->block << " tokens, " << g.speculative.rounds << " rounds, "
+            << g.speculative.accepted << " of " << g.speculative.drafted
+            << " checked drafts accepted (the tokens are plain decoding's)\n";
       using sched = models::model_traits<tiny>::schedule;
       const long long n = (long long)prompt.size();
       const auto work = schedule::prefill_layer_tokens<sched>(n, prefill_mode == "ced" ? schedule::prefill_mode::ced

@@ -53,11 +53,12 @@ class gated_engine final : public cli::sequence_engine {
     ++starts;
     return inner_.start(prompt, ced, sp);
   }
-  std::vector<std::int32_t> step(std::span<const int> h, std::span<const std::int32_t> ids,
-                                 std::span<const kernels::sampling::sampling_params> sp) override {
+  std::vector<std::vector<std::int32_t>> step(std::span<const int> h, std::span<const std::int32_t> ids,
+                                              std::span<const kernels::sampling::sampling_params> sp,
+                                              std::span<const long long> budget) override {
     if (fail_next_step.exchange(false)) throw error("gated_engine: a failed step");
     step_sizes.push_back(int(h.size()));
-    return inner_.step(h, ids, sp);
+    return inner_.step(h, ids, sp, budget);
   }
   void release(int h) override {
     ++releases;
@@ -246,14 +247,126 @@ BOOST_AUTO_TEST_CASE(destroying_the_scheduler_fails_its_waiting_requests) {
     started start(std::span<const std::int32_t>, bool, const kernels::sampling::sampling_params&) override {
       return {};
     }
-    std::vector<std::int32_t> step(std::span<const int>, std::span<const std::int32_t>,
-                                   std::span<const kernels::sampling::sampling_params>) override {
+    std::vector<std::vector<std::int32_t>> step(std::span<const int>, std::span<const std::int32_t>,
+                                                std::span<const kernels::sampling::sampling_params>,
+                                                std::span<const long long>) override {
       return {};
     }
     void release(int) override {}
   };
   BOOST_TEST(test::throws_with([] { cli::batch_scheduler bad(std::make_unique<no_room>()); },
                                "the engine holds no sequence"));
+}
+
+// Steps that give several tokens (a drafting engine's): an engine that hands each sequence the
+// next min(3, budget) of its host_generate tokens per step. The scheduler passes each sequence's
+// remaining count as its budget, keeps the tokens in order, streams each one to on_token, counts
+// them (stepped_tokens), and fails the step's requests, naming the problem, when an engine returns
+// more tokens than a sequence wants or none.
+BOOST_AUTO_TEST_CASE(steps_may_give_several_tokens) {
+  struct ahead_engine final : cli::sequence_engine {
+    std::vector<std::vector<std::int32_t>> answers;  // per request (handle = its index)
+    std::vector<std::size_t> given;
+    std::vector<long long> budgets;
+    int extra = 0;  // tokens returned beyond the budget (a faulty engine), or -1: none at all
+    std::string device() const override { return "ahead"; }
+    int capacity() const override { return 4; }
+    int draft_block() const override { return 2; }
+    int next_handle = 0;
+    started start(std::span<const std::int32_t>, bool, const kernels::sampling::sampling_params&) override {
+      const int h = next_handle++;
+      given[std::size_t(h)] = 1;
+      return {h, answers[std::size_t(h)][0]};
+    }
+    std::vector<std::vector<std::int32_t>> step(std::span<const int> h, std::span<const std::int32_t> ids,
+                                                std::span<const kernels::sampling::sampling_params>,
+                                                std::span<const long long> budget) override {
+      std::vector<std::vector<std::int32_t>> out(h.size());
+      for (std::size_t i = 0; i < h.size(); ++i) {
+        const auto& a = answers[std::size_t(h[i])];
+        std::size_t& g = given[std::size_t(h[i])];
+        BOOST_TEST(ids[i] == a[g - 1]);  // fed the last token given
+        BOOST_TEST(budget[i] == (long long)(a.size() - g));
+        budgets.push_back(budget[i]);
+        if (extra < 0) continue;
+        const std::size_t k = std::min<std::size_t>(3, std::size_t(budget[i]) + std::size_t(extra));
+        for (std::size_t j = 0; j < k; ++j) out[i].push_back(g + j < a.size() ? a[g + j] : 0);
+        g += k;
+      }
+      return out;
+    }
+    model::speculative_stats drafts(int h) const override {
+      model::speculative_stats st;
+      st.rounds = h + 1;
+      return st;
+    }
+    void release(int) override {}
+  };
+  request_set set(3);
+  set.requests[0].n_new = 8, set.requests[1].n_new = 4, set.requests[2].n_new = 1;
+  auto engine = std::make_unique<ahead_engine>();
+  ahead_engine& e = *engine;
+  for (const auto& r : set.requests) e.answers.push_back(cli::host_generate(tiny(), r).tokens);
+  e.given.assign(8, 0);
+  cli::batch_scheduler s(std::move(engine));
+  std::vector<std::int32_t> streamed;
+  set.requests[0].on_token = [&](std::int32_t t) { streamed.push_back(t); };
+  for (std::size_t i = 0; i < 3; ++i) {  // one at a time: handle i is request i
+    const cli::generation g = s.submit(set.requests[i]);
+    BOOST_TEST(g.tokens == e.answers[i], "request " << i);
+    BOOST_TEST(g.draft_block == 2);
+    BOOST_TEST(g.speculative.rounds == (long long)i + 1);  // the engine's counts of that sequence
+  }
+  BOOST_TEST(streamed == e.answers[0]);
+  BOOST_TEST(e.budgets == (std::vector<long long>{7, 4, 1, 3}));  // 8: 1 + 3 + 3 + 1; 4: 1 + 3; 1: no step
+  BOOST_TEST(s.stats().steps == 4);
+  BOOST_TEST(s.stats().stepped_rows == 4);
+  BOOST_TEST(s.stats().stepped_tokens == 10);
+  e.extra = 1;  // 3 tokens for a sequence that wants 2
+  cli::run_request three = set.requests[1];
+  three.n_new = 3;
+  e.answers.push_back(cli::host_generate(tiny(), three).tokens);
+  BOOST_TEST(test::throws_with([&] { s.submit(three); }, "the engine returned 3 tokens for a sequence that wants 2"));
+  e.extra = -1;
+  e.answers.push_back(e.answers.back());
+  BOOST_TEST(test::throws_with([&] { s.submit(three); }, "the engine returned 0 tokens for a sequence that wants 2"));
+}
+
+// A drafting host engine (host_engine with the DSpark weights; `dsv4 serve --speculative
+// dspark`): requests batched together get plain decoding's tokens (host_generate without drafts)
+// and host_generate's draft counts with the same drafter, whatever else is in the batch.
+BOOST_AUTO_TEST_CASE(a_drafting_engine_gives_plain_decodings_tokens) {
+  std::ostringstream quiet;
+  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
+  const model::dspark_weights w = model::dspark_weights_of<models::tiny>(ck);
+  cli::batch_scheduler s(std::make_unique<cli::host_engine>(tiny(), cli::engine_limits{3, 64, 64}, &w));
+  BOOST_TEST(s.draft_block() == w.block);
+  request_set set(5);
+  for (auto& r : set.requests) r.n_new += 4;  // several rounds each
+  std::vector<std::future<cli::generation>> got;
+  for (const auto& r : set.requests) got.push_back(std::async(std::launch::async, [&] { return s.submit(r); }));
+  long long accepted = 0, tokens = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const cli::generation g = got[i].get();
+    cli::run_request drafted = set.requests[i];
+    drafted.dspark = &w;
+    const cli::generation alone = cli::host_generate(tiny(), drafted);
+    BOOST_TEST(g.tokens == cli::host_generate(tiny(), set.requests[i]).tokens, "request " << i);
+    BOOST_TEST(alone.tokens == g.tokens, "request " << i);
+    BOOST_TEST(g.draft_block == w.block);
+    BOOST_TEST(g.speculative.rounds == alone.speculative.rounds);
+    BOOST_TEST(g.speculative.drafted == alone.speculative.drafted);
+    BOOST_TEST(g.speculative.accepted == alone.speculative.accepted);
+    BOOST_TEST(g.speculative.rounds > 0);
+    accepted += g.speculative.accepted, tokens += (long long)g.tokens.size();
+  }
+  const auto st = s.stats();
+  BOOST_TEST_MESSAGE("drafting host engine: " << st.steps << " steps, " << st.stepped_rows << " sequence-steps, "
+                                               << st.stepped_tokens << " tokens, " << accepted << " drafts accepted");
+  // The first token of each comes from its prefill, the rest from steps; a step's tokens beyond
+  // one per sequence are accepted drafts (a round cut short by the budget may end on one).
+  BOOST_TEST(st.stepped_tokens == tokens - (long long)got.size());
+  BOOST_TEST(st.stepped_tokens <= st.stepped_rows + accepted);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

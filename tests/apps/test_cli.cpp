@@ -141,6 +141,28 @@ BOOST_AUTO_TEST_CASE(run_hands_the_request_to_another_backend) {
   BOOST_TEST(has(out2.str(), "2 rounds, 1 of 5 checked drafts accepted"));
 }
 
+// `run --speculative dspark` on the host backend: plain decoding's tokens, the prefill timed on its
+// own, and the drafts' counts printed.
+BOOST_AUTO_TEST_CASE(run_with_drafts_prints_plain_decodings_tokens_and_the_counts) {
+  const result plain = run({"run", "--prompt", "3,1,4,1,5", "--tokens", "7", "--temperature", "0.7", "--seed", "2"});
+  const result drafted =
+      run({"run", "--prompt", "3,1,4,1,5", "--tokens", "7", "--temperature", "0.7", "--seed", "2", "--speculative", "dspark"});
+  BOOST_TEST(plain.code == 0, plain.err);
+  BOOST_TEST(drafted.code == 0, drafted.err);
+  auto generated = [](const std::string& out) {
+    const auto at = out.find("generated:");
+    return at == std::string::npos ? std::string("(none)") : out.substr(at, out.find('\n', at) - at);
+  };
+  BOOST_TEST(generated(drafted.out) == generated(plain.out));
+  BOOST_TEST(has(drafted.out, "host reference backend, DSpark drafts\n"), drafted.out);
+  BOOST_TEST(has(drafted.out, "prefill: 5 tokens in "), drafted.out);
+  BOOST_TEST(has(drafted.out, "decode: 6 tokens in "), drafted.out);
+  BOOST_TEST(has(drafted.out, "speculative: DSpark drafts of " + std::to_string(dsv4::models::tiny::dims.dspark.dspark_block_size) +
+                                  " tokens, "),
+             drafted.out);
+  BOOST_TEST(has(plain.out, "decode: 6 steps in "), plain.out);
+}
+
 // A user writes a random tiny checkpoint and checks it; a checkpoint of the wrong config is
 // rejected with the problems listed.
 BOOST_AUTO_TEST_CASE(random_checkpoint_then_check) {

@@ -181,6 +181,8 @@ BOOST_AUTO_TEST_CASE(serve_command_rejects_bad_options_before_loading) {
   BOOST_TEST((code == 2 && has(err, "--max-queued")), err);
   std::tie(code, err) = run({"serve", "--max-queued", "5000"});
   BOOST_TEST((code == 2 && has(err, "--max-queued must be in 0..1024, got 5000")), err);
+  std::tie(code, err) = run({"serve", "--speculative", "medusa"});
+  BOOST_TEST((code == 2 && has(err, "--speculative must be 'off' or 'dspark', got 'medusa'")), err);
 }
 
 // Half a request and then silence: the server answers 408 when its (here 1 s) timeout ends.
@@ -389,6 +391,61 @@ BOOST_AUTO_TEST_CASE(streamed_answers_send_each_token_as_it_is_drawn) {
       "127.0.0.1", 0, [&](const http::request& r) { return service(r); }, 4096, 10, 3);
   std::thread th([&] { srv.serve(1); });
   check(exchange(srv.port(), post("/v1/generate", body)), "batched");
+  th.join();
+}
+
+// `dsv4 serve --speculative dspark`: every request drafts; the answers hold plain decoding's
+// tokens and the drafts' counts (those host_generate reports with the same drafter), streamed or
+// not, over the one-at-a-time service and the batching one; /v1/model says the server drafts.
+BOOST_AUTO_TEST_CASE(drafted_answers_carry_the_drafts_counts) {
+  std::ostringstream quiet;
+  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
+  const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  const model::dspark_weights w = model::dspark_weights_of<models::tiny>(ck);
+  const std::vector<std::int32_t> prompt{4, 9, 2};
+  cli::run_request req;
+  req.prompt = prompt, req.n_new = 9, req.sampling.seed = 5;
+  const cli::generation plain = cli::host_generate(m, req);
+  req.dspark = &w;
+  const cli::generation drafted = cli::host_generate(m, req);
+  BOOST_TEST(drafted.tokens == plain.tokens);
+  BOOST_TEST(drafted.speculative.rounds > 0);
+  std::string tokens = "\"tokens\": [";
+  for (std::size_t k = 0; k < plain.tokens.size(); ++k) tokens += (k ? ", " : "") + std::to_string(plain.tokens[k]);
+  tokens += "]";
+  const std::string counts = "\"speculative\": {\"draft_block\": " + std::to_string(w.block) +
+                             ", \"rounds\": " + std::to_string(drafted.speculative.rounds) +
+                             ", \"drafted\": " + std::to_string(drafted.speculative.drafted) +
+                             ", \"accepted\": " + std::to_string(drafted.speculative.accepted) + "}";
+  const std::string body = R"({"prompt": [4, 9, 2], "max_tokens": 9, "seed": 5)";
+  auto check = [&](const serve::generation_service& service, const std::string& which) {
+    http::server srv(
+        "127.0.0.1", 0, [&](const http::request& r) { return service(r); }, 4096, 10, 3);
+    std::thread th([&] { srv.serve(3); });
+    std::string got = exchange(srv.port(), "GET /v1/model HTTP/1.1\r\n\r\n");
+    BOOST_TEST(has(got, "\"speculative\": {\"drafter\": \"dspark\", \"draft_block\": " + std::to_string(w.block) + "}"),
+               which << ": " << got);
+    got = exchange(srv.port(), post("/v1/generate", body + "}"));
+    BOOST_TEST(has(got, "HTTP/1.1 200 OK"), which << ": " << got);
+    BOOST_TEST(has(got, tokens), which << ": " << got);
+    BOOST_TEST(has(got, counts), which << ": " << got);
+    got = exchange(srv.port(), post("/v1/generate", body + ", \"stream\": true}"));
+    for (std::size_t i = 0; i < plain.tokens.size(); ++i)
+      BOOST_TEST(has(got, "data: {\"token\": " + std::to_string(plain.tokens[i]) + ", \"index\": " + std::to_string(i) + "}"),
+                 which << ", streamed: " << got);
+    BOOST_TEST(has(got, "data: {\"done\": true, " + tokens), which << ", streamed: " << got);
+    BOOST_TEST(has(got, counts), which << ", streamed: " << got);
+    th.join();
+  };
+  check(serve::generation_service(m, cli::host_generate, "host", {}, &w), "one at a time");
+  cli::batch_scheduler scheduler(std::make_unique<cli::host_engine>(m, cli::engine_limits{2, 8, 16}, &w));
+  check(serve::generation_service(scheduler, "host"), "batched");
+  // A server that does not draft says so, and its answers carry no counts.
+  const serve::generation_service plain_service(m, cli::host_generate, "host");
+  http::server srv("127.0.0.1", 0, [&](const http::request& r) { return plain_service(r); });
+  std::thread th([&] { srv.serve(2); });
+  BOOST_TEST(has(exchange(srv.port(), "GET /v1/model HTTP/1.1\r\n\r\n"), "\"speculative\": null"));
+  BOOST_TEST(!has(exchange(srv.port(), post("/v1/generate", body + "}")), "speculative"));
   th.join();
 }
 

@@ -150,4 +150,49 @@ BOOST_AUTO_TEST_CASE(misuse_is_an_error) {
       "block + 1 ids"));
 }
 
+// The loop a round at a time (speculative_decoder: what a server's engine steps): rounds with
+// budgets 1, 2, 3, 1, 2, 3, ... give plain decoding's tokens, each round 1 .. min(budget, block + 1)
+// of them; a one-token prompt's first round is a plain step (one token, no round counted); the
+// counts add up; misuse is an error.
+BOOST_AUTO_TEST_CASE(rounds_one_at_a_time_with_budgets) {
+  auto& f = shared();
+  const kernels::sampling::sampling_params sp{0.8f, 30, 1.0f, 7};
+  for (const int prompt_len : {1, 6}) {
+    const auto p = prompt_of(prompt_len);
+    const long long n = 17;
+    const auto want = plain(p, n, sp, model::prompt_prefill::exact);
+    model::host_sequence seq;
+    model::speculative_decoder<tiny> d(f.m, f.w, seq, sp, 3);
+    std::vector<std::int32_t> got{d.start(p)};
+    long long r = 0;
+    while ((long long)got.size() < n) {
+      const long long budget = std::min(1 + r % 3, n - (long long)got.size());
+      const auto kept = d.round(budget);
+      BOOST_TEST((kept.size() >= 1 && (long long)kept.size() <= std::min<long long>(budget, f.w.block + 1)),
+                 "round " << r << ": " << kept.size() << " tokens for a budget of " << budget);
+      if (prompt_len == 1 && r == 0) {
+        BOOST_TEST(kept.size() == 1u);
+        BOOST_TEST(d.stats().rounds == 0);  // the plain step
+      }
+      got.insert(got.end(), kept.begin(), kept.end());
+      ++r;
+    }
+    BOOST_TEST(got == want, "prompt of " << prompt_len);
+    const auto& st = d.stats();
+    BOOST_TEST(st.rounds == (prompt_len == 1 ? r - 1 : r));
+    BOOST_TEST(st.accepted <= st.drafted);
+    BOOST_TEST(st.accepted == std::accumulate(st.accepted_at.begin(), st.accepted_at.end(), 0LL));
+    // Tokens beyond the prefill's come one per round plus the accepted drafts (a round the budget
+    // ends on an accepted draft gives no extra draw).
+    BOOST_TEST(n - 1 <= r + st.accepted);
+    BOOST_TEST(seq.length == (long long)p.size() + n - 1);  // every token but the last fed
+  }
+  model::host_sequence seq;
+  model::speculative_decoder<tiny> d(f.m, f.w, seq, sp);
+  BOOST_TEST(throws_with([&] { d.round(1); }, "round() before start()"));
+  d.start(prompt_of(3));
+  BOOST_TEST(throws_with([&] { d.round(0); }, "budget must be >= 1, got 0"));
+  BOOST_TEST(throws_with([&] { d.start(prompt_of(3)); }, "start() was called already"));
+}
+
 BOOST_AUTO_TEST_SUITE_END()

@@ -6,9 +6,11 @@
 //! (each one's prefill and first token), then runs one decode step of every sequence still
 //! drawing, so requests that arrive together are decoded together (continuous batching: a request
 //! joins or leaves the batch at any step). A request whose `cancelled` says stop leaves at the next
-//! step; a full queue refuses new requests at once (`server_busy`). `host_engine` is the host
+//! step; a full queue refuses new requests at once (`server_busy`). With a drafting engine a step
+//! is a speculative round of every sequence and gives each 1 .. block + 1 tokens (never more than
+//! it still wants); the request's answer carries the drafts' counts. `host_engine` is the host
 //! reference as an engine (each sequence's logits computed on their own, so every request gets
-//! `dsv4 run`'s tokens whatever else is in the batch).
+//! `dsv4 run`'s tokens whatever else is in the batch, with or without drafts).
 
 #include <chrono>
 #include <condition_variable>
@@ -17,9 +19,11 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "dsv4/apps/generate.hpp"
@@ -32,50 +36,75 @@ struct server_busy : error {
   using error::error;
 };
 
-//! The host reference backend as a sequence_engine: one host_sequence per handle.
+//! The host reference backend as a sequence_engine: one host_sequence per handle; with DSpark
+//! weights, each step is one speculative round of every sequence (model::speculative_decoder).
 class host_engine final : public sequence_engine {
  public:
-  host_engine(const model::host_model<models::tiny>& m, const engine_limits& lim)
-      : m_(m), sequences_(std::size_t(lim.max_sequences)), used_(std::size_t(lim.max_sequences), false) {
+  //! `drafter` (may be null: plain decoding) must outlive the engine.
+  host_engine(const model::host_model<models::tiny>& m, const engine_limits& lim,
+              const model::dspark_weights* drafter = nullptr)
+      : m_(m), drafter_(drafter), sequences_(std::size_t(std::max(lim.max_sequences, 0))) {
     if (lim.max_sequences < 1) throw error("host_engine: max_sequences must be >= 1");
   }
-  std::string device() const override { return "host reference backend"; }
+  std::string device() const override { return drafter_ ? "host reference backend, DSpark drafts" : "host reference backend"; }
   int capacity() const override { return int(sequences_.size()); }
+  int draft_block() const override { return drafter_ ? drafter_->block : 0; }
   started start(std::span<const std::int32_t> prompt, bool ced,
                 const kernels::sampling::sampling_params& sp) override {
     int h = 0;
-    while (h < capacity() && used_[std::size_t(h)]) ++h;
+    while (h < capacity() && sequences_[std::size_t(h)]) ++h;
     if (h == capacity())
       throw error("host_engine: all " + std::to_string(capacity()) + " sequences are in use");
-    model::host_sequence& seq = sequences_[std::size_t(h)] = model::host_sequence{};
-    const auto logits = ced ? model::forward_ced(m_, seq, prompt) : model::forward(m_, seq, prompt);
-    used_[std::size_t(h)] = true;
-    return {h, kernels::sampling::sample_reference(logits, sp, 0, std::uint64_t(seq.length))};
+    auto s = std::make_unique<slot>();
+    std::int32_t first;
+    if (drafter_) {
+      s->drafts.emplace(m_, *drafter_, s->seq, sp);
+      first = s->drafts->start(prompt, ced ? model::prompt_prefill::ced : model::prompt_prefill::exact);
+    } else {
+      const auto logits = ced ? model::forward_ced(m_, s->seq, prompt) : model::forward(m_, s->seq, prompt);
+      first = kernels::sampling::sample_reference(logits, sp, 0, std::uint64_t(s->seq.length));
+    }
+    sequences_[std::size_t(h)] = std::move(s);
+    return {h, first};
   }
-  std::vector<std::int32_t> step(std::span<const int> handles, std::span<const std::int32_t> ids,
-                                 std::span<const kernels::sampling::sampling_params> sp) override {
-    std::vector<std::int32_t> next(handles.size());
+  std::vector<std::vector<std::int32_t>> step(std::span<const int> handles, std::span<const std::int32_t> ids,
+                                              std::span<const kernels::sampling::sampling_params> sp,
+                                              std::span<const long long> budget) override {
+    std::vector<std::vector<std::int32_t>> next(handles.size());
     for (std::size_t i = 0; i < handles.size(); ++i) {
-      model::host_sequence& seq = sequence(handles[i]);
-      const auto logits = model::forward(m_, seq, ids.subspan(i, 1));
-      next[i] = kernels::sampling::sample_reference(logits, sp[i], 0, std::uint64_t(seq.length));
+      slot& s = sequence(handles[i]);
+      if (s.drafts) {  // (the decoder feeds the last token it returned: ids[i])
+        next[i] = s.drafts->round(budget[i]);
+        continue;
+      }
+      const auto logits = model::forward(m_, s.seq, ids.subspan(i, 1));
+      next[i] = {kernels::sampling::sample_reference(logits, sp[i], 0, std::uint64_t(s.seq.length))};
     }
     return next;
   }
+  model::speculative_stats drafts(int handle) const override {
+    const slot& s = sequence(handle);
+    return s.drafts ? s.drafts->stats() : model::speculative_stats{};
+  }
   void release(int handle) override {
-    sequence(handle) = model::host_sequence{};
-    used_[std::size_t(handle)] = false;
+    sequence(handle);  // (a clear error for a handle that is not live)
+    sequences_[std::size_t(handle)].reset();
   }
 
  private:
+  struct slot {  // (held by pointer: the decoder refers to seq)
+    model::host_sequence seq;
+    std::optional<model::speculative_decoder<models::tiny>> drafts;
+  };
   const model::host_model<models::tiny>& m_;
-  std::vector<model::host_sequence> sequences_;
-  std::vector<bool> used_;
-  model::host_sequence& sequence(int h) {
-    if (h < 0 || h >= capacity() || !used_[std::size_t(h)])
+  const model::dspark_weights* drafter_;
+  std::vector<std::unique_ptr<slot>> sequences_;
+  const slot& sequence(int h) const {
+    if (h < 0 || h >= capacity() || !sequences_[std::size_t(h)])
       throw error("host_engine: no sequence " + std::to_string(h));
-    return sequences_[std::size_t(h)];
+    return *sequences_[std::size_t(h)];
   }
+  slot& sequence(int h) { return const_cast<slot&>(std::as_const(*this).sequence(h)); }
 };
 
 //! How many requests a batch_scheduler lets wait.
@@ -91,6 +120,7 @@ class batch_scheduler {
     long long requests = 0;      //!< finished (answered, cancelled or failed)
     long long steps = 0;         //!< decode steps run
     long long stepped_rows = 0;  //!< sequences in them, summed
+    long long stepped_tokens = 0;  //!< tokens they drew (more than stepped_rows where drafts were accepted)
     int largest_batch = 0;       //!< the most sequences one step ran
   };
 
@@ -101,6 +131,7 @@ class batch_scheduler {
     if (o.max_queued < 0) throw error("batch_scheduler: max_queued must be >= 0");
     capacity_ = engine_->capacity();
     device_ = engine_->device();
+    draft_block_ = engine_->draft_block();
     thread_ = std::thread([this] { loop(); });
   }
   //! Stops the thread; requests still queued or running get an error, and it waits until their
@@ -119,6 +150,8 @@ class batch_scheduler {
 
   std::string device() const { return device_; }
   int capacity() const { return capacity_; }
+  //! The engine's draft block (0: it decodes plainly).
+  int draft_block() const { return draft_block_; }
   //! Requests waiting for room in the engine now.
   std::size_t queued() const {
     std::lock_guard lk(mu_);
@@ -170,6 +203,7 @@ class batch_scheduler {
   std::unique_ptr<sequence_engine> engine_;
   options options_;
   int capacity_ = 0;
+  int draft_block_ = 0;
   std::string device_;
   int running_ = 0;     //!< admitted and not finished (under mu_)
   int submitters_ = 0;  //!< callers inside submit() (under mu_)
@@ -182,6 +216,11 @@ class batch_scheduler {
 
   void finish(job* j) {
     if (j->handle >= 0) {
+      try {
+        if (const int block = engine_->draft_block(); block > 0)
+          j->result.draft_block = block, j->result.speculative = engine_->drafts(j->handle);
+      } catch (...) {  // (the counts are a report; the tokens stand without them)
+      }
       try {
         engine_->release(j->handle);
       } catch (...) {  // a sequence that cannot be released leaves the engine short of one slot
@@ -242,9 +281,10 @@ class batch_scheduler {
     std::vector<int> handles;
     std::vector<std::int32_t> ids;
     std::vector<kernels::sampling::sampling_params> sampling;
+    std::vector<long long> budget;
     for (auto* v : {&active, &arrivals}) v->reserve(std::size_t(capacity_));
     handles.reserve(std::size_t(capacity_)), ids.reserve(std::size_t(capacity_)),
-        sampling.reserve(std::size_t(capacity_));
+        sampling.reserve(std::size_t(capacity_)), budget.reserve(std::size_t(capacity_));
     for (;;) {
       arrivals.clear();
       {
@@ -281,18 +321,26 @@ class batch_scheduler {
         return true;
       });
       if (active.empty()) continue;
-      handles.clear(), ids.clear(), sampling.clear();
+      handles.clear(), ids.clear(), sampling.clear(), budget.clear();
       for (job* j : active) {
         handles.push_back(j->handle);
         ids.push_back(j->result.tokens.back());
         sampling.push_back(j->request->sampling);
+        budget.push_back(j->request->n_new - (long long)j->result.tokens.size());
       }
-      std::vector<std::int32_t> next;
+      std::vector<std::vector<std::int32_t>> next;
+      long long drawn = 0;
       try {
-        next = engine_->step(handles, ids, sampling);
+        next = engine_->step(handles, ids, sampling, budget);
         if (next.size() != active.size())
-          throw error("batch_scheduler: the engine returned " + std::to_string(next.size()) + " tokens for " +
-                      std::to_string(active.size()) + " sequences");
+          throw error("batch_scheduler: the engine returned tokens for " + std::to_string(next.size()) + " sequences of " +
+                      std::to_string(active.size()));
+        for (std::size_t i = 0; i < next.size(); ++i) {
+          if (next[i].empty() || (long long)next[i].size() > budget[i])
+            throw error("batch_scheduler: the engine returned " + std::to_string(next[i].size()) + " tokens for a sequence that wants " +
+                        std::to_string(budget[i]) + " (1 .. that many)");
+          drawn += (long long)next[i].size();
+        }
       } catch (...) {  // the step's sequences cannot go on
         const auto e = std::current_exception();
         for (job* j : active) fail(j, e);
@@ -303,15 +351,18 @@ class batch_scheduler {
         std::lock_guard lk(mu_);
         ++stats_.steps;
         stats_.stepped_rows += (long long)active.size();
+        stats_.stepped_tokens += drawn;
         stats_.largest_batch = std::max(stats_.largest_batch, int(active.size()));
       }
       for (std::size_t i = 0; i < active.size(); ++i) {
         job* j = active[i];
-        j->result.tokens.push_back(next[i]);
-        try {
-          if (j->request->on_token) j->request->on_token(next[i]);
-        } catch (...) {
-          j->failure = std::current_exception();
+        for (const std::int32_t t : next[i]) {
+          j->result.tokens.push_back(t);
+          try {
+            if (j->request->on_token && !j->failure) j->request->on_token(t);
+          } catch (...) {
+            j->failure = std::current_exception();
+          }
         }
       }
       std::erase_if(active, [&](job* j) {

@@ -28,6 +28,7 @@ struct generation {
   std::string device;  //!< printed: "CUDA backend on <device name>"
   bool cancelled = false;  //!< run_request::cancelled said stop: `tokens` holds what was drawn by then
   model::speculative_stats speculative{};  //!< run_request::dspark: how the drafts fared
+  int draft_block = 0;  //!< the drafter's block when the backend drafted (0: plain decoding)
 };
 
 //! What a front end asks of a backend besides the model.
@@ -38,8 +39,8 @@ struct run_request {
   bool ced = false;                           //!< --prefill ced
   bool engram_host_tables = false;            //!< --engram-tables host: the tables stay in host memory
   bool wgmma_gemms = false;                   //!< --gemm wgmma: few-token GEMMs on wgmma (CUDA backend)
-  //! --speculative dspark on the CUDA backend: draft with these weights (null: plain decoding).
-  //! Prefill and generation are then one loop, timed as the decode.
+  //! --speculative dspark: draft with these weights (null: plain decoding); the tokens are the
+  //! same, the counts land in generation::speculative.
   const model::dspark_weights* dspark = nullptr;
   //! Asked before each decode step (empty: never): true stops the generation there (a server's
   //! client went away; nobody would read the rest).
@@ -62,13 +63,16 @@ using generate_fn = std::function<generation(const model::host_model<models::tin
 //! asks of a backend. A handle names a sequence from start() to release(). Every token is drawn
 //! at the sampler's counters of a one-sequence generation (sequence 0, the token's position), so a
 //! sequence's tokens depend on its own request only, and where the backend's logits do not depend
-//! on the batch (the host reference), they are `run`'s tokens.
+//! on the batch (the host reference), they are `run`'s tokens. An engine that drafts (DSpark
+//! speculative decoding) returns several tokens from a step: still the tokens plain decoding draws.
 class sequence_engine {
  public:
   virtual ~sequence_engine() = default;
   virtual std::string device() const = 0;
   //! Sequences alive at once.
   virtual int capacity() const = 0;
+  //! The drafter's block when steps verify drafts (0: plain decoding, one token a step).
+  virtual int draft_block() const { return 0; }
   //! A new sequence: the prefill of `prompt` (CED if `ced`) and the first token, drawn with `sampling`.
   struct started {
     int handle;
@@ -76,10 +80,15 @@ class sequence_engine {
   };
   virtual started start(std::span<const std::int32_t> prompt, bool ced,
                         const kernels::sampling::sampling_params& sampling) = 0;
-  //! One decode step of the sequences `handles` together, sequence i fed ids[i]: the next token
-  //! of each, drawn with sampling[i].
-  virtual std::vector<std::int32_t> step(std::span<const int> handles, std::span<const std::int32_t> ids,
-                                         std::span<const kernels::sampling::sampling_params> sampling) = 0;
+  //! One step of the sequences `handles` together, sequence i fed ids[i] (the last token it was
+  //! given): the next tokens of each, drawn with sampling[i]. A plain engine returns one token per
+  //! sequence; a drafting engine 1 .. draft_block() + 1, never more than budget[i] (>= 1: the
+  //! tokens the sequence still wants).
+  virtual std::vector<std::vector<std::int32_t>> step(std::span<const int> handles, std::span<const std::int32_t> ids,
+                                                      std::span<const kernels::sampling::sampling_params> sampling,
+                                                      std::span<const long long> budget) = 0;
+  //! How the drafts of sequence `handle` fared so far (empty counts for a plain engine).
+  virtual model::speculative_stats drafts(int /*handle*/) const { return {}; }
   //! The sequence is done: its caches go back to the pool.
   virtual void release(int handle) = 0;
 };
@@ -89,8 +98,9 @@ struct engine_limits {
   int max_sequences = 8;
   long long max_prompt_tokens = 4096, max_new_tokens = 4096;
 };
-using engine_fn = std::function<std::unique_ptr<sequence_engine>(const model::host_model<models::tiny>&,
-                                                                 const engine_limits&)>;
+//! The model, the limits, and the drafter's weights (null: plain decoding), which must outlive the engine.
+using engine_fn = std::function<std::unique_ptr<sequence_engine>(
+    const model::host_model<models::tiny>&, const engine_limits&, const model::dspark_weights*)>;
 
 //! The backends an app links in besides the host reference (apps/dsv4: CUDA when built with it).
 struct backends {
@@ -138,10 +148,37 @@ void run_generation(const run_request& r, generation& g, Prefill prefill, Positi
 
 //! The host reference backend: a fresh sequence, the prompt's prefill (exact or CED), then
 //! request.n_new tokens, each later one after a decode step (fewer if request.cancelled says stop).
+//! With request.dspark, the later tokens come from speculative rounds (model::speculative_decoder:
+//! the same tokens, drafts verified position by position), request.cancelled asked before each.
 inline generation host_generate(const model::host_model<models::tiny>& m, const run_request& r) {
   generation g;
   g.device = "host reference backend";
   model::host_sequence seq;
+  if (r.dspark) {
+    using clock = std::chrono::steady_clock;
+    g.device += ", DSpark drafts";
+    g.draft_block = r.dspark->block;
+    model::speculative_decoder<models::tiny> d(m, *r.dspark, seq, r.sampling);
+    const auto t0 = clock::now();
+    const std::int32_t first = d.start(r.prompt, r.ced ? model::prompt_prefill::ced : model::prompt_prefill::exact);
+    const auto t1 = clock::now();
+    auto take = [&](std::int32_t t) {
+      g.tokens.push_back(t);
+      if (r.on_token) r.on_token(t);
+    };
+    if (r.n_new > 0) take(first);
+    while ((long long)g.tokens.size() < r.n_new) {
+      if (stop_requested(r)) {
+        g.cancelled = true;
+        break;
+      }
+      for (const std::int32_t t : d.round(r.n_new - (long long)g.tokens.size())) take(t);
+    }
+    g.prefill_s = std::chrono::duration<double>(t1 - t0).count();
+    g.decode_s = std::chrono::duration<double>(clock::now() - t1).count();
+    g.speculative = d.stats();
+    return g;
+  }
   run_generation(
       r, g, [&] { return r.ced ? model::forward_ced(m, seq, r.prompt) : model::forward(m, seq, r.prompt); },
       [&] { return seq.length; }, [&](std::int32_t next) { return model::forward(m, seq, std::span<const std::int32_t>(&next, 1)); });

@@ -7,7 +7,9 @@
 //!   POST /v1/generate  {"prompt": [ids], "max_tokens": 16, "temperature": 1.0, "top_k": 0,
 //!                       "top_p": 1.0, "seed": 0, "prefill": "exact" | "ced", "stream": false}
 //!                      -> {"tokens": [...], "prompt_tokens", "generated_tokens",
-//!                          "prefill_seconds", "decode_seconds", "backend"}
+//!                          "prefill_seconds", "decode_seconds", "backend"}, and where the server
+//!                          drafts (--speculative dspark) "speculative": {"draft_block",
+//!                          "rounds", "drafted", "accepted"}: the same tokens, the drafts' counts
 //!                      with "stream": true, server-sent events as the tokens are drawn:
 //!                      data: {"token": id, "index": i} ... then data: {"done": true, <the above>}
 //!
@@ -46,17 +48,24 @@ struct service_limits {
 
 class generation_service {
  public:
-  //! One generation at a time, each by `generate` on `m`.
+  //! One generation at a time, each by `generate` on `m`; with `drafter` (which must outlive the
+  //! service) every request drafts with it (run_request::dspark).
   generation_service(const model::host_model<models::tiny>& m, cli::generate_fn generate, std::string backend,
-                     service_limits limits = {})
-      : generate_([&m, g = std::move(generate)](const cli::run_request& r) { return g(m, r); }),
+                     service_limits limits = {}, const model::dspark_weights* drafter = nullptr)
+      : generate_([&m, g = std::move(generate), drafter](cli::run_request r) {
+          r.dspark = drafter;
+          return g(m, r);
+        }),
         backend_(std::move(backend)),
-        limits_(limits) {}
-  //! Requests run by `scheduler` (which must outlive the service), decoded together.
+        limits_(limits),
+        draft_block_(drafter ? drafter->block : 0) {}
+  //! Requests run by `scheduler` (which must outlive the service), decoded together (and drafted,
+  //! where its engine drafts).
   generation_service(cli::batch_scheduler& scheduler, std::string backend, service_limits limits = {})
       : generate_([&scheduler](const cli::run_request& r) { return scheduler.submit(r); }),
         backend_(std::move(backend)),
-        limits_(limits) {}
+        limits_(limits),
+        draft_block_(scheduler.draft_block()) {}
 
   http::response operator()(const http::request& r) const {
     const std::string path = r.target.substr(0, r.target.find('?'));
@@ -69,7 +78,10 @@ class generation_service {
       constexpr auto c = models::tiny::dims;
       return {200, "{\"model\": " + http::json_string(models::tiny::name) + ", \"vocab_size\": " + std::to_string(c.vocab_size) +
                        ", \"max_positions\": " + std::to_string(c.rope.max_position_embeddings) +
-                       ", \"backend\": " + http::json_string(backend_) + "}"};
+                       ", \"backend\": " + http::json_string(backend_) + ", \"speculative\": " +
+                       (draft_block_ > 0 ? "{\"drafter\": \"dspark\", \"draft_block\": " + std::to_string(draft_block_) + "}"
+                                         : std::string("null")) +
+                       "}"};
     }
     if (path == "/v1/generate") {
       if (r.method != "POST") return wrong_method(r, "POST");
@@ -83,6 +95,7 @@ class generation_service {
   std::function<cli::generation(const cli::run_request&)> generate_;
   std::string backend_;
   service_limits limits_;
+  int draft_block_ = 0;  //!< the drafter's block where requests are drafted (0: plain decoding)
 
   static http::response wrong_method(const http::request& r, const char* allowed) {
     return http::error_response(405, r.method + " " + r.target + ": this route takes " + allowed);
@@ -189,7 +202,12 @@ class generation_service {
                   "], \"prompt_tokens\": %zu, \"generated_tokens\": %zu, \"prefill_seconds\": %.6f, "
                   "\"decode_seconds\": %.6f, \"backend\": ",
                   prompt_tokens, g.tokens.size(), g.prefill_s, g.decode_s);
-    return out + tail + http::json_string(g.device) + "}";
+    out += tail + http::json_string(g.device);
+    if (g.draft_block > 0)
+      out += ", \"speculative\": {\"draft_block\": " + std::to_string(g.draft_block) + ", \"rounds\": " +
+             std::to_string(g.speculative.rounds) + ", \"drafted\": " + std::to_string(g.speculative.drafted) +
+             ", \"accepted\": " + std::to_string(g.speculative.accepted) + "}";
+    return out + "}";
   }
 
   //! "stream": true: a text/event-stream whose events are `{"token": id, "index": i}` as each token

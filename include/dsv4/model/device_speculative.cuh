@@ -20,6 +20,8 @@
 //! A batch of sequences runs its rounds together: every sequence's drafts in one drafter pass
 //! (device_dspark::decode over several slots), its verification in one backbone call
 //! (append_all_on_device over several slots), every rejected sequence's re-append in a second.
+//! `speculative_batch` runs this a round at a time over sequences that join and leave (a
+//! server's batch); generate_speculative_batch runs whole generations with it.
 //! The rule is the host loop's, but the logits are not plain decoding's bits: the verification's
 //! rows come from a multi-row append (other GEMM splits, the appended-chunk operand; docs/decisions.md:
 //! not batch-invariant), so where plain decoding's top two logits are close a draw may differ from
@@ -42,6 +44,229 @@
 
 namespace dsv4::model {
 
+//! The loop one round at a time over sequences that come and go (a server's batch): start() runs
+//! a sequence's prefill and draws its first token; round() runs one round of every sequence it is
+//! given together (drafts in one drafter pass, verification in one backbone call, rollbacks'
+//! re-appends in a second) and returns each one's kept tokens: 1 .. block + 1, at most its budget.
+//! A one-token prompt's first round is a plain step (a one-row append, no drafts: its drafter needs
+//! a main_hidden row the prefill does not leave over) and counts as no round. The drafter and the
+//! backbone share sequence slots; a slot's state here lives from start() to forget(). Turns dm's
+//! main_hidden capture on.
+template <class Model>
+class speculative_batch {
+  static constexpr models::model_config c = Model::dims;
+  static constexpr int W = c.attn.window_size, block = c.dspark.dspark_block_size;
+  static_assert(
+      block + 1 <= W,
+      "speculative_batch (CUDA): a round of block + 1 rows must fit the window (the drafter takes at "
+      "most window main_hidden rows a step, and appends of several sequences at most a window each)");
+  static constexpr std::size_t row =
+      std::size_t(c.dim) * std::size_t(models::model_traits<Model>::schedule::drafter::targets::size);
+
+ public:
+  //! (tests: an oracle drafter) may replace the drafts of the sequence in `slot`: it receives the
+  //! slot, the position of d_1 and [t_q, d_1 .. d_block].
+  using edit_fn = std::function<void(int, long long, std::vector<std::int32_t>&)>;
+  //! One sequence of a round: its slot, and the most tokens it may return (>= 1).
+  struct request {
+    int slot = -1;
+    long long budget = 1;
+  };
+
+  speculative_batch(device_model<Model>& dm, device_dspark<Model>& dd, edit_fn edit = {})
+      : dm_(dm), dd_(dd), edit_(std::move(edit)), slots_(std::size_t(std::min(dm.max_seqs(), dd.max_seqs()))),
+        pending_(slots_.size() * std::size_t(block + 1) * row) {
+    dm_.capture_main_hidden(true);
+  }
+
+  //! Sequence slots 0 .. slots() - 1 (the backbone's and the drafter's both).
+  int slots() const { return int(slots_.size()); }
+
+  //! The prefill of `prompt` (exact or CED) in the empty live sequence `slot` of the backbone, the
+  //! drafter's rings seeded, and the first token (drawn with `sampling` at stream `sequence`).
+  std::int32_t start(int slot, std::span<const std::int32_t> prompt, prompt_prefill mode,
+                     const kernels::sampling::sampling_params& sampling, std::uint64_t sequence = 0) {
+    const std::string who = "speculative_batch::start: slot " + std::to_string(slot) + ": ";
+    if (slot < 0 || slot >= slots())
+      throw error(who + "no such slot (the backbone has " + std::to_string(dm_.max_seqs()) + ", the drafter " +
+                  std::to_string(dd_.max_seqs()) + ")");
+    if (slots_[std::size_t(slot)].started) throw error(who + "already started (forget it first)");
+    if (dm_.length(slot) < 0) throw error(who + "no live sequence in the slot (add_sequence first)");
+    if (dm_.length(slot) != 0)
+      throw error(who + "the slot must be empty (it holds " + std::to_string(dm_.length(slot)) + " tokens)");
+    if (prompt.empty()) throw error(who + "empty prompt");
+    if (static_cast<long long>(prompt.size()) > dm_.max_rows())
+      throw error(who + "a prompt of " + std::to_string(prompt.size()) + " tokens exceeds limits::max_rows (" +
+                  std::to_string(dm_.max_rows()) + "), the prefill's call");
+    mode == prompt_prefill::ced ? dm_.prefill_ced(slot, prompt) : dm_.prefill(slot, prompt);
+    state& s = slots_[std::size_t(slot)];
+    s = state{};
+    s.sampling = sampling, s.sequence = sequence;
+    s.stats.accepted_at.assign(std::size_t(block), 0);
+    const long long rows = dm_.main_hidden_rows(), first = dm_.length(slot) - rows;
+    const kernels::sampling::row_request draw{sampling, sequence, std::uint64_t(dm_.length(slot))};
+    s.t = dm_.sample(std::span(&draw, 1))[0];
+    if (rows >= 2) {  // the rings from every captured row but the last, which the first round takes
+      dd_.prefill(slot, dm_.main_hidden(), rows - 1, first);
+      keep_pending(slot, rows - 1, 1);
+    } else {
+      dd_.prefill(slot, dm_.main_hidden(), rows, first);
+    }
+    s.started = true;
+    return s.t;
+  }
+
+  //! One round of every sequence in `batch` (each started, each once): their kept tokens, in order.
+  //! Every request is checked before any work. The backbone's call holds the round's rows (at most
+  //! batch.size() x (block + 1)), which must fit its limits::max_rows and logit_rows.
+  std::vector<std::vector<std::int32_t>> round(std::span<const request> batch) {
+    long long rows = 0;
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      const request& r = batch[i];
+      const std::string who = "speculative_batch::round: sequence " + std::to_string(i) + " (slot " + std::to_string(r.slot) + "): ";
+      if (r.slot < 0 || r.slot >= slots() || !slots_[std::size_t(r.slot)].started) throw error(who + "not started");
+      for (std::size_t e = 0; e < i; ++e)
+        if (batch[e].slot == r.slot) throw error(who + "the slot appears twice in the round");
+      if (r.budget < 1) throw error(who + "a round's budget must be >= 1, got " + std::to_string(r.budget));
+      const long long fed = feeds(r);
+      if (dm_.length(r.slot) + fed + 1 > dm_.max_tokens())
+        throw error(who + "its round would grow it to " + std::to_string(dm_.length(r.slot) + fed + 1) +
+                    " tokens, beyond limits::max_tokens (" + std::to_string(dm_.max_tokens()) + ")");
+      rows += fed + 1;
+    }
+    if (rows > dm_.max_rows() || rows > dm_.logit_rows())
+      throw error("speculative_batch::round: the round's " + std::to_string(rows) + " rows exceed the backbone's limits::max_rows (" +
+                  std::to_string(dm_.max_rows()) + ") or logit_rows (" + std::to_string(dm_.logit_rows()) + ")");
+    std::vector<std::vector<std::int32_t>> out(batch.size());
+    if (batch.empty()) return out;
+
+    // Drafts: every sequence that has main_hidden rows to give, in one drafter pass.
+    std::vector<typename device_dspark<Model>::step> steps;
+    for (const request& r : batch) {
+      const state& s = slots_[std::size_t(r.slot)];
+      if (s.pending_rows > 0)
+        steps.push_back({r.slot, s.t, pending_row(r.slot), s.pending_rows, s.pending_rows, s.sampling, s.sequence});
+    }
+    std::vector<dspark_draft> drafted;
+    if (!steps.empty()) drafted = dd_.decode(steps, false);  // (the loop needs the ids only)
+    // Verification: t and the first `fed` drafts of each (a plain step: t alone), in one call.
+    std::vector<int> slots;
+    std::vector<std::vector<std::int32_t>> chunks;
+    std::vector<int> fed(batch.size(), 0);
+    std::vector<std::vector<std::int32_t>> ids(batch.size());
+    for (std::size_t i = 0, d = 0; i < batch.size(); ++i) {
+      const int slot = batch[i].slot;
+      state& s = slots_[std::size_t(slot)];
+      if (s.pending_rows > 0) {
+        ids[i] = std::move(drafted[d++].ids);
+        if (edit_) edit_(slot, dm_.length(slot) + 1, ids[i]);
+        if (ids[i].size() != std::size_t(block) + 1 || ids[i][0] != s.t)
+          throw error("speculative_batch::round: a draft block must be block + 1 ids starting with the input token");
+        ++s.stats.rounds;
+        // Feed t and the first `fed` drafts: their rows give every draw this round can make.
+        fed[i] = int(feeds(batch[i]));
+        if (fed[i] > 0) dm_.save_sequence(slot, s.snapshot);
+      } else {
+        ids[i] = {s.t};
+      }
+      slots.push_back(slot);
+      chunks.emplace_back(ids[i].begin(), ids[i].begin() + fed[i] + 1);  // positions q + 1 .. q + fed + 1
+    }
+    dm_.append_all_on_device(slots, chunks);
+    // Every row's draw at once (a draw depends only on its row and position): the checks below
+    // take them in order and stop at the first that differs from its draft.
+    std::vector<kernels::sampling::row_request> draws;
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      const state& s = slots_[std::size_t(batch[i].slot)];
+      for (int j = 0; j <= fed[i]; ++j)
+        draws.push_back({s.sampling, s.sequence, std::uint64_t(dm_.length(batch[i].slot) - fed[i] + j)});
+    }
+    const std::vector<std::int32_t> drawn = dm_.sample(draws);
+    std::size_t offset = 0;
+    std::vector<int> redo_slots;
+    std::vector<std::vector<std::int32_t>> redo_chunks;
+    std::vector<int> redo_kept;
+    for (std::size_t i = 0; i < batch.size(); ++i) {  // the host loop's checks and counts
+      const int slot = batch[i].slot;
+      const long long budget = batch[i].budget;
+      state& s = slots_[std::size_t(slot)];
+      auto& o = out[i];
+      std::int32_t next = drawn[offset];
+      int kept = 0;
+      if (s.pending_rows > 0) {
+        int accepted = 0;
+        for (int k = 1; k <= block && (long long)o.size() < budget; ++k) {
+          ++s.stats.drafted;
+          if (next != ids[i][std::size_t(k)]) break;
+          ++s.stats.accepted, ++s.stats.accepted_at[std::size_t(k - 1)], ++accepted;
+          o.push_back(next);
+          if ((long long)o.size() == budget) break;
+          next = drawn[offset + std::size_t(k)];  // (k <= fed here)
+        }
+        kept = std::min(accepted, fed[i]);  // fed drafts that stay
+      }
+      if ((long long)o.size() < budget) o.push_back(next);
+      s.t = next;
+      if (kept == fed[i]) {
+        keep_pending(slot, (long long)offset, kept + 1);  // the capture of the kept positions q .. q + kept
+      } else {  // a fed draft was rejected: back to q, then the kept tokens again
+        redo_slots.push_back(slot), redo_kept.push_back(kept);
+        redo_chunks.emplace_back(ids[i].begin(), ids[i].begin() + kept + 1);
+      }
+      offset += std::size_t(fed[i]) + 1;
+    }
+    if (!redo_slots.empty()) {
+      for (const int slot : redo_slots) dm_.restore_sequence(slot, slots_[std::size_t(slot)].snapshot);
+      dm_.append_all_on_device(redo_slots, redo_chunks);
+      long long first = 0;
+      for (std::size_t k = 0; k < redo_slots.size(); ++k)
+        keep_pending(redo_slots[k], first, redo_kept[k] + 1), first += redo_kept[k] + 1;
+    }
+    return out;
+  }
+
+  //! How the drafts of the sequence in `slot` fared since its start().
+  const speculative_stats& stats(int slot) const {
+    if (slot < 0 || slot >= slots() || !slots_[std::size_t(slot)].started)
+      throw error("speculative_batch::stats: slot " + std::to_string(slot) + " is not started");
+    return slots_[std::size_t(slot)].stats;
+  }
+  //! The slot's state is dropped (its backbone sequence is the caller's to release).
+  void forget(int slot) {
+    if (slot >= 0 && slot < slots()) slots_[std::size_t(slot)] = state{};
+  }
+
+ private:
+  struct state {
+    bool started = false;
+    std::int32_t t = 0;            //!< the last token returned, not fed
+    long long pending_rows = 0;    //!< main_hidden rows the drafter has not seen (in pending_)
+    kernels::sampling::sampling_params sampling{};
+    std::uint64_t sequence = 0;
+    speculative_stats stats;
+    typename device_model<Model>::sequence_snapshot snapshot;  //!< before the round's verification
+  };
+  device_model<Model>& dm_;
+  device_dspark<Model>& dd_;
+  edit_fn edit_;
+  std::vector<state> slots_;
+  // Per slot, the main_hidden rows the drafter has not seen yet, kept apart from the capture
+  // (which the next call overwrites): at most a round's block + 1, or the prompt's last row.
+  runtime::device_buffer<bf16> pending_;
+
+  //! Drafts fed with t in a round of `r` (a plain step feeds none): every draw the round can
+  //! still make (budget - 1 after t's), so the sequence never runs past the tokens kept.
+  long long feeds(const request& r) const {
+    return slots_[std::size_t(r.slot)].pending_rows > 0 ? std::min<long long>(block, r.budget - 1) : 0;
+  }
+  bf16* pending_row(int slot) { return pending_.data() + std::size_t(slot) * std::size_t(block + 1) * row; }
+  void keep_pending(int slot, long long first, long long rows) {
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(pending_row(slot), dm_.main_hidden() + std::size_t(first) * row,
+                                    std::size_t(rows) * row * sizeof(bf16), cudaMemcpyDeviceToDevice, dm_.stream()));
+    slots_[std::size_t(slot)].pending_rows = rows;
+  }
+};
+
 //! One sequence of a speculative batch: an empty sequence slot of the backbone (and of the
 //! drafter), its prompt, how many tokens to generate, and how they are drawn (`sequence`: the
 //! sampler's stream id, kernels/sampling).
@@ -55,23 +280,16 @@ struct speculative_request {
 
 //! Generates batch[b].n_new tokens after each prompt (see the file comment), drafting with `dd`;
 //! returns them per sequence and fills stats[b] as generate_speculative (speculative_reference.hpp)
-//! does. `dm` needs limits::max_rows and logit_rows >= batch.size() x (block + 1) (one round of
-//! every sequence in one call). `edit_drafts` (tests: an oracle drafter) may replace sequence b's
-//! drafts: it receives b, the position of d_1 and [t_q, d_1 .. d_block]. Turns dm's main_hidden
-//! capture on.
+//! does: speculative_batch's start() of each, then rounds of the sequences that want more. `dm`
+//! needs limits::max_rows and logit_rows >= batch.size() x (block + 1) (one round of every
+//! sequence in one call). `edit_drafts` (tests: an oracle drafter) may replace sequence b's drafts:
+//! it receives b, the position of d_1 and [t_q, d_1 .. d_block]. Turns dm's main_hidden capture on.
 template <class Model>
 std::vector<std::vector<std::int32_t>> generate_speculative_batch(
     device_model<Model>& dm, device_dspark<Model>& dd, std::span<const speculative_request> batch,
     std::vector<speculative_stats>& stats, prompt_prefill mode = prompt_prefill::exact,
     const std::function<void(std::size_t, long long, std::vector<std::int32_t>&)>& edit_drafts = {}) {
-  constexpr models::model_config c = Model::dims;
-  constexpr int W = c.attn.window_size, block = c.dspark.dspark_block_size;
-  static_assert(
-      block + 1 <= W,
-      "generate_speculative (CUDA): a round of block + 1 rows must fit the window (the drafter takes at "
-      "most window main_hidden rows a step)");
-  constexpr std::size_t row =
-      std::size_t(c.dim) * std::size_t(models::model_traits<Model>::schedule::drafter::targets::size);
+  constexpr int block = Model::dims.dspark.dspark_block_size;
   const std::size_t N = batch.size();
   const std::string where = "generate_speculative (CUDA): ";
   // Every request is checked before the first prefill (the prefills run one sequence at a time;
@@ -111,135 +329,25 @@ std::vector<std::vector<std::int32_t>> generate_speculative_batch(
   for (std::size_t b = 0; b < N; ++b) any |= active(b);
   if (!any) return out;
 
-  dm.capture_main_hidden(true);
-  // Per sequence, the main_hidden rows the drafter has not seen yet, kept apart from the capture
-  // (which the next call overwrites): at most a round's block + 1, or the prompt's last row.
-  runtime::device_buffer<bf16> pending(N * std::size_t(block + 1) * row);
-  std::vector<long long> pending_rows(N, 0);
-  auto keep_pending = [&](std::size_t b, long long first, long long rows) {
-    DSV4_CUDA_CHECK(cudaMemcpyAsync(pending.data() + b * std::size_t(block + 1) * row,
-                                    dm.main_hidden() + std::size_t(first) * row, std::size_t(rows) * row * sizeof(bf16),
-                                    cudaMemcpyDeviceToDevice, dm.stream()));
-    pending_rows[b] = rows;
-  };
-  // Tokens are drawn on the device from the last call's rows of logits (kernels/sampling: the host
-  // sampler's draws, bit for bit), a row at position `position` of sequence b.
-  std::vector<kernels::sampling::row_request> requests;
-  auto request = [&](std::size_t b, long long position) {
-    requests.push_back({batch[b].sampling, batch[b].sequence, std::uint64_t(position)});
-  };
-  auto draw = [&] {
-    auto drawn = dm.sample(requests);
-    requests.clear();
-    return drawn;
-  };
-
-  // Prefills one sequence at a time (a prefill call holds one sequence), then one plain decode
-  // step of every one-row prompt together (its rings were seeded with that row).
-  std::vector<std::int32_t> t(N, 0);
-  std::vector<int> step_slots;
-  std::vector<std::size_t> stepped;
-  for (std::size_t b = 0; b < N; ++b) {
-    if (!active(b)) continue;
-    const int slot = batch[b].slot;
-    mode == prompt_prefill::ced ? dm.prefill_ced(slot, batch[b].prompt) : dm.prefill(slot, batch[b].prompt);
-    const long long rows = dm.main_hidden_rows(), first = dm.length(slot) - rows;
-    request(b, dm.length(slot));
-    t[b] = draw()[0];
-    out[b].push_back(t[b]);
-    if (rows >= 2) {  // the drafter's rings from every captured row but the last, which the first round takes
-      dd.prefill(slot, dm.main_hidden(), rows - 1, first);
-      keep_pending(b, rows - 1, 1);
-    } else {
-      dd.prefill(slot, dm.main_hidden(), rows, first);
-      if (active(b)) step_slots.push_back(slot), stepped.push_back(b);
-    }
-  }
-  if (!stepped.empty()) {
-    std::vector<std::int32_t> ids;
-    for (std::size_t b : stepped) ids.push_back(t[b]);
-    dm.decode_on_device(step_slots, ids);
-    for (std::size_t i = 0; i < stepped.size(); ++i) keep_pending(stepped[i], (long long)i, 1), request(stepped[i], dm.length(step_slots[i]));
-    const auto drawn = draw();
-    for (std::size_t i = 0; i < stepped.size(); ++i) t[stepped[i]] = drawn[i], out[stepped[i]].push_back(drawn[i]);
-  }
-
-  std::vector<typename device_model<Model>::sequence_snapshot> snapshots(N);
-  std::vector<dspark_draft> drafts(N);
-  std::vector<int> fed(N, 0), kept(N, 0);
-  std::vector<std::int32_t> next(N, 0);
+  std::vector<std::size_t> index_of(std::size_t(dm.max_seqs()), 0);  // slot -> b, for edit_drafts
+  for (std::size_t b = 0; b < N; ++b) index_of[std::size_t(batch[b].slot)] = b;
+  typename speculative_batch<Model>::edit_fn edit;
+  if (edit_drafts)
+    edit = [&](int slot, long long first, std::vector<std::int32_t>& ids) { edit_drafts(index_of[std::size_t(slot)], first, ids); };
+  speculative_batch<Model> sb(dm, dd, edit);
+  for (std::size_t b = 0; b < N; ++b)  // (a prefill call holds one sequence)
+    if (active(b)) out[b].push_back(sb.start(batch[b].slot, batch[b].prompt, mode, batch[b].sampling, batch[b].sequence));
   for (;;) {
-    // Invariant, per active sequence b: the backbone holds positions < q_b, t[b] is the token for
-    // q_b (in out[b], not yet fed), `pending` holds the main_hidden rows the drafter has not seen.
-    std::vector<std::size_t> round;
+    std::vector<typename speculative_batch<Model>::request> round;
+    std::vector<std::size_t> members;
     for (std::size_t b = 0; b < N; ++b)
-      if (active(b)) round.push_back(b);
+      if (active(b)) round.push_back({batch[b].slot, batch[b].n_new - (long long)out[b].size()}), members.push_back(b);
     if (round.empty()) break;
-    std::vector<int> slots;
-    std::vector<std::vector<std::int32_t>> chunks;
-    std::vector<typename device_dspark<Model>::step> steps;
-    for (std::size_t b : round)
-      steps.push_back({batch[b].slot, t[b], pending.data() + b * std::size_t(block + 1) * row, pending_rows[b],
-                       pending_rows[b], batch[b].sampling, batch[b].sequence});
-    auto drafted = dd.decode(steps, false);  // (the loop needs the ids only)
-    for (std::size_t i = 0; i < round.size(); ++i) {
-      const std::size_t b = round[i];
-      const int slot = batch[b].slot;
-      const long long q = dm.length(slot);
-      drafts[b] = std::move(drafted[i]);
-      auto& ids = drafts[b].ids;
-      if (edit_drafts) edit_drafts(b, q + 1, ids);
-      if (ids.size() != std::size_t(block) + 1 || ids[0] != t[b])
-        throw error(where + "a draft block must be block + 1 ids starting with the input token");
-      ++stats[b].rounds;
-      // Feed t and the first m drafts: their rows give every draw this round can still make (the
-      // budget: n_new - |out| more tokens), so the sequence never runs past the tokens kept.
-      fed[b] = int(std::min<long long>(block, batch[b].n_new - (long long)out[b].size() - 1));
-      dm.save_sequence(slot, snapshots[b]);
-      slots.push_back(slot);
-      chunks.emplace_back(ids.begin(), ids.begin() + fed[b] + 1);  // positions q + 1 .. q + m + 1
-    }
-    dm.append_all_on_device(slots, chunks);
-    // Every row's draw at once (a draw depends only on its row and position): the checks below
-    // take them in order and stop at the first that differs from its draft.
-    for (std::size_t i = 0; i < round.size(); ++i)
-      for (int j = 0; j <= fed[round[i]]; ++j) request(round[i], dm.length(slots[i]) - fed[round[i]] + j);
-    const std::vector<std::int32_t> drawn = draw();
-    std::size_t offset = 0;
-    std::vector<int> redo_slots;
-    std::vector<std::vector<std::int32_t>> redo_chunks;
-    std::vector<std::size_t> redo;
-    for (std::size_t b : round) {  // the host loop's checks and counts
-      const auto& ids = drafts[b].ids;
-      auto& o = out[b];
-      int accepted = 0;
-      next[b] = drawn[offset];
-      for (int i = 1; i <= block && (long long)o.size() < batch[b].n_new; ++i) {
-        ++stats[b].drafted;
-        if (next[b] != ids[std::size_t(i)]) break;
-        ++stats[b].accepted, ++stats[b].accepted_at[std::size_t(i - 1)], ++accepted;
-        o.push_back(next[b]);
-        if ((long long)o.size() == batch[b].n_new) break;
-        next[b] = drawn[offset + std::size_t(i)];  // (i <= fed here)
-      }
-      if ((long long)o.size() < batch[b].n_new) o.push_back(next[b]);
-      kept[b] = std::min(accepted, fed[b]);  // fed drafts that stay
-      if (kept[b] == fed[b]) {
-        keep_pending(b, (long long)offset, kept[b] + 1);  // the capture of the kept positions q .. q + kept
-      } else {  // a fed draft was rejected: back to q, then the kept tokens again
-        redo_slots.push_back(batch[b].slot), redo.push_back(b);
-        redo_chunks.emplace_back(ids.begin(), ids.begin() + kept[b] + 1);
-      }
-      offset += std::size_t(fed[b]) + 1;
-    }
-    if (!redo.empty()) {
-      for (std::size_t b : redo) dm.restore_sequence(batch[b].slot, snapshots[b]);
-      dm.append_all_on_device(redo_slots, redo_chunks);
-      long long first = 0;
-      for (std::size_t b : redo) keep_pending(b, first, kept[b] + 1), first += kept[b] + 1;
-    }
-    for (std::size_t b : round) t[b] = next[b];
+    const auto kept = sb.round(round);
+    for (std::size_t i = 0; i < members.size(); ++i) out[members[i]].insert(out[members[i]].end(), kept[i].begin(), kept[i].end());
   }
+  for (std::size_t b = 0; b < N; ++b)
+    if (batch[b].n_new > 0) stats[b] = sb.stats(batch[b].slot);
   return out;
 }
 

@@ -48,6 +48,110 @@ struct speculative_stats {
 //! Prefill mode of the generation's prompt.
 enum class prompt_prefill { exact, ced };
 
+//! The host loop one round at a time, for a sequence that is stepped among others (a server's
+//! batch): start() runs the prompt's prefill and draws the first token; each round() drafts a
+//! block, verifies it position by position and returns the tokens it kept (1 .. block + 1, at most
+//! the round's budget). A one-token prompt's first round is a plain decode step (its drafter needs
+//! a main_hidden row the prefill does not leave over) and returns one token; it counts as no round.
+//! generate_speculative below is start() and rounds until the budget is spent.
+template <class Model>
+class speculative_decoder {
+ public:
+  //! (tests: an oracle drafter) may replace a round's drafts before they are checked; it receives
+  //! the position of d_1 and the ids [t_q, d_1 .. d_block].
+  using edit_fn = std::function<void(long long, std::vector<std::int32_t>&)>;
+
+  //! `seq` must be fresh and outlive the decoder; `sequence` is the sampler's stream id.
+  speculative_decoder(const host_model<Model>& m, const dspark_weights& w, host_sequence& seq,
+                      const kernels::sampling::sampling_params& sampling, std::uint64_t sequence = 0, edit_fn edit = {})
+      : m_(m), w_(w), seq_(seq), sampling_(sampling), sequence_(sequence), edit_(std::move(edit)) {
+    if (w.block <= 0) throw error("speculative_decoder: the drafter has no draft block");
+    stats_.accepted_at.assign(std::size_t(w.block), 0);
+  }
+
+  //! The prefill of `prompt` and the first token (drawn from its last row, not fed).
+  std::int32_t start(std::span<const std::int32_t> prompt, prompt_prefill mode = prompt_prefill::exact) {
+    if (started_) throw error("speculative_decoder: start() was called already");
+    if (seq_.length != 0)
+      throw error("speculative_decoder: the sequence must be fresh (it holds " + std::to_string(seq_.length) + " tokens)");
+    if (prompt.empty()) throw error("speculative_decoder: empty prompt");
+    const auto logits = mode == prompt_prefill::ced ? forward_ced(m_, seq_, prompt, nullptr, &mh_) : forward(m_, seq_, prompt, nullptr, &mh_);
+    // The rows main_hidden covers: all of an exact prefill, the replayed tail of a CED one. The
+    // drafter's rings take every one but the last, which the first round takes (a one-row prompt:
+    // the rings take it, and the first round is a plain step).
+    const long long rows = (long long)(mh_.size() / row), first = seq_.length - rows;
+    if (rows >= 2) {
+      dspark_prefill<Model>(w_, st_, std::span<const bf16>(mh_).first(std::size_t(rows - 1) * row), first);
+      pending_.assign(mh_.end() - std::ptrdiff_t(row), mh_.end());
+    } else {
+      dspark_prefill<Model>(w_, st_, mh_, first);
+    }
+    started_ = true;
+    return t_ = draw(logits);
+  }
+
+  //! One round: at most `budget` (>= 1) tokens, the first of which follows the last one returned.
+  std::vector<std::int32_t> round(long long budget) {
+    if (!started_) throw error("speculative_decoder: round() before start()");
+    if (budget < 1) throw error("speculative_decoder: a round's budget must be >= 1, got " + std::to_string(budget));
+    std::vector<std::int32_t> out;
+    if (pending_.empty()) {  // a one-row prompt: one plain step gives the first row the drafter takes
+      t_ = draw(step(t_));
+      out.push_back(t_);
+      return out;
+    }
+    // Invariant: the backbone holds positions < q = seq.length, t_ is the token for q (returned,
+    // not yet fed), the drafter has seen positions < q - rows(pending_).
+    const long long q = seq_.length;
+    dspark_draft d = dspark_decode<Model>(m_, w_, st_, t_, pending_, sampling_, sequence_);
+    pending_.clear();
+    if (edit_) edit_(q + 1, d.ids);
+    if (d.ids.size() != std::size_t(w_.block) + 1 || d.ids[0] != t_)
+      throw error("speculative_decoder: a draft block must be block + 1 ids starting with the input token");
+    ++stats_.rounds;
+    std::int32_t next = draw(step(t_));  // t at q: the token for q + 1
+    for (int i = 1; i <= w_.block && (long long)out.size() < budget; ++i) {
+      ++stats_.drafted;
+      if (next != d.ids[std::size_t(i)]) break;
+      ++stats_.accepted, ++stats_.accepted_at[std::size_t(i - 1)];
+      out.push_back(next);
+      if ((long long)out.size() == budget) break;
+      next = draw(step(next));
+    }
+    if ((long long)out.size() < budget) out.push_back(next);
+    t_ = next;
+    return out;
+  }
+
+  const speculative_stats& stats() const { return stats_; }
+
+ private:
+  static constexpr std::size_t row =
+      std::size_t(Model::dims.dim) * std::size_t(models::model_traits<Model>::schedule::drafter::targets::size);
+  const host_model<Model>& m_;
+  const dspark_weights& w_;
+  host_sequence& seq_;
+  kernels::sampling::sampling_params sampling_;
+  std::uint64_t sequence_;
+  edit_fn edit_;
+  speculative_stats stats_;
+  dspark_state st_;
+  std::vector<bf16> mh_;       // main_hidden of the last backbone call
+  std::vector<bf16> pending_;  // main_hidden rows the drafter has not seen
+  std::int32_t t_ = 0;         // the last token returned (not fed)
+  bool started_ = false;
+
+  std::int32_t draw(const std::vector<float>& logits) const {
+    return kernels::sampling::sample_reference(logits, sampling_, sequence_, std::uint64_t(seq_.length));
+  }
+  //! Feeds `id`: the logits of the next position; its main_hidden row goes to pending_.
+  std::vector<float> step(std::int32_t id) {
+    auto logits = forward(m_, seq_, std::span<const std::int32_t>(&id, 1), nullptr, &mh_);
+    pending_.insert(pending_.end(), mh_.begin(), mh_.end());
+    return logits;
+  }
+};
+
 //! Generates `n_new` tokens after `prompt` on a fresh sequence `seq`, drafting with `w`. Returns
 //! the tokens (equal to plain decoding's, see the file comment) and fills `stats`. `edit_drafts`,
 //! if set, may replace a round's drafts before they are checked (tests: an oracle drafter);
@@ -58,64 +162,20 @@ std::vector<std::int32_t> generate_speculative(
     const kernels::sampling::sampling_params& sampling, speculative_stats& stats,
     prompt_prefill mode = prompt_prefill::exact, std::uint64_t sequence = 0,
     const std::function<void(long long, std::vector<std::int32_t>&)>& edit_drafts = {}) {
-  constexpr std::size_t row = std::size_t(Model::dims.dim) * std::size_t(models::model_traits<Model>::schedule::drafter::targets::size);
-  if (seq.length != 0) throw error("generate_speculative: the sequence must be fresh (it holds " + std::to_string(seq.length) + " tokens)");
-  if (prompt.empty()) throw error("generate_speculative: empty prompt");
   if (n_new < 0) throw error("generate_speculative: negative token count");
-  if (w.block <= 0) throw error("generate_speculative: the drafter has no draft block");
-  stats = speculative_stats{};
-  stats.accepted_at.assign(std::size_t(w.block), 0);
-  std::vector<std::int32_t> out;
-  if (n_new == 0) return out;
-
-  std::vector<bf16> mh;  // main_hidden of the last backbone call
-  auto logits = mode == prompt_prefill::ced ? forward_ced(m, seq, prompt, nullptr, &mh) : forward(m, seq, prompt, nullptr, &mh);
-  auto draw = [&](const std::vector<float>& l) { return kernels::sampling::sample_reference(l, sampling, sequence, std::uint64_t(seq.length)); };
-  auto step = [&](std::int32_t id, std::vector<bf16>& hidden) {
-    const auto l = forward(m, seq, std::span<const std::int32_t>(&id, 1), nullptr, &mh);
-    hidden.insert(hidden.end(), mh.begin(), mh.end());
-    return l;
-  };
-  // The rows main_hidden covers: all of an exact prefill, the replayed tail of a CED one.
-  const long long rows = (long long)(mh.size() / row), first = seq.length - rows;
-  dspark_state st;
-  std::vector<bf16> pending;  // main_hidden rows the drafter has not seen
-  std::int32_t t = draw(logits);
-  out.push_back(t);
-  if (rows >= 2) {
-    dspark_prefill<Model>(w, st, std::span<const bf16>(mh).first(std::size_t(rows - 1) * row), first);
-    pending.assign(mh.end() - std::ptrdiff_t(row), mh.end());
-  } else {  // a one-row prompt: seed with it, then one plain step gives the first pending row
-    dspark_prefill<Model>(w, st, mh, first);
-    if ((long long)out.size() == n_new) return out;
-    logits = step(t, pending);
-    t = draw(logits);
-    out.push_back(t);
+  speculative_decoder<Model> d(m, w, seq, sampling, sequence, edit_drafts);
+  stats = d.stats();
+  if (n_new == 0) {  // (the misuse checks still apply)
+    if (seq.length != 0) throw error("generate_speculative: the sequence must be fresh (it holds " + std::to_string(seq.length) + " tokens)");
+    if (prompt.empty()) throw error("generate_speculative: empty prompt");
+    return {};
   }
+  std::vector<std::int32_t> out{d.start(prompt, mode)};
   while ((long long)out.size() < n_new) {
-    // Invariant: the backbone holds positions < q = seq.length, t is the token for q (in `out`,
-    // not yet fed), the drafter has seen positions < q - rows(pending).
-    const long long q = seq.length;
-    dspark_draft d = dspark_decode<Model>(m, w, st, t, pending, sampling, sequence);
-    pending.clear();
-    if (edit_drafts) edit_drafts(q + 1, d.ids);
-    if (d.ids.size() != std::size_t(w.block) + 1 || d.ids[0] != t)
-      throw error("generate_speculative: a draft block must be block + 1 ids starting with the input token");
-    ++stats.rounds;
-    logits = step(t, pending);  // t at q: the logits for q + 1
-    std::int32_t next = draw(logits);
-    for (int i = 1; i <= w.block && (long long)out.size() < n_new; ++i) {
-      ++stats.drafted;
-      if (next != d.ids[std::size_t(i)]) break;
-      ++stats.accepted, ++stats.accepted_at[std::size_t(i - 1)];
-      out.push_back(next);
-      if ((long long)out.size() == n_new) return out;
-      logits = step(next, pending);
-      next = draw(logits);
-    }
-    if ((long long)out.size() < n_new) out.push_back(next);
-    t = next;
+    const auto kept = d.round(n_new - (long long)out.size());
+    out.insert(out.end(), kept.begin(), kept.end());
   }
+  stats = d.stats();
   return out;
 }
 
