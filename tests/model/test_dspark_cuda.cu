@@ -76,6 +76,41 @@ model::device_model<tiny>::limits limits(int seqs) {
   return lim;
 }
 
+//! Plain decoding on the device (a fresh slot of `dm`, one decode step per token, greedy draws at
+//! stream `sequence`) and where its first close call falls: the first token whose top two logits
+//! lie within 5% of the row's largest magnitude (n if none). A speculative generation's
+//! verification rows come from multi-row appends, not decode steps (docs/decisions.md: not
+//! batch-invariant), so its tokens must equal these only before that token.
+struct plain_run {
+  std::vector<std::int32_t> tokens;
+  long long clear = 0;
+};
+plain_run plain_decoding(model::device_model<tiny>& dm, const std::vector<std::int32_t>& prompt, long long n,
+                         std::uint64_t sequence) {
+  const kernels::sampling::sampling_params greedy{0.0f};
+  const int p = dm.add_sequence();
+  auto logits = dm.prefill(p, prompt);
+  plain_run r;
+  r.clear = n;
+  for (long long i = 0; i < n; ++i) {
+    const std::int32_t tok = kernels::sampling::sample_reference(logits, greedy, sequence, std::uint64_t(dm.length(p)));
+    r.tokens.push_back(tok);
+    std::vector<float> sorted(logits);
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+    float peak = 0;
+    for (float v : logits) peak = std::max(peak, std::fabs(v));
+    if (r.clear == n && sorted[0] - sorted[1] < 0.05f * peak) r.clear = i;
+    if (i + 1 < n) logits = dm.decode({p}, std::span<const std::int32_t>(&tok, 1));
+  }
+  return r;
+}
+//! How many leading tokens of `got` equal `want`'s.
+long long matching(const std::vector<std::int32_t>& got, const plain_run& want) {
+  long long k = 0;
+  while (k < (long long)got.size() && k < (long long)want.tokens.size() && got[std::size_t(k)] == want.tokens[std::size_t(k)]) ++k;
+  return k;
+}
+
 //! The last `rows` rows of a [*, T * D] capture.
 std::span<const bf16> last_rows(const std::vector<bf16>& mh, std::size_t rows) {
   const std::size_t width = std::size_t(T) * D;
@@ -406,21 +441,9 @@ BOOST_AUTO_TEST_CASE(speculative_generation_matches_plain_decoding,
   const auto prompt = random_ids(25, 31);
   const long long n = 20, P = (long long)prompt.size();
   const kernels::sampling::sampling_params greedy{0.0f};
-  const int p = dm.add_sequence();
-  auto logits = dm.prefill(p, prompt);
-  std::vector<std::int32_t> plain;
-  long long clear = n;  // tokens before plain decoding's first close call
-  for (long long i = 0; i < n; ++i) {
-    const std::int32_t tok =
-        kernels::sampling::sample_reference(logits, greedy, 0, std::uint64_t(dm.length(p)));
-    plain.push_back(tok);
-    std::vector<float> sorted(logits);
-    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
-    float peak = 0;
-    for (float v : logits) peak = std::max(peak, std::fabs(v));
-    if (clear == n && sorted[0] - sorted[1] < 0.05f * peak) clear = i;
-    if (i + 1 < n) logits = dm.decode({p}, std::span<const std::int32_t>(&tok, 1));
-  }
+  const plain_run want = plain_decoding(dm, prompt, n, 0);
+  const auto& plain = want.tokens;
+  const long long clear = want.clear;  // tokens before plain decoding's first close call
   model::speculative_stats untrained, oracle;
   const auto got = model::generate_speculative(dm, dd, dm.add_sequence(), prompt, n, greedy, untrained);
   const auto got_oracle = model::generate_speculative(dm, dd, dm.add_sequence(), prompt, n, greedy, oracle,
@@ -435,19 +458,14 @@ BOOST_AUTO_TEST_CASE(speculative_generation_matches_plain_decoding,
                      << untrained.rounds << " rounds, " << untrained.accepted << " of " << untrained.drafted
                      << " accepted; oracle " << oracle.rounds << " rounds, " << oracle.accepted << " of "
                      << oracle.drafted);
-  auto matching = [&](const std::vector<std::int32_t>& v) {
-    long long k = 0;
-    while (k < n && k < (long long)v.size() && v[std::size_t(k)] == plain[std::size_t(k)]) ++k;
-    return k;
-  };
   BOOST_TEST_MESSAGE("plain decoding's first close call at token "
-                     << clear << " of " << n << "; tokens equal to plain decoding's: " << matching(got)
-                     << " (untrained), " << matching(got_oracle) << " (oracle)");
+                     << clear << " of " << n << "; tokens equal to plain decoding's: " << matching(got, want)
+                     << " (untrained), " << matching(got_oracle, want) << " (oracle)");
   BOOST_TEST(got.size() == std::size_t(n));
   BOOST_TEST(got_oracle.size() == std::size_t(n));
-  BOOST_TEST(matching(got) >= clear,
+  BOOST_TEST(matching(got, want) >= clear,
              "untrained drafter: a token differs from plain decoding's before its first close call");
-  BOOST_TEST(matching(got_oracle) >= clear,
+  BOOST_TEST(matching(got_oracle, want) >= clear,
              "oracle drafter: a token differs from plain decoding's before its first close call");
   BOOST_TEST(untrained.rounds > 0);
   if (clear > B + 1) {  // at least the first round's drafts are plain decoding's clear tokens
@@ -558,23 +576,8 @@ BOOST_AUTO_TEST_CASE(batched_speculative_generation_matches_plain_decoding,
   model::device_model<tiny> dm(f.m, lim);
   model::device_dspark<tiny> dd(dm, f.w, lim.max_seqs);
   const kernels::sampling::sampling_params greedy{0.0f};
-  std::vector<std::vector<std::int32_t>> plain(N);
-  std::vector<long long> clear(N);
-  for (std::size_t b = 0; b < N; ++b) {  // plain decoding, and where its first close call falls
-    const int p = dm.add_sequence();
-    auto logits = dm.prefill(p, prompts[b]);
-    clear[b] = n[b];
-    for (long long i = 0; i < n[b]; ++i) {
-      const std::int32_t tok = kernels::sampling::sample_reference(logits, greedy, b, std::uint64_t(dm.length(p)));
-      plain[b].push_back(tok);
-      std::vector<float> sorted(logits);
-      std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
-      float peak = 0;
-      for (float v : logits) peak = std::max(peak, std::fabs(v));
-      if (clear[b] == n[b] && sorted[0] - sorted[1] < 0.05f * peak) clear[b] = i;
-      if (i + 1 < n[b]) logits = dm.decode({p}, std::span<const std::int32_t>(&tok, 1));
-    }
-  }
+  std::vector<plain_run> want;
+  for (std::size_t b = 0; b < N; ++b) want.push_back(plain_decoding(dm, prompts[b], n[b], b));
   auto requests = [&] {
     std::vector<model::speculative_request> r;
     for (std::size_t b = 0; b < N; ++b) r.push_back({dm.add_sequence(), prompts[b], n[b], greedy, b});
@@ -588,29 +591,25 @@ BOOST_AUTO_TEST_CASE(batched_speculative_generation_matches_plain_decoding,
         const long long P = (long long)prompts[b].size();
         for (std::size_t i = 1; i < ids.size(); ++i) {
           const long long k = first + (long long)i - 1 - P;
-          if (k >= 0 && k < n[b]) ids[i] = plain[b][std::size_t(k)];
+          if (k >= 0 && k < n[b]) ids[i] = want[b].tokens[std::size_t(k)];
         }
       });
   BOOST_REQUIRE_EQUAL(got.size(), N);
   BOOST_REQUIRE_EQUAL(got_oracle.size(), N);
   for (std::size_t b = 0; b < N; ++b) {
-    auto matching = [&](const std::vector<std::int32_t>& v) {
-      long long k = 0;
-      while (k < n[b] && k < (long long)v.size() && v[std::size_t(k)] == plain[b][std::size_t(k)]) ++k;
-      return k;
-    };
+    const long long clear = want[b].clear;
     BOOST_TEST_MESSAGE("batched speculative, sequence " << b << ": untrained drafter " << untrained[b].rounds << " rounds, "
                        << untrained[b].accepted << " of " << untrained[b].drafted << " accepted; oracle " << oracle[b].rounds
                        << " rounds, " << oracle[b].accepted << " of " << oracle[b].drafted << "; plain decoding's first close call at "
-                       << clear[b] << " of " << n[b] << ", tokens equal: " << matching(got[b]) << " (untrained), "
-                       << matching(got_oracle[b]) << " (oracle)");
+                       << clear << " of " << n[b] << ", tokens equal: " << matching(got[b], want[b]) << " (untrained), "
+                       << matching(got_oracle[b], want[b]) << " (oracle)");
     BOOST_TEST(got[b].size() == std::size_t(n[b]));
     BOOST_TEST(got_oracle[b].size() == std::size_t(n[b]));
-    BOOST_TEST(matching(got[b]) >= clear[b], "sequence " << b << ", untrained drafter: a token differs before the first close call");
-    BOOST_TEST(matching(got_oracle[b]) >= clear[b], "sequence " << b << ", oracle drafter: a token differs before the first close call");
+    BOOST_TEST(matching(got[b], want[b]) >= clear, "sequence " << b << ", untrained drafter: a token differs before the first close call");
+    BOOST_TEST(matching(got_oracle[b], want[b]) >= clear, "sequence " << b << ", oracle drafter: a token differs before the first close call");
     BOOST_TEST(untrained[b].rounds > 0);
-    if (clear[b] > B + 1) BOOST_TEST(oracle[b].accepted > untrained[b].accepted);
-    if (clear[b] == n[b]) {
+    if (clear > B + 1) BOOST_TEST(oracle[b].accepted > untrained[b].accepted);
+    if (clear == n[b]) {
       BOOST_TEST(oracle[b].accepted == oracle[b].drafted);
       BOOST_TEST(oracle[b].rounds < untrained[b].rounds);
     }
@@ -626,6 +625,89 @@ BOOST_AUTO_TEST_CASE(batched_speculative_generation_matches_plain_decoding,
   const std::vector<model::speculative_request> too_long = {{s, prompts[0], 1000, greedy, 0}};
   BOOST_TEST(test::throws_with([&] { model::generate_speculative_batch(dm, dd, too_long, st); }, "limits::max_tokens"));
   BOOST_TEST(dm.length(s) == 0);  // (nothing was prefilled)
+}
+
+// speculative_batch a round at a time over sequences that join and leave (a server's batch, `dsv4
+// serve --speculative dspark`): A (25-token prompt) starts and runs a round alone; B (a one-token
+// prompt: its first round is a plain step, one token, no round counted) joins; A and B run rounds
+// together with budgets cycling 1 .. 4; when A has its tokens it leaves (forget, release) and C
+// (9 tokens) starts, maybe in A's slot, beside B. Every round gives 1 .. min(budget, block + 1)
+// tokens; each sequence's tokens are its plain decoding's up to that decoding's first close call;
+// misuse is refused before any work.
+BOOST_AUTO_TEST_CASE(speculative_rounds_over_sequences_that_join_and_leave,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  fixture f;
+  constexpr int B = c.dspark.dspark_block_size;
+  auto lim = limits(6);
+  lim.logit_rows = 2 * (B + 1);
+  model::device_model<tiny> dm(f.m, lim);
+  model::device_dspark<tiny> dd(dm, f.w, lim.max_seqs);
+  const kernels::sampling::sampling_params greedy{0.0f};
+  struct member {
+    std::vector<std::int32_t> prompt;
+    long long n;
+    plain_run want;
+    int slot = -1;
+    std::vector<std::int32_t> got{};
+    bool done() const { return (long long)got.size() >= n; }
+  };
+  member a{random_ids(25, 51), 14, {}}, b{random_ids(1, 52), 12, {}}, cc{random_ids(9, 53), 10, {}};
+  for (member* m : {&a, &b, &cc}) m->want = plain_decoding(dm, m->prompt, m->n, 0);
+  model::speculative_batch<tiny> sb(dm, dd);
+  long long r = 0;
+  auto start = [&](member& m) {
+    m.slot = dm.add_sequence();
+    m.got.push_back(sb.start(m.slot, m.prompt, model::prompt_prefill::exact, greedy));
+  };
+  auto round = [&](std::vector<member*> ms) {
+    std::vector<model::speculative_batch<tiny>::request> req;
+    for (member* m : ms) req.push_back({m->slot, std::min(1 + r % 4, m->n - (long long)m->got.size())});
+    const auto kept = sb.round(req);
+    BOOST_REQUIRE_EQUAL(kept.size(), ms.size());
+    for (std::size_t i = 0; i < ms.size(); ++i) {
+      BOOST_TEST((!kept[i].empty() && (long long)kept[i].size() <= std::min<long long>(req[i].budget, B + 1)),
+                 "round " << r << ", slot " << req[i].slot << ": " << kept[i].size() << " tokens for a budget of " << req[i].budget);
+      ms[i]->got.insert(ms[i]->got.end(), kept[i].begin(), kept[i].end());
+    }
+    ++r;
+  };
+  start(a);
+  round({&a});
+  start(b);
+  round({&a, &b});
+  BOOST_TEST(sb.stats(b.slot).rounds == 0);  // B's plain step
+  BOOST_TEST(b.got.size() == 2u);
+  while (!a.done()) round({&a, &b});
+  const model::speculative_stats a_stats = sb.stats(a.slot);
+  sb.forget(a.slot);
+  dm.release_sequence(a.slot);
+  start(cc);
+  for (;;) {
+    std::vector<member*> ms;
+    for (member* m : {&b, &cc})
+      if (!m->done()) ms.push_back(m);
+    if (ms.empty()) break;
+    round(ms);
+  }
+  for (const member* m : {&a, &b, &cc}) {
+    BOOST_TEST_MESSAGE("speculative_batch, prompt of " << m->prompt.size() << ": " << m->got.size() << " tokens, "
+                       << matching(m->got, m->want) << " equal to plain decoding's (first close call at " << m->want.clear << ")");
+    BOOST_TEST(m->got.size() == std::size_t(m->n));
+    BOOST_TEST(matching(m->got, m->want) >= m->want.clear, "prompt of " << m->prompt.size() << ": a token differs before the first close call");
+  }
+  BOOST_TEST(a_stats.rounds > 0);
+  BOOST_TEST(sb.stats(b.slot).rounds > 0);
+  BOOST_TEST(sb.stats(cc.slot).accepted <= sb.stats(cc.slot).drafted);
+  // Refused before any work: a slot not started, a slot twice, a budget of 0, a second start.
+  const int idle = dm.add_sequence();
+  const std::vector<model::speculative_batch<tiny>::request> not_started = {{b.slot, 1}, {idle, 1}},
+                                                               twice = {{b.slot, 1}, {b.slot, 1}}, none = {{b.slot, 0}};
+  const long long b_length = dm.length(b.slot);
+  BOOST_TEST(test::throws_with([&] { sb.round(not_started); }, "not started"));
+  BOOST_TEST(test::throws_with([&] { sb.round(twice); }, "appears twice"));
+  BOOST_TEST(test::throws_with([&] { sb.round(none); }, "budget must be >= 1"));
+  BOOST_TEST(test::throws_with([&] { sb.start(b.slot, b.prompt, model::prompt_prefill::exact, greedy); }, "already started"));
+  BOOST_TEST(dm.length(b.slot) == b_length);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
