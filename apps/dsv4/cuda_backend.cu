@@ -44,7 +44,8 @@ class device_engine final : public cli::sequence_engine {
                 const cudaDeviceProp& prop, const model::dspark_weights* drafter)
       : device_(std::string("CUDA backend on ") + prop.name + (drafter ? ", DSpark drafts on the GPU" : "")),
         dm_(m, limits_of(el, drafter)),
-        capacity_(el.max_sequences) {
+        capacity_(el.max_sequences),
+        draft_block_(drafter ? drafter->block : 0) {
     if (drafter) {
       dd_.emplace(dm_, *drafter, el.max_sequences);
       drafts_.emplace(dm_, *dd_);
@@ -52,7 +53,7 @@ class device_engine final : public cli::sequence_engine {
   }
   std::string device() const override { return device_; }
   int capacity() const override { return capacity_; }
-  int draft_block() const override { return drafts_ ? models::tiny::dims.dspark.dspark_block_size : 0; }
+  int draft_block() const override { return draft_block_; }
   started start(std::span<const std::int32_t> prompt, bool ced,
                 const kernels::sampling::sampling_params& sp) override {
     const int slot = dm_.add_sequence();
@@ -109,6 +110,7 @@ class device_engine final : public cli::sequence_engine {
   std::optional<model::device_dspark<models::tiny>> dd_;
   std::optional<model::speculative_batch<models::tiny>> drafts_;  // (after dd_: it refers to it)
   int capacity_;
+  int draft_block_;  //!< the drafter's block (0: plain decoding)
 };
 }  // namespace
 

@@ -7,24 +7,27 @@
 //! sequence, q); a draft is accepted when that draw equals it; the first differing draw ends the
 //! round. A round at backbone length q with input token t:
 //!   drafts  d_1 .. d_B = device_dspark::decode(t, the main_hidden rows the drafter has not seen);
-//!   verify  save_sequence, then append_all_on_device([t, d_1 .. d_B]): row i holds the logits of
+//!   verify  save_sequence, then append_all_on_device([t, d_1 .. d_f]) with f = min(B, budget - 1)
+//!           (the round's budget: the tokens the sequence still wants): row i holds the logits of
 //!           q + 1 + i, and every row is drawn on the device at once (the device sampler: the host
 //!           sampler's draws); the draw of q + 1 (row 0) is taken, and while a draw equals d_{i+1}
-//!           it is accepted and the next row's draw taken;
-//!   keep    with a drafts accepted and a < B: restore_sequence and append [t, d_1 .. d_a] again
-//!           (the same positions and history: the state plain decoding leaves); with a == B the
-//!           verification already is that state. The last call's capture holds the main_hidden rows
-//!           of the kept positions, which the next round's drafter step takes.
+//!           it is accepted and the next row's draw taken, until the budget is reached;
+//!   keep    with k = min(a, f) fed drafts accepted and k < f: restore_sequence and append
+//!           [t, d_1 .. d_k] again (the same positions and history: the state plain decoding
+//!           leaves); with k == f the verification already is that state. The last call's capture
+//!           holds the main_hidden rows of the kept positions, which the next round's drafter takes.
 //! So a round costs one drafter step and one or two backbone calls of up to B + 1 rows, and emits
-//! a + 1 tokens; the sequence ends as plain decoding leaves it (the last token drawn, not fed).
+//! a + 1 tokens (at most the budget); the sequence ends as plain decoding leaves it (the last token
+//! drawn, not fed).
 //! A batch of sequences runs its rounds together: every sequence's drafts in one drafter pass
 //! (device_dspark::decode over several slots), its verification in one backbone call
 //! (append_all_on_device over several slots), every rejected sequence's re-append in a second.
 //! `speculative_batch` runs this a round at a time over sequences that join and leave (a
 //! server's batch); generate_speculative_batch runs whole generations with it.
 //! The rule is the host loop's, but the logits are not plain decoding's bits: the verification's
-//! rows come from a multi-row append (other GEMM splits, the appended-chunk operand; docs/decisions.md:
-//! not batch-invariant), so where plain decoding's top two logits are close a draw may differ from
+//! rows, and a one-token prompt's first plain step, come from multi-row appends of several
+//! sequences (other GEMM splits, the appended-chunk operand; docs/decisions.md: not
+//! batch-invariant), so where plain decoding's top two logits are close a draw may differ from
 //! plain decoding's, and the generations part there.
 
 #include <cuda_runtime.h>
@@ -118,8 +121,50 @@ class speculative_batch {
 
   //! One round of every sequence in `batch` (each started, each once): their kept tokens, in order.
   //! Every request is checked before any work. The backbone's call holds the round's rows (at most
-  //! batch.size() x (block + 1)), which must fit its limits::max_rows and logit_rows.
+  //! batch.size() x (block + 1)), which must fit its limits::max_rows and logit_rows. A round that
+  //! fails after its checks (a CUDA error, an edit_fn's bad block) leaves its sequences' backbone
+  //! and drafter state part-way, so it forgets them (their later rounds are refused as not
+  //! started) before the error goes on: release them.
   std::vector<std::vector<std::int32_t>> round(std::span<const request> batch) {
+    check(batch);
+    try {
+      return run(batch);
+    } catch (...) {
+      for (const request& r : batch) forget(r.slot);
+      throw;
+    }
+  }
+  //! How the drafts of the sequence in `slot` fared since its start().
+  const speculative_stats& stats(int slot) const {
+    if (slot < 0 || slot >= slots() || !slots_[std::size_t(slot)].started)
+      throw error("speculative_batch::stats: slot " + std::to_string(slot) + " is not started");
+    return slots_[std::size_t(slot)].stats;
+  }
+  //! The slot's state is dropped (its backbone sequence is the caller's to release).
+  void forget(int slot) {
+    if (slot >= 0 && slot < slots()) slots_[std::size_t(slot)] = state{};
+  }
+
+ private:
+  struct state {
+    bool started = false;
+    std::int32_t t = 0;            //!< the last token returned, not fed
+    long long pending_rows = 0;    //!< main_hidden rows the drafter has not seen (in pending_)
+    kernels::sampling::sampling_params sampling{};
+    std::uint64_t sequence = 0;
+    speculative_stats stats;
+    typename device_model<Model>::sequence_snapshot snapshot;  //!< before the round's verification
+  };
+  device_model<Model>& dm_;
+  device_dspark<Model>& dd_;
+  edit_fn edit_;
+  std::vector<state> slots_;
+  // Per slot, the main_hidden rows the drafter has not seen yet, kept apart from the capture
+  // (which the next call overwrites): at most a round's block + 1, or the prompt's last row.
+  runtime::device_buffer<bf16> pending_;
+
+  //! round()'s checks: every request, and the call's rows.
+  void check(std::span<const request> batch) const {
     long long rows = 0;
     for (std::size_t i = 0; i < batch.size(); ++i) {
       const request& r = batch[i];
@@ -137,6 +182,10 @@ class speculative_batch {
     if (rows > dm_.max_rows() || rows > dm_.logit_rows())
       throw error("speculative_batch::round: the round's " + std::to_string(rows) + " rows exceed the backbone's limits::max_rows (" +
                   std::to_string(dm_.max_rows()) + ") or logit_rows (" + std::to_string(dm_.logit_rows()) + ")");
+  }
+
+  //! round() after its checks.
+  std::vector<std::vector<std::int32_t>> run(std::span<const request> batch) {
     std::vector<std::vector<std::int32_t>> out(batch.size());
     if (batch.empty()) return out;
 
@@ -224,35 +273,6 @@ class speculative_batch {
     }
     return out;
   }
-
-  //! How the drafts of the sequence in `slot` fared since its start().
-  const speculative_stats& stats(int slot) const {
-    if (slot < 0 || slot >= slots() || !slots_[std::size_t(slot)].started)
-      throw error("speculative_batch::stats: slot " + std::to_string(slot) + " is not started");
-    return slots_[std::size_t(slot)].stats;
-  }
-  //! The slot's state is dropped (its backbone sequence is the caller's to release).
-  void forget(int slot) {
-    if (slot >= 0 && slot < slots()) slots_[std::size_t(slot)] = state{};
-  }
-
- private:
-  struct state {
-    bool started = false;
-    std::int32_t t = 0;            //!< the last token returned, not fed
-    long long pending_rows = 0;    //!< main_hidden rows the drafter has not seen (in pending_)
-    kernels::sampling::sampling_params sampling{};
-    std::uint64_t sequence = 0;
-    speculative_stats stats;
-    typename device_model<Model>::sequence_snapshot snapshot;  //!< before the round's verification
-  };
-  device_model<Model>& dm_;
-  device_dspark<Model>& dd_;
-  edit_fn edit_;
-  std::vector<state> slots_;
-  // Per slot, the main_hidden rows the drafter has not seen yet, kept apart from the capture
-  // (which the next call overwrites): at most a round's block + 1, or the prompt's last row.
-  runtime::device_buffer<bf16> pending_;
 
   //! Drafts fed with t in a round of `r` (a plain step feeds none): every draw the round can
   //! still make (budget - 1 after t's), so the sequence never runs past the tokens kept.
