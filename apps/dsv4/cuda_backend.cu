@@ -88,6 +88,16 @@ class device_engine final : public cli::sequence_engine {
   model::speculative_stats drafts(int handle) const override {
     return drafts_ ? drafts_->stats(handle) : model::speculative_stats{};
   }
+  long long max_sequence_tokens() const override { return dm_.max_tokens(); }
+  //! Plain decoding only: a drafting sequence's drafter would need the chunk's rows as well.
+  bool can_resume() const override { return !drafts_; }
+  std::int32_t resume(int handle, std::span<const std::int32_t> chunk, bool ced,
+                      const kernels::sampling::sampling_params& sp) override {
+    if (drafts_) return sequence_engine::resume(handle, chunk, ced, sp);  // (the refusal)
+    ced ? dm_.append_ced(handle, chunk) : dm_.append(handle, chunk);
+    const kernels::sampling::row_request draw{sp, 0, std::uint64_t(dm_.length(handle))};
+    return dm_.sample(std::span(&draw, 1))[0];
+  }
   void release(int handle) override {
     if (drafts_) drafts_->forget(handle);
     dm_.release_sequence(handle);
@@ -100,9 +110,11 @@ class device_engine final : public cli::sequence_engine {
     lim.max_seqs = el.max_sequences;
     // A round of every sequence in one call: block + 1 rows each, every row's logits.
     const int round_rows = drafter ? el.max_sequences * (drafter->block + 1) : el.max_sequences;
-    lim.max_rows = int(std::max<long long>({el.max_prompt_tokens, round_rows, 1}));
+    // (a session's turn appends its prompt after the last token: one more row)
+    lim.max_rows = int(std::max<long long>({el.max_prompt_tokens + 1, round_rows, 1}));
     if (drafter) lim.logit_rows = round_rows;
-    lim.max_tokens = std::max(el.max_prompt_tokens + el.max_new_tokens, 1LL);
+    lim.max_tokens = std::max(el.sequence_tokens(), 1LL);
+    lim.ced_appends = !drafter;  // (sessions' CED turns: the first decoder layer's input kept per sequence)
     return lim;
   }
   std::string device_;
@@ -123,6 +135,9 @@ std::unique_ptr<cli::sequence_engine> cuda_engine(const model::host_model<models
     throw error("serve --backend cuda: --max-prompt-tokens plus --max-tokens (" + std::to_string(total) +
                 ") exceed the model's " + std::to_string(models::tiny::dims.rope.max_position_embeddings) +
                 " positions");
+  if (limits.sequence_tokens() > models::tiny::dims.rope.max_position_embeddings)
+    throw error("serve --backend cuda: --max-session-tokens (" + std::to_string(limits.sequence_tokens()) +
+                ") exceeds the model's " + std::to_string(models::tiny::dims.rope.max_position_embeddings) + " positions");
   return std::make_unique<device_engine>(m, limits, prop, drafter);
 }
 

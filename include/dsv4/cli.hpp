@@ -71,7 +71,7 @@ inline void usage(std::ostream& os) {
         "                       a round verified in one call and rolled back)\n"
         "  serve [--config tiny] [--checkpoint PATH] [--host ADDR] [--port N] [--backend host|cuda]\n"
         "        [--max-tokens N] [--max-prompt-tokens N] [--max-requests N] [--max-batch N]\n"
-        "        [--max-queued N] [--speculative off|dspark]\n"
+        "        [--max-queued N] [--speculative off|dspark] [--max-session-tokens N]\n"
         "                       an HTTP/1.1 JSON server over the model (default 127.0.0.1:8080;\n"
         "                       --port 0 picks a free port and prints it): GET /health, GET\n"
         "                       /v1/model, POST /v1/generate {\"prompt\": [ids], \"max_tokens\": N,\n"
@@ -85,7 +85,13 @@ inline void usage(std::ostream& os) {
         "                       (defaults 4096 / 4096); --max-requests N exits after N answers;\n"
         "                       --speculative dspark drafts with the DSpark stages: each step\n"
         "                       verifies every sequence's drafts and gives it 1 .. block + 1\n"
-        "                       tokens (the same tokens; answers carry the drafts' counts)\n"
+        "                       tokens (the same tokens; answers carry the drafts' counts).\n"
+        "                       \"session\": \"name\" keeps a conversation's sequence after the\n"
+        "                       answer; with \"continue\": true the next turn's prompt is appended\n"
+        "                       to it (no prefill of the history); DELETE /v1/sessions/<name>\n"
+        "                       closes one; idle sessions are evicted (least recently used) when\n"
+        "                       a new request needs the room; --max-session-tokens N caps a\n"
+        "                       conversation (default: --max-prompt-tokens + --max-tokens)\n"
         "  logits --checkpoint PATH [--config tiny] --prompt IDS [--decode IDS] --out FILE\n"
         "         [--index-keys ownership|upstream]\n"
         "                       exact prefill of the prompt, then the decode ids fed one at a\n"
@@ -272,7 +278,8 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
     if (cmd == "serve") {
       const auto o = detail::parse(args, cmd,
                                    {"config", "checkpoint", "host", "port", "backend", "max-requests",
-                                    "max-tokens", "max-prompt-tokens", "max-batch", "max-queued", "speculative"});
+                                    "max-tokens", "max-prompt-tokens", "max-batch", "max-queued", "speculative",
+                                    "max-session-tokens"});
       if (!o.positional.empty()) throw error("serve: unexpected argument '" + o.positional[0] + "'");
       const std::string config = detail::host_config(cmd, o);
       const std::string backend = o.named.count("backend") ? o.named.at("backend") : "host";
@@ -305,6 +312,14 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
         throw error("serve: --max-batch must be in 1..256, got " + std::to_string(max_batch));
       if (max_queued < 0 || max_queued > 1024)
         throw error("serve: --max-queued must be in 0..1024, got " + std::to_string(max_queued));
+      constexpr long long positions = models::tiny::dims.rope.max_position_embeddings;
+      const long long max_session_tokens =
+          o.named.count("max-session-tokens")
+              ? detail::parse_integer(cmd, "max-session-tokens", o.named.at("max-session-tokens"))
+              : std::min(positions, limits.max_prompt_tokens + limits.max_new_tokens);
+      if (max_session_tokens < 1 || max_session_tokens > positions)
+        throw error("serve: --max-session-tokens must be in 1.." + std::to_string(positions) + " (the model's positions), got " +
+                    std::to_string(max_session_tokens));
       if (backend == "cuda" && max_batch > 1 && !extra.cuda_engine)
         throw error("serve: this dsv4's CUDA backend cannot batch (no engine linked in); use --max-batch 1");
       const std::string path = o.named.count("checkpoint") ? o.named.at("checkpoint") : "";
@@ -319,7 +334,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       // (so /health and the 503s of a full queue are answered while every request thread is busy).
       std::optional<batch_scheduler> scheduler;
       if (max_batch > 1) {
-        const engine_limits el{int(max_batch), limits.max_prompt_tokens, limits.max_new_tokens};
+        const engine_limits el{int(max_batch), limits.max_prompt_tokens, limits.max_new_tokens, max_session_tokens};
         scheduler.emplace(backend == "cuda" ? extra.cuda_engine(m, el, drafts) : std::make_unique<host_engine>(m, el, drafts),
                           batch_scheduler::options{int(max_queued)});
       }

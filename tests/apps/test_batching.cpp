@@ -46,6 +46,13 @@ class gated_engine final : public cli::sequence_engine {
       : inner_(tiny(), {capacity, 64, 64}), gate_(std::move(gate)) {}
   std::string device() const override { return "gated host engine"; }
   int capacity() const override { return inner_.capacity(); }
+  long long max_sequence_tokens() const override { return inner_.max_sequence_tokens(); }
+  bool can_resume() const override { return inner_.can_resume(); }
+  std::int32_t resume(int h, std::span<const std::int32_t> chunk, bool ced,
+                      const kernels::sampling::sampling_params& sp) override {
+    ++resumes;
+    return inner_.resume(h, chunk, ced, sp);
+  }
   started start(std::span<const std::int32_t> prompt, bool ced,
                 const kernels::sampling::sampling_params& sp) override {
     ++entered;
@@ -64,7 +71,7 @@ class gated_engine final : public cli::sequence_engine {
     ++releases;
     inner_.release(h);
   }
-  std::atomic<int> entered{0}, starts{0}, releases{0};
+  std::atomic<int> entered{0}, starts{0}, releases{0}, resumes{0};
   std::atomic<bool> fail_next_step{false};
   std::vector<int> step_sizes;  // read only after the scheduler's work is done
 
@@ -244,6 +251,7 @@ BOOST_AUTO_TEST_CASE(destroying_the_scheduler_fails_its_waiting_requests) {
   struct no_room final : cli::sequence_engine {
     std::string device() const override { return "none"; }
     int capacity() const override { return 0; }
+    long long max_sequence_tokens() const override { return 0; }
     started start(std::span<const std::int32_t>, bool, const kernels::sampling::sampling_params&) override {
       return {};
     }
@@ -272,6 +280,7 @@ BOOST_AUTO_TEST_CASE(steps_may_give_several_tokens) {
     bool fed_last_token = true, budget_is_the_rest = true;
     std::string device() const override { return "ahead"; }
     int capacity() const override { return 4; }
+    long long max_sequence_tokens() const override { return 1 << 20; }
     int draft_block() const override { return 2; }
     int next_handle = 0;
     started start(std::span<const std::int32_t>, bool, const kernels::sampling::sampling_params&) override {
@@ -371,6 +380,142 @@ BOOST_AUTO_TEST_CASE(a_drafting_engine_gives_plain_decodings_tokens) {
   // one per sequence are accepted drafts (a round cut short by the budget may end on one).
   BOOST_TEST(st.stepped_tokens == tokens - (long long)got.size());
   BOOST_TEST(st.stepped_tokens <= st.stepped_rows + accepted);
+}
+
+// A conversation on the host model by hand: turn 1's prefill and n1 draws, then turn 2's chunk
+// (turn 1's last token, never fed, and p2) appended, exact or CED, and n2 draws; every draw at the
+// sampler's position counter, as the engines draw.
+std::vector<std::int32_t> by_hand(const std::vector<std::int32_t>& p1, long long n1, const std::vector<std::int32_t>& p2,
+                                  long long n2, bool ced2, const kernels::sampling::sampling_params& sp) {
+  model::host_sequence seq;
+  auto draws = [&](std::vector<float> logits, long long n, std::vector<std::int32_t>& out) {
+    for (long long i = 0; i < n; ++i) {
+      out.push_back(kernels::sampling::sample_reference(logits, sp, 0, std::uint64_t(seq.length)));
+      if (i + 1 < n) logits = model::forward(tiny(), seq, std::span<const std::int32_t>(&out.back(), 1));
+    }
+  };
+  std::vector<std::int32_t> first, second;
+  draws(model::forward(tiny(), seq, p1), n1, first);
+  std::vector<std::int32_t> chunk;
+  if (!first.empty()) chunk.push_back(first.back());
+  chunk.insert(chunk.end(), p2.begin(), p2.end());
+  draws(ced2 ? model::forward_ced(tiny(), seq, chunk) : model::forward(tiny(), seq, chunk), n2, second);
+  return second;
+}
+
+// Sessions: a conversation's turns append to one sequence instead of prefilling it again. Turn 2
+// of a session gives what a fresh request for the whole conversation (turn 1's prompt and tokens,
+// then turn 2's prompt) gives, and what the host model gives by hand, exact and CED; a turn of no
+// tokens; the session's token count. Refused at once, naming the session: continuing an unknown
+// one (404), a taken name (409), a session whose turn is running (409), a turn beyond the
+// session's tokens (400). An idle session is evicted, least recently used first, when a new
+// request needs its slot; a failed turn closes its session; close_session releases one.
+BOOST_AUTO_TEST_CASE(sessions_append_turns_to_one_sequence) {
+  gate g;
+  g.release();
+  auto engine = std::make_unique<gated_engine>(2, g.f);
+  gated_engine& e = *engine;
+  cli::batch_scheduler s(std::move(engine));
+  BOOST_TEST(s.sessions_possible());
+  BOOST_TEST(s.max_sequence_tokens() == 128);  // gated_engine's limits: 64 prompt + 64 new
+  const std::vector<std::int32_t> p1{3, 14, 15, 92}, p2{65, 35, 89};
+  cli::run_request t1;
+  t1.prompt = p1, t1.n_new = 5, t1.sampling = {0.8f, 40, 0.95f, 21}, t1.session = "chat";
+  const cli::generation g1 = s.submit(t1);
+  BOOST_TEST(g1.session_tokens == 9);
+  cli::run_request t2 = t1;
+  t2.prompt = p2, t2.n_new = 4, t2.continue_session = true;
+  const cli::generation g2 = s.submit(t2);
+  BOOST_TEST(g2.session_tokens == 16);
+  BOOST_TEST(e.resumes.load() == 1);
+  std::vector<std::int32_t> whole(p1);
+  whole.insert(whole.end(), g1.tokens.begin(), g1.tokens.end());
+  whole.insert(whole.end(), p2.begin(), p2.end());
+  cli::run_request fresh = t1;
+  fresh.prompt = whole, fresh.n_new = 4, fresh.session.clear();
+  BOOST_TEST(g2.tokens == cli::host_generate(tiny(), fresh).tokens);  // the append = the prefill, bit for bit
+  BOOST_TEST(g2.tokens == by_hand(p1, 5, p2, 4, false, t1.sampling));
+  // A CED turn, and a turn of no tokens (its prompt fed, nothing drawn), then one more.
+  cli::run_request c1 = t1;
+  c1.session = "ced";
+  const cli::generation gc1 = s.submit(c1);
+  cli::run_request c2 = c1;
+  c2.prompt = p2, c2.n_new = 3, c2.ced = true, c2.continue_session = true;
+  BOOST_TEST(s.submit(c2).tokens == by_hand(p1, 5, p2, 3, true, c1.sampling));
+  cli::run_request quiet = t2;
+  quiet.session = "chat", quiet.n_new = 0;
+  BOOST_TEST(s.submit(quiet).session_tokens == 19);
+  cli::run_request after = t2;
+  after.prompt = p1, after.n_new = 2;
+  std::vector<std::int32_t> whole2(whole);
+  whole2.insert(whole2.end(), g2.tokens.begin(), g2.tokens.end());
+  whole2.insert(whole2.end(), p2.begin(), p2.end());  // the quiet turn's prompt
+  whole2.insert(whole2.end(), p1.begin(), p1.end());
+  fresh.prompt = whole2, fresh.n_new = 2;
+  const cli::generation g4 = s.submit(after);
+  BOOST_TEST(g4.tokens == cli::host_generate(tiny(), fresh).tokens);
+  BOOST_TEST(g4.session_tokens == 25);
+  BOOST_TEST(s.sessions() == 2u);
+  // Refusals, each naming the session.
+  auto status_of = [&](const cli::run_request& r, const std::string& text) {
+    try {
+      s.submit(r);
+    } catch (const cli::session_error& ex) {
+      BOOST_TEST(std::string(ex.what()).find(text) != std::string::npos, ex.what());
+      return ex.status;
+    }
+    return 200;
+  };
+  cli::run_request unknown = t2;
+  unknown.session = "nobody";
+  BOOST_TEST(status_of(unknown, "no session 'nobody'") == 404);
+  BOOST_TEST(status_of(t1, "session 'chat' exists") == 409);
+  cli::run_request too_long = t2;
+  too_long.n_new = 200;
+  BOOST_TEST(status_of(too_long, "session 'chat' holds 25 tokens") == 400);
+  cli::run_request unnamed = t2;
+  unnamed.session.clear();
+  BOOST_TEST(test::throws_with([&] { s.submit(unnamed); }, "must name it"));
+  // A running turn makes its session busy: its own on_token asks for another turn of it.
+  // (Recorded on the scheduler's thread, checked on the test's.)
+  cli::run_request busy = t2;
+  int busy_status = 0;
+  std::string busy_message;
+  busy.on_token = [&](std::int32_t) {
+    if (busy_status) return;
+    try {
+      s.submit(t2);
+      busy_status = 200;
+    } catch (const cli::session_error& ex) {
+      busy_status = ex.status, busy_message = ex.what();
+    }
+  };
+  s.submit(busy);
+  BOOST_TEST(busy_status == 409);
+  BOOST_TEST(busy_message.find("session 'chat' has a turn queued or running") != std::string::npos, busy_message);
+  // Eviction: both slots hold idle sessions ("ced" used least recently); a request without a
+  // session takes "ced"'s slot, and "chat" goes on.
+  const int releases_before = e.releases.load();
+  cli::run_request plain = t1;
+  plain.session.clear();
+  BOOST_TEST(s.submit(plain).tokens == cli::host_generate(tiny(), plain).tokens);
+  BOOST_TEST(s.stats().sessions_evicted == 1);
+  BOOST_TEST(e.releases.load() == releases_before + 2);  // "ced", then the plain request's own
+  cli::run_request ced_again = c2;
+  BOOST_TEST(status_of(ced_again, "evicted") == 404);
+  BOOST_TEST(status_of(t2, "") == 200);
+  // A failed turn closes its session; close_session releases an idle one.
+  e.fail_next_step = true;
+  BOOST_TEST(test::throws_with([&] { s.submit(t2); }, "gated_engine: a failed step"));
+  BOOST_TEST(status_of(t2, "no session 'chat'") == 404);
+  cli::run_request other = t1;
+  other.session = "other";
+  s.submit(other);
+  BOOST_TEST(s.sessions() == 1u);
+  BOOST_TEST(test::throws_with([&] { s.close_session("nobody"); }, "no session 'nobody'"));
+  s.close_session("other");
+  BOOST_TEST(s.sessions() == 0u);
+  wait_until([&] { return e.releases.load() == e.starts.load(); });  // every sequence back in the pool
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -181,6 +181,8 @@ BOOST_AUTO_TEST_CASE(serve_command_rejects_bad_options_before_loading) {
   BOOST_TEST((code == 2 && has(err, "--max-queued")), err);
   std::tie(code, err) = run({"serve", "--max-queued", "5000"});
   BOOST_TEST((code == 2 && has(err, "--max-queued must be in 0..1024, got 5000")), err);
+  std::tie(code, err) = run({"serve", "--max-session-tokens", "9000"});
+  BOOST_TEST((code == 2 && has(err, "--max-session-tokens must be in 1..8192")), err);
   std::tie(code, err) = run({"serve", "--speculative", "medusa"});
   BOOST_TEST((code == 2 && has(err, "--speculative must be 'off' or 'dspark', got 'medusa'")), err);
 }
@@ -447,6 +449,72 @@ BOOST_AUTO_TEST_CASE(drafted_answers_carry_the_drafts_counts) {
   BOOST_TEST(has(exchange(srv.port(), "GET /v1/model HTTP/1.1\r\n\r\n"), "\"speculative\": null"));
   BOOST_TEST(!has(exchange(srv.port(), post("/v1/generate", body + "}")), "speculative"));
   th.join();
+}
+
+// Sessions over HTTP: a first turn keeps the conversation ("session"), the next one sends only its
+// new tokens ("continue": true) and gets what a request for the whole conversation gets; the
+// answers say how many tokens the session holds; DELETE closes it; every misuse is a 4xx that
+// names the session or field. The one-at-a-time service (--max-batch 1) refuses sessions.
+BOOST_AUTO_TEST_CASE(sessions_continue_a_conversation) {
+  std::ostringstream quiet;
+  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
+  const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  cli::batch_scheduler scheduler(std::make_unique<cli::host_engine>(m, cli::engine_limits{2, 16, 8, 30}));
+  const serve::generation_service service(scheduler, "host", {.max_new_tokens = 8, .max_prompt_tokens = 16});
+  constexpr int requests = 13;
+  http::server srv(
+      "127.0.0.1", 0, [&](const http::request& r) { return service(r); }, 4096, 10, 4);
+  std::thread th([&] { srv.serve(requests); });
+  auto tokens_of = [](const std::string& answer) {
+    std::vector<std::int32_t> t;
+    const auto at = answer.find("\"tokens\": [");
+    if (at == std::string::npos) return t;
+    std::istringstream in(answer.substr(at + 11, answer.find(']', at) - at - 11));
+    for (std::string v; std::getline(in, v, ',');) t.push_back(std::int32_t(std::stol(v)));
+    return t;
+  };
+  std::string r = exchange(srv.port(), "GET /v1/model HTTP/1.1\r\n\r\n");
+  BOOST_TEST(has(r, "\"sessions\": {\"max_tokens\": 30, \"open\": 0}"), r);
+  r = exchange(srv.port(), post("/v1/generate", R"({"prompt": [7, 8, 9], "max_tokens": 4, "seed": 2, "session": "s-1"})"));
+  BOOST_TEST(has(r, "HTTP/1.1 200 OK"), r);
+  BOOST_TEST(has(r, "\"session\": {\"id\": \"s-1\", \"tokens\": 7}"), r);
+  const auto turn1 = tokens_of(r);
+  BOOST_REQUIRE_EQUAL(turn1.size(), 4u);
+  r = exchange(srv.port(), post("/v1/generate", R"({"prompt": [5, 6], "max_tokens": 3, "seed": 2, "session": "s-1", "continue": true})"));
+  BOOST_TEST(has(r, "\"session\": {\"id\": \"s-1\", \"tokens\": 12}"), r);
+  std::vector<std::int32_t> whole{7, 8, 9};
+  whole.insert(whole.end(), turn1.begin(), turn1.end());
+  whole.push_back(5), whole.push_back(6);
+  cli::run_request req;
+  req.prompt = whole, req.n_new = 3, req.sampling.seed = 2;
+  BOOST_TEST(tokens_of(r) == cli::host_generate(m, req).tokens, r);
+  auto expect = [&](const std::string& raw, const std::string& status, const std::string& message) {
+    const std::string got = exchange(srv.port(), raw);
+    BOOST_TEST((has(got, "HTTP/1.1 " + status) && has(got, message)), got);
+  };
+  expect(post("/v1/generate", R"({"prompt": [1], "session": "s-1"})"), "409 Conflict", "session 's-1' exists");
+  expect(post("/v1/generate", R"({"prompt": [1], "session": "s-2", "continue": true})"), "404", "no session 's-2'");
+  expect(post("/v1/generate", R"({"prompt": [1], "continue": true})"), "400", "field 'continue' needs field 'session'");
+  expect(post("/v1/generate", R"({"prompt": [1], "session": "a b"})"), "400", "a session name is 1 to 64 of the characters");
+  expect(post("/v1/generate", R"({"prompt": [1], "session": 5})"), "400", "field 'session' must be a string");
+  expect(post("/v1/generate", R"({"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], "max_tokens": 8, "session": "s-1", "continue": true})"),
+         "400", "session 's-1' holds 12 tokens");
+  expect("DELETE /v1/sessions/s-1 HTTP/1.1\r\n\r\n", "200", "{\"closed\": \"s-1\"}");
+  expect("DELETE /v1/sessions/s-1 HTTP/1.1\r\n\r\n", "404", "no session 's-1'");
+  expect("GET /v1/sessions/s-1 HTTP/1.1\r\n\r\n", "405", "this route takes DELETE");
+  expect(post("/v1/generate", R"({"prompt": [5, 6], "session": "s-1", "continue": true})"), "404", "no session 's-1'");
+  th.join();
+  BOOST_TEST(scheduler.sessions() == 0u);
+  // One request at a time: no sessions.
+  const serve::generation_service single(m, cli::host_generate, "host");
+  http::server one("127.0.0.1", 0, [&](const http::request& rq) { return single(rq); });
+  std::thread th1([&] { one.serve(3); });
+  BOOST_TEST(has(exchange(one.port(), "GET /v1/model HTTP/1.1\r\n\r\n"), "\"sessions\": null"));
+  r = exchange(one.port(), post("/v1/generate", R"({"prompt": [1], "session": "x"})"));
+  BOOST_TEST((has(r, "HTTP/1.1 400") && has(r, "--max-batch 2 or more")), r);
+  r = exchange(one.port(), "DELETE /v1/sessions/x HTTP/1.1\r\n\r\n");
+  BOOST_TEST((has(r, "HTTP/1.1 400") && has(r, "keeps no sessions")), r);
+  th1.join();
 }
 
 BOOST_AUTO_TEST_CASE(stop_ends_serving) {

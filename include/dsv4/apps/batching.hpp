@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -36,6 +37,13 @@ struct server_busy : error {
   using error::error;
 };
 
+//! A session request that cannot be served as asked; `status` is the HTTP answer: 404 an unknown
+//! session, 409 a session that is busy or a name that is taken, 400 a turn too long for it.
+struct session_error : error {
+  int status;
+  session_error(int status_code, const std::string& message) : error(message), status(status_code) {}
+};
+
 //! The host reference backend as a sequence_engine: one host_sequence per handle; with DSpark
 //! weights, each step is one speculative round of every sequence (model::speculative_decoder).
 class host_engine final : public sequence_engine {
@@ -43,12 +51,26 @@ class host_engine final : public sequence_engine {
   //! `drafter` (may be null: plain decoding) must outlive the engine.
   host_engine(const model::host_model<models::tiny>& m, const engine_limits& lim,
               const model::dspark_weights* drafter = nullptr)
-      : m_(m), drafter_(drafter), sequences_(std::size_t(std::max(lim.max_sequences, 0))) {
+      : m_(m), drafter_(drafter), sequences_(std::size_t(std::max(lim.max_sequences, 0))),
+        max_tokens_(std::min<long long>(lim.sequence_tokens(), models::tiny::dims.rope.max_position_embeddings)) {
     if (lim.max_sequences < 1) throw error("host_engine: max_sequences must be >= 1");
   }
   std::string device() const override { return drafter_ ? "host reference backend, DSpark drafts" : "host reference backend"; }
   int capacity() const override { return int(sequences_.size()); }
   int draft_block() const override { return drafter_ ? drafter_->block : 0; }
+  long long max_sequence_tokens() const override { return max_tokens_; }
+  //! Plain decoding only: a drafting sequence's drafter would need the chunk's rows as well.
+  bool can_resume() const override { return drafter_ == nullptr; }
+  std::int32_t resume(int handle, std::span<const std::int32_t> chunk, bool ced,
+                      const kernels::sampling::sampling_params& sp) override {
+    if (drafter_) return sequence_engine::resume(handle, chunk, ced, sp);  // (the refusal)
+    slot& s = sequence(handle);
+    if (s.seq.length + static_cast<long long>(chunk.size()) > max_tokens_)
+      throw error("host_engine: sequence " + std::to_string(handle) + " holds " + std::to_string(s.seq.length) + " tokens; " +
+                  std::to_string(chunk.size()) + " more exceed its " + std::to_string(max_tokens_));
+    const auto logits = ced ? model::forward_ced(m_, s.seq, chunk) : model::forward(m_, s.seq, chunk);
+    return kernels::sampling::sample_reference(logits, sp, 0, std::uint64_t(s.seq.length));
+  }
   started start(std::span<const std::int32_t> prompt, bool ced,
                 const kernels::sampling::sampling_params& sp) override {
     int h = 0;
@@ -99,6 +121,7 @@ class host_engine final : public sequence_engine {
   const model::host_model<models::tiny>& m_;
   const model::dspark_weights* drafter_;
   std::vector<std::unique_ptr<slot>> sequences_;
+  long long max_tokens_;
   const slot& sequence(int h) const {
     if (h < 0 || h >= capacity() || !sequences_[std::size_t(h)])
       throw error("host_engine: no sequence " + std::to_string(h));
@@ -122,6 +145,7 @@ class batch_scheduler {
     long long stepped_rows = 0;  //!< sequences in them, summed
     long long stepped_tokens = 0;  //!< tokens they drew (more than stepped_rows where drafts were accepted)
     int largest_batch = 0;       //!< the most sequences one step ran
+    long long sessions_evicted = 0;  //!< idle sessions released to make room for new requests
   };
 
   explicit batch_scheduler(std::unique_ptr<sequence_engine> engine, options o = {})
@@ -132,6 +156,9 @@ class batch_scheduler {
     capacity_ = engine_->capacity();
     device_ = engine_->device();
     draft_block_ = engine_->draft_block();
+    sessions_possible_ = engine_->can_resume();
+    max_sequence_tokens_ = engine_->max_sequence_tokens();
+    unheld_.reserve(std::size_t(capacity_));
     thread_ = std::thread([this] { loop(); });
   }
   //! Stops the thread; requests still queued or running get an error, and it waits until their
@@ -161,13 +188,39 @@ class batch_scheduler {
     std::lock_guard lk(mu_);
     return stats_;
   }
+  //! Whether requests may keep sessions (the engine can continue a sequence).
+  bool sessions_possible() const { return sessions_possible_; }
+  //! The most tokens a session holds over its turns.
+  long long max_sequence_tokens() const { return max_sequence_tokens_; }
+  //! Sessions alive now (idle or with a turn queued or running).
+  std::size_t sessions() const {
+    std::lock_guard lk(mu_);
+    return sessions_.size();
+  }
+  //! Closes an idle session: its sequence goes back to the engine's pool. session_error 404 if
+  //! there is none of that name, 409 while a turn of it is queued or running.
+  void close_session(const std::string& name) {
+    std::lock_guard lk(mu_);
+    const auto it = sessions_.find(name);
+    if (it == sessions_.end()) throw session_error(404, "no session '" + name + "' (never created, closed, or evicted)");
+    if (it->second.busy) throw session_error(409, "session '" + name + "' has a turn queued or running; close it after its answer");
+    if (it->second.handle >= 0) unheld_.push_back(it->second.handle);
+    sessions_.erase(it);
+    work_.notify_all();
+  }
 
   //! Runs `r` among the others and returns its generation (tokens, times; `cancelled`, with no
   //! tokens if it had not started, if r.cancelled said stop first). Blocks until then. Throws
-  //! server_busy when max_queued requests already wait beyond the engine's free room, and the
-  //! engine's error if the request failed. `r` and what it refers to must stay valid until it
-  //! returns; r.cancelled and r.on_token are called on the scheduler's thread (an exception from
-  //! them fails this request only).
+  //! server_busy when max_queued requests already wait beyond the engine's free room,
+  //! session_error when r.session cannot be served as asked, and the engine's error if the
+  //! request failed. `r` and what it refers to must stay valid until it returns; r.cancelled and
+  //! r.on_token are called on the scheduler's thread (an exception from them fails this request
+  //! only).
+  //!
+  //! Sessions (r.session): a new one keeps its sequence after the answer; a continued one appends
+  //! its prompt to that sequence. A session's sequence holds an engine slot while idle, and the
+  //! least recently used idle session is released (evicted) when a new request needs the slot; a
+  //! turn that fails or is cancelled closes its session (the sequence's state is not known then).
   generation submit(const run_request& r) {
     job j{&r};
     std::unique_lock lk(mu_);
@@ -178,6 +231,8 @@ class batch_scheduler {
                         std::to_string(queue_.size()) + " waiting (at most " +
                         std::to_string(options_.max_queued) + " beyond the " + std::to_string(capacity_) +
                         " that run together)");
+    if (!r.session.empty()) reserve_session(r);
+    else if (r.continue_session) throw session_error(400, "a request that continues a session must name it");
     queue_.push_back(&j);
     ++submitters_;
     work_.notify_all();
@@ -199,6 +254,15 @@ class batch_scheduler {
     int handle = -1;
     clock::time_point decode_start{};
   };
+  //! A session's sequence between and during its turns.
+  struct session {
+    int handle = -1;           //!< the engine's sequence (-1 until its first turn has started)
+    bool busy = true;          //!< a turn is queued or running
+    bool has_pending = false;  //!< the last token returned was never fed (the next turn feeds it first)
+    std::int32_t pending = 0;
+    long long tokens = 0;      //!< every prompt and generated token of its finished turns
+    std::uint64_t used = 0;    //!< when its last turn finished (least recently used goes first)
+  };
 
   std::unique_ptr<sequence_engine> engine_;
   options options_;
@@ -207,6 +271,12 @@ class batch_scheduler {
   std::string device_;
   int running_ = 0;     //!< admitted and not finished (under mu_)
   int submitters_ = 0;  //!< callers inside submit() (under mu_)
+  bool sessions_possible_ = false;
+  long long max_sequence_tokens_ = 0;
+  int held_ = 0;                              //!< engine sequences alive (under mu_)
+  std::map<std::string, session> sessions_;   //!< under mu_
+  std::vector<int> unheld_;                   //!< closed or evicted sessions' sequences to release (under mu_)
+  std::uint64_t turns_ = 0;                   //!< finished session turns, the LRU clock (under mu_)
   mutable std::mutex mu_;
   std::condition_variable work_, done_;
   std::deque<job*> queue_;
@@ -214,23 +284,78 @@ class batch_scheduler {
   statistics stats_;
   std::thread thread_;
 
+  //! Under mu_: checks r.session against the sessions and marks it busy (a new one: created).
+  void reserve_session(const run_request& r) {
+    const std::string& name = r.session;
+    if (!sessions_possible_)
+      throw session_error(400, "this server keeps no sessions: " + device_ + " cannot continue a sequence");
+    const long long turn = static_cast<long long>(r.prompt.size()) + std::max(r.n_new, 0LL);
+    const auto it = sessions_.find(name);
+    if (r.continue_session) {
+      if (it == sessions_.end())
+        throw session_error(404, "no session '" + name + "' (never created, closed, or evicted to make room for other "
+                                 "requests): send the whole conversation as a new session");
+      session& s = it->second;
+      if (s.busy) throw session_error(409, "session '" + name + "' has a turn queued or running; send the next after its answer");
+      if (s.tokens + turn > max_sequence_tokens_)
+        throw session_error(400, "session '" + name + "' holds " + std::to_string(s.tokens) + " tokens; this turn's " +
+                                     std::to_string(r.prompt.size()) + " prompt and " + std::to_string(r.n_new) +
+                                     " generated tokens would exceed the " + std::to_string(max_sequence_tokens_) +
+                                     " a session holds");
+      s.busy = true;
+      return;
+    }
+    if (it != sessions_.end())
+      throw session_error(409, "session '" + name + "' exists: continue it (\"continue\": true) or close it first");
+    if (turn > max_sequence_tokens_)
+      throw session_error(400, "a session holds at most " + std::to_string(max_sequence_tokens_) + " tokens; this turn has " +
+                                   std::to_string(turn));
+    sessions_.emplace(name, session{});
+  }
+
+  //! Releases an engine sequence (on the scheduler's thread).
+  void release(int handle) {
+    try {
+      engine_->release(handle);
+    } catch (...) {  // a sequence that cannot be released leaves the engine short of one slot
+    }
+    std::lock_guard lk(mu_);
+    --held_;
+  }
+
   void finish(job* j) {
+    const run_request& r = *j->request;
+    // A session keeps its sequence after a turn that ended well; one that failed or was cancelled
+    // leaves the sequence in a state nobody knows, so it goes.
+    const bool keep = !r.session.empty() && !j->failure && !j->result.cancelled && j->handle >= 0;
     if (j->handle >= 0) {
       try {
         if (const int block = engine_->draft_block(); block > 0)
           j->result.draft_block = block, j->result.speculative = engine_->drafts(j->handle);
       } catch (...) {  // (the counts are a report; the tokens stand without them)
       }
-      try {
-        engine_->release(j->handle);
-      } catch (...) {  // a sequence that cannot be released leaves the engine short of one slot
-      }
-      j->handle = -1;
+      if (!keep) release(j->handle);
     }
     if (j->decode_start != clock::time_point{})
       j->result.decode_s = std::chrono::duration<double>(clock::now() - j->decode_start).count();
     {
       std::lock_guard lk(mu_);
+      if (!r.session.empty()) {
+        if (const auto it = sessions_.find(r.session); it != sessions_.end()) {
+          session& s = it->second;
+          if (keep) {
+            s.handle = j->handle, s.busy = false, s.used = ++turns_;
+            s.has_pending = !j->result.tokens.empty();
+            if (s.has_pending) s.pending = j->result.tokens.back();
+            s.tokens += static_cast<long long>(r.prompt.size() + j->result.tokens.size());
+            j->result.session_tokens = s.tokens;
+          } else {
+            if (s.handle >= 0 && s.handle != j->handle) unheld_.push_back(s.handle);  // (a turn that never resumed)
+            sessions_.erase(it);
+          }
+        }
+      }
+      j->handle = -1;
       if (j->admitted) --running_;
       j->done = true;
       ++stats_.requests;
@@ -242,7 +367,7 @@ class batch_scheduler {
     finish(j);
   }
 
-  //! Prefill and first token; false if the job is finished already.
+  //! Prefill (or a session's append) and first token; false if the job is finished already.
   bool admit(job* j) {
     const run_request& r = *j->request;
     j->result.device = device_;
@@ -254,13 +379,29 @@ class batch_scheduler {
         return false;
       }
       const auto t0 = clock::now();
-      const sequence_engine::started s = engine_->start(r.prompt, r.ced, r.sampling);
-      j->handle = s.handle;
+      std::int32_t first;
+      if (j->handle >= 0) {  // a session's next turn: its last token (never fed), then the prompt
+        std::vector<std::int32_t> chunk;
+        {
+          std::lock_guard lk(mu_);
+          const session& s = sessions_.at(r.session);
+          if (s.has_pending) chunk.push_back(s.pending);
+        }
+        chunk.insert(chunk.end(), r.prompt.begin(), r.prompt.end());
+        first = engine_->resume(j->handle, chunk, r.ced, r.sampling);
+      } else {
+        const sequence_engine::started s = engine_->start(r.prompt, r.ced, r.sampling);
+        {
+          std::lock_guard lk(mu_);
+          ++held_;
+        }
+        j->handle = s.handle, first = s.token;
+      }
       j->decode_start = clock::now();
       j->result.prefill_s = std::chrono::duration<double>(j->decode_start - t0).count();
       if (r.n_new > 0) {
-        j->result.tokens.push_back(s.token);
-        if (r.on_token) r.on_token(s.token);
+        j->result.tokens.push_back(first);
+        if (r.on_token) r.on_token(first);
       }
     } catch (...) {  // the engine's start, or the request's own callbacks
       fail(j, std::current_exception());
@@ -271,6 +412,30 @@ class batch_scheduler {
       return false;
     }
     return true;
+  }
+
+  //! Under mu_: a queued request can be admitted now (see loop()).
+  bool admissible() const {
+    int free = capacity_ - held_ + int(unheld_.size()), idle = 0;
+    for (const auto& [name, s] : sessions_) idle += !s.busy && s.handle >= 0;
+    for (const job* j : queue_) {
+      if (j->request->continue_session) return true;
+      if (free > 0 || idle > 0) return true;
+    }
+    return false;
+  }
+  //! Under mu_: the least recently used idle session is closed and its sequence returned for
+  //! release (-1 if every session is busy).
+  int evict_one() {
+    auto victim = sessions_.end();
+    for (auto it = sessions_.begin(); it != sessions_.end(); ++it)
+      if (!it->second.busy && it->second.handle >= 0 && (victim == sessions_.end() || it->second.used < victim->second.used))
+        victim = it;
+    if (victim == sessions_.end()) return -1;
+    const int h = victim->second.handle;
+    sessions_.erase(victim);
+    ++stats_.sessions_evicted;
+    return h;
   }
 
   // No allocation outside a try in the loop: its vectors are reserved to the engine's capacity and
@@ -285,11 +450,14 @@ class batch_scheduler {
     for (auto* v : {&active, &arrivals}) v->reserve(std::size_t(capacity_));
     handles.reserve(std::size_t(capacity_)), ids.reserve(std::size_t(capacity_)),
         sampling.reserve(std::size_t(capacity_)), budget.reserve(std::size_t(capacity_));
+    std::vector<int> releases;  // (evicted and closed sessions: at most every slot twice over)
+    releases.reserve(2 * std::size_t(capacity_));
     for (;;) {
       arrivals.clear();
+      releases.clear();
       {
         std::unique_lock lk(mu_);
-        work_.wait(lk, [&] { return stopping_ || !queue_.empty() || !active.empty(); });
+        work_.wait(lk, [&] { return stopping_ || !unheld_.empty() || admissible() || !active.empty(); });
         if (stopping_) {
           arrivals.assign(queue_.begin(), queue_.end());
           queue_.clear();
@@ -300,13 +468,31 @@ class batch_scheduler {
             fail(j, std::make_exception_ptr(error("batch_scheduler: the server is stopping")));
           return;
         }
-        while (int(active.size() + arrivals.size()) < capacity_ && !queue_.empty()) {
-          arrivals.push_back(queue_.front());
-          queue_.pop_front();
-          arrivals.back()->admitted = true;
+        // In arrival order, each request that can run now: a session's next turn always (its
+        // sequence is held), a new sequence where the engine has a free slot or an idle session
+        // can be evicted for it. One that cannot waits without holding up those behind it.
+        int free = capacity_ - held_ + int(unheld_.size());  // (closed sessions' sequences are released below)
+        for (auto it = queue_.begin(); it != queue_.end() && int(active.size() + arrivals.size()) < capacity_;) {
+          job* j = *it;
+          if (j->request->continue_session) {
+            j->handle = sessions_.at(j->request->session).handle;
+          } else if (free > 0) {
+            --free;
+          } else if (const int h = evict_one(); h >= 0) {
+            releases.push_back(h);
+          } else {
+            ++it;
+            continue;
+          }
+          it = queue_.erase(it);
+          arrivals.push_back(j);
+          j->admitted = true;
           ++running_;
         }
+        releases.insert(releases.end(), unheld_.begin(), unheld_.end());
+        unheld_.clear();
       }
+      for (const int h : releases) release(h);
       for (job* j : arrivals)
         if (admit(j)) active.push_back(j);
       // Requests whose client went away leave before the step (as run_generation_drawing stops).

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "dsv4/core/error.hpp"
 #include "dsv4/kernels/sampling/reference.hpp"
 #include "dsv4/model/model_reference.hpp"
 #include "dsv4/model/speculative_reference.hpp"
@@ -29,6 +30,9 @@ struct generation {
   bool cancelled = false;  //!< run_request::cancelled said stop: `tokens` holds what was drawn by then
   model::speculative_stats speculative{};  //!< run_request::dspark: how the drafts fared
   int draft_block = 0;  //!< the drafter's block when the backend drafted (0: plain decoding)
+  //! run_request::session: the tokens the session holds after this answer (every prompt and
+  //! generated token of its turns so far), 0 for a request without a session.
+  long long session_tokens = 0;
 };
 
 //! What a front end asks of a backend besides the model.
@@ -48,6 +52,13 @@ struct run_request {
   //! Called with each token as soon as it is drawn, on the drawing thread (empty: never); it must
   //! not block (a batch's other sequences wait on it): a streaming server queues the token.
   std::function<void(std::int32_t)> on_token;
+  //! A server session (apps/batching.hpp; empty: none): the sequence stays alive under this name
+  //! after the answer, so a later turn appends to it instead of prefilling the conversation again.
+  //! Without `continue_session` the session is new (its name must be free) and `prompt` is the
+  //! whole prompt; with it, `prompt` is the next turn's tokens, appended after the session's
+  //! (its last generated token first), exact or CED as `ced` says.
+  std::string session;
+  bool continue_session = false;
 };
 
 //! True when the request says stop (before a decode step).
@@ -89,6 +100,18 @@ class sequence_engine {
                                                       std::span<const long long> budget) = 0;
   //! How the drafts of sequence `handle` fared so far (empty counts for a plain engine).
   virtual model::speculative_stats drafts(int /*handle*/) const { return {}; }
+  //! Whether resume() works (a server session's later turns).
+  virtual bool can_resume() const { return false; }
+  //! The most tokens a sequence may hold (its prompts and generated tokens over every turn).
+  virtual long long max_sequence_tokens() const = 0;
+  //! Sequence `handle` takes `chunk` after the tokens it holds (appended in exact mode, or CED:
+  //! the encoder over the chunk and the decoder's replay), and its next token is drawn with
+  //! `sampling`: a session's next turn. `chunk` starts with the token the sequence's last step
+  //! returned when that one was never fed.
+  virtual std::int32_t resume(int /*handle*/, std::span<const std::int32_t> /*chunk*/, bool /*ced*/,
+                              const kernels::sampling::sampling_params& /*sampling*/) {
+    throw error(device() + " cannot continue a sequence (no session support)");
+  }
   //! The sequence is done: its caches go back to the pool.
   virtual void release(int handle) = 0;
 };
@@ -97,6 +120,9 @@ class sequence_engine {
 struct engine_limits {
   int max_sequences = 8;
   long long max_prompt_tokens = 4096, max_new_tokens = 4096;
+  //! The most tokens one sequence holds over a session's turns (0: max_prompt_tokens + max_new_tokens).
+  long long max_sequence_tokens = 0;
+  long long sequence_tokens() const { return max_sequence_tokens > 0 ? max_sequence_tokens : max_prompt_tokens + max_new_tokens; }
 };
 //! The model, the limits, and the drafter's weights (null: plain decoding), which must outlive the engine.
 using engine_fn = std::function<std::unique_ptr<sequence_engine>(

@@ -10,6 +10,14 @@
 //!                          "prefill_seconds", "decode_seconds", "backend"}, and where the server
 //!                          drafts (--speculative dspark) "speculative": {"draft_block",
 //!                          "rounds", "drafted", "accepted"}: the same tokens, the drafts' counts
+//!                      "session": "name" keeps the conversation's sequence after the answer, and
+//!                      "session": "name", "continue": true sends its next turn: "prompt" is then
+//!                      only the new tokens, appended after the session's (no prefill of the
+//!                      history); the answer adds "session": {"id", "tokens"} (tokens: the whole
+//!                      conversation's so far). 404 for a session that is gone (never made,
+//!                      closed, evicted for room, or its last turn failed), 409 for a taken name
+//!                      or a session whose turn is still running.
+//!   DELETE /v1/sessions/<name>  closes a session (its sequence goes back to the pool)
 //!                      with "stream": true, server-sent events as the tokens are drawn:
 //!                      data: {"token": id, "index": i} ... then data: {"done": true, <the above>}
 //!
@@ -60,12 +68,13 @@ class generation_service {
         limits_(limits),
         draft_block_(drafter ? drafter->block : 0) {}
   //! Requests run by `scheduler` (which must outlive the service), decoded together (and drafted,
-  //! where its engine drafts).
+  //! where its engine drafts); sessions where its engine can continue a sequence.
   generation_service(cli::batch_scheduler& scheduler, std::string backend, service_limits limits = {})
       : generate_([&scheduler](const cli::run_request& r) { return scheduler.submit(r); }),
         backend_(std::move(backend)),
         limits_(limits),
-        draft_block_(scheduler.draft_block()) {}
+        draft_block_(scheduler.draft_block()),
+        scheduler_(&scheduler) {}
 
   http::response operator()(const http::request& r) const {
     const std::string path = r.target.substr(0, r.target.find('?'));
@@ -81,14 +90,30 @@ class generation_service {
                        ", \"backend\": " + http::json_string(backend_) + ", \"speculative\": " +
                        (draft_block_ > 0 ? "{\"drafter\": \"dspark\", \"draft_block\": " + std::to_string(draft_block_) + "}"
                                          : std::string("null")) +
+                       ", \"sessions\": " +
+                       (sessions_possible() ? "{\"max_tokens\": " + std::to_string(scheduler_->max_sequence_tokens()) +
+                                                  ", \"open\": " + std::to_string(scheduler_->sessions()) + "}"
+                                            : std::string("null")) +
                        "}"};
     }
     if (path == "/v1/generate") {
       if (r.method != "POST") return wrong_method(r, "POST");
       return generate(r.body, r.client_gone);
     }
+    if (const std::string prefix = "/v1/sessions/"; path.compare(0, prefix.size(), prefix) == 0) {
+      if (r.method != "DELETE") return wrong_method(r, "DELETE");
+      const std::string name = path.substr(prefix.size());
+      if (!sessions_possible()) return http::error_response(400, no_sessions());
+      if (const std::string bad = bad_session_name(name); !bad.empty()) return http::error_response(400, bad);
+      try {
+        scheduler_->close_session(name);
+      } catch (const cli::session_error& e) {
+        return http::error_response(e.status, e.what());
+      }
+      return {200, "{\"closed\": " + http::json_string(name) + "}"};
+    }
     return http::error_response(404, "no route " + r.method + " " + path +
-                                         " (routes: GET /health, GET /v1/model, POST /v1/generate)");
+                                         " (routes: GET /health, GET /v1/model, POST /v1/generate, DELETE /v1/sessions/<name>)");
   }
 
  private:
@@ -96,6 +121,21 @@ class generation_service {
   std::string backend_;
   service_limits limits_;
   int draft_block_ = 0;  //!< the drafter's block where requests are drafted (0: plain decoding)
+  cli::batch_scheduler* scheduler_ = nullptr;  //!< the batching service's (sessions live there)
+
+  bool sessions_possible() const { return scheduler_ && scheduler_->sessions_possible(); }
+  std::string no_sessions() const {
+    return scheduler_ ? "this server keeps no sessions: its engine (" + scheduler_->device() +
+                            ") cannot continue a sequence (sessions and --speculative dspark do not combine yet)"
+                      : std::string("this server keeps no sessions: they need the batching server (--max-batch 2 or more)");
+  }
+  //! Why `name` cannot name a session ("" if it can): 1 to 64 of A-Z a-z 0-9 . _ - (it goes in a URL path).
+  static std::string bad_session_name(const std::string& name) {
+    const bool ok = !name.empty() && name.size() <= 64 && std::all_of(name.begin(), name.end(), [](char ch) {
+      return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '.' || ch == '_' || ch == '-';
+    });
+    return ok ? std::string() : "a session name is 1 to 64 of the characters A-Z a-z 0-9 . _ -, got " + http::json_string(name);
+  }
 
   static http::response wrong_method(const http::request& r, const char* allowed) {
     return http::error_response(405, r.method + " " + r.target + ": this route takes " + allowed);
@@ -152,16 +192,25 @@ class generation_service {
         } else if (key == "stream") {
           if (!std::holds_alternative<bool>(v.value)) throw error("field 'stream' must be true or false");
           stream = std::get<bool>(v.value);
+        } else if (key == "session") {
+          if (!v.is_string()) throw error("field 'session' must be a string (a session's name)");
+          if (const std::string bad = bad_session_name(v.string()); !bad.empty()) throw error("field 'session': " + bad);
+          req.session = v.string();
+        } else if (key == "continue") {
+          if (!std::holds_alternative<bool>(v.value)) throw error("field 'continue' must be true or false");
+          req.continue_session = std::get<bool>(v.value);
         } else if (key == "prefill") {
           if (!v.is_string() || (v.string() != "exact" && v.string() != "ced"))
             throw error("field 'prefill' must be \"exact\" or \"ced\"");
           prefill = v.string();
         } else {
           throw error("unknown field '" + key +
-                      "' (fields: prompt, max_tokens, temperature, top_k, top_p, seed, prefill, stream)");
+                      "' (fields: prompt, max_tokens, temperature, top_k, top_p, seed, prefill, stream, session, continue)");
         }
       }
       if (prompt.empty()) throw error("field 'prompt' is required (an array of token ids)");
+      if (req.continue_session && req.session.empty()) throw error("field 'continue' needs field 'session' (the session to continue)");
+      if (!req.session.empty() && !sessions_possible()) throw error(no_sessions());
       if (static_cast<long long>(prompt.size()) > limits_.max_prompt_tokens)
         throw error("field 'prompt' has " + std::to_string(prompt.size()) + " tokens, this server takes at most " +
                     std::to_string(limits_.max_prompt_tokens));
@@ -188,13 +237,16 @@ class generation_service {
       g = generate_(req);
     } catch (const cli::server_busy& e) {
       return http::error_response(503, e.what());
+    } catch (const cli::session_error& e) {
+      return http::error_response(e.status, e.what());
     }
     if (g.cancelled) return gone(g.tokens.size());
-    return {200, summary(g, prompt.size(), "")};
+    return {200, summary(g, prompt.size(), "", req.session)};
   }
 
   //! The answer's JSON object; `first` goes before its fields (the stream's last event: "done").
-  static std::string summary(const cli::generation& g, std::size_t prompt_tokens, const std::string& first) {
+  static std::string summary(const cli::generation& g, std::size_t prompt_tokens, const std::string& first,
+                             const std::string& session) {
     std::string out = "{" + first + "\"tokens\": [";
     for (std::size_t i = 0; i < g.tokens.size(); ++i) out += (i ? ", " : "") + std::to_string(g.tokens[i]);
     char tail[256];
@@ -207,6 +259,8 @@ class generation_service {
       out += ", \"speculative\": {\"draft_block\": " + std::to_string(g.draft_block) + ", \"rounds\": " +
              std::to_string(g.speculative.rounds) + ", \"drafted\": " + std::to_string(g.speculative.drafted) +
              ", \"accepted\": " + std::to_string(g.speculative.accepted) + "}";
+    if (!session.empty())
+      out += ", \"session\": {\"id\": " + http::json_string(session) + ", \"tokens\": " + std::to_string(g.session_tokens) + "}";
     return out + "}";
   }
 
@@ -242,6 +296,8 @@ class generation_service {
           g = generate_(req);
         } catch (const cli::server_busy& e) {
           failure = e.what(), failure_status = 503;
+        } catch (const cli::session_error& e) {
+          failure = e.what(), failure_status = e.status;
         } catch (const std::exception& e) {
           failure = e.what();
         }
@@ -269,7 +325,7 @@ class generation_service {
         write("data: {\"error\": " + http::json_string(failure) +
               ", \"status\": " + std::to_string(failure_status) + "}\n\n");
       else
-        write("data: " + summary(g, prompt.size(), "\"done\": true, ") + "\n\n");
+        write("data: " + summary(g, prompt.size(), "\"done\": true, ", req.session) + "\n\n");
     };
     return r;
   }
