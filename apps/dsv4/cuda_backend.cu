@@ -45,7 +45,8 @@ class device_engine final : public cli::sequence_engine {
       : device_(std::string("CUDA backend on ") + prop.name + (drafter ? ", DSpark drafts on the GPU" : "")),
         dm_(m, limits_of(el, drafter)),
         capacity_(el.max_sequences),
-        draft_block_(drafter ? drafter->block : 0) {
+        draft_block_(drafter ? drafter->block : 0),
+        session_tokens_(el.sequence_tokens()) {
     if (drafter) {
       dd_.emplace(dm_, *drafter, el.max_sequences);
       drafts_.emplace(dm_, *dd_);
@@ -88,7 +89,7 @@ class device_engine final : public cli::sequence_engine {
   model::speculative_stats drafts(int handle) const override {
     return drafts_ ? drafts_->stats(handle) : model::speculative_stats{};
   }
-  long long max_sequence_tokens() const override { return dm_.max_tokens(); }
+  long long max_sequence_tokens() const override { return std::min(session_tokens_, dm_.max_tokens()); }
   //! Plain decoding only: a drafting sequence's drafter would need the chunk's rows as well.
   bool can_resume() const override { return !drafts_; }
   std::int32_t resume(int handle, std::span<const std::int32_t> chunk, bool ced,
@@ -110,10 +111,13 @@ class device_engine final : public cli::sequence_engine {
     lim.max_seqs = el.max_sequences;
     // A round of every sequence in one call: block + 1 rows each, every row's logits.
     const int round_rows = drafter ? el.max_sequences * (drafter->block + 1) : el.max_sequences;
-    // (a session's turn appends its prompt after the last token: one more row)
-    lim.max_rows = int(std::max<long long>({el.max_prompt_tokens + 1, round_rows, 1}));
+    // A session's turn appends its prompt after the last token (one more row), and a CED turn
+    // replays the decoder over the last window positions in one call.
+    lim.max_rows = int(std::max<long long>(
+        {el.max_prompt_tokens + 1, round_rows, drafter ? 1 : models::tiny::dims.attn.window_size, 1}));
     if (drafter) lim.logit_rows = round_rows;
-    lim.max_tokens = std::max(el.sequence_tokens(), 1LL);
+    // Every request fits (prompt + new tokens), and a session's conversation up to its cap.
+    lim.max_tokens = std::max({el.sequence_tokens(), el.max_prompt_tokens + el.max_new_tokens, 1LL});
     lim.ced_appends = !drafter;  // (sessions' CED turns: the first decoder layer's input kept per sequence)
     return lim;
   }
@@ -123,6 +127,7 @@ class device_engine final : public cli::sequence_engine {
   std::optional<model::speculative_batch<models::tiny>> drafts_;  // (after dd_: it refers to it)
   int capacity_;
   int draft_block_;  //!< the drafter's block (0: plain decoding)
+  long long session_tokens_;  //!< engine_limits::sequence_tokens(): a session's cap
 };
 }  // namespace
 

@@ -91,7 +91,8 @@ inline void usage(std::ostream& os) {
         "                       to it (no prefill of the history); DELETE /v1/sessions/<name>\n"
         "                       closes one; idle sessions are evicted (least recently used) when\n"
         "                       a new request needs the room; --max-session-tokens N caps a\n"
-        "                       conversation (default: --max-prompt-tokens + --max-tokens)\n"
+        "                       conversation (default: --max-prompt-tokens + --max-tokens; the\n"
+        "                       CUDA backend's cache pool grows with the larger of the two)\n"
         "  logits --checkpoint PATH [--config tiny] --prompt IDS [--decode IDS] --out FILE\n"
         "         [--index-keys ownership|upstream]\n"
         "                       exact prefill of the prompt, then the decode ids fed one at a\n"
@@ -320,6 +321,8 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       if (max_session_tokens < 1 || max_session_tokens > positions)
         throw error("serve: --max-session-tokens must be in 1.." + std::to_string(positions) + " (the model's positions), got " +
                     std::to_string(max_session_tokens));
+      if (o.named.count("max-session-tokens") && max_batch == 1)
+        throw error("serve: --max-session-tokens applies to the batching server (sessions need --max-batch 2 or more)");
       if (backend == "cuda" && max_batch > 1 && !extra.cuda_engine)
         throw error("serve: this dsv4's CUDA backend cannot batch (no engine linked in); use --max-batch 1");
       const std::string path = o.named.count("checkpoint") ? o.named.at("checkpoint") : "";

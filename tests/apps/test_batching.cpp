@@ -518,4 +518,47 @@ BOOST_AUTO_TEST_CASE(sessions_append_turns_to_one_sequence) {
   wait_until([&] { return e.releases.load() == e.starts.load(); });  // every sequence back in the pool
 }
 
+// What never reached a session leaves it as it was: a turn whose client went away while it was
+// queued (the session goes on, and its next turn gives what it would have without that one); a
+// request without a session whose client went away does not evict an idle session for nothing; a
+// turn with nothing to append is refused, and the session stays.
+BOOST_AUTO_TEST_CASE(sessions_survive_what_never_reached_them) {
+  gate g;
+  g.release();
+  auto engine = std::make_unique<gated_engine>(2, g.f);
+  gated_engine& e = *engine;
+  cli::batch_scheduler s(std::move(engine), {.max_queued = 0});
+  const std::vector<std::int32_t> p1{11, 12, 13}, p2{21, 22};
+  cli::run_request a1;
+  a1.prompt = p1, a1.n_new = 3, a1.sampling.seed = 4, a1.session = "a";
+  cli::run_request b1 = a1;
+  b1.session = "b";
+  s.submit(a1), s.submit(b1);  // both slots hold idle sessions
+  cli::run_request gone = a1;
+  gone.prompt = p2, gone.continue_session = true, gone.cancelled = [] { return true; };
+  const cli::generation cancelled = s.submit(gone);
+  BOOST_TEST(cancelled.cancelled);
+  BOOST_TEST(cancelled.tokens.empty());
+  cli::run_request plain_gone = a1;
+  plain_gone.session.clear(), plain_gone.cancelled = [] { return true; };
+  BOOST_TEST(s.submit(plain_gone).cancelled);
+  BOOST_TEST(s.stats().sessions_evicted == 0);
+  BOOST_TEST(s.sessions() == 2u);
+  cli::run_request a2 = gone;
+  a2.cancelled = {};
+  BOOST_TEST(s.submit(a2).tokens == by_hand(p1, 3, p2, 3, false, a1.sampling));  // as if the cancelled turn never was
+  // Nothing to append: a turn of no tokens, then an empty one.
+  cli::run_request quiet = a2;
+  quiet.n_new = 0;
+  s.submit(quiet);
+  cli::run_request empty = a2;
+  empty.prompt = {};
+  BOOST_TEST(test::throws_with([&] { s.submit(empty); }, "session 'a': a turn with no prompt after a turn that drew no token"));
+  BOOST_TEST(s.sessions() == 2u);
+  cli::run_request unknown = a2;
+  unknown.session = "c";
+  BOOST_TEST(test::throws_with([&] { s.submit(unknown); }, "no session 'c'"));
+  BOOST_TEST(e.releases.load() + 2 == e.starts.load());  // (the plain request never started)
+}
+
 BOOST_AUTO_TEST_SUITE_END()

@@ -225,14 +225,16 @@ class batch_scheduler {
     job j{&r};
     std::unique_lock lk(mu_);
     if (stopping_) throw error("batch_scheduler: stopping");
+    if (r.session.empty() && r.continue_session) throw session_error(400, "a request that continues a session must name it");
+    if (!r.session.empty()) reserve_session(r);  // (a session's own problems before the server's load)
     const std::size_t room = std::size_t(capacity_ - running_);  // taken at the next admission
-    if (queue_.size() >= room + std::size_t(options_.max_queued))
+    if (queue_.size() >= room + std::size_t(options_.max_queued)) {
+      if (!r.session.empty()) unreserve_session(r);
       throw server_busy("the server is busy: " + std::to_string(running_) + " requests running, " +
                         std::to_string(queue_.size()) + " waiting (at most " +
                         std::to_string(options_.max_queued) + " beyond the " + std::to_string(capacity_) +
                         " that run together)");
-    if (!r.session.empty()) reserve_session(r);
-    else if (r.continue_session) throw session_error(400, "a request that continues a session must name it");
+    }
     queue_.push_back(&j);
     ++submitters_;
     work_.notify_all();
@@ -253,6 +255,7 @@ class batch_scheduler {
     bool admitted = false;  //!< counted in running_
     int handle = -1;
     clock::time_point decode_start{};
+    bool session_untouched = false;  //!< a session's turn that ended before it appended anything
   };
   //! A session's sequence between and during its turns.
   struct session {
@@ -297,6 +300,8 @@ class batch_scheduler {
                                  "requests): send the whole conversation as a new session");
       session& s = it->second;
       if (s.busy) throw session_error(409, "session '" + name + "' has a turn queued or running; send the next after its answer");
+      if (r.prompt.empty() && !s.has_pending)
+        throw session_error(400, "session '" + name + "': a turn with no prompt after a turn that drew no token has nothing to append");
       if (s.tokens + turn > max_sequence_tokens_)
         throw session_error(400, "session '" + name + "' holds " + std::to_string(s.tokens) + " tokens; this turn's " +
                                      std::to_string(r.prompt.size()) + " prompt and " + std::to_string(r.n_new) +
@@ -311,6 +316,13 @@ class batch_scheduler {
       throw session_error(400, "a session holds at most " + std::to_string(max_sequence_tokens_) + " tokens; this turn has " +
                                    std::to_string(turn));
     sessions_.emplace(name, session{});
+  }
+  //! Under mu_: undoes reserve_session(r) for a request that was not queued after all.
+  void unreserve_session(const run_request& r) {
+    const auto it = sessions_.find(r.session);
+    if (it == sessions_.end()) return;
+    if (r.continue_session) it->second.busy = false;
+    else sessions_.erase(it);
   }
 
   //! Releases an engine sequence (on the scheduler's thread).
@@ -328,6 +340,8 @@ class batch_scheduler {
     // A session keeps its sequence after a turn that ended well; one that failed or was cancelled
     // leaves the sequence in a state nobody knows, so it goes.
     const bool keep = !r.session.empty() && !j->failure && !j->result.cancelled && j->handle >= 0;
+    // (a session's turn cancelled while queued never touched its sequence: the session stays)
+    if (j->session_untouched) j->handle = -1;
     if (j->handle >= 0) {
       try {
         if (const int block = engine_->draft_block(); block > 0)
@@ -343,7 +357,9 @@ class batch_scheduler {
       if (!r.session.empty()) {
         if (const auto it = sessions_.find(r.session); it != sessions_.end()) {
           session& s = it->second;
-          if (keep) {
+          if (j->session_untouched) {
+            s.busy = false;
+          } else if (keep) {
             s.handle = j->handle, s.busy = false, s.used = ++turns_;
             s.has_pending = !j->result.tokens.empty();
             if (s.has_pending) s.pending = j->result.tokens.back();
@@ -375,6 +391,7 @@ class batch_scheduler {
       j->result.tokens.reserve(std::size_t(std::max<long long>(r.n_new, 0)));
       if (stop_requested(r)) {  // gave up while queued: no prefill, no tokens
         j->result.cancelled = true;
+        j->session_untouched = r.continue_session;  // (its session goes on as it was)
         finish(j);
         return false;
       }
@@ -412,6 +429,15 @@ class batch_scheduler {
       return false;
     }
     return true;
+  }
+
+  //! A request's client went away (its cancel callback, which must not block, says so or throws).
+  static bool gone(const run_request& r) {
+    try {
+      return stop_requested(r);
+    } catch (...) {
+      return true;  // (admit() asks again and fails the request with the callback's error)
+    }
   }
 
   //! Under mu_: a queued request can be admitted now (see loop()).
@@ -478,6 +504,9 @@ class batch_scheduler {
             j->handle = sessions_.at(j->request->session).handle;
           } else if (free > 0) {
             --free;
+          } else if (gone(*j->request)) {
+            // admitted without a slot: admit() finishes it as cancelled before it needs one (and
+            // an idle session is not evicted for a client that went away)
           } else if (const int h = evict_one(); h >= 0) {
             releases.push_back(h);
           } else {
