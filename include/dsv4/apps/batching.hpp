@@ -220,7 +220,8 @@ class batch_scheduler {
   //! Sessions (r.session): a new one keeps its sequence after the answer; a continued one appends
   //! its prompt to that sequence. A session's sequence holds an engine slot while idle, and the
   //! least recently used idle session is released (evicted) when a new request needs the slot; a
-  //! turn that fails or is cancelled closes its session (the sequence's state is not known then).
+  //! turn that fails, or is cancelled after it started, closes its session (the sequence's state
+  //! is not known then); one cancelled while queued leaves the session as it was.
   generation submit(const run_request& r) {
     job j{&r};
     std::unique_lock lk(mu_);
