@@ -461,7 +461,7 @@ BOOST_AUTO_TEST_CASE(sessions_continue_a_conversation) {
   const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
   cli::batch_scheduler scheduler(std::make_unique<cli::host_engine>(m, cli::engine_limits{2, 16, 8, 30}));
   const serve::generation_service service(scheduler, "host", {.max_new_tokens = 8, .max_prompt_tokens = 16});
-  constexpr int requests = 13;
+  constexpr int requests = 14;
   http::server srv(
       "127.0.0.1", 0, [&](const http::request& r) { return service(r); }, 4096, 10, 4);
   std::thread th([&] { srv.serve(requests); });
@@ -494,6 +494,8 @@ BOOST_AUTO_TEST_CASE(sessions_continue_a_conversation) {
   };
   expect(post("/v1/generate", R"({"prompt": [1], "session": "s-1"})"), "409 Conflict", "session 's-1' exists");
   expect(post("/v1/generate", R"({"prompt": [1], "session": "s-2", "continue": true})"), "404", "no session 's-2'");
+  expect(post("/v1/generate", R"({"prompt": [1], "session": "s-2", "continue": true, "stream": true})"), "404",
+         "no session 's-2'");  // (the status line, not an event after a 200)
   expect(post("/v1/generate", R"({"prompt": [1], "continue": true})"), "400", "field 'continue' needs field 'session'");
   expect(post("/v1/generate", R"({"prompt": [1], "session": "a b"})"), "400", "a session name is 1 to 64 of the characters");
   expect(post("/v1/generate", R"({"prompt": [1], "session": 5})"), "400", "field 'session' must be a string");

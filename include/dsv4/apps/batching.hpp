@@ -197,6 +197,14 @@ class batch_scheduler {
     std::lock_guard lk(mu_);
     return sessions_.size();
   }
+  //! The session_error submit(r) would throw for r.session now, if any (a server that streams its
+  //! answer asks first, to answer with the error's status; submit() checks again).
+  void check_session(const run_request& r) const {
+    if (r.session.empty() && r.continue_session) throw session_error(400, "a request that continues a session must name it");
+    if (r.session.empty()) return;
+    std::lock_guard lk(mu_);
+    check_session_locked(r);
+  }
   //! Closes an idle session: its sequence goes back to the engine's pool. session_error 404 if
   //! there is none of that name, 409 while a turn of it is queued or running.
   void close_session(const std::string& name) {
@@ -288,8 +296,8 @@ class batch_scheduler {
   statistics stats_;
   std::thread thread_;
 
-  //! Under mu_: checks r.session against the sessions and marks it busy (a new one: created).
-  void reserve_session(const run_request& r) {
+  //! Under mu_: the session_error r.session has now, if any.
+  void check_session_locked(const run_request& r) const {
     const std::string& name = r.session;
     if (!sessions_possible_)
       throw session_error(400, "this server keeps no sessions: " + device_ + " cannot continue a sequence");
@@ -299,7 +307,7 @@ class batch_scheduler {
       if (it == sessions_.end())
         throw session_error(404, "no session '" + name + "' (never created, closed, or evicted to make room for other "
                                  "requests): send the whole conversation as a new session");
-      session& s = it->second;
+      const session& s = it->second;
       if (s.busy) throw session_error(409, "session '" + name + "' has a turn queued or running; send the next after its answer");
       if (r.prompt.empty() && !s.has_pending)
         throw session_error(400, "session '" + name + "': a turn with no prompt after a turn that drew no token has nothing to append");
@@ -308,7 +316,6 @@ class batch_scheduler {
                                      std::to_string(r.prompt.size()) + " prompt and " + std::to_string(r.n_new) +
                                      " generated tokens would exceed the " + std::to_string(max_sequence_tokens_) +
                                      " a session holds");
-      s.busy = true;
       return;
     }
     if (it != sessions_.end())
@@ -316,7 +323,12 @@ class batch_scheduler {
     if (turn > max_sequence_tokens_)
       throw session_error(400, "a session holds at most " + std::to_string(max_sequence_tokens_) + " tokens; this turn has " +
                                    std::to_string(turn));
-    sessions_.emplace(name, session{});
+  }
+  //! Under mu_: checks r.session and marks it busy (a new one: created).
+  void reserve_session(const run_request& r) {
+    check_session_locked(r);
+    if (r.continue_session) sessions_.at(r.session).busy = true;
+    else sessions_.emplace(r.session, session{});
   }
   //! Under mu_: undoes reserve_session(r) for a request that was not queued after all.
   void unreserve_session(const run_request& r) {

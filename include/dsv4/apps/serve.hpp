@@ -231,7 +231,14 @@ class generation_service {
                                            std::to_string(drawn) + " tokens");
     };
     if (client_gone && client_gone()) return gone(0);  // gave up while waiting for the slot: no prefill
-    if (stream) return streamed(std::move(prompt), req, client_gone);
+    if (stream) {
+      if (scheduler_) try {  // (a session's 404 / 409 / 400 as the answer's status, not an event after a 200)
+          scheduler_->check_session(req);
+        } catch (const cli::session_error& e) {
+          return http::error_response(e.status, e.what());
+        }
+      return streamed(std::move(prompt), req, client_gone);
+    }
     cli::generation g;
     try {
       g = generate_(req);
