@@ -182,26 +182,16 @@ cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cl
     model::speculative_batch<models::tiny> drafts(dm, dd);
     g.device += ", DSpark drafts on the GPU";
     g.draft_block = request.dspark->block;
-    using clock = std::chrono::steady_clock;
-    const auto t0 = clock::now();
-    const std::int32_t first = drafts.start(slot, prompt, request.ced ? model::prompt_prefill::ced : model::prompt_prefill::exact,
-                                            request.sampling);
-    const auto t1 = clock::now();
-    auto take = [&](std::int32_t t) {
-      g.tokens.push_back(t);
-      if (request.on_token) request.on_token(t);
-    };
-    if (n_new > 0) take(first);
-    while ((long long)g.tokens.size() < n_new) {
-      if (cli::stop_requested(request)) {
-        g.cancelled = true;
-        break;
-      }
-      const model::speculative_batch<models::tiny>::request r{slot, n_new - (long long)g.tokens.size()};
-      for (const std::int32_t t : drafts.round(std::span(&r, 1))[0]) take(t);
-    }
-    g.prefill_s = std::chrono::duration<double>(t1 - t0).count();
-    g.decode_s = std::chrono::duration<double>(clock::now() - t1).count();
+    cli::run_generation_rounds(
+        request, g,
+        [&] {
+          return drafts.start(slot, prompt, request.ced ? model::prompt_prefill::ced : model::prompt_prefill::exact,
+                              request.sampling);
+        },
+        [&](long long budget) {
+          const model::speculative_batch<models::tiny>::request r{slot, budget};
+          return drafts.round(std::span(&r, 1))[0];
+        });
     g.speculative = drafts.stats(slot);
     return g;
   }

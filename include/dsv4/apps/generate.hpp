@@ -161,6 +161,32 @@ void run_generation_drawing(const run_request& r, generation& g, Prefill prefill
   g.decode_s = std::chrono::duration<double>(t2 - t1).count();
 }
 
+//! The speculative form of run_generation_drawing: `start()` (the prefill) returns the first
+//! token, timed as the prefill; then rounds, each `round(budget)` returning 1 .. budget tokens
+//! (budget: the tokens still wanted), request.cancelled asked before each round, timed as the
+//! decode.
+template <class Start, class Round>
+void run_generation_rounds(const run_request& r, generation& g, Start start, Round round) {
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  const std::int32_t first = start();
+  const auto t1 = clock::now();
+  auto take = [&](std::int32_t t) {
+    g.tokens.push_back(t);
+    if (r.on_token) r.on_token(t);
+  };
+  if (r.n_new > 0) take(first);
+  while ((long long)g.tokens.size() < r.n_new) {
+    if (stop_requested(r)) {
+      g.cancelled = true;
+      break;
+    }
+    for (const std::int32_t t : round(r.n_new - (long long)g.tokens.size())) take(t);
+  }
+  g.prefill_s = std::chrono::duration<double>(t1 - t0).count();
+  g.decode_s = std::chrono::duration<double>(clock::now() - t1).count();
+}
+
 //! run_generation_drawing with the host sampler: `prefill()` and `step(token)` return the logits
 //! of the position to draw, drawn at the sequence's length `position()`.
 template <class Prefill, class Position, class Step>
@@ -181,27 +207,12 @@ inline generation host_generate(const model::host_model<models::tiny>& m, const 
   g.device = "host reference backend";
   model::host_sequence seq;
   if (r.dspark) {
-    using clock = std::chrono::steady_clock;
     g.device += ", DSpark drafts";
     g.draft_block = r.dspark->block;
     model::speculative_decoder<models::tiny> d(m, *r.dspark, seq, r.sampling);
-    const auto t0 = clock::now();
-    const std::int32_t first = d.start(r.prompt, r.ced ? model::prompt_prefill::ced : model::prompt_prefill::exact);
-    const auto t1 = clock::now();
-    auto take = [&](std::int32_t t) {
-      g.tokens.push_back(t);
-      if (r.on_token) r.on_token(t);
-    };
-    if (r.n_new > 0) take(first);
-    while ((long long)g.tokens.size() < r.n_new) {
-      if (stop_requested(r)) {
-        g.cancelled = true;
-        break;
-      }
-      for (const std::int32_t t : d.round(r.n_new - (long long)g.tokens.size())) take(t);
-    }
-    g.prefill_s = std::chrono::duration<double>(t1 - t0).count();
-    g.decode_s = std::chrono::duration<double>(clock::now() - t1).count();
+    run_generation_rounds(
+        r, g, [&] { return d.start(r.prompt, r.ced ? model::prompt_prefill::ced : model::prompt_prefill::exact); },
+        [&](long long budget) { return d.round(budget); });
     g.speculative = d.stats();
     return g;
   }
