@@ -90,11 +90,12 @@ class device_engine final : public cli::sequence_engine {
     return drafts_ ? drafts_->stats(handle) : model::speculative_stats{};
   }
   long long max_sequence_tokens() const override { return std::min(session_tokens_, dm_.max_tokens()); }
-  //! Plain decoding only: a drafting sequence's drafter would need the chunk's rows as well.
-  bool can_resume() const override { return !drafts_; }
+  bool can_resume() const override { return true; }
+  //! A session's turn: append / append_ced (with drafts: speculative_batch::resume, which also
+  //! gives the drafter the chunk's rows).
   std::int32_t resume(int handle, std::span<const std::int32_t> chunk, bool ced,
                       const kernels::sampling::sampling_params& sp) override {
-    if (drafts_) return sequence_engine::resume(handle, chunk, ced, sp);  // (the refusal)
+    if (drafts_) return drafts_->resume(handle, chunk, ced ? model::prompt_prefill::ced : model::prompt_prefill::exact, sp);
     ced ? dm_.append_ced(handle, chunk) : dm_.append(handle, chunk);
     const kernels::sampling::row_request draw{sp, 0, std::uint64_t(dm_.length(handle))};
     return dm_.sample(std::span(&draw, 1))[0];
@@ -114,11 +115,11 @@ class device_engine final : public cli::sequence_engine {
     // A session's turn appends its prompt after the last token (one more row), and a CED turn
     // replays the decoder over the last window positions in one call.
     lim.max_rows = int(std::max<long long>(
-        {el.max_prompt_tokens + 1, round_rows, drafter ? 1 : models::tiny::dims.attn.window_size, 1}));
+        {el.max_prompt_tokens + 1, round_rows, models::tiny::dims.attn.window_size}));
     if (drafter) lim.logit_rows = round_rows;
     // Every request fits (prompt + new tokens), and a session's conversation up to its cap.
     lim.max_tokens = std::max({el.sequence_tokens(), el.max_prompt_tokens + el.max_new_tokens, 1LL});
-    lim.ced_appends = !drafter;  // (sessions' CED turns: the first decoder layer's input kept per sequence)
+    lim.ced_appends = true;  // (sessions' CED turns: the first decoder layer's input kept per sequence)
     return lim;
   }
   std::string device_;

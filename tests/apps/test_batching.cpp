@@ -518,6 +518,45 @@ BOOST_AUTO_TEST_CASE(sessions_append_turns_to_one_sequence) {
   wait_until([&] { return e.releases.load() == e.starts.load(); });  // every sequence back in the pool
 }
 
+// Sessions on a drafting engine: each turn's tokens and draft counts are those of a fresh drafted
+// request for the whole conversation so far (an exact turn, a CED turn, a turn of no tokens, and
+// one after it). That the counts match, round for round, says the drafter's state after the
+// append is the fresh prefill's (its rings, and the rows it has not yet seen); each answer counts
+// its own turn's rounds only.
+BOOST_AUTO_TEST_CASE(drafting_sessions_give_a_fresh_drafted_requests_tokens_and_counts) {
+  std::ostringstream quiet;
+  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
+  const model::dspark_weights w = model::dspark_weights_of<models::tiny>(ck);
+  cli::batch_scheduler s(std::make_unique<cli::host_engine>(tiny(), cli::engine_limits{2, 64, 64}, &w));
+  BOOST_TEST(s.sessions_possible());
+  const std::vector<std::int32_t> p1{3, 14, 15, 92}, p2{65, 35, 89}, p3{79, 32, 38, 46, 26};
+  std::vector<std::int32_t> conversation;
+  auto turn = [&](const std::vector<std::int32_t>& prompt, long long n_new, bool ced, bool first, const std::string& what) {
+    cli::run_request r;
+    r.prompt = prompt, r.n_new = n_new, r.ced = ced, r.sampling = {0.8f, 40, 0.95f, 21}, r.session = "d";
+    r.continue_session = !first;
+    const cli::generation g = s.submit(r);
+    conversation.insert(conversation.end(), prompt.begin(), prompt.end());
+    cli::run_request fresh = r;
+    fresh.prompt = conversation, fresh.session.clear(), fresh.continue_session = false, fresh.ced = false, fresh.dspark = &w;
+    const cli::generation alone = cli::host_generate(tiny(), fresh);
+    BOOST_TEST(g.tokens == alone.tokens, what);
+    BOOST_TEST(g.speculative.rounds == alone.speculative.rounds, what);
+    BOOST_TEST(g.speculative.drafted == alone.speculative.drafted, what);
+    BOOST_TEST(g.speculative.accepted == alone.speculative.accepted, what);
+    BOOST_TEST(g.speculative.accepted_at == alone.speculative.accepted_at, what);
+    BOOST_TEST(g.session_tokens == (long long)conversation.size() + n_new, what);
+    conversation.insert(conversation.end(), g.tokens.begin(), g.tokens.end());
+    return g;
+  };
+  BOOST_TEST(turn(p1, 5, false, true, "turn 1").speculative.rounds > 0);
+  BOOST_TEST(turn(p2, 9, false, false, "turn 2 (exact)").speculative.rounds > 0);
+  // (the conversation stays within the window, where a CED append is the exact one bit for bit)
+  BOOST_TEST(turn(p3, 7, true, false, "turn 3 (CED)").speculative.rounds > 0);
+  turn(p2, 0, false, false, "turn 4 (no tokens)");
+  BOOST_TEST(turn(p1, 6, false, false, "turn 5").speculative.rounds > 0);
+}
+
 // What never reached a session leaves it as it was: a turn whose client went away while it was
 // queued (the session goes on, and its next turn gives what it would have without that one); a
 // request without a session whose client went away does not evict an idle session for nothing; a

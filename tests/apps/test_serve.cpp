@@ -412,13 +412,16 @@ BOOST_AUTO_TEST_CASE(drafted_answers_carry_the_drafts_counts) {
   const cli::generation drafted = cli::host_generate(m, req);
   BOOST_TEST(drafted.tokens == plain.tokens);
   BOOST_TEST(drafted.speculative.rounds > 0);
-  std::string tokens = "\"tokens\": [";
-  for (std::size_t k = 0; k < plain.tokens.size(); ++k) tokens += (k ? ", " : "") + std::to_string(plain.tokens[k]);
-  tokens += "]";
-  const std::string counts = "\"speculative\": {\"draft_block\": " + std::to_string(w.block) +
-                             ", \"rounds\": " + std::to_string(drafted.speculative.rounds) +
-                             ", \"drafted\": " + std::to_string(drafted.speculative.drafted) +
-                             ", \"accepted\": " + std::to_string(drafted.speculative.accepted) + "}";
+  auto tokens_text = [](const cli::generation& g) {
+    std::string t = "\"tokens\": [";
+    for (std::size_t k = 0; k < g.tokens.size(); ++k) t += (k ? ", " : "") + std::to_string(g.tokens[k]);
+    return t + "]";
+  };
+  auto counts_text = [&](const cli::generation& g) {
+    return "\"speculative\": {\"draft_block\": " + std::to_string(w.block) + ", \"rounds\": " + std::to_string(g.speculative.rounds) +
+           ", \"drafted\": " + std::to_string(g.speculative.drafted) + ", \"accepted\": " + std::to_string(g.speculative.accepted) + "}";
+  };
+  const std::string tokens = tokens_text(plain), counts = counts_text(drafted);
   const std::string body = R"({"prompt": [4, 9, 2], "max_tokens": 9, "seed": 5)";
   auto check = [&](const serve::generation_service& service, const std::string& which) {
     http::server srv(
@@ -442,6 +445,24 @@ BOOST_AUTO_TEST_CASE(drafted_answers_carry_the_drafts_counts) {
   check(serve::generation_service(m, cli::host_generate, "host", {}, &w), "one at a time");
   cli::batch_scheduler scheduler(std::make_unique<cli::host_engine>(m, cli::engine_limits{2, 8, 16}, &w));
   check(serve::generation_service(scheduler, "host"), "batched");
+  {  // The drafting server keeps sessions: a continued turn answers as a fresh drafted request for the
+     // whole conversation, its counts those of its own rounds.
+    const serve::generation_service service(scheduler, "host");
+    http::server srv("127.0.0.1", 0, [&](const http::request& r) { return service(r); });
+    std::thread th([&] { srv.serve(2); });
+    std::string got = exchange(srv.port(), post("/v1/generate", body + R"(, "session": "d"})"));
+    BOOST_TEST((has(got, tokens) && has(got, counts)), "session turn 1: " << got);
+    got = exchange(srv.port(), post("/v1/generate", R"({"prompt": [6, 1], "max_tokens": 5, "seed": 5, "session": "d", "continue": true})"));
+    std::vector<std::int32_t> conversation(prompt);
+    conversation.insert(conversation.end(), plain.tokens.begin(), plain.tokens.end());
+    conversation.push_back(6), conversation.push_back(1);
+    cli::run_request whole = req;
+    whole.prompt = conversation, whole.n_new = 5;
+    const cli::generation fresh = cli::host_generate(m, whole);
+    BOOST_TEST(fresh.speculative.rounds > 0);
+    BOOST_TEST((has(got, tokens_text(fresh)) && has(got, counts_text(fresh))), "session turn 2: " << got);
+    th.join();
+  }
   // A server that does not draft says so, and its answers carry no counts.
   const serve::generation_service plain_service(m, cli::host_generate, "host");
   http::server srv("127.0.0.1", 0, [&](const http::request& r) { return plain_service(r); });

@@ -86,10 +86,10 @@ struct plain_run {
   long long clear = 0;
 };
 plain_run plain_decoding(model::device_model<tiny>& dm, const std::vector<std::int32_t>& prompt, long long n,
-                         std::uint64_t sequence) {
+                         std::uint64_t sequence, bool ced = false) {
   const kernels::sampling::sampling_params greedy{0.0f};
   const int p = dm.add_sequence();
-  auto logits = dm.prefill(p, prompt);
+  auto logits = ced ? dm.prefill_ced(p, prompt) : dm.prefill(p, prompt);
   plain_run r;
   r.clear = n;
   for (long long i = 0; i < n; ++i) {
@@ -102,6 +102,7 @@ plain_run plain_decoding(model::device_model<tiny>& dm, const std::vector<std::i
     if (r.clear == n && sorted[0] - sorted[1] < 0.05f * peak) r.clear = i;
     if (i + 1 < n) logits = dm.decode({p}, std::span<const std::int32_t>(&tok, 1));
   }
+  dm.release_sequence(p);
   return r;
 }
 //! How many leading tokens of `got` equal `want`'s.
@@ -713,6 +714,79 @@ BOOST_AUTO_TEST_CASE(speculative_rounds_over_sequences_that_join_and_leave,
   BOOST_TEST(test::throws_with([&] { sb.round(none); }, "budget must be >= 1"));
   BOOST_TEST(test::throws_with([&] { sb.start(b.slot, b.prompt, model::prompt_prefill::exact, greedy); }, "already started"));
   BOOST_TEST(dm.length(b.slot) == b_length);
+}
+
+// speculative_batch::resume (a server session's next turn) between rounds, exact and CED, turns
+// shorter and longer than the window: after the turn's first round the drafter's rings are those
+// of a fresh start on the whole conversation in the same mode (up to the FP8 code flips of
+// ring_check: the backbone's append and prefill split their GEMMs differently), both have seen
+// the same positions, and the turn's tokens are plain decoding's of the whole conversation up to
+// its first close call. Misuse is refused.
+BOOST_AUTO_TEST_CASE(an_appended_turn_leaves_a_fresh_starts_drafter_state,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  fixture f;
+  constexpr int B = c.dspark.dspark_block_size;
+  auto lim = limits(4);
+  lim.logit_rows = B + 1, lim.ced_appends = true;
+  model::device_model<tiny> dm(f.m, lim);
+  model::device_dspark<tiny> dd(dm, f.w, lim.max_seqs);
+  model::speculative_batch<tiny> sb(dm, dd);
+  const kernels::sampling::sampling_params greedy{0.0f};
+  struct turn {
+    int length;
+    model::prompt_prefill mode;
+  };
+  const auto exact = model::prompt_prefill::exact, ced = model::prompt_prefill::ced;
+  ring_check rings;
+  std::uint64_t seed = 300;
+  for (const turn t : {turn{5, exact}, turn{5, ced}, turn{W + 20, exact}, turn{W + 20, ced}}) {
+    const std::string what = std::string(t.mode == ced ? "CED" : "exact") + " turn of " + std::to_string(t.length);
+    const int a = dm.add_sequence();
+    const auto p1 = random_ids(3 + t.length % 5, seed++);
+    std::vector<std::int32_t> got{sb.start(a, p1, exact, greedy)};
+    while (got.size() < 8) {
+      const model::speculative_batch<tiny>::request r{a, 8 - (long long)got.size()};
+      const auto kept = sb.round(std::span(&r, 1))[0];
+      got.insert(got.end(), kept.begin(), kept.end());
+    }
+    std::vector<std::int32_t> chunk{got.back()};
+    for (const std::int32_t id : random_ids(t.length - 1, seed++)) chunk.push_back(id);
+    std::vector<std::int32_t> conversation(p1);
+    conversation.insert(conversation.end(), got.begin(), got.end());
+    conversation.insert(conversation.end(), chunk.begin() + 1, chunk.end());
+    const long long n = 10;
+    const plain_run want = plain_decoding(dm, conversation, n, 0, t.mode == ced);
+    std::vector<std::int32_t> turn_tokens{sb.resume(a, chunk, t.mode, greedy)};
+    BOOST_TEST(dm.length(a) == (long long)conversation.size(), what);
+    const int b = dm.add_sequence();
+    sb.start(b, conversation, t.mode, greedy);
+    for (const int slot : {a, b}) {  // one round each (budget 1: the drafter's step, no draft fed)
+      const model::speculative_batch<tiny>::request r{slot, 1};
+      const auto kept = sb.round(std::span(&r, 1))[0];
+      if (slot == a) turn_tokens.insert(turn_tokens.end(), kept.begin(), kept.end());
+    }
+    BOOST_TEST(dd.length(a) == dd.length(b), what);
+    model::dspark_state fresh;
+    for (int s = 0; s < int(f.w.stages.size()); ++s) fresh.rings.push_back(dd.ring_values(s, b));
+    rings.compare_and_sync(dd, a, fresh);
+    while ((long long)turn_tokens.size() < n) {
+      const model::speculative_batch<tiny>::request r{a, n - (long long)turn_tokens.size()};
+      const auto kept = sb.round(std::span(&r, 1))[0];
+      turn_tokens.insert(turn_tokens.end(), kept.begin(), kept.end());
+    }
+    BOOST_TEST_MESSAGE(what << ": " << matching(turn_tokens, want) << " of " << n << " tokens equal to plain decoding's of the "
+                            << "whole conversation (first close call at " << want.clear << ")");
+    BOOST_TEST(matching(turn_tokens, want) >= want.clear, what << ": a token differs before the first close call");
+    BOOST_TEST(sb.stats(a).rounds > 0);
+    for (const int slot : {a, b}) sb.forget(slot), dm.release_sequence(slot);
+  }
+  rings.check("resumed against fresh:");
+  // Refused: a slot not started, an empty chunk.
+  const int idle = dm.add_sequence();
+  const std::vector<std::int32_t> one{7};
+  BOOST_TEST(test::throws_with([&] { sb.resume(idle, one, exact, greedy); }, "not started"));
+  sb.start(idle, one, exact, greedy);
+  BOOST_TEST(test::throws_with([&] { sb.resume(idle, {}, exact, greedy); }, "empty chunk"));
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -6,6 +6,7 @@
 
 #include <boost/test/unit_test.hpp>
 
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -193,6 +194,64 @@ BOOST_AUTO_TEST_CASE(rounds_one_at_a_time_with_budgets) {
   d.start(prompt_of(3));
   BOOST_TEST(throws_with([&] { d.round(0); }, "budget must be >= 1, got 0"));
   BOOST_TEST(throws_with([&] { d.start(prompt_of(3)); }, "start() was called already"));
+}
+
+// An appended turn (resume) between rounds, exact and CED: the turn's first token, its rounds'
+// drafts and tokens, and the drafter's rings after the turn's first round, are a fresh start's on
+// the whole conversation in the same mode (the host forward's append is its prefill bit for bit,
+// and a CED append its CED prefill: the decoder's owner reads the encoder output in both). Turns
+// shorter and longer than the window. The stats count every round since start().
+BOOST_AUTO_TEST_CASE(an_appended_turn_leaves_a_fresh_starts_state) {
+  auto& f = shared();
+  const kernels::sampling::sampling_params sp{0.8f, 30, 1.0f, 7};
+  struct turn {
+    int length;
+    model::prompt_prefill mode;
+  };
+  const int W = c.attn.window_size;
+  const auto exact = model::prompt_prefill::exact, ced_mode = model::prompt_prefill::ced;
+  auto same_bits = [](const std::vector<numerics::bf16>& x, const std::vector<numerics::bf16>& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(numerics::bf16)) == 0;
+  };
+  for (const turn t : {turn{5, exact}, turn{5, ced_mode}, turn{W + 20, exact}, turn{W + 20, ced_mode}}) {
+    const bool ced = t.mode == ced_mode;
+    const auto p1 = prompt_of(1 + t.length % 3);
+    std::vector<std::vector<std::int32_t>> drafts_a, drafts_b;
+    model::host_sequence sa, sb;
+    model::speculative_decoder<tiny> a(f.m, f.w, sa, sp, 3, [&](long long, std::vector<std::int32_t>& ids) { drafts_a.push_back(ids); });
+    std::vector<std::int32_t> conversation(p1);
+    std::vector<std::int32_t> got{a.start(p1)};
+    while (got.size() < 8) {
+      const auto kept = a.round(8 - (long long)got.size());
+      got.insert(got.end(), kept.begin(), kept.end());
+    }
+    const long long rounds_before = a.stats().rounds;
+    conversation.insert(conversation.end(), got.begin(), got.end());
+    std::vector<std::int32_t> chunk{got.back()};
+    for (int i = 0; i < t.length - 1; ++i) chunk.push_back(std::int32_t((i * 53 + 5) % c.vocab_size));
+    conversation.insert(conversation.end(), chunk.begin() + 1, chunk.end());
+    drafts_a.clear();
+    model::speculative_decoder<tiny> b(f.m, f.w, sb, sp, 3, [&](long long, std::vector<std::int32_t>& ids) { drafts_b.push_back(ids); });
+    const std::string what = std::string(ced ? "CED" : "exact") + " turn of " + std::to_string(t.length);
+    BOOST_TEST(a.resume(chunk, t.mode, sp) == b.start(conversation, t.mode), what);
+    BOOST_TEST(sa.length == sb.length, what);
+    for (int r = 0; r < 3; ++r) {
+      BOOST_TEST(a.round(4) == b.round(4), what << ", round " << r);
+      if (r == 0) {
+        BOOST_TEST(a.drafter_state().length == b.drafter_state().length, what);
+        for (std::size_t s = 0; s < b.drafter_state().rings.size(); ++s)
+          BOOST_TEST(same_bits(a.drafter_state().rings[s], b.drafter_state().rings[s]), what << ": stage " << s << "'s ring");
+      }
+    }
+    BOOST_TEST(drafts_a == drafts_b, what);
+    BOOST_TEST(a.stats().rounds == rounds_before + b.stats().rounds, what);
+  }
+  model::host_sequence seq;
+  model::speculative_decoder<tiny> d(f.m, f.w, seq, sp);
+  const std::vector<std::int32_t> one{5};
+  BOOST_TEST(throws_with([&] { d.resume(one, model::prompt_prefill::exact, sp); }, "resume() before start()"));
+  d.start(prompt_of(3));
+  BOOST_TEST(throws_with([&] { d.resume({}, model::prompt_prefill::exact, sp); }, "resume() with an empty chunk"));
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -59,15 +59,16 @@ class host_engine final : public sequence_engine {
   int capacity() const override { return int(sequences_.size()); }
   int draft_block() const override { return drafter_ ? drafter_->block : 0; }
   long long max_sequence_tokens() const override { return max_tokens_; }
-  //! Plain decoding only: a drafting sequence's drafter would need the chunk's rows as well.
-  bool can_resume() const override { return drafter_ == nullptr; }
+  bool can_resume() const override { return true; }
+  //! A session's turn: the chunk fed exact or CED (with drafts: speculative_decoder::resume, which
+  //! also gives the drafter the chunk's rows).
   std::int32_t resume(int handle, std::span<const std::int32_t> chunk, bool ced,
                       const kernels::sampling::sampling_params& sp) override {
-    if (drafter_) return sequence_engine::resume(handle, chunk, ced, sp);  // (the refusal)
     slot& s = sequence(handle);
     if (s.seq.length + static_cast<long long>(chunk.size()) > max_tokens_)
       throw error("host_engine: sequence " + std::to_string(handle) + " holds " + std::to_string(s.seq.length) + " tokens; " +
                   std::to_string(chunk.size()) + " more exceed its " + std::to_string(max_tokens_));
+    if (s.drafts) return s.drafts->resume(chunk, ced ? model::prompt_prefill::ced : model::prompt_prefill::exact, sp);
     const auto logits = ced ? model::forward_ced(m_, s.seq, chunk) : model::forward(m_, s.seq, chunk);
     return kernels::sampling::sample_reference(logits, sp, 0, std::uint64_t(s.seq.length));
   }
@@ -265,6 +266,7 @@ class batch_scheduler {
     int handle = -1;
     clock::time_point decode_start{};
     bool session_untouched = false;  //!< a session's turn that ended before it appended anything
+    model::speculative_stats drafts_before{};  //!< a session turn's: the sequence's counts before it
   };
   //! A session's sequence between and during its turns.
   struct session {
@@ -358,7 +360,7 @@ class batch_scheduler {
     if (j->handle >= 0) {
       try {
         if (const int block = engine_->draft_block(); block > 0)
-          j->result.draft_block = block, j->result.speculative = engine_->drafts(j->handle);
+          j->result.draft_block = block, j->result.speculative = engine_->drafts(j->handle).since(j->drafts_before);
       } catch (...) {  // (the counts are a report; the tokens stand without them)
       }
       if (!keep) release(j->handle);
@@ -418,6 +420,7 @@ class batch_scheduler {
           if (s.has_pending) chunk.push_back(s.pending);
         }
         chunk.insert(chunk.end(), r.prompt.begin(), r.prompt.end());
+        if (draft_block_ > 0) j->drafts_before = engine_->drafts(j->handle);  // (the answer counts this turn's)
         first = engine_->resume(j->handle, chunk, r.ced, r.sampling);
       } else {
         const sequence_engine::started s = engine_->start(r.prompt, r.ced, r.sampling);

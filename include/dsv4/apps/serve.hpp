@@ -126,7 +126,7 @@ class generation_service {
   bool sessions_possible() const { return scheduler_ && scheduler_->sessions_possible(); }
   std::string no_sessions() const {
     return scheduler_ ? "this server keeps no sessions: its engine (" + scheduler_->device() +
-                            ") cannot continue a sequence (sessions and --speculative dspark do not combine yet)"
+                            ") cannot continue a sequence"
                       : std::string("this server keeps no sessions: they need the batching server (--max-batch 2 or more)");
   }
   //! Why `name` cannot name a session ("" if it can): 1 to 64 of A-Z a-z 0-9 . _ - (it goes in a URL path).

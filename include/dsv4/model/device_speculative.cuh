@@ -78,7 +78,7 @@ class speculative_batch {
 
   speculative_batch(device_model<Model>& dm, device_dspark<Model>& dd, edit_fn edit = {})
       : dm_(dm), dd_(dd), edit_(std::move(edit)), slots_(std::size_t(std::min(dm.max_seqs(), dd.max_seqs()))),
-        pending_(slots_.size() * std::size_t(block + 1) * row) {
+        pending_(slots_.size() * std::size_t(W) * row) {
     dm_.capture_main_hidden(true);
   }
 
@@ -106,17 +106,50 @@ class speculative_batch {
     s = state{};
     s.sampling = sampling, s.sequence = sequence;
     s.stats.accepted_at.assign(std::size_t(block), 0);
-    const long long rows = dm_.main_hidden_rows(), first = dm_.length(slot) - rows;
     const kernels::sampling::row_request draw{sampling, sequence, std::uint64_t(dm_.length(slot))};
     s.t = dm_.sample(std::span(&draw, 1))[0];
-    if (rows >= 2) {  // the rings from every captured row but the last, which the first round takes
-      dd_.prefill(slot, dm_.main_hidden(), rows - 1, first);
-      keep_pending(slot, rows - 1, 1);
-    } else {
-      dd_.prefill(slot, dm_.main_hidden(), rows, first);
-    }
+    seed_from_capture(slot);
     s.started = true;
     return s.t;
+  }
+
+  //! An appended turn of the started sequence in `slot` (a server session's next turn, between
+  //! rounds): `chunk` (a session's: the last token returned first) fed exact (device_model::append)
+  //! or CED (append_ced: needs limits::ced_appends), and the turn's first token, drawn with
+  //! `sampling`, which the sequence's later rounds use. Exact: the chunk's captured rows join the
+  //! rows the drafter has not seen (the last `window` of them are kept: all its rings hold), and
+  //! the next round's drafter step takes them. CED: the drafter's rings are seeded again from the
+  //! replayed rows, as after a CED prefill. A failure forgets the slot (its state is part-way).
+  std::int32_t resume(int slot, std::span<const std::int32_t> chunk, prompt_prefill mode,
+                      const kernels::sampling::sampling_params& sampling) {
+    const std::string who = "speculative_batch::resume: slot " + std::to_string(slot) + ": ";
+    if (slot < 0 || slot >= slots() || !slots_[std::size_t(slot)].started) throw error(who + "not started");
+    if (chunk.empty()) throw error(who + "empty chunk");
+    kernels::sampling::check_sampling_params(sampling, who);
+    try {
+      mode == prompt_prefill::ced ? dm_.append_ced(slot, chunk) : dm_.append(slot, chunk);
+      state& s = slots_[std::size_t(slot)];
+      s.sampling = sampling;
+      const kernels::sampling::row_request draw{sampling, s.sequence, std::uint64_t(dm_.length(slot))};
+      s.t = dm_.sample(std::span(&draw, 1))[0];
+      if (mode == prompt_prefill::ced) {
+        seed_from_capture(slot);
+      } else {
+        const long long n = static_cast<long long>(chunk.size()), rows = dm_.main_hidden_rows();  // min(n, window)
+        const long long kept = std::min<long long>(s.pending_rows, W - rows);  // the newest of the old rows
+        for (long long r = 0; r < kept; ++r)  // moved down row by row (ascending: no row overwrites one still to move)
+          DSV4_CUDA_CHECK(cudaMemcpyAsync(pending_row(slot) + std::size_t(r) * row,
+                                          pending_row(slot) + std::size_t(s.pending_rows - kept + r) * row, row * sizeof(bf16),
+                                          cudaMemcpyDeviceToDevice, dm_.stream()));
+        DSV4_CUDA_CHECK(cudaMemcpyAsync(pending_row(slot) + std::size_t(kept) * row, dm_.main_hidden(),
+                                        std::size_t(rows) * row * sizeof(bf16), cudaMemcpyDeviceToDevice, dm_.stream()));
+        s.pending_rows = kept + rows, s.pending_positions += n;
+      }
+      return s.t;
+    } catch (...) {
+      forget(slot);
+      throw;
+    }
   }
 
   //! One round of every sequence in `batch` (each started, each once): their kept tokens, in order.
@@ -150,6 +183,7 @@ class speculative_batch {
     bool started = false;
     std::int32_t t = 0;            //!< the last token returned, not fed
     long long pending_rows = 0;    //!< main_hidden rows the drafter has not seen (in pending_)
+    long long pending_positions = 0;  //!< the positions they stand for (more than the rows after a long turn)
     kernels::sampling::sampling_params sampling{};
     std::uint64_t sequence = 0;
     speculative_stats stats;
@@ -160,7 +194,8 @@ class speculative_batch {
   edit_fn edit_;
   std::vector<state> slots_;
   // Per slot, the main_hidden rows the drafter has not seen yet, kept apart from the capture
-  // (which the next call overwrites): at most a round's block + 1, or the prompt's last row.
+  // (which the next call overwrites): a round's block + 1, the prompt's last row, or after an
+  // appended turn the last `window` of the positions not seen.
   runtime::device_buffer<bf16> pending_;
 
   //! round()'s checks: every request, and the call's rows.
@@ -194,7 +229,7 @@ class speculative_batch {
     for (const request& r : batch) {
       const state& s = slots_[std::size_t(r.slot)];
       if (s.pending_rows > 0)
-        steps.push_back({r.slot, s.t, pending_row(r.slot), s.pending_rows, s.pending_rows, s.sampling, s.sequence});
+        steps.push_back({r.slot, s.t, pending_row(r.slot), s.pending_rows, s.pending_positions, s.sampling, s.sequence});
     }
     std::vector<dspark_draft> drafted;
     if (!steps.empty()) drafted = dd_.decode(steps, false);  // (the loop needs the ids only)
@@ -279,11 +314,24 @@ class speculative_batch {
   long long feeds(const request& r) const {
     return slots_[std::size_t(r.slot)].pending_rows > 0 ? std::min<long long>(block, r.budget - 1) : 0;
   }
-  bf16* pending_row(int slot) { return pending_.data() + std::size_t(slot) * std::size_t(block + 1) * row; }
+  bf16* pending_row(int slot) { return pending_.data() + std::size_t(slot) * std::size_t(W) * row; }
   void keep_pending(int slot, long long first, long long rows) {
     DSV4_CUDA_CHECK(cudaMemcpyAsync(pending_row(slot), dm_.main_hidden() + std::size_t(first) * row,
                                     std::size_t(rows) * row * sizeof(bf16), cudaMemcpyDeviceToDevice, dm_.stream()));
-    slots_[std::size_t(slot)].pending_rows = rows;
+    slots_[std::size_t(slot)].pending_rows = rows, slots_[std::size_t(slot)].pending_positions = rows;
+  }
+  //! After a prefill or a CED append of `slot`: the captured rows (all of an exact prefill, the
+  //! replayed tail of a CED call) seed the drafter's rings from zero, every one but the last,
+  //! which the next round takes (one row: the rings take it, and the next round is a plain step).
+  void seed_from_capture(int slot) {
+    const long long rows = dm_.main_hidden_rows(), first = dm_.length(slot) - rows;
+    if (rows >= 2) {
+      dd_.prefill(slot, dm_.main_hidden(), rows - 1, first);
+      keep_pending(slot, rows - 1, 1);
+    } else {
+      dd_.prefill(slot, dm_.main_hidden(), rows, first);
+      slots_[std::size_t(slot)].pending_rows = 0, slots_[std::size_t(slot)].pending_positions = 0;
+    }
   }
 };
 

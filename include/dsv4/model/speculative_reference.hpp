@@ -43,6 +43,13 @@ struct speculative_stats {
   long long accepted = 0;  //!< drafts equal to the backbone's token
   std::vector<long long> accepted_at;  //!< [block]: rounds whose draft i was accepted
   double accepted_per_round() const { return rounds ? double(accepted) / double(rounds) : 0.0; }
+  //! The counts since `earlier`, a copy of these taken before (a session's turn: its own rounds).
+  speculative_stats since(const speculative_stats& earlier) const {
+    speculative_stats d = *this;
+    d.rounds -= earlier.rounds, d.drafted -= earlier.drafted, d.accepted -= earlier.accepted;
+    for (std::size_t i = 0; i < d.accepted_at.size() && i < earlier.accepted_at.size(); ++i) d.accepted_at[i] -= earlier.accepted_at[i];
+    return d;
+  }
 };
 
 //! Prefill mode of the generation's prompt.
@@ -53,7 +60,9 @@ enum class prompt_prefill { exact, ced };
 //! block, verifies it position by position and returns the tokens it kept (1 .. block + 1, at most
 //! the round's budget). A one-token prompt's first round is a plain decode step (its drafter needs
 //! a main_hidden row the prefill does not leave over) and returns one token; it counts as no round.
-//! generate_speculative below is start() and rounds until the budget is spent.
+//! resume() appends a turn between rounds (a server session), and the rounds go on after it; the
+//! stats count every round since start(). generate_speculative below is start() and rounds until
+//! the budget is spent.
 template <class Model>
 class speculative_decoder {
  public:
@@ -76,17 +85,28 @@ class speculative_decoder {
       throw error("speculative_decoder: the sequence must be fresh (it holds " + std::to_string(seq_.length) + " tokens)");
     if (prompt.empty()) throw error("speculative_decoder: empty prompt");
     const auto logits = mode == prompt_prefill::ced ? forward_ced(m_, seq_, prompt, nullptr, &mh_) : forward(m_, seq_, prompt, nullptr, &mh_);
-    // The rows main_hidden covers: all of an exact prefill, the replayed tail of a CED one. The
-    // drafter's rings take every one but the last, which the first round takes (a one-row prompt:
-    // the rings take it, and the first round is a plain step).
-    const long long rows = (long long)(mh_.size() / row), first = seq_.length - rows;
-    if (rows >= 2) {
-      dspark_prefill<Model>(w_, st_, std::span<const bf16>(mh_).first(std::size_t(rows - 1) * row), first);
-      pending_.assign(mh_.end() - std::ptrdiff_t(row), mh_.end());
-    } else {
-      dspark_prefill<Model>(w_, st_, mh_, first);
-    }
+    seed_from_capture();
     started_ = true;
+    return t_ = draw(logits);
+  }
+
+  //! An appended turn (a server session's next turn): `chunk` (the last token returned first, as
+  //! a session appends it; any ids will do) fed after the tokens so far, exact or CED, and the
+  //! turn's first token, drawn with `sampling` (which the turn's rounds then use). Exact: the
+  //! chunk's main_hidden rows join those the drafter has not seen, and the next round's drafter
+  //! step takes them all (dspark_decode over an appended chunk). CED: the drafter's rings are
+  //! seeded again from the replayed rows, as after a CED prefill (the replay recomputed them).
+  std::int32_t resume(std::span<const std::int32_t> chunk, prompt_prefill mode, const kernels::sampling::sampling_params& sampling) {
+    if (!started_) throw error("speculative_decoder: resume() before start()");
+    if (chunk.empty()) throw error("speculative_decoder: resume() with an empty chunk");
+    const auto logits = mode == prompt_prefill::ced ? forward_ced(m_, seq_, chunk, nullptr, &mh_) : forward(m_, seq_, chunk, nullptr, &mh_);
+    if (mode == prompt_prefill::ced) {
+      pending_.clear();
+      seed_from_capture();
+    } else {
+      pending_.insert(pending_.end(), mh_.begin(), mh_.end());
+    }
+    sampling_ = sampling;
     return t_ = draw(logits);
   }
 
@@ -124,6 +144,8 @@ class speculative_decoder {
   }
 
   const speculative_stats& stats() const { return stats_; }
+  //! The drafter's rings and length (tests: the state a resume leaves against a fresh start's).
+  const dspark_state& drafter_state() const { return st_; }
 
  private:
   static constexpr std::size_t row =
@@ -141,6 +163,18 @@ class speculative_decoder {
   std::int32_t t_ = 0;         // the last token returned (not fed)
   bool started_ = false;
 
+  //! After a prefill or a CED append: the rows main_hidden covers (all of an exact prefill, the
+  //! replayed tail of a CED call) seed the drafter's rings from zero, every one but the last, which
+  //! the next round takes (one row: the rings take it, and the next round is a plain step).
+  void seed_from_capture() {
+    const long long rows = (long long)(mh_.size() / row), first = seq_.length - rows;
+    if (rows >= 2) {
+      dspark_prefill<Model>(w_, st_, std::span<const bf16>(mh_).first(std::size_t(rows - 1) * row), first);
+      pending_.assign(mh_.end() - std::ptrdiff_t(row), mh_.end());
+    } else {
+      dspark_prefill<Model>(w_, st_, mh_, first);
+    }
+  }
   std::int32_t draw(const std::vector<float>& logits) const {
     return kernels::sampling::sample_reference(logits, sampling_, sequence_, std::uint64_t(seq_.length));
   }
