@@ -716,12 +716,14 @@ BOOST_AUTO_TEST_CASE(speculative_rounds_over_sequences_that_join_and_leave,
   BOOST_TEST(dm.length(b.slot) == b_length);
 }
 
-// speculative_batch::resume (a server session's next turn) between rounds, exact and CED, turns
-// shorter and longer than the window: after the turn's first round the drafter's rings are those
-// of a fresh start on the whole conversation in the same mode (up to the FP8 code flips of
-// ring_check: the backbone's append and prefill split their GEMMs differently), both have seen
-// the same positions, and the turn's tokens are plain decoding's of the whole conversation up to
-// its first close call. Misuse is refused.
+// speculative_batch::resume (a server session's next turn) between rounds: after the turn's first
+// round the drafter's rings are those of a fresh start on the whole conversation in the same mode
+// (up to the FP8 code flips of ring_check: the backbone's append and prefill split their GEMMs
+// differently), both have seen the same positions, and the turn's tokens are plain decoding's of
+// the whole conversation up to its first close call. Plans: exact and CED turns shorter and
+// longer than the window; two turns with no round between them, the second moving the rows the
+// drafter has not seen down its buffer (a W - 1 turn after one of 3: the old rows but the newest
+// dropped); a turn right after a one-token prompt's start. Misuse is refused before any work.
 BOOST_AUTO_TEST_CASE(an_appended_turn_leaves_a_fresh_starts_drafter_state,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   fixture f;
@@ -732,40 +734,58 @@ BOOST_AUTO_TEST_CASE(an_appended_turn_leaves_a_fresh_starts_drafter_state,
   model::device_dspark<tiny> dd(dm, f.w, lim.max_seqs);
   model::speculative_batch<tiny> sb(dm, dd);
   const kernels::sampling::sampling_params greedy{0.0f};
-  struct turn {
+  const auto exact = model::prompt_prefill::exact, ced = model::prompt_prefill::ced;
+  struct chunk_plan {
     int length;
     model::prompt_prefill mode;
   };
-  const auto exact = model::prompt_prefill::exact, ced = model::prompt_prefill::ced;
+  struct plan {
+    int prompt;                     // the first turn's prompt
+    long long before;               // tokens generated before the appended turns (1: none but start's)
+    std::vector<chunk_plan> turns;  // appended one after the other, no round between them
+  };
+  const std::vector<plan> plans = {{4, 8, {{5, exact}}},      {5, 8, {{5, ced}}},           {6, 8, {{W + 20, exact}}},
+                                   {3, 8, {{W + 20, ced}}},   {4, 8, {{3, exact}, {W - 1, exact}}},
+                                   {1, 1, {{5, exact}}}};
   ring_check rings;
   std::uint64_t seed = 300;
-  for (const turn t : {turn{5, exact}, turn{5, ced}, turn{W + 20, exact}, turn{W + 20, ced}}) {
-    const std::string what = std::string(t.mode == ced ? "CED" : "exact") + " turn of " + std::to_string(t.length);
+  int id = 0;
+  for (const plan& pl : plans) {
+    const model::prompt_prefill mode = pl.turns.back().mode;
+    const std::string what = "plan " + std::to_string(id++) + " (" + (mode == ced ? "CED" : "exact") + ")";
     const int a = dm.add_sequence();
-    const auto p1 = random_ids(3 + t.length % 5, seed++);
+    const auto p1 = random_ids(pl.prompt, seed++);
     std::vector<std::int32_t> got{sb.start(a, p1, exact, greedy)};
-    while (got.size() < 8) {
-      const model::speculative_batch<tiny>::request r{a, 8 - (long long)got.size()};
+    while ((long long)got.size() < pl.before) {
+      const model::speculative_batch<tiny>::request r{a, pl.before - (long long)got.size()};
       const auto kept = sb.round(std::span(&r, 1))[0];
       got.insert(got.end(), kept.begin(), kept.end());
     }
-    std::vector<std::int32_t> chunk{got.back()};
-    for (const std::int32_t id : random_ids(t.length - 1, seed++)) chunk.push_back(id);
+    const model::speculative_stats before = sb.stats(a);
     std::vector<std::int32_t> conversation(p1);
     conversation.insert(conversation.end(), got.begin(), got.end());
-    conversation.insert(conversation.end(), chunk.begin() + 1, chunk.end());
+    std::int32_t first = got.back();
+    for (const chunk_plan& t : pl.turns) {
+      std::vector<std::int32_t> chunk{first};  // (the last token returned, never fed)
+      for (const std::int32_t tok : random_ids(t.length - 1, seed++)) chunk.push_back(tok);
+      conversation.insert(conversation.end(), chunk.begin() + 1, chunk.end());
+      first = sb.resume(a, chunk, t.mode, greedy);
+      BOOST_TEST(dm.length(a) == (long long)conversation.size(), what);
+      conversation.push_back(first);
+    }
+    conversation.pop_back();  // (drawn, not fed)
     const long long n = 10;
-    const plain_run want = plain_decoding(dm, conversation, n, 0, t.mode == ced);
-    std::vector<std::int32_t> turn_tokens{sb.resume(a, chunk, t.mode, greedy)};
-    BOOST_TEST(dm.length(a) == (long long)conversation.size(), what);
+    const plain_run want = plain_decoding(dm, conversation, n, 0, mode == ced);
+    std::vector<std::int32_t> turn_tokens{first};
     const int b = dm.add_sequence();
-    sb.start(b, conversation, t.mode, greedy);
+    sb.start(b, conversation, mode, greedy);
     for (const int slot : {a, b}) {  // one round each (budget 1: the drafter's step, no draft fed)
       const model::speculative_batch<tiny>::request r{slot, 1};
       const auto kept = sb.round(std::span(&r, 1))[0];
       if (slot == a) turn_tokens.insert(turn_tokens.end(), kept.begin(), kept.end());
     }
     BOOST_TEST(dd.length(a) == dd.length(b), what);
+    BOOST_TEST(sb.stats(a).since(before).rounds == 1, what << ": the turn's first round drafted");
     model::dspark_state fresh;
     for (int s = 0; s < int(f.w.stages.size()); ++s) fresh.rings.push_back(dd.ring_values(s, b));
     rings.compare_and_sync(dd, a, fresh);
@@ -777,16 +797,24 @@ BOOST_AUTO_TEST_CASE(an_appended_turn_leaves_a_fresh_starts_drafter_state,
     BOOST_TEST_MESSAGE(what << ": " << matching(turn_tokens, want) << " of " << n << " tokens equal to plain decoding's of the "
                             << "whole conversation (first close call at " << want.clear << ")");
     BOOST_TEST(matching(turn_tokens, want) >= want.clear, what << ": a token differs before the first close call");
-    BOOST_TEST(sb.stats(a).rounds > 0);
     for (const int slot : {a, b}) sb.forget(slot), dm.release_sequence(slot);
   }
   rings.check("resumed against fresh:");
-  // Refused: a slot not started, an empty chunk.
+  // Refused before any work (the slot stays started): a slot not started, an empty chunk, a chunk
+  // beyond limits::max_rows, a sequence beyond limits::max_tokens, bad sampling parameters.
   const int idle = dm.add_sequence();
   const std::vector<std::int32_t> one{7};
   BOOST_TEST(test::throws_with([&] { sb.resume(idle, one, exact, greedy); }, "not started"));
   sb.start(idle, one, exact, greedy);
   BOOST_TEST(test::throws_with([&] { sb.resume(idle, {}, exact, greedy); }, "empty chunk"));
+  const auto wide = random_ids(lim.max_rows + 1, 900);
+  BOOST_TEST(test::throws_with([&] { sb.resume(idle, wide, exact, greedy); }, "limits::max_rows"));
+  const auto row = random_ids(lim.max_rows, 901);
+  for (int k = 0; k < 3; ++k) sb.resume(idle, row, exact, greedy);  // 1 + 3 x 64 = 193 of 256
+  BOOST_TEST(test::throws_with([&] { sb.resume(idle, row, exact, greedy); }, "limits::max_tokens"));
+  BOOST_TEST(test::throws_with([&] { sb.resume(idle, one, exact, {-1.0f}); }, "temperature"));
+  const model::speculative_batch<tiny>::request r{idle, 1};
+  BOOST_TEST(sb.round(std::span(&r, 1))[0].size() == 1u);  // still started
 }
 
 BOOST_AUTO_TEST_SUITE_END()

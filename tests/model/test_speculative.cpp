@@ -200,40 +200,57 @@ BOOST_AUTO_TEST_CASE(rounds_one_at_a_time_with_budgets) {
 // drafts and tokens, and the drafter's rings after the turn's first round, are a fresh start's on
 // the whole conversation in the same mode (the host forward's append is its prefill bit for bit,
 // and a CED append its CED prefill: the decoder's owner reads the encoder output in both). Turns
-// shorter and longer than the window. The stats count every round since start().
+// shorter and longer than the window, two turns with no round between them, and a turn right
+// after a one-token prompt's start (no round yet: its first round then drafts). The stats count
+// every round since start().
 BOOST_AUTO_TEST_CASE(an_appended_turn_leaves_a_fresh_starts_state) {
   auto& f = shared();
   const kernels::sampling::sampling_params sp{0.8f, 30, 1.0f, 7};
-  struct turn {
+  const auto exact = model::prompt_prefill::exact, ced = model::prompt_prefill::ced;
+  const int W = c.attn.window_size;
+  struct chunk_plan {
     int length;
     model::prompt_prefill mode;
   };
-  const int W = c.attn.window_size;
-  const auto exact = model::prompt_prefill::exact, ced_mode = model::prompt_prefill::ced;
+  struct plan {
+    int prompt;                     // the first turn's prompt
+    long long before;               // tokens generated before the appended turns (1: none but start's)
+    std::vector<chunk_plan> turns;  // appended one after the other, no round between them
+  };
   auto same_bits = [](const std::vector<numerics::bf16>& x, const std::vector<numerics::bf16>& y) {
     return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(numerics::bf16)) == 0;
   };
-  for (const turn t : {turn{5, exact}, turn{5, ced_mode}, turn{W + 20, exact}, turn{W + 20, ced_mode}}) {
-    const bool ced = t.mode == ced_mode;
-    const auto p1 = prompt_of(1 + t.length % 3);
+  const std::vector<plan> plans = {{2, 8, {{5, exact}}},      {3, 8, {{5, ced}}},           {4, 8, {{W + 20, exact}}},
+                                   {2, 8, {{W + 20, ced}}},   {3, 8, {{3, exact}, {W - 1, exact}}},
+                                   {1, 1, {{5, exact}}}};
+  int id = 0;
+  for (const plan& pl : plans) {
+    const model::prompt_prefill mode = pl.turns.back().mode;
+    const std::string what = "plan " + std::to_string(id++);
+    const auto p1 = prompt_of(pl.prompt);
     std::vector<std::vector<std::int32_t>> drafts_a, drafts_b;
     model::host_sequence sa, sb;
     model::speculative_decoder<tiny> a(f.m, f.w, sa, sp, 3, [&](long long, std::vector<std::int32_t>& ids) { drafts_a.push_back(ids); });
     std::vector<std::int32_t> conversation(p1);
     std::vector<std::int32_t> got{a.start(p1)};
-    while (got.size() < 8) {
-      const auto kept = a.round(8 - (long long)got.size());
+    while ((long long)got.size() < pl.before) {
+      const auto kept = a.round(pl.before - (long long)got.size());
       got.insert(got.end(), kept.begin(), kept.end());
     }
     const long long rounds_before = a.stats().rounds;
     conversation.insert(conversation.end(), got.begin(), got.end());
-    std::vector<std::int32_t> chunk{got.back()};
-    for (int i = 0; i < t.length - 1; ++i) chunk.push_back(std::int32_t((i * 53 + 5) % c.vocab_size));
-    conversation.insert(conversation.end(), chunk.begin() + 1, chunk.end());
+    std::int32_t first = got.back();
+    for (const chunk_plan& t : pl.turns) {
+      std::vector<std::int32_t> chunk{first};  // (the last token returned, never fed)
+      for (int i = 0; i < t.length - 1; ++i) chunk.push_back(std::int32_t((i * 53 + 5 + t.length) % c.vocab_size));
+      conversation.insert(conversation.end(), chunk.begin() + 1, chunk.end());
+      first = a.resume(chunk, t.mode, sp);
+      conversation.push_back(first);  // (drawn, not fed: the next turn's chunk starts with it)
+    }
+    conversation.pop_back();
     drafts_a.clear();
     model::speculative_decoder<tiny> b(f.m, f.w, sb, sp, 3, [&](long long, std::vector<std::int32_t>& ids) { drafts_b.push_back(ids); });
-    const std::string what = std::string(ced ? "CED" : "exact") + " turn of " + std::to_string(t.length);
-    BOOST_TEST(a.resume(chunk, t.mode, sp) == b.start(conversation, t.mode), what);
+    BOOST_TEST(first == b.start(conversation, mode), what);
     BOOST_TEST(sa.length == sb.length, what);
     for (int r = 0; r < 3; ++r) {
       BOOST_TEST(a.round(4) == b.round(4), what << ", round " << r);
@@ -243,15 +260,19 @@ BOOST_AUTO_TEST_CASE(an_appended_turn_leaves_a_fresh_starts_state) {
           BOOST_TEST(same_bits(a.drafter_state().rings[s], b.drafter_state().rings[s]), what << ": stage " << s << "'s ring");
       }
     }
+    BOOST_TEST(!drafts_b.empty(), what);
     BOOST_TEST(drafts_a == drafts_b, what);
     BOOST_TEST(a.stats().rounds == rounds_before + b.stats().rounds, what);
   }
   model::host_sequence seq;
   model::speculative_decoder<tiny> d(f.m, f.w, seq, sp);
   const std::vector<std::int32_t> one{5};
-  BOOST_TEST(throws_with([&] { d.resume(one, model::prompt_prefill::exact, sp); }, "resume() before start()"));
+  BOOST_TEST(throws_with([&] { d.resume(one, exact, sp); }, "resume() before start()"));
   d.start(prompt_of(3));
-  BOOST_TEST(throws_with([&] { d.resume({}, model::prompt_prefill::exact, sp); }, "resume() with an empty chunk"));
+  BOOST_TEST(throws_with([&] { d.resume({}, exact, sp); }, "resume() with an empty chunk"));
+  const kernels::sampling::sampling_params bad{-1.0f};
+  BOOST_TEST(throws_with([&] { d.resume(one, exact, bad); }, "temperature"));
+  BOOST_TEST(seq.length == 3);  // (refused before the forward)
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -50,9 +50,10 @@ namespace dsv4::model {
 //! The loop one round at a time over sequences that come and go (a server's batch): start() runs
 //! a sequence's prefill and draws its first token; round() runs one round of every sequence it is
 //! given together (drafts in one drafter pass, verification in one backbone call, rollbacks'
-//! re-appends in a second) and returns each one's kept tokens: 1 .. block + 1, at most its budget.
-//! A one-token prompt's first round is a plain step (a one-row append, no drafts: its drafter needs
-//! a main_hidden row the prefill does not leave over) and counts as no round. The drafter and the
+//! re-appends in a second) and returns each one's kept tokens: 1 .. block + 1, at most its budget;
+//! resume() appends a turn between rounds (a server session). A round with no main_hidden row the
+//! drafter has not seen (a one-token prompt's first, unless a turn was appended first) is a plain
+//! step (a one-row append, no drafts) and counts as no round. The drafter and the
 //! backbone share sequence slots; a slot's state here lives from start() to forget(). Turns dm's
 //! main_hidden capture on.
 template <class Model>
@@ -126,8 +127,19 @@ class speculative_batch {
     if (slot < 0 || slot >= slots() || !slots_[std::size_t(slot)].started) throw error(who + "not started");
     if (chunk.empty()) throw error(who + "empty chunk");
     kernels::sampling::check_sampling_params(sampling, who);
+    const long long n = static_cast<long long>(chunk.size());
+    // (the backbone would refuse these too, but the slot would be forgotten for nothing)
+    if (n > dm_.max_rows())
+      throw error(who + "a chunk of " + std::to_string(n) + " tokens exceeds limits::max_rows (" + std::to_string(dm_.max_rows()) +
+                  "), the append's call");
+    if (dm_.length(slot) + n > dm_.max_tokens())
+      throw error(who + "the sequence holds " + std::to_string(dm_.length(slot)) + " tokens; " + std::to_string(n) +
+                  " more exceed limits::max_tokens (" + std::to_string(dm_.max_tokens()) + ")");
     try {
       mode == prompt_prefill::ced ? dm_.append_ced(slot, chunk) : dm_.append(slot, chunk);
+      const long long rows = dm_.main_hidden_rows();  // exact: the chunk's last min(n, window); CED: the replay's
+      if (rows != std::min<long long>(mode == prompt_prefill::ced ? dm_.length(slot) : n, W))
+        throw error(who + "the backbone captured " + std::to_string(rows) + " main_hidden rows of the turn (is its capture on?)");
       state& s = slots_[std::size_t(slot)];
       s.sampling = sampling;
       const kernels::sampling::row_request draw{sampling, s.sequence, std::uint64_t(dm_.length(slot))};
@@ -135,12 +147,12 @@ class speculative_batch {
       if (mode == prompt_prefill::ced) {
         seed_from_capture(slot);
       } else {
-        const long long n = static_cast<long long>(chunk.size()), rows = dm_.main_hidden_rows();  // min(n, window)
         const long long kept = std::min<long long>(s.pending_rows, W - rows);  // the newest of the old rows
-        for (long long r = 0; r < kept; ++r)  // moved down row by row (ascending: no row overwrites one still to move)
-          DSV4_CUDA_CHECK(cudaMemcpyAsync(pending_row(slot) + std::size_t(r) * row,
-                                          pending_row(slot) + std::size_t(s.pending_rows - kept + r) * row, row * sizeof(bf16),
-                                          cudaMemcpyDeviceToDevice, dm_.stream()));
+        if (kept < s.pending_rows)  // moved down row by row (ascending: no row overwrites one still to move)
+          for (long long r = 0; r < kept; ++r)
+            DSV4_CUDA_CHECK(cudaMemcpyAsync(pending_row(slot) + std::size_t(r) * row,
+                                            pending_row(slot) + std::size_t(s.pending_rows - kept + r) * row, row * sizeof(bf16),
+                                            cudaMemcpyDeviceToDevice, dm_.stream()));
         DSV4_CUDA_CHECK(cudaMemcpyAsync(pending_row(slot) + std::size_t(kept) * row, dm_.main_hidden(),
                                         std::size_t(rows) * row * sizeof(bf16), cudaMemcpyDeviceToDevice, dm_.stream()));
         s.pending_rows = kept + rows, s.pending_positions += n;

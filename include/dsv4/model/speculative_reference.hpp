@@ -58,8 +58,9 @@ enum class prompt_prefill { exact, ced };
 //! The host loop one round at a time, for a sequence that is stepped among others (a server's
 //! batch): start() runs the prompt's prefill and draws the first token; each round() drafts a
 //! block, verifies it position by position and returns the tokens it kept (1 .. block + 1, at most
-//! the round's budget). A one-token prompt's first round is a plain decode step (its drafter needs
-//! a main_hidden row the prefill does not leave over) and returns one token; it counts as no round.
+//! the round's budget). A round with no main_hidden row the drafter has not seen (a one-token
+//! prompt's first, unless a turn was appended first) is a plain decode step and returns one token;
+//! it counts as no round.
 //! resume() appends a turn between rounds (a server session), and the rounds go on after it; the
 //! stats count every round since start(). generate_speculative below is start() and rounds until
 //! the budget is spent.
@@ -99,6 +100,7 @@ class speculative_decoder {
   std::int32_t resume(std::span<const std::int32_t> chunk, prompt_prefill mode, const kernels::sampling::sampling_params& sampling) {
     if (!started_) throw error("speculative_decoder: resume() before start()");
     if (chunk.empty()) throw error("speculative_decoder: resume() with an empty chunk");
+    kernels::sampling::check_sampling_params(sampling, "speculative_decoder: resume(): ");
     const auto logits = mode == prompt_prefill::ced ? forward_ced(m_, seq_, chunk, nullptr, &mh_) : forward(m_, seq_, chunk, nullptr, &mh_);
     if (mode == prompt_prefill::ced) {
       pending_.clear();
