@@ -40,6 +40,7 @@
 #include "support/gpu.hpp"
 #include "support/logit_stats.hpp"
 #include "support/random.hpp"
+#include "support/resume_plans.hpp"
 
 namespace utf = boost::unit_test;
 using namespace dsv4;
@@ -735,22 +736,11 @@ BOOST_AUTO_TEST_CASE(an_appended_turn_leaves_a_fresh_starts_drafter_state,
   model::speculative_batch<tiny> sb(dm, dd);
   const kernels::sampling::sampling_params greedy{0.0f};
   const auto exact = model::prompt_prefill::exact, ced = model::prompt_prefill::ced;
-  struct chunk_plan {
-    int length;
-    model::prompt_prefill mode;
-  };
-  struct plan {
-    int prompt;                     // the first turn's prompt
-    long long before;               // tokens generated before the appended turns (1: none but start's)
-    std::vector<chunk_plan> turns;  // appended one after the other, no round between them
-  };
-  const std::vector<plan> plans = {{4, 8, {{5, exact}}},      {5, 8, {{5, ced}}},           {6, 8, {{W + 20, exact}}},
-                                   {3, 8, {{W + 20, ced}}},   {4, 8, {{3, exact}, {W - 1, exact}}},
-                                   {1, 1, {{5, exact}}}};
+  const std::vector<test::resume_plan> plans = test::resume_plans(W);
   ring_check rings;
   std::uint64_t seed = 300;
   int id = 0;
-  for (const plan& pl : plans) {
+  for (const test::resume_plan& pl : plans) {
     const model::prompt_prefill mode = pl.turns.back().mode;
     const std::string what = "plan " + std::to_string(id++) + " (" + (mode == ced ? "CED" : "exact") + ")";
     const int a = dm.add_sequence();
@@ -765,7 +755,7 @@ BOOST_AUTO_TEST_CASE(an_appended_turn_leaves_a_fresh_starts_drafter_state,
     std::vector<std::int32_t> conversation(p1);
     conversation.insert(conversation.end(), got.begin(), got.end());
     std::int32_t first = got.back();
-    for (const chunk_plan& t : pl.turns) {
+    for (const test::resume_turn& t : pl.turns) {
       std::vector<std::int32_t> chunk{first};  // (the last token returned, never fed)
       for (const std::int32_t tok : random_ids(t.length - 1, seed++)) chunk.push_back(tok);
       conversation.insert(conversation.end(), chunk.begin() + 1, chunk.end());

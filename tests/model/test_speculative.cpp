@@ -15,6 +15,7 @@
 #include "dsv4/models/checkpoint_schema.hpp"
 #include "dsv4/models/tiny.hpp"
 #include "support/errors.hpp"
+#include "support/resume_plans.hpp"
 
 using namespace dsv4;
 using tiny = models::tiny;
@@ -206,25 +207,14 @@ BOOST_AUTO_TEST_CASE(rounds_one_at_a_time_with_budgets) {
 BOOST_AUTO_TEST_CASE(an_appended_turn_leaves_a_fresh_starts_state) {
   auto& f = shared();
   const kernels::sampling::sampling_params sp{0.8f, 30, 1.0f, 7};
-  const auto exact = model::prompt_prefill::exact, ced = model::prompt_prefill::ced;
+  const auto exact = model::prompt_prefill::exact;
   const int W = c.attn.window_size;
-  struct chunk_plan {
-    int length;
-    model::prompt_prefill mode;
-  };
-  struct plan {
-    int prompt;                     // the first turn's prompt
-    long long before;               // tokens generated before the appended turns (1: none but start's)
-    std::vector<chunk_plan> turns;  // appended one after the other, no round between them
-  };
   auto same_bits = [](const std::vector<numerics::bf16>& x, const std::vector<numerics::bf16>& y) {
     return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(numerics::bf16)) == 0;
   };
-  const std::vector<plan> plans = {{2, 8, {{5, exact}}},      {3, 8, {{5, ced}}},           {4, 8, {{W + 20, exact}}},
-                                   {2, 8, {{W + 20, ced}}},   {3, 8, {{3, exact}, {W - 1, exact}}},
-                                   {1, 1, {{5, exact}}}};
+  const std::vector<test::resume_plan> plans = test::resume_plans(W);
   int id = 0;
-  for (const plan& pl : plans) {
+  for (const test::resume_plan& pl : plans) {
     const model::prompt_prefill mode = pl.turns.back().mode;
     const std::string what = "plan " + std::to_string(id++);
     const auto p1 = prompt_of(pl.prompt);
@@ -240,7 +230,7 @@ BOOST_AUTO_TEST_CASE(an_appended_turn_leaves_a_fresh_starts_state) {
     const long long rounds_before = a.stats().rounds;
     conversation.insert(conversation.end(), got.begin(), got.end());
     std::int32_t first = got.back();
-    for (const chunk_plan& t : pl.turns) {
+    for (const test::resume_turn& t : pl.turns) {
       std::vector<std::int32_t> chunk{first};  // (the last token returned, never fed)
       for (int i = 0; i < t.length - 1; ++i) chunk.push_back(std::int32_t((i * 53 + 5 + t.length) % c.vocab_size));
       conversation.insert(conversation.end(), chunk.begin() + 1, chunk.end());
