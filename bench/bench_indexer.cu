@@ -4,6 +4,9 @@
 //! Scan: FLOPs = rows x keys x heads x 128 x 2; bytes = keys x 68 (read) + rows x keys x 2 (scores).
 //! Top-k: bytes = rows x keys x 2 (one read of the scores; the kernel reads them three times);
 //! "top-k/N" is the same selection given scratch, several CTAs per row when the rows are long.
+//! "scan" is the tiled kernel (one CTA per 64 keys and 4 rows), "scan/s" the streamed one (warps
+//! streaming 16-key tiles over a grid sized to the GPU); the model's scan picks one per call
+//! (plan_index_scan). "reindex" and "reindex/s" likewise.
 //! Reindex: a gathered scan of the 16,384 pool positions plus top-512 among them, per row.
 //! Ratios are to max(FLOPs / bf16 GEMM rate, bytes / copy bandwidth), both measured in this run.
 
@@ -45,7 +48,10 @@ int main(int argc, char** argv) {
             ds(std::size_t(rows) * keys);
         runtime::device_buffer<long long> dv{std::span<const long long>(visible)};
         runtime::device_buffer<std::int32_t> dout(std::size_t(rows) * topk);
-        const index_scan_args sa{dq.data(), dw.data(), dkeys.data(), entry, ds.data(), dv.data(), rows, heads, keys};
+        index_scan_args sa{dq.data(), dw.data(), dkeys.data(), entry, ds.data(), dv.data(), rows, heads, keys};
+        sa.method = scan_method::streamed;
+        const double ms_stream = bench::median_ms([&] { index_scan<dim>(sa); }, 3, 15);
+        sa.method = scan_method::tiled;
         const topk_args ta{ds.data(), keys, rows, topk, dv.data(), 128, dout.data()};
         const double ms_scan = bench::median_ms([&] { index_scan<dim>(sa); }, 3, 15);
         const double ms_topk = bench::median_ms([&] { select_topk(ta); }, 3, 15);
@@ -62,10 +68,16 @@ int main(int argc, char** argv) {
             pos[std::size_t(r) * cand + c] = std::int32_t((long long)(c / 8) * (keys / 2048) + c % 8);  // ascending
         runtime::device_buffer<std::int32_t> dpos{std::span<const std::int32_t>(pos)};
         runtime::device_buffer<bf16> dcs(std::size_t(rows) * cand);
-        const gathered_scan_args ga{{dq.data(), dw.data(), dkeys.data(), entry, dcs.data(), dv.data(), rows, heads, cand},
-                                    dpos.data()};
+        gathered_scan_args ga{{dq.data(), dw.data(), dkeys.data(), entry, dcs.data(), dv.data(), rows, heads, cand},
+                              dpos.data()};
+        ga.scan.method = scan_method::tiled;
         const topk_args ra{dcs.data(), cand, rows, topk, dv.data(), 128, dout.data(), dpos.data()};
         const double ms_reindex = bench::median_ms([&] {
+          index_scan_gathered<dim>(ga);
+          select_topk(ra);
+        }, 3, 15);
+        ga.scan.method = scan_method::streamed;
+        const double ms_reindex_s = bench::median_ms([&] {
           index_scan_gathered<dim>(ga);
           select_topk(ra);
         }, 3, 15);
@@ -74,10 +86,12 @@ int main(int argc, char** argv) {
         const double topk_bytes = 2.0 * rows * double(keys);
         const double re_flops = 2.0 * rows * double(cand) * heads * dim;
         const double re_bytes = double(rows) * cand * (entry + 4.0 + 2.0 * 2);
-        struct { const char* name; double ms, flops, bytes; } res[4] = {{"scan", ms_scan, flops, scan_bytes},
+        struct { const char* name; double ms, flops, bytes; } res[6] = {{"scan", ms_scan, flops, scan_bytes},
+                                                                         {"scan/s", ms_stream, flops, scan_bytes},
                                                                          {"top-k", ms_topk, 0.0, topk_bytes},
                                                                          {"top-k/N", ms_split, 0.0, topk_bytes},
-                                                                         {"reindex", ms_reindex, re_flops, re_bytes}};
+                                                                         {"reindex", ms_reindex, re_flops, re_bytes},
+                                                                         {"reindex/s", ms_reindex_s, re_flops, re_bytes}};
         for (auto& r : res) {
           const double floor_s = ceil.floor_s(r.flops, r.bytes);
           std::printf("%-8s %6d %9lld %10.1f %10.2f %10.1f %8.1f%%\n", r.name, rows, keys, r.ms * 1e3,
@@ -102,13 +116,19 @@ int main(int argc, char** argv) {
       runtime::device_buffer<std::uint8_t> dkeys{std::span<const std::uint8_t>(cache)};
       runtime::device_buffer<bf16> dq{std::span<const bf16>(q)}, dw{std::span<const bf16>(w)}, ds(std::size_t(rows) * keys);
       runtime::device_buffer<long long> dv{std::span<const long long>(visible)};
-      const index_scan_args sa{dq.data(), dw.data(), dkeys.data(), entry, ds.data(), dv.data(), rows, heads, keys};
-      const double ms = bench::median_ms([&] { index_scan<dim>(sa); }, 3, 15);
+      index_scan_args sa{dq.data(), dw.data(), dkeys.data(), entry, ds.data(), dv.data(), rows, heads, keys};
       const double pairs = double(rows) * (rows + 1) / 2;  // the visible (row, key) pairs
       const double flops = 2.0 * pairs * heads * dim;
-      std::printf("\ncausal prefill scan: %d rows x %lld keys (row i sees i + 1): %.1f us, %.2f TFLOP/s on the visible pairs\n",
-                  rows, keys, ms * 1e3, flops / (ms * 1e-3) / 1e12);
-      if (jf) std::fprintf(jf, ",\n  {\"kernel\": \"scan-causal\", \"rows\": %d, \"keys\": %lld, \"us\": %.2f}", rows, keys, ms * 1e3);
+      for (const scan_method m : {scan_method::tiled, scan_method::streamed}) {
+        sa.method = m;
+        const double ms = bench::median_ms([&] { index_scan<dim>(sa); }, 3, 15);
+        const char* name = m == scan_method::tiled ? "tiled" : "streamed";
+        std::printf("%scausal prefill scan (%s): %d rows x %lld keys (row i sees i + 1): %.1f us, %.2f TFLOP/s on the visible pairs\n",
+                    m == scan_method::tiled ? "\n" : "", name, rows, keys, ms * 1e3, flops / (ms * 1e-3) / 1e12);
+        if (jf)
+          std::fprintf(jf, ",\n  {\"kernel\": \"scan-causal-%s\", \"rows\": %d, \"keys\": %lld, \"us\": %.2f}", name, rows, keys,
+                       ms * 1e3);
+      }
     }
     if (jf) {
       std::fprintf(jf, "\n]}\n");

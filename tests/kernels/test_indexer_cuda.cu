@@ -57,11 +57,26 @@ std::vector<std::int32_t> run_select(topk_args t, bool split) {
   return out.download();
 }
 
+//! Both scan kernels: the tiled one and the streamed one (bit-equal to the host, so to each other).
+constexpr scan_method scan_methods[] = {scan_method::tiled, scan_method::streamed};
+
+const char* method_name(scan_method m) { return m == scan_method::tiled ? "tiled" : "streamed"; }
+
+//! Key block scales at the ends of UE8M0's range, where an element times its scale leaves bf16's
+//! normal range and the streamed scan takes its slow path: `low` (2^-127 .. 2^-118: bf16
+//! subnormals; the queries scaled up by 2^12 so that every product stays a normal fp32), `high`
+//! (2^122 .. 2^127 and NaN: values that overflow to inf; the queries scaled down by 2^12 so that
+//! finite products stay finite, the infinite ones give inf or NaN dot products, as on the host).
+enum class extreme_scales { none, low, high };
+
 template <int dim>
-void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std::uint64_t salt, int spread = 0) {
+void check_scan_and_select(scan_method method, int rows, int heads, long long n_keys, int topk, std::uint64_t salt,
+                           int spread = 0, extreme_scales extreme = extreme_scales::none) {
+  BOOST_TEST_CONTEXT(method_name(method) << " scan, " << rows << " rows x " << n_keys << " keys, " << heads << " heads") {
   using layout = numerics::packed_vector<numerics::index_key_format, dim>;
   auto rng = test::make_rng(salt);
-  const auto q = qdq_rows(rng, std::size_t(rows) * heads, dim, 1.0f, spread);
+  const float q_sigma = extreme == extreme_scales::low ? 0x1p12f : extreme == extreme_scales::high ? 0x1p-12f : 1.0f;
+  const auto q = qdq_rows(rng, std::size_t(rows) * heads, dim, q_sigma, spread);
   std::normal_distribution<float> nw(0.0f, 1.0f);
   std::vector<bf16> w(std::size_t(rows) * heads);
   for (auto& v : w) v = bf16::from_float(numerics::round_to_bf16(nw(rng)) * 0.015625f);
@@ -77,7 +92,22 @@ void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std:
   // Entries padded to a multiple of 4 bytes, as the attention stack stores them (tiny's 64-channel
   // key is 34 bytes; the scan reads keys 4 bytes at a time).
   const long long stride = (layout::bytes + 3) / 4 * 4;
-  const auto [cache, kq] = test::pack_index_keys<dim>(kx, std::size_t(stride));
+  auto [cache, kq] = test::pack_index_keys<dim>(kx, std::size_t(stride));
+  if (extreme != extreme_scales::none) {
+    constexpr std::uint8_t low[] = {0, 1, 5, 7, 8, 9}, high[] = {249, 250, 251, 252, 253, 254, 255};
+    for (long long t = 0; t < n_keys; ++t) {
+      std::uint8_t* entry = cache.data() + std::size_t(t) * std::size_t(stride);
+      bool changed = false;
+      for (int b = 0; b < layout::blocks; ++b)
+        if (rng() % 8 == 0)
+          entry[layout::scale_offset + b] = extreme == extreme_scales::low ? low[rng() % std::size(low)] : high[rng() % std::size(high)],
+          changed = true;
+      if (changed)
+        numerics::dequantize_vector<numerics::index_key_format>(
+            {entry, std::size_t(layout::code_bytes)}, {entry + layout::scale_offset, std::size_t(layout::scale_bytes)},
+            std::span(kq).subspan(std::size_t(t) * dim, dim));
+    }
+  }
   std::vector<long long> visible(static_cast<std::size_t>(rows));
   for (int r = 0; r < rows; ++r) visible[r] = r == 0 ? n_keys : (long long)(rng() % std::uint64_t(n_keys + 1));
 
@@ -85,7 +115,9 @@ void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std:
   device_buffer<std::uint8_t> dkeys{std::span<const std::uint8_t>(cache)};
   device_buffer<long long> dvis{std::span<const long long>(visible)};
   dscores.fill_bytes(0xFF);
-  index_scan<dim>({dq.data(), dw.data(), dkeys.data(), stride, dscores.data(), dvis.data(), rows, heads, n_keys});
+  index_scan_args sa{dq.data(), dw.data(), dkeys.data(), stride, dscores.data(), dvis.data(), rows, heads, n_keys};
+  sa.method = method;
+  index_scan<dim>(sa);
   const int k = int(std::min<long long>(topk, n_keys));
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   const auto got_scores = dscores.download();
@@ -107,8 +139,10 @@ void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std:
     const std::vector<std::int32_t> got(got_idx.begin() + std::ptrdiff_t(r) * k, got_idx.begin() + std::ptrdiff_t(r + 1) * k);
     BOOST_TEST(got == want_idx, "row " << r << " (visible " << visible[r] << ") selection differs");
   }
-  BOOST_TEST_MESSAGE("index scan " << rows << "x" << n_keys << ": " << score_mismatch << " scores differ from the host");
+  BOOST_TEST_MESSAGE(method_name(method) << " index scan " << rows << "x" << n_keys << ": " << score_mismatch
+                                        << " scores differ from the host");
   BOOST_TEST(score_mismatch == 0u);
+  }
 }
 
 }  // namespace
@@ -116,13 +150,29 @@ void check_scan_and_select(int rows, int heads, long long n_keys, int topk, std:
 BOOST_AUTO_TEST_SUITE(indexer_cuda)
 
 BOOST_AUTO_TEST_CASE(scan_and_select_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
-  check_scan_and_select<128>(3, 32, 5000, 512, 1);   // decode-like, V4.1 heads and top-k
-  check_scan_and_select<128>(9, 32, 300, 512, 2);    // fewer keys than top-k: k = n, -1 tails
-  check_scan_and_select<128>(2, 4, 70001, 16, 3);    // tiny heads and top-k, many tiles
-  check_scan_and_select<64>(5, 4, 3001, 16, 4);      // tiny's index dim and heads
-  check_scan_and_select<128>(6, 64, 1500, 512, 5);   // the most heads: four MMA head tiles
-  check_scan_and_select<128>(7, 48, 999, 64, 6);     // three head tiles
-  check_scan_and_select<64>(1, 20, 200, 16, 7);      // a partial second head tile
+  for (const scan_method m : scan_methods) {
+    check_scan_and_select<128>(m, 3, 32, 5000, 512, 1);   // decode-like, V4.1 heads and top-k
+    check_scan_and_select<128>(m, 9, 32, 300, 512, 2);    // fewer keys than top-k: k = n, -1 tails
+    check_scan_and_select<128>(m, 2, 4, 70001, 16, 3);    // tiny heads and top-k, many tiles
+    check_scan_and_select<64>(m, 5, 4, 3001, 16, 4);      // tiny's index dim and heads
+    check_scan_and_select<128>(m, 6, 64, 1500, 512, 5);   // the most heads: four MMA head tiles
+    check_scan_and_select<128>(m, 7, 48, 999, 64, 6);     // three head tiles
+    check_scan_and_select<64>(m, 1, 20, 200, 16, 7);      // a partial second head tile
+    check_scan_and_select<128>(m, 1, 32, 200003, 512, 8); // one decode row over many tiles per warp
+    check_scan_and_select<128>(m, 70, 32, 777, 512, 9);   // more rows than the streamed grid's groups
+  }
+}
+
+// Block scales at the ends of UE8M0's range (an eighth of the key blocks): elements times scale
+// in bf16's subnormals, or overflowing to inf, and NaN scales; the streamed scan's slow path must
+// give the host's values, and both kernels the host's relu of a NaN dot product (NaN).
+BOOST_AUTO_TEST_CASE(scan_matches_host_at_extreme_key_scales,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  for (const scan_method m : scan_methods)
+    for (const extreme_scales e : {extreme_scales::low, extreme_scales::high}) {
+      check_scan_and_select<128>(m, 3, 32, 3000, 512, 21, 0, e);
+      check_scan_and_select<64>(m, 2, 4, 500, 16, 22, 0, e);
+    }
 }
 
 // Blocks of q and of the keys scaled by 2^-8 .. 2^8: a dot product's blocks then differ by up to
@@ -130,9 +180,11 @@ BOOST_AUTO_TEST_CASE(scan_and_select_match_host, *utf::label("gpu") * utf::preco
 // the same exact dot product (each block on its own tensor-core accumulator, added in double).
 BOOST_AUTO_TEST_CASE(scan_is_exact_for_far_apart_block_scales,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
-  check_scan_and_select<128>(5, 32, 2000, 512, 11, 8);
-  check_scan_and_select<64>(5, 4, 2000, 16, 12, 8);
-  check_scan_and_select<128>(3, 64, 700, 64, 13, 8);
+  for (const scan_method m : scan_methods) {
+    check_scan_and_select<128>(m, 5, 32, 2000, 512, 11, 8);
+    check_scan_and_select<64>(m, 5, 4, 2000, 16, 12, 8);
+    check_scan_and_select<128>(m, 3, 64, 700, 64, 13, 8);
+  }
 }
 
 // Paged keys of two sequences in one call, their rows interleaved so that CTAs' groups of four
@@ -174,10 +226,11 @@ BOOST_AUTO_TEST_CASE(paged_scan_of_mixed_sequences_matches_host,
   device_buffer<std::uint8_t> dpool{std::span<const std::uint8_t>(pool)};
   device_buffer<std::int32_t> dtables{std::span<const std::int32_t>(phys)}, dbatch{std::span<const std::int32_t>(row_batch)};
   device_buffer<long long> dvis{std::span<const long long>(visible)};
+  for (const scan_method m : scan_methods) {
   dscores.fill_bytes(0xFF);
   index_scan_args a{dq.data(), dw.data(), dpool.data(), layout::bytes, dscores.data(), dvis.data(), rows, heads, n};
   a.block_tables = dtables.data(), a.row_batch = dbatch.data(), a.max_pages = pages_per_seq, a.entries_per_page = epp;
-  a.page_bytes = page_bytes;
+  a.page_bytes = page_bytes, a.method = m;
   index_scan<dim>(a);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   const auto got = dscores.download();
@@ -189,7 +242,8 @@ BOOST_AUTO_TEST_CASE(paged_scan_of_mixed_sequences_matches_host,
     for (long long t = 0; t < n; ++t)
       mismatch += bf16::from_float(want[std::size_t(t)]).bits != got[std::size_t(r) * n + t].bits;
   }
-  BOOST_TEST(mismatch == 0u, mismatch << " of " << rows * n << " paged scores differ from the host");
+  BOOST_TEST(mismatch == 0u, method_name(m) << ": " << mismatch << " of " << rows * n << " paged scores differ from the host");
+  }
 }
 
 // Heavy ties: scores from a handful of values; lowest indices must win at the threshold.
@@ -328,8 +382,9 @@ BOOST_AUTO_TEST_CASE(select_follows_torch_order_for_signed_zeros_nan_and_inf,
 // scores only the pool's positions and selects among them. Equal to the reference, which scores
 // every position, masks the non-candidates and selects. `fixed_visible` (one count per row) gives
 // prefill-like rows; without it, rows see nearly all n keys (decode-like).
-void check_candidate_path(int rows, int heads, long long n, int topk, int block, int topk_blocks, std::uint64_t salt,
-                          const std::vector<long long>& fixed_visible = {}) {
+void check_candidate_path(scan_method method, int rows, int heads, long long n, int topk, int block, int topk_blocks,
+                          std::uint64_t salt, const std::vector<long long>& fixed_visible = {}) {
+  BOOST_TEST_CONTEXT(method_name(method) << " scans, n " << n) {
   if (!fixed_visible.empty()) rows = int(fixed_visible.size());
   constexpr int dim = 128;
   using layout = numerics::packed_vector<numerics::index_key_format, dim>;
@@ -351,7 +406,9 @@ void check_candidate_path(int rows, int heads, long long n, int topk, int block,
   device_buffer<std::uint8_t> dkeys{std::span<const std::uint8_t>(cache)};
   device_buffer<long long> dvis{std::span<const long long>(visible)};
   device_buffer<bf16> dqs{std::span<const bf16>(q_src)}, dws{std::span<const bf16>(w_src)}, dscores(std::size_t(rows) * n);
-  index_scan<dim>({dqs.data(), dws.data(), dkeys.data(), layout::bytes, dscores.data(), dvis.data(), rows, heads, n});
+  index_scan_args src{dqs.data(), dws.data(), dkeys.data(), layout::bytes, dscores.data(), dvis.data(), rows, heads, n};
+  src.method = method;
+  index_scan<dim>(src);
   const long long blocks = (n + block - 1) / block;
   const int kb = int(std::min<long long>(topk_blocks, blocks));
   device_buffer<bf16> dblock(std::size_t(rows) * blocks);
@@ -359,7 +416,9 @@ void check_candidate_path(int rows, int heads, long long n, int topk, int block,
   const long long cols = candidate_pool({dscores.data(), n, rows, block, topk_blocks, dvis.data(), dblock.data(), dids.data(), dpos.data()});
   BOOST_REQUIRE(cols == static_cast<long long>(kb) * block);
   device_buffer<bf16> dqr{std::span<const bf16>(q_re)}, dwr{std::span<const bf16>(w_re)}, dcand(std::size_t(rows) * cols);
-  index_scan_gathered<dim>({{dqr.data(), dwr.data(), dkeys.data(), layout::bytes, dcand.data(), dvis.data(), rows, heads, cols}, dpos.data()});
+  index_scan_args re_args{dqr.data(), dwr.data(), dkeys.data(), layout::bytes, dcand.data(), dvis.data(), rows, heads, cols};
+  re_args.method = method;
+  index_scan_gathered<dim>({re_args, dpos.data()});
   const int k = int(std::min<long long>(topk, n));
   device_buffer<std::int32_t> dsel(std::size_t(rows) * k);
   topk_args t{dcand.data(), cols, rows, k, dvis.data(), 128, dsel.data(), dpos.data()};
@@ -385,12 +444,15 @@ void check_candidate_path(int rows, int heads, long long n, int topk, int block,
     BOOST_TEST(std::vector<std::int32_t>(sel.begin() + std::ptrdiff_t(r) * k, sel.begin() + std::ptrdiff_t(r + 1) * k) == want_sel,
                "row " << r << ": Reindex selection differs");
   }
+  }
 }
 
 BOOST_AUTO_TEST_CASE(candidate_pool_and_reindex_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
-  check_candidate_path(3, 4, 300, 16, 4, 8, 61);         // tiny sizes: the 32-entry pool binds
-  check_candidate_path(2, 32, 20000, 512, 8, 2048, 62);  // V4.1 sizes: 16,384 candidates of 20,000
-  check_candidate_path(2, 32, 9000, 512, 8, 2048, 63);   // below the pool size: every visible block kept
+  for (const scan_method m : scan_methods) {
+    check_candidate_path(m, 3, 4, 300, 16, 4, 8, 61);         // tiny sizes: the 32-entry pool binds
+    check_candidate_path(m, 2, 32, 20000, 512, 8, 2048, 62);  // V4.1 sizes: 16,384 candidates of 20,000
+    check_candidate_path(m, 2, 32, 9000, 512, 8, 2048, 63);   // below the pool size: every visible block kept
+  }
 }
 
 // Prefill-like rows (row i sees few keys): the pool holds every visible block and then blocks with
@@ -398,8 +460,11 @@ BOOST_AUTO_TEST_CASE(candidate_pool_and_reindex_match_host, *utf::label("gpu") *
 // and fill the rest with -1 (positions past the visible count, then holes), at the row's end. Rows
 // around the block, k and pool boundaries, with a few long rows where the pool binds.
 BOOST_AUTO_TEST_CASE(reindex_prefill_rows_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
-  check_candidate_path(0, 4, 300, 16, 4, 8, 65, {1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 37, 150, 300});
-  check_candidate_path(0, 32, 20000, 512, 8, 2048, 66, {1, 7, 8, 9, 100, 511, 512, 513, 4000, 16383, 16384, 16385, 16392, 20000});
+  for (const scan_method m : scan_methods) {
+    check_candidate_path(m, 0, 4, 300, 16, 4, 8, 65, {1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 37, 150, 300});
+    check_candidate_path(m, 0, 32, 20000, 512, 8, 2048, 66,
+                         {1, 7, 8, 9, 100, 511, 512, 513, 4000, 16383, 16384, 16385, 16392, 20000});
+  }
 }
 
 BOOST_AUTO_TEST_CASE(bad_arguments_are_errors) {

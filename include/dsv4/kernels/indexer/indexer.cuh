@@ -35,6 +35,12 @@ namespace dsv4::kernels::indexer {
 
 using numerics::bf16;
 
+//! Which scan kernel runs: `tiled` (one CTA per 64 keys and 4 rows, the keys dequantized into
+//! shared memory once for the rows), `streamed` (warps streaming 16-key tiles into registers over
+//! a grid sized to the GPU), or `automatic` (detail::plan_index_scan's choice). Same scores, bit
+//! for bit.
+enum class scan_method { automatic, tiled, streamed };
+
 struct index_scan_args {
   const bf16* q = nullptr;           //!< [rows, heads, Dim], MXFP4 QDQ'd queries (RoPE applied)
   const bf16* w = nullptr;           //!< [rows, heads], weights_proj output already scaled by 2^-6
@@ -52,6 +58,7 @@ struct index_scan_args {
   const std::int32_t* row_batch = nullptr;
   int max_pages = 0, entries_per_page = 0;
   long long page_bytes = 0;
+  scan_method method = scan_method::automatic;
 
   DSV4_HOST_DEVICE const std::uint8_t* key(int row, long long t) const {
     if (!block_tables) return keys + t * key_stride;
@@ -104,6 +111,10 @@ inline constexpr int scan_threads = 128;  // four warps
 inline constexpr int scan_keys = 64;      // keys per CTA: 16 per warp, two MMA n-tiles
 inline constexpr int scan_rows = 4;       // query rows per CTA: they share its dequantized keys
 inline constexpr int max_index_heads = 64;
+
+//! std::max(d, 0.0f) as the host reference takes it: a NaN dot product stays NaN (as torch.relu
+//! keeps it; fmaxf would give 0) and -0 stays -0.
+DSV4_DEVICE float relu_like_host(float d) { return d < 0.0f ? 0.0f : d; }
 
 //! Shared memory of a scan CTA: the dequantized keys [scan_keys][Dim + 8] and the current row's
 //! queries [head tiles x 16][Dim + 8] in bf16 (rows padded by 16 bytes for ldmatrix), the row's
@@ -240,7 +251,7 @@ DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_ar
           const int h = ht * 16 + gid + 8 * (i / 2), key = warp * 16 + nt * 8 + quad * 2 + i % 2;
           if (h >= heads) continue;
           const float d = numerics::round_to_bf16(__double2float_rn(acc[ht][nt][i]));
-          terms[key * tstride + h] = numerics::round_to_bf16(__fmul_rn(fmaxf(d, 0.0f), w_s[h]));
+          terms[key * tstride + h] = numerics::round_to_bf16(__fmul_rn(relu_like_host(d), w_s[h]));
         }
     }
     __syncthreads();
@@ -258,6 +269,245 @@ DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_ar
         }
       }
     }
+  }
+}
+
+//! The streamed scan (`scan_method::streamed`): warps that each stream their own 16-key tiles
+//! straight from global memory into MMA B fragments, with no block-wide barrier after the queries
+//! are staged, in a grid sized to the GPU (each CTA strides over the key tiles). The tiled kernel
+//! above is one short CTA per 64 keys: at decode (one to a few rows) it ran at 4% of the copy
+//! bound, its time going to the staging of q and keys, barriers and one-wave tails rather than to
+//! bytes or products.
+//!
+//! Exactness is the tiled kernel's: the keys are the MXFP4 values times their block scale in bf16
+//! (the values F::dequantize gives), each 32-channel block's products summed on its own
+//! tensor-core accumulator, the blocks added in double. The K order inside a block is permuted so
+//! that each lane's fragment registers come from one 4-byte word of the key: lane (gid, quad) holds
+//! key gid's channels 32b + 8 quad + [0, 8) of block b, as k-steps 2b (channels +0..3) and 2b + 1
+//! (+4..7); the queries are staged in the same order (a block's sum does not depend on the order of
+//! its products, all exact).
+inline constexpr int stream_warps = 4;
+inline constexpr int stream_keys = 16;  // keys per warp tile: two MMA n-tiles
+inline constexpr int stream_rows = 4;   // query rows per CTA: they share a tile's key fragments
+
+//! Shared memory of a streamed-scan CTA: the rows' query fragments [rows][head tiles][k-steps][32
+//! lanes] (16 bytes per lane), their weights [rows][heads] and each warp's (key, head) terms
+//! [warps][16][heads + 1] in fp32.
+template <int Dim>
+struct stream_smem {
+  static constexpr int ksteps = Dim / 16;
+  DSV4_HOST_DEVICE static int q_frags(int heads) { return stream_rows * ((heads + 15) / 16) * ksteps * 32; }
+  static int bytes(int heads) {
+    return q_frags(heads) * 16 + (stream_rows * heads + stream_warps * stream_keys * (heads + 1)) * int(sizeof(float));
+  }
+};
+
+//! Two E2M1 codes (one byte, element 0 in the low nibble) times scale value s, as F::dequantize
+//! rounds them, packed as bf16x2: the path for block scales whose products could leave bf16's
+//! normal range (codes below 8 or above 250, and the NaN code).
+template <class F>
+DSV4_DEVICE std::uint32_t dequantize_pair_slow(std::uint32_t byte, float s) {
+  return std::uint32_t(numerics::fast_dequantize<F>(std::uint8_t(byte & 0xF), s).bits) |
+         std::uint32_t(numerics::fast_dequantize<F>(std::uint8_t((byte >> 4) & 0xF), s).bits) << 16;
+}
+
+//! A warp's packed bits of one tile's keys for one row (lane (gid, quad): key 8j + gid of n-tile
+//! j, the quad-th word of each block and the scale words), loaded a work item ahead of their use.
+template <int Dim>
+struct stream_key_bits {
+  static constexpr int blocks = Dim / 32, scale_words = (Dim / 32 + 3) / 4;
+  std::uint32_t words[2][blocks];
+  std::uint32_t scales[2][scale_words];
+};
+
+//! The MMA B fragments of stream_key_bits: per block b, k-steps 2b (channels 32b + 8 quad + 0..3)
+//! and 2b + 1 (+4..7), each element times its block scale as F::dequantize rounds it.
+template <int Dim>
+DSV4_DEVICE void stream_key_fragments(const stream_key_bits<Dim>& bits, std::uint32_t (&kf)[2][Dim / 16][2]) {
+  using F = numerics::index_key_format;
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int b = 0; b < Dim / 32; ++b) {
+      const std::uint32_t w = bits.words[j][b], code = (bits.scales[j][b / 4] >> (8 * (b % 4))) & 0xFFu;
+      std::uint32_t lo01, lo23, hi01, hi23;
+      numerics::e2m1x4_to_bf16x4(w & 0xFFFFu, lo01, lo23);
+      numerics::e2m1x4_to_bf16x4(w >> 16, hi01, hi23);
+      if (code >= 8 && code <= 250) {  // every product a normal bf16: exact, as dequantize's rounding
+        const std::uint32_t s2 = code << 7 | code << 23;  // bf16x2 of 2^(code - 127)
+        kf[j][2 * b][0] = numerics::bf16x2_mul(lo01, s2), kf[j][2 * b][1] = numerics::bf16x2_mul(lo23, s2);
+        kf[j][2 * b + 1][0] = numerics::bf16x2_mul(hi01, s2), kf[j][2 * b + 1][1] = numerics::bf16x2_mul(hi23, s2);
+      } else {
+        const float sv = numerics::decode<typename F::scale>(std::uint8_t(code));
+        kf[j][2 * b][0] = dequantize_pair_slow<F>(w, sv), kf[j][2 * b][1] = dequantize_pair_slow<F>(w >> 8, sv);
+        kf[j][2 * b + 1][0] = dequantize_pair_slow<F>(w >> 16, sv);
+        kf[j][2 * b + 1][1] = dequantize_pair_slow<F>(w >> 24, sv);
+      }
+    }
+}
+
+//! Work items are (tile, row) pairs, rows inner; each warp walks its own tiles. An item whose row
+//! sees none of the tile is written -inf on the way; an item whose keys are not already in the
+//! fragments (a new tile, another sequence's pages, a gathered row) has them loaded while the
+//! item before it is computed, so a warp waits for memory only at its first item.
+template <int Dim>
+DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 4) index_scan_streamed_kernel(index_scan_args a,
+                                                                                    const std::int32_t* positions) {
+  constexpr int kSteps = Dim / 16;
+  runtime::start_after_previous_grid();
+  extern __shared__ __align__(16) unsigned char stream_smem_raw[];
+  const int heads = a.heads, head_tiles = (heads + 15) / 16, tstride = heads + 1;
+  uint4* q_f = reinterpret_cast<uint4*>(stream_smem_raw);
+  float* w_s = reinterpret_cast<float*>(q_f + stream_smem<Dim>::q_frags(heads));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, quad = lane % 4;
+  float* terms = w_s + stream_rows * heads + warp * stream_keys * tstride;
+  const int row0 = int(blockIdx.y) * stream_rows, nrows = min(a.rows - row0, stream_rows);
+
+  // The rows' queries in fragment order: lane (gid, quad) of k-step s = 2b + half holds heads gid
+  // and gid + 8 of its head tile at channels c, c + 1 (a0, a1) and c + 2, c + 3 (a2, a3), c = 32b +
+  // 8 quad + 4 half. Padding heads are zero.
+  for (int i = threadIdx.x; i < nrows * head_tiles * kSteps * 32; i += blockDim.x) {
+    const int l = i % 32, s = (i / 32) % kSteps, ht = (i / 32 / kSteps) % head_tiles, r = i / 32 / kSteps / head_tiles;
+    const int c = 32 * (s / 2) + 8 * (l % 4) + 4 * (s % 2), h0 = ht * 16 + l / 4, h1 = h0 + 8;
+    const bf16* q = a.q + static_cast<long long>(row0 + r) * heads * Dim;
+    auto pair = [&](int h, int ch) -> std::uint32_t {
+      return h < heads ? *reinterpret_cast<const std::uint32_t*>(q + h * Dim + ch) : 0u;
+    };
+    q_f[i] = make_uint4(pair(h0, c), pair(h1, c), pair(h0, c + 2), pair(h1, c + 2));
+  }
+  for (int i = threadIdx.x; i < nrows * heads; i += blockDim.x)
+    w_s[i] = a.w[static_cast<long long>(row0) * heads + i].to_float();
+  __syncthreads();
+
+  auto key_source = [&](int row) -> long long {
+    if (positions) return row;
+    return a.block_tables && a.row_batch ? a.row_batch[row] : -1;
+  };
+  auto position = [&](int row, long long t) -> long long {
+    return positions ? positions[static_cast<long long>(row) * a.n_keys + t] : t;
+  };
+  const bf16 neg_inf = bf16::from_bits(0xFF80);
+  const long long tiles = (a.n_keys + stream_keys - 1) / stream_keys, stride = static_cast<long long>(gridDim.x) * stream_warps;
+
+  // Issues the loads of row r's keys in `tile` (those any later row of its source can see; the
+  // others are zero).
+  auto fetch = [&](long long tile, int r, stream_key_bits<Dim>& bits) {
+    const int row = row0 + r;
+    const long long source = key_source(row);
+    long long limit = a.visible[row];
+    if (!positions)
+      for (int r2 = r + 1; r2 < nrows; ++r2)
+        if (key_source(row0 + r2) == source) limit = max(limit, a.visible[row0 + r2]);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const long long t = tile * stream_keys + 8 * j + gid;
+      const long long pos = t < a.n_keys ? position(row, t) : -1;
+#pragma unroll
+      for (int b = 0; b < stream_key_bits<Dim>::blocks; ++b) bits.words[j][b] = 0;
+#pragma unroll
+      for (int i = 0; i < stream_key_bits<Dim>::scale_words; ++i) bits.scales[j][i] = 0x7F7F7F7Fu;  // 2^0: zeros stay zero
+      if (pos >= 0 && pos < limit) {
+        const auto* p = reinterpret_cast<const std::uint32_t*>(a.key(row, pos));
+#pragma unroll
+        for (int b = 0; b < stream_key_bits<Dim>::blocks; ++b) bits.words[j][b] = __ldg(p + 4 * b + quad);
+#pragma unroll
+        for (int i = 0; i < stream_key_bits<Dim>::scale_words; ++i) bits.scales[j][i] = __ldg(p + Dim / 8 + i);
+      }
+    }
+  };
+  // The work item after (tile, r), skipping (and writing -inf for) rows that see none of their
+  // tile; `need_load`: its keys are not those of the fragments, whose source is `loaded` (-2: a
+  // new tile). tile >= tiles: no more items.
+  auto advance = [&](long long& tile, int& r, long long& loaded, bool& need_load) {
+    for (;;) {
+      if (++r >= nrows) r = 0, tile += stride, loaded = -2;
+      if (tile >= tiles) return;
+      const int row = row0 + r;
+      const long long key0 = tile * stream_keys;
+      if (!positions && key0 >= a.visible[row]) {
+        if (lane < stream_keys && key0 + lane < a.n_keys) a.scores[static_cast<long long>(row) * a.n_keys + key0 + lane] = neg_inf;
+        continue;
+      }
+      need_load = positions || key_source(row) != loaded;
+      if (need_load) loaded = key_source(row);
+      return;
+    }
+  };
+
+  std::uint32_t kf[2][kSteps][2];  // B fragments of the current item's keys
+  stream_key_bits<Dim> next_bits;
+  long long tile = static_cast<long long>(blockIdx.x) * stream_warps + warp - stride, loaded = -2;
+  int r = nrows - 1;
+  bool need_load = false;
+  advance(tile, r, loaded, need_load);  // the warp's first item
+  if (tile < tiles) {
+    fetch(tile, r, next_bits);
+    stream_key_fragments<Dim>(next_bits, kf);
+  }
+  while (tile < tiles) {
+    long long next_tile = tile, next_loaded = loaded;
+    int next_r = r;
+    bool next_load = false;
+    advance(next_tile, next_r, next_loaded, next_load);
+    if (next_tile < tiles && next_load) fetch(next_tile, next_r, next_bits);  // in flight while this item computes
+
+    const int row = row0 + r;
+    const long long key0 = tile * stream_keys, visible = a.visible[row];
+    const uint4* qr = q_f + r * head_tiles * kSteps * 32;
+    const float* wr = w_s + r * heads;
+    for (int ht = 0; ht < head_tiles; ++ht) {
+      double acc[2][4] = {};
+#pragma unroll
+      for (int b = 0; b < Dim / 32; ++b) {
+        float part[2][4] = {};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint4 f = qr[(ht * kSteps + 2 * b + half) * 32 + lane];
+          const std::uint32_t qa[4] = {f.x, f.y, f.z, f.w};
+          tensor_core::mma_bf16(part[0], qa, kf[0][2 * b + half][0], kf[0][2 * b + half][1]);
+          tensor_core::mma_bf16(part[1], qa, kf[1][2 * b + half][0], kf[1][2 * b + half][1]);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[j][i] += double(part[j][i]);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = ht * 16 + gid + 8 * (i / 2), key = 8 * j + 2 * quad + i % 2;
+          if (h >= heads) continue;
+          const float d = numerics::round_to_bf16(__double2float_rn(acc[j][i]));
+          terms[key * tstride + h] = numerics::round_to_bf16(__fmul_rn(relu_like_host(d), wr[h]));
+        }
+    }
+    __syncwarp();
+    if (lane < stream_keys && key0 + lane < a.n_keys) {
+      const long long pos = position(row, key0 + lane);
+      bf16* out = a.scores + static_cast<long long>(row) * a.n_keys + key0 + lane;
+      if (pos < 0 || pos >= visible) {
+        *out = neg_inf;
+      } else {
+        // fp32, heads in order (as the host reference); eight loads in flight before their adds.
+        const float* t = terms + lane * tstride;
+        float sum = 0.0f;
+        int h = 0;
+        for (; h + 8 <= heads; h += 8) {
+          float v[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) v[i] = t[h + i];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) sum += v[i];
+        }
+        for (; h < heads; ++h) sum += t[h];
+        *out = bf16::from_float(sum);
+      }
+    }
+    __syncwarp();  // the sums are read before the next item's terms overwrite them
+
+    if (next_tile < tiles && next_load) stream_key_fragments<Dim>(next_bits, kf);
+    tile = next_tile, r = next_r, loaded = next_loaded;
   }
 }
 
@@ -561,6 +811,14 @@ DSV4_KERNEL void expand_blocks_kernel(candidate_args a, int kb) {
 }  // namespace detail
 
 namespace detail {
+//! The scan kernel a call runs. `automatic`: the streamed one, faster than the tiled one at every
+//! shape bench_indexer measures (1 to 64 decode rows over 128K and 1M keys, gathered Reindex rows,
+//! a 4,096-row causal prefill; docs/perf.md, thirty-second session). The tiled kernel stays as
+//! the benchmark's baseline and the tests' second implementation.
+inline scan_method plan_index_scan(int /*rows*/, long long /*n_keys*/, scan_method asked) {
+  return asked == scan_method::automatic ? scan_method::streamed : asked;
+}
+
 //! Checks and launches the scan; `positions` (null for a plain scan) lists the keys to score.
 template <int Dim>
 void launch_index_scan(const char* op, const index_scan_args& a, const std::int32_t* positions, bool gathered,
@@ -582,11 +840,39 @@ void launch_index_scan(const char* op, const index_scan_args& a, const std::int3
     throw error(name + ": paged keys need max_pages > 0, entries_per_page > 0 and page_bytes a multiple of 4");
   if ((a.n_keys + scan_keys - 1) / scan_keys > 0x7FFFFFFFLL)
     throw error(name + ": too many keys for one launch (grid x)");
-  const int smem = scan_smem<Dim>::bytes(a.heads);
-  auto kernel = index_scan_kernel<Dim>;
-  DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(unsigned((a.n_keys + scan_keys - 1) / scan_keys), unsigned((a.rows + scan_rows - 1) / scan_rows));
-  runtime::launch_programmatic(kernel, grid, dim3(scan_threads), std::size_t(smem), stream, a, positions);
+  if (plan_index_scan(a.rows, a.n_keys, a.method) == scan_method::tiled) {
+    const int smem = scan_smem<Dim>::bytes(a.heads);
+    auto kernel = index_scan_kernel<Dim>;
+    DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const dim3 grid(unsigned((a.n_keys + scan_keys - 1) / scan_keys), unsigned((a.rows + scan_rows - 1) / scan_rows));
+    runtime::launch_programmatic(kernel, grid, dim3(scan_threads), std::size_t(smem), stream, a, positions);
+    DSV4_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  // Streamed: as many CTAs as fit on the GPU at once, shared out over the row groups; each CTA's
+  // warps stride over the key tiles.
+  // The shared-memory opt-in and the occupancy, once per device and head count (host calls that
+  // cost microseconds, as much as a decode row's scan).
+  const int smem = stream_smem<Dim>::bytes(a.heads);
+  auto kernel = index_scan_streamed_kernel<Dim>;
+  static runtime::per_device_ints ctas_per_sm[max_index_heads + 1] = {};
+  static runtime::per_device_ints opted_in = {};
+  runtime::cached_per_device(opted_in, [&](int) {  // the most any head count needs
+    DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         stream_smem<Dim>::bytes(max_index_heads)));
+    return 1;
+  });
+  const int per_sm = runtime::cached_per_device(ctas_per_sm[a.heads], [&](int) {
+    int n = 0;
+    DSV4_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, stream_warps * 32, std::size_t(smem)));
+    return n;
+  });
+  const long long groups = (a.rows + stream_rows - 1) / stream_rows;
+  const long long ctas_for_keys = (a.n_keys + stream_keys * stream_warps - 1) / (stream_keys * stream_warps);
+  const long long resident = static_cast<long long>(std::max(per_sm, 1)) * runtime::sm_count();
+  const long long x = std::clamp<long long>(resident / groups, 1, ctas_for_keys);
+  runtime::launch_programmatic(kernel, dim3(unsigned(x), unsigned(groups)), dim3(stream_warps * 32), std::size_t(smem),
+                               stream, a, positions);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 }  // namespace detail
