@@ -141,7 +141,11 @@ BOOST_AUTO_TEST_CASE(attention_output_matches_host, *utf::label("gpu") * utf::pr
       // code of wo_b's input by one step (1/8 of that input), which shifts every output of the
       // token by up to 1/8 of one of its k terms; with k = 128 that is about 2^-6.5 of the
       // token's largest output (2^-8 failed 2 of 2 fresh seeds on 2026-11-30, old and new code
-      // alike): allow 2^-5 of it on top of one ulp, and ask 90% of the outputs to be bit-equal.
+      // alike): allow 2^-5 of it on top of one ulp, and ask 3/4 of the outputs to be bit-equal
+      // (a bug in our kernels makes nearly none bit-equal). One such flip changes most of a
+      // token's outputs, so with two tokens the share moves in large steps with the card's cuBLAS
+      // algorithm: H200 runs kept 90%; an H100 gave 8,677 / 10,234 / 9,724 of 10,240 with three
+      // seeds (thirty-second session), every one within the tolerance.
       double mag = 0;
       for (const auto v : want) mag = std::max(mag, double(std::fabs(v.to_float())));
       bad += count_bad(g, want, mag * 2048);
@@ -150,7 +154,7 @@ BOOST_AUTO_TEST_CASE(attention_output_matches_host, *utf::label("gpu") * utf::pr
     BOOST_TEST_MESSAGE("attention output heads " << s.heads << " tokens " << c.tokens << ": " << exact << " of " << got.size()
                                                  << " bit-equal");
     BOOST_TEST(bad == 0u);
-    BOOST_TEST(exact * 10 >= got.size() * 9, "fewer than 90% of the outputs are bit-equal to the host");
+    BOOST_TEST(exact * 4 >= got.size() * 3, "fewer than 75% of the outputs are bit-equal to the host");
   }
 }
 
