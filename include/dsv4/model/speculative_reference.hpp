@@ -103,7 +103,6 @@ class speculative_decoder {
     kernels::sampling::check_sampling_params(sampling, "speculative_decoder: resume(): ");
     const auto logits = mode == prompt_prefill::ced ? forward_ced(m_, seq_, chunk, nullptr, &mh_) : forward(m_, seq_, chunk, nullptr, &mh_);
     if (mode == prompt_prefill::ced) {
-      pending_.clear();
       seed_from_capture();
     } else {
       pending_.insert(pending_.end(), mh_.begin(), mh_.end());
@@ -168,7 +167,11 @@ class speculative_decoder {
   //! After a prefill or a CED append: the rows main_hidden covers (all of an exact prefill, the
   //! replayed tail of a CED call) seed the drafter's rings from zero, every one but the last, which
   //! the next round takes (one row: the rings take it, and the next round is a plain step).
+  //! Seeds the drafter's rings from the captured rows and leaves the last row unseen (the next
+  //! round's drafter step takes it); rows the drafter had not yet seen before are dropped, as the
+  //! capture covers them (a prefill, or a CED turn's replay).
   void seed_from_capture() {
+    pending_.clear();
     const long long rows = (long long)(mh_.size() / row), first = seq_.length - rows;
     if (rows >= 2) {
       dspark_prefill<Model>(w_, st_, std::span<const bf16>(mh_).first(std::size_t(rows - 1) * row), first);
