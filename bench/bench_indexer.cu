@@ -5,8 +5,8 @@
 //! Top-k: bytes = rows x keys x 2 (one read of the scores; the kernel reads them three times);
 //! "top-k/N" is the same selection given scratch, several CTAs per row when the rows are long.
 //! "scan" is the tiled kernel (one CTA per 64 keys and 4 rows), "scan/s" the streamed one (warps
-//! streaming 16-key tiles over a grid sized to the GPU); the model's scan picks one per call
-//! (plan_index_scan). "reindex" and "reindex/s" likewise.
+//! streaming 16-key tiles over a grid sized to the GPU), which the model runs
+//! (scan_method::automatic). "reindex" and "reindex/s" likewise.
 //! Reindex: a gathered scan of the 16,384 pool positions plus top-512 among them, per row.
 //! Ratios are to max(FLOPs / bf16 GEMM rate, bytes / copy bandwidth), both measured in this run.
 

@@ -166,10 +166,8 @@ class speculative_decoder {
 
   //! After a prefill or a CED append: the rows main_hidden covers (all of an exact prefill, the
   //! replayed tail of a CED call) seed the drafter's rings from zero, every one but the last, which
-  //! the next round takes (one row: the rings take it, and the next round is a plain step).
-  //! Seeds the drafter's rings from the captured rows and leaves the last row unseen (the next
-  //! round's drafter step takes it); rows the drafter had not yet seen before are dropped, as the
-  //! capture covers them (a prefill, or a CED turn's replay).
+  //! the next round takes (one row: the rings take it, and the next round is a plain step). Rows
+  //! the drafter had not yet seen before are dropped: the capture covers them.
   void seed_from_capture() {
     pending_.clear();
     const long long rows = (long long)(mh_.size() / row), first = seq_.length - rows;

@@ -112,9 +112,23 @@ inline constexpr int scan_keys = 64;      // keys per CTA: 16 per warp, two MMA 
 inline constexpr int scan_rows = 4;       // query rows per CTA: they share its dequantized keys
 inline constexpr int max_index_heads = 64;
 
-//! std::max(d, 0.0f) as the host reference takes it: a NaN dot product stays NaN (as torch.relu
-//! keeps it; fmaxf would give 0) and -0 stays -0.
-DSV4_DEVICE float relu_like_host(float d) { return d < 0.0f ? 0.0f : d; }
+//! The (head, key) term of a score as the host reference rounds it: bf16(relu(bf16(dot)) * w),
+//! from the exact dot product summed in double. relu as std::max(d, 0.0f): a NaN dot product stays
+//! NaN (as torch.relu keeps it; fmaxf would give 0).
+DSV4_DEVICE float index_term(double dot, float w) {
+  const float d = numerics::round_to_bf16(__double2float_rn(dot));
+  return numerics::round_to_bf16(__fmul_rn(d < 0.0f ? 0.0f : d, w));
+}
+
+//! Which key list a scan row reads (gathered rows each their own, paged rows their sequence's,
+//! -1: the one list of an unpaged call) and the key position its column t stands for.
+DSV4_DEVICE long long scan_key_source(const index_scan_args& a, const std::int32_t* positions, int row) {
+  if (positions) return row;
+  return a.block_tables && a.row_batch ? a.row_batch[row] : -1;
+}
+DSV4_DEVICE long long scan_position(const index_scan_args& a, const std::int32_t* positions, int row, long long t) {
+  return positions ? positions[static_cast<long long>(row) * a.n_keys + t] : t;
+}
 
 //! Shared memory of a scan CTA: the dequantized keys [scan_keys][Dim + 8] and the current row's
 //! queries [head tiles x 16][Dim + 8] in bf16 (rows padded by 16 bytes for ldmatrix), the row's
@@ -154,14 +168,8 @@ DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_ar
   const long long key0 = static_cast<long long>(blockIdx.x) * scan_keys;
   const int row0 = int(blockIdx.y) * scan_rows, row_end = min(a.rows, row0 + scan_rows);
 
-  // Which key list a row reads: gathered rows each their own, paged rows their sequence's.
-  auto key_source = [&](int row) -> long long {
-    if (positions) return row;
-    return a.block_tables && a.row_batch ? a.row_batch[row] : -1;
-  };
-  auto position = [&](int row, long long t) -> long long {
-    return positions ? positions[static_cast<long long>(row) * a.n_keys + t] : t;
-  };
+  auto key_source = [&](int row) { return scan_key_source(a, positions, row); };
+  auto position = [&](int row, long long t) { return scan_position(a, positions, row, t); };
   // Dequantizes the keys of rows [row, until) (one source) that any of them can see; the others
   // are zero (their scores are -inf whatever the product).
   auto load_keys = [&](int row, int until) {
@@ -250,8 +258,7 @@ DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_ar
         for (int i = 0; i < 4; ++i) {
           const int h = ht * 16 + gid + 8 * (i / 2), key = warp * 16 + nt * 8 + quad * 2 + i % 2;
           if (h >= heads) continue;
-          const float d = numerics::round_to_bf16(__double2float_rn(acc[ht][nt][i]));
-          terms[key * tstride + h] = numerics::round_to_bf16(__fmul_rn(relu_like_host(d), w_s[h]));
+          terms[key * tstride + h] = index_term(acc[ht][nt][i], w_s[h]);
         }
     }
     __syncthreads();
@@ -289,6 +296,7 @@ DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_ar
 inline constexpr int stream_warps = 4;
 inline constexpr int stream_keys = 16;  // keys per warp tile: two MMA n-tiles
 inline constexpr int stream_rows = 4;   // query rows per CTA: they share a tile's key fragments
+static_assert(stream_rows == scan_rows, "index scan: both kernels' grids hold 4 rows per CTA (the launcher's row limit)");
 
 //! Shared memory of a streamed-scan CTA: the rows' query fragments [rows][head tiles][k-steps][32
 //! lanes] (16 bytes per lane), their weights [rows][heads] and each warp's (key, head) terms
@@ -379,13 +387,8 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 4) index_scan_streamed_ker
     w_s[i] = a.w[static_cast<long long>(row0) * heads + i].to_float();
   __syncthreads();
 
-  auto key_source = [&](int row) -> long long {
-    if (positions) return row;
-    return a.block_tables && a.row_batch ? a.row_batch[row] : -1;
-  };
-  auto position = [&](int row, long long t) -> long long {
-    return positions ? positions[static_cast<long long>(row) * a.n_keys + t] : t;
-  };
+  auto key_source = [&](int row) { return scan_key_source(a, positions, row); };
+  auto position = [&](int row, long long t) { return scan_position(a, positions, row, t); };
   const bf16 neg_inf = bf16::from_bits(0xFF80);
   const long long tiles = (a.n_keys + stream_keys - 1) / stream_keys, stride = static_cast<long long>(gridDim.x) * stream_warps;
 
@@ -478,8 +481,7 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 4) index_scan_streamed_ker
         for (int i = 0; i < 4; ++i) {
           const int h = ht * 16 + gid + 8 * (i / 2), key = 8 * j + 2 * quad + i % 2;
           if (h >= heads) continue;
-          const float d = numerics::round_to_bf16(__double2float_rn(acc[j][i]));
-          terms[key * tstride + h] = numerics::round_to_bf16(__fmul_rn(relu_like_host(d), wr[h]));
+          terms[key * tstride + h] = index_term(acc[j][i], wr[h]);
         }
     }
     __syncwarp();
@@ -815,7 +817,7 @@ namespace detail {
 //! shape bench_indexer measures (1 to 64 decode rows over 128K and 1M keys, gathered Reindex rows,
 //! a 4,096-row causal prefill; docs/perf.md, thirty-second session). The tiled kernel stays as
 //! the benchmark's baseline and the tests' second implementation.
-inline scan_method plan_index_scan(int /*rows*/, long long /*n_keys*/, scan_method asked) {
+inline scan_method plan_index_scan(scan_method asked) {
   return asked == scan_method::automatic ? scan_method::streamed : asked;
 }
 
@@ -840,7 +842,7 @@ void launch_index_scan(const char* op, const index_scan_args& a, const std::int3
     throw error(name + ": paged keys need max_pages > 0, entries_per_page > 0 and page_bytes a multiple of 4");
   if ((a.n_keys + scan_keys - 1) / scan_keys > 0x7FFFFFFFLL)
     throw error(name + ": too many keys for one launch (grid x)");
-  if (plan_index_scan(a.rows, a.n_keys, a.method) == scan_method::tiled) {
+  if (plan_index_scan(a.method) == scan_method::tiled) {
     const int smem = scan_smem<Dim>::bytes(a.heads);
     auto kernel = index_scan_kernel<Dim>;
     DSV4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -850,9 +852,8 @@ void launch_index_scan(const char* op, const index_scan_args& a, const std::int3
     return;
   }
   // Streamed: as many CTAs as fit on the GPU at once, shared out over the row groups; each CTA's
-  // warps stride over the key tiles.
-  // The shared-memory opt-in and the occupancy, once per device and head count (host calls that
-  // cost microseconds, as much as a decode row's scan).
+  // warps stride over the key tiles. The shared-memory opt-in and the occupancy are asked once
+  // per device (and head count): host calls that cost microseconds, as much as a decode row's scan.
   const int smem = stream_smem<Dim>::bytes(a.heads);
   auto kernel = index_scan_streamed_kernel<Dim>;
   static runtime::per_device_ints ctas_per_sm[max_index_heads + 1] = {};
