@@ -254,6 +254,21 @@ BOOST_AUTO_TEST_CASE(scores_sum_relu_heads_weighted_with_bf16_rounding) {
   BOOST_TEST(s[2] < 0);
 }
 
+
+// The dot product sums each 32-channel block on its own and then adds the blocks (as the CUDA
+// scans do): a tiny block beside a block whose large products cancel keeps its sum. A plain
+// channel-by-channel double sum gives 0 here (2^-120 + 2^20 - 2^20); seen on an H100 with key
+// block scales 2^-122 and 2^-1.
+BOOST_AUTO_TEST_CASE(scores_add_the_blocks_sums_not_the_channels) {
+  constexpr int dim = 64;
+  std::vector<bf16> q(dim, bf16::from_float(0)), keys(dim, bf16::from_float(0));
+  q[0] = q[32] = q[33] = bf16::from_float(1);
+  keys[0] = bf16::from_float(0x1p-120f);
+  keys[32] = bf16::from_float(0x1p20f), keys[33] = bf16::from_float(-0x1p20f);
+  const std::vector<bf16> w = {bf16::from_float(1)};
+  const auto s = indexer::index_scores_reference(q, w, keys, 1, dim, 1);
+  BOOST_TEST(s[0] == 0x1p-120f);
+}
 // Spec §7 candidate pool: short contexts keep every visible block; long ones keep topk_blocks blocks,
 // always including the newest visible one; Reindex selections stay inside the pool.
 BOOST_AUTO_TEST_CASE(candidate_pool_rules) {

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <random>
 #include <span>
+#include <sstream>
 #include <tuple>
 #include <vector>
 
@@ -72,7 +73,10 @@ enum class extreme_scales { none, low, high };
 template <int dim>
 void check_scan_and_select(scan_method method, int rows, int heads, long long n_keys, int topk, std::uint64_t salt,
                            int spread = 0, extreme_scales extreme = extreme_scales::none) {
-  BOOST_TEST_CONTEXT(method_name(method) << " scan, " << rows << " rows x " << n_keys << " keys, " << heads << " heads") {
+  BOOST_TEST_CONTEXT(method_name(method) << " scan, " << rows << " rows x " << n_keys << " keys, " << heads << " heads"
+                                      << (extreme == extreme_scales::low    ? ", low key scales"
+                                          : extreme == extreme_scales::high ? ", high key scales"
+                                                                            : "")) {
   using layout = numerics::packed_vector<numerics::index_key_format, dim>;
   auto rng = test::make_rng(salt);
   const float q_sigma = extreme == extreme_scales::low ? 0x1p12f : extreme == extreme_scales::high ? 0x1p-12f : 1.0f;
@@ -132,7 +136,15 @@ void check_scan_and_select(scan_method method, int rows, int heads, long long n_
     std::vector<float> dev(static_cast<std::size_t>(n_keys));
     for (long long t = 0; t < n_keys; ++t) {
       dev[std::size_t(t)] = got_scores[std::size_t(r) * n_keys + t].to_float();
-      score_mismatch += numerics::bf16::from_float(want[std::size_t(t)]).bits != got_scores[std::size_t(r) * n_keys + t].bits;
+      const bf16 got_t = got_scores[std::size_t(r) * n_keys + t], want_t = bf16::from_float(want[std::size_t(t)]);
+      if (want_t.bits != got_t.bits && ++score_mismatch <= 4) {
+        std::ostringstream codes;  // the key's block scale codes: which path dequantized it
+        for (int b = 0; b < layout::blocks; ++b)
+          codes << ' ' << int(cache[std::size_t(t) * std::size_t(stride) + layout::scale_offset + b]);
+        BOOST_TEST_MESSAGE("row " << r << " key " << t << ": host " << want_t.to_float() << " (0x" << std::hex
+                                  << want_t.bits << "), device " << got_t.to_float() << " (0x" << got_t.bits << std::dec
+                                  << "), key scale codes" << codes.str());
+      }
     }
     // The selection must equal the reference's selection over the same (device) scores exactly.
     const auto want_idx = select_reference(dev, topk, visible[r], 128);

@@ -5,10 +5,14 @@
 //!
 //! Score of one query row against key t (every step rounds to bf16, as the reference's bf16
 //! tensor ops do):  d_h = bf16(q_h . k_t);  I_t = bf16( sum_h bf16(relu(d_h) * w_h) )  with the
-//! 32-head sum in fp32. q_h . k_t is summed exactly (in double) and rounded once: a 32-channel
-//! block's MXFP4 products are small multiples of its two scales' product, so the dot product is
-//! exact in any order while the blocks' scales are not extremely far apart (fp32 keeps 24 bits
-//! across blocks, double 53; the CUDA scan adds the blocks in double). q_h and k_t are the MXFP4
+//! 32-head sum in fp32. q_h . k_t is each 32-channel block's sum, the blocks added in double in
+//! channel order, rounded once to fp32 then bf16: a block's MXFP4 products are small multiples of
+//! its two scales' product, so its sum is exact; the blocks' sums are added exactly while they lie
+//! within 2^53 of each other, and beyond that (block scales at the two ends of UE8M0's range) both
+//! this reference and the CUDA scans (a tensor-core accumulator per block, the blocks added in
+//! double in the same order) round the same additions. A plain channel-by-channel double sum
+//! would lose a tiny block's sum against a large block's products that cancel exactly (seen: a
+//! 2^-110 block beside a block summing to 0 gave 0). q_h and k_t are the MXFP4
 //! quantize-dequantized vectors; w_h =
 //! bf16(weights_proj(x))_h * 2^-6 (exact). Masked positions score -inf.
 //!
@@ -34,11 +38,15 @@
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/numerics/bf16.hpp"
+#include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/order_key.hpp"
 
 namespace dsv4::kernels::indexer {
 
 using numerics::bf16;
+
+//! Channels per MXFP4 block of the index vectors: the unit of the dot product's exact partial sums.
+inline constexpr int index_block = numerics::index_key_format::block_size;
 
 //! Scores of one query row against keys [0, n): q [heads, dim], w [heads] (scaled), keys [n, dim].
 //! Positions t >= visible score -inf.
@@ -56,8 +64,12 @@ inline std::vector<float> index_scores_reference(std::span<const bf16> q, std::s
     float sum = 0;  // fp32, heads in order (the CUDA kernel sums in the same order)
     for (int h = 0; h < heads; ++h) {
       double dot = 0;
-      for (int c = 0; c < dim; ++c)
-        dot += double(q[std::size_t(h) * dim + c].to_float()) * double(keys[std::size_t(t) * dim + c].to_float());
+      for (int c0 = 0; c0 < dim; c0 += index_block) {
+        double block = 0;  // exact: products of bf16 values, multiples of the block scales' product
+        for (int c = c0; c < std::min(dim, c0 + index_block); ++c)
+          block += double(q[std::size_t(h) * dim + c].to_float()) * double(keys[std::size_t(t) * dim + c].to_float());
+        dot += block;
+      }
       const float d = numerics::round_to_bf16(float(dot));
       sum += numerics::round_to_bf16(std::max(d, 0.0f) * w[std::size_t(h)].to_float());
     }
