@@ -4,7 +4,7 @@
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced]
 //!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
 //!                    [--no-folded] [--dspark]
-//!                    [--json FILE]
+//!                    [--config-json FILE] [--checkpoint-only] [--json FILE]
 //!
 //! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
 //! routed experts cut to 16 (DSpark stages to 8) and small Engram tables, so that one H200 holds it
@@ -17,6 +17,11 @@
 //! with it (the index scores and lists: rows x keys), stays at N: how 64K prompts and 128K
 //! contexts fit one GPU.
 //! `--checkpoint DIR` writes the random checkpoint to DIR instead, or reuses the one DIR holds.
+//! `--config-json FILE`: also write the variant's inference/config.json (models::config_json_text),
+//! so that the official reference can build the same model (scripts/gpu-reference-speed.sh).
+//! `--checkpoint-only` (with `--checkpoint DIR`): write the random checkpoint (and the config.json)
+//! and stop, for a reference run on the same weights without timing ours again (they come from a
+//! fixed seed: the same weights every time).
 //! `--profile-decode`: prefill the first batch size's sequences, then run one decode step between
 //! cudaProfilerStart and cudaProfilerStop and stop (for `ncu --profile-from-start off`: the kernels of one
 //! step).
@@ -48,6 +53,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -61,6 +67,7 @@
 #include "dsv4/model/device_dspark.cuh"
 #include "dsv4/model/device_model.cuh"
 #include "dsv4/models/checkpoint_schema.hpp"
+#include "dsv4/models/config_json.hpp"
 #include "dsv4/models/tiny.hpp"
 #include "dsv4/models/v41_flash.hpp"
 #include "dsv4/schedule/prefill_work.hpp"
@@ -121,7 +128,24 @@ struct options {
   bool engram_host_tables = false;    // Engram tables in host memory, rows fetched per call (issue 5)
   int chunk = 0;                      // > 0: longer prompts as a prefill of `chunk` tokens + appended chunks
   bool dspark = false;                // also time the DSpark drafter on CUDA
+  bool checkpoint_only = false;       // write the checkpoint to `checkpoint` and stop
 };
+
+//! `--checkpoint-only`: the random checkpoint of `Model` in opt.checkpoint (kept if it is there).
+template <class Model>
+int write_checkpoint_only(const options& opt) {
+  if (opt.checkpoint.empty()) throw error("--checkpoint-only needs --checkpoint DIR");
+  const std::filesystem::path dir(opt.checkpoint);
+  if (std::filesystem::exists(dir / "model.safetensors.index.json")) {
+    std::printf("model %s: the random checkpoint in %s is there already\n", Model::name, dir.c_str());
+    return 0;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  io::write_random_checkpoint(models::checkpoint_schema<Model>(), dir.string(), std::size_t(4) << 30, 1,
+                              io::random_init::scaled);
+  std::printf("model %s: random checkpoint written to %s in %.1f s\n", Model::name, dir.c_str(), seconds_since(t0));
+  return 0;
+}
 
 template <class Model>
 int run(FILE* jf, const options& opt) {
@@ -411,7 +435,7 @@ int run(FILE* jf, const options& opt) {
 
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // rows appear as they are measured, also through a pipe
-  std::string json;
+  std::string json, config_json;
   bool v41 = false;
   options opt;
   std::vector<int> gemm_max_tokens;  // --gemm-max-tokens: one value, with --gemm wgmma
@@ -420,6 +444,7 @@ int main(int argc, char** argv) {
       const std::string a = argv[i];
       const bool has_value = i + 1 < argc;
       if (a == "--json" && has_value) json = argv[++i];
+      else if (a == "--config-json" && has_value) config_json = argv[++i];
       else if (a == "--v41-width") v41 = true;
       else if (a == "--prompts" && has_value) opt.prompts = bench::int_list(a, argv[++i]);
       else if (a == "--batches" && has_value) opt.batches = bench::int_list(a, argv[++i]);
@@ -430,6 +455,7 @@ int main(int argc, char** argv) {
         opt.profile_prefill = argv[++i];
       else if (a == "--engram-host-tables") opt.engram_host_tables = true;
       else if (a == "--dspark") opt.dspark = true;
+      else if (a == "--checkpoint-only") opt.checkpoint_only = true;
       else if (a == "--chunk" && has_value) opt.chunk = bench::int_list(a, argv[++i]).at(0);
       else if (a == "--gemm" && has_value && (std::string(argv[i + 1]) == "mma" || std::string(argv[i + 1]) == "wgmma"))
         kernels::gemm::set_decode_gemm(std::string(argv[++i]) == "wgmma" ? kernels::gemm::decode_gemm::wgmma
@@ -444,7 +470,7 @@ int main(int argc, char** argv) {
             "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N] "
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
-            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--dspark] [--json FILE]\n");
+            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--dspark] [--config-json FILE] [--checkpoint-only] [--json FILE]\n");
         return 2;
       }
     }
@@ -458,6 +484,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
+    if (!config_json.empty()) {
+      std::ofstream f(config_json);
+      f << (v41 ? models::config_json_text<v41_width>() : models::config_json_text<models::tiny>());
+      if (!f.flush()) throw error("--config-json: cannot write " + config_json);
+    }
+    if (opt.checkpoint_only) return v41 ? write_checkpoint_only<v41_width>(opt) : write_checkpoint_only<models::tiny>(opt);
     FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
     if (jf) std::fprintf(jf, "{\"results\": [\n");
     const int rc = v41 ? run<v41_width>(jf, opt) : run<models::tiny>(jf, opt);

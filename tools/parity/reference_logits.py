@@ -150,12 +150,15 @@ def load_into(torch, model, ckpt, device):
 
 
 class IdentityTokenizer:
-    """Just enough of a HF tokenizer for engram.build_compressed_token_map: token i decodes to a
-    distinct lower-case text that every normalizer step leaves distinct, so the compressed token map
-    is the identity (dsv4's tiny: compressed vocabulary = vocabulary)."""
+    """Just enough of a HF tokenizer for engram.build_compressed_token_map: token i decodes to the
+    lower-case text t<i mod compressed>, which every normalizer step leaves as it is, so the
+    compressed token map is i -> i mod compressed (first-seen ids). `compressed` defaults to the
+    vocabulary (dsv4's tiny: the identity); bench_model's V4.1-width variant uses the same modulo
+    map with V4.1's engram_compressed_vocab_size (99,092), which engram.py asserts."""
 
-    def __init__(self, vocab_size):
+    def __init__(self, vocab_size, compressed=None):
         self.vocab_size = vocab_size
+        self.compressed = compressed or vocab_size
         self.backend_tokenizer = self
 
     def __len__(self):
@@ -163,7 +166,7 @@ class IdentityTokenizer:
 
     def decode(self, ids, skip_special_tokens=False):
         (token_id,) = ids
-        return f"t{token_id}"
+        return f"t{token_id % self.compressed}"
 
     def id_to_token(self, token_id):
         return self.decode([token_id])
@@ -224,8 +227,13 @@ def time_generation(torch, model, vocab, prompt_tokens, steps, repeats, device):
             t2 = time.perf_counter()
         return t1 - t0, t2 - t1
 
-    once()
-    runs = [once() for _ in range(repeats)]
+    def reported(what):
+        r = once()
+        print(f"reference_logits: {what}: prefill {r[0]:.3f} s, {steps} decode steps {r[1]:.3f} s", flush=True)
+        return r
+
+    reported("warm-up")
+    runs = [reported(f"run {i + 1} of {repeats}") for i in range(repeats)]
     prefill = sorted(r[0] for r in runs)[len(runs) // 2]
     decode = sorted(r[1] for r in runs)[len(runs) // 2]
     return {
@@ -343,9 +351,13 @@ def main():
     if timing_shape and sum(timing_shape) > args.max_seq_len:
         sys.exit(f"reference_logits: --time {a.time}: {sum(timing_shape)} positions exceed max_seq_len {args.max_seq_len}")
     t0 = time.time()
-    model = ref.Transformer(args, IdentityTokenizer(args.vocab_size)).eval()
+    model = ref.Transformer(args, IdentityTokenizer(args.vocab_size, args.engram_compressed_vocab_size)).eval()
+    print(f"reference_logits: the reference model built in {time.time() - t0:.1f} s", flush=True)
     ckpt = read_checkpoint(torch, a.checkpoint)
+    print(f"reference_logits: {len(ckpt)} checkpoint tensors read at {time.time() - t0:.1f} s", flush=True)
     loaded = load_into(torch, model, ckpt, a.device)
+    del ckpt
+    print(f"reference_logits: {loaded} parameters loaded at {time.time() - t0:.1f} s", flush=True)
     reference_multipliers = model.engram_hash.multipliers.tolist() if model.engram_hash is not None else []
     used_multipliers = reference_multipliers
     if a.multipliers:
