@@ -252,6 +252,45 @@ BOOST_AUTO_TEST_CASE(host_codec_matches_cuda_conversions) {
   }
 }
 
+__global__ void round_to_bf16_kernel(const float* in, long long n, float* one, float* pair) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  one[i] = fast_round_to_bf16(in[i]);
+  // Pairs (2k, 2k + 1), n even: even elements as the low half, odd ones as the high half.
+  const float2 p = fast_round_to_bf16x2(in[i & ~1ll], in[i | 1]);
+  pair[i] = (i & 1) ? p.y : p.x;
+}
+
+// fast_round_to_bf16(x2) against the host's round_to_bf16 over random fp32 bit patterns (every
+// exponent: subnormals, near overflow, inf, NaN) and the rounding ties of each binade.
+BOOST_AUTO_TEST_CASE(fast_round_to_bf16_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  auto rng = test::make_rng(44);
+  std::vector<float> in;
+  for (int i = 0; i < 1 << 20; ++i) in.push_back(bits_to_float(std::uint32_t(rng())));
+  for (std::uint32_t e = 0; e < 255; ++e)  // ties (low half 0x8000) with even and odd kept bits, and their neighbours
+    for (std::uint32_t m : {0x8000u, 0x18000u, 0x7FFFu, 0x8001u, 0x7F8000u, 0x7FFFFFu, 0u, 1u})
+      for (std::uint32_t sign : {0u, 0x80000000u}) in.push_back(bits_to_float(sign | e << 23 | m));
+  if (in.size() % 2) in.push_back(0.0f);
+  const long long n = (long long)in.size();
+  device_buffer<float> din{std::span<const float>(in)}, one(in.size()), pair(in.size());
+  one.fill_bytes(0x5A), pair.fill_bytes(0x5A);
+  round_to_bf16_kernel<<<unsigned((n + 255) / 256), 256>>>(din.data(), n, one.data(), pair.data());
+  DSV4_CUDA_CHECK_LAUNCH();
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto h1 = one.download(), h2 = pair.download();
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    const float want = round_to_bf16(in[i]);
+    const bool ok = std::isnan(want) ? std::isnan(h1[i]) && std::isnan(h2[i])
+                                     : float_to_bits(h1[i]) == float_to_bits(want) && float_to_bits(h2[i]) == float_to_bits(want);
+    if (!ok && ++bad <= 10)
+      BOOST_ERROR("fast bf16 rounding of 0x" << std::hex << float_to_bits(in[i]) << ": 0x" << float_to_bits(h1[i])
+                                             << " / 0x" << float_to_bits(h2[i]) << ", host 0x" << float_to_bits(want)
+                                             << std::dec);
+  }
+  BOOST_TEST(bad == 0u);
+}
+
 BOOST_AUTO_TEST_CASE(packed_dequantize_matches_dequantize8, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   check_packed_dequantize<main_kv_format>(41);  // the E2M1 / E4M3-per-16 fast path
   check_packed_dequantize<fp8_act_format>(42);  // the E4M3 / UE8M0-per-32 fast path (window entries)

@@ -56,6 +56,14 @@ DSV4_DEVICE bf16 fast_dequantize(std::uint8_t code, float s) {
   return bf16::from_float(__fmul_rn(fast_decode<typename F::element>(code), s));
 }
 
+//! fp32 values rounded to bf16 precision and back, by the hardware conversion (`cvt.rn.bf16.f32`,
+//! `cvt.rn.bf16x2.f32`: one instruction for one or two values, where bf16::from_float takes about
+//! seven): the same value as round_to_bf16 for every input but NaN (round to nearest even,
+//! subnormals kept, overflow to inf), and a NaN stays a NaN with the hardware's bits (0x7FFF), so
+//! a result whose bits are stored goes through bf16::from_float (canonical NaN) once at the end.
+DSV4_DEVICE float fast_round_to_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+DSV4_DEVICE float2 fast_round_to_bf16x2(float a, float b) { return __bfloat1622float2(__floats2bfloat162_rn(a, b)); }
+
 //! Where a packed vector is read from: global memory through the read-only path (`__ldg`: loads
 //! the compiler may issue early, no aliasing with the caller's stores; entries 4-byte aligned), or
 //! any address space (a copy the caller staged in shared memory, 8-byte aligned).

@@ -114,10 +114,18 @@ inline constexpr int max_index_heads = 64;
 
 //! The (head, key) term of a score as the host reference rounds it: bf16(relu(bf16(dot)) * w),
 //! from the exact dot product summed in double. relu as std::max(d, 0.0f): a NaN dot product stays
-//! NaN (as torch.relu keeps it; fmaxf would give 0).
+//! NaN (as torch.relu keeps it; fmaxf would give 0). The roundings are the hardware's bf16
+//! conversions (numerics::fast_round_to_bf16: the host's value, a NaN's bits aside, which the
+//! score's final bf16::from_float makes canonical); `index_term_pair` rounds two terms per
+//! conversion.
+DSV4_DEVICE float index_relu(float d) { return d < 0.0f ? 0.0f : d; }
 DSV4_DEVICE float index_term(double dot, float w) {
-  const float d = numerics::round_to_bf16(__double2float_rn(dot));
-  return numerics::round_to_bf16(__fmul_rn(d < 0.0f ? 0.0f : d, w));
+  const float d = numerics::fast_round_to_bf16(__double2float_rn(dot));
+  return numerics::fast_round_to_bf16(__fmul_rn(index_relu(d), w));
+}
+DSV4_DEVICE float2 index_term_pair(double dot0, double dot1, float w0, float w1) {
+  const float2 d = numerics::fast_round_to_bf16x2(__double2float_rn(dot0), __double2float_rn(dot1));
+  return numerics::fast_round_to_bf16x2(__fmul_rn(index_relu(d.x), w0), __fmul_rn(index_relu(d.y), w1));
 }
 
 //! Which key list a scan row reads (gathered rows each their own, paged rows their sequence's,
@@ -475,13 +483,16 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 4) index_scan_streamed_ker
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[j][i] += double(part[j][i]);
       }
+      // Accumulator elements (i, i + 1) are one head's terms for keys 2 quad and 2 quad + 1.
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int h = ht * 16 + gid + 8 * (i / 2), key = 8 * j + 2 * quad + i % 2;
+        for (int i = 0; i < 4; i += 2) {
+          const int h = ht * 16 + gid + 8 * (i / 2), key = 8 * j + 2 * quad;
           if (h >= heads) continue;
-          terms[key * tstride + h] = index_term(acc[j][i], wr[h]);
+          const float2 t = index_term_pair(acc[j][i], acc[j][i + 1], wr[h], wr[h]);
+          terms[key * tstride + h] = t.x;
+          terms[(key + 1) * tstride + h] = t.y;
         }
     }
     __syncwarp();
