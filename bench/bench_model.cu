@@ -470,7 +470,8 @@ int main(int argc, char** argv) {
             "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N] "
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
-            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--dspark] [--config-json FILE] [--checkpoint-only] [--json FILE]\n");
+            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--dspark] [--config-json FILE] "
+            "[--checkpoint-only] [--json FILE]\n");
         return 2;
       }
     }
@@ -489,7 +490,8 @@ int main(int argc, char** argv) {
       f << (v41 ? models::config_json_text<v41_width>() : models::config_json_text<models::tiny>());
       if (!f.flush()) throw error("--config-json: cannot write " + config_json);
     }
-    if (opt.checkpoint_only) return v41 ? write_checkpoint_only<v41_width>(opt) : write_checkpoint_only<models::tiny>(opt);
+    if (opt.checkpoint_only)
+      return v41 ? write_checkpoint_only<v41_width>(opt) : write_checkpoint_only<models::tiny>(opt);
     FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
     if (jf) std::fprintf(jf, "{\"results\": [\n");
     const int rc = v41 ? run<v41_width>(jf, opt) : run<models::tiny>(jf, opt);

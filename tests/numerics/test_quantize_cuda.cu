@@ -282,7 +282,8 @@ BOOST_AUTO_TEST_CASE(fast_round_to_bf16_matches_host, *utf::label("gpu") * utf::
   for (std::size_t i = 0; i < in.size(); ++i) {
     const float want = round_to_bf16(in[i]);
     const bool ok = std::isnan(want) ? std::isnan(h1[i]) && std::isnan(h2[i])
-                                     : float_to_bits(h1[i]) == float_to_bits(want) && float_to_bits(h2[i]) == float_to_bits(want);
+                                     : float_to_bits(h1[i]) == float_to_bits(want) &&
+                                           float_to_bits(h2[i]) == float_to_bits(want);
     if (!ok && ++bad <= 10)
       BOOST_ERROR("fast bf16 rounding of 0x" << std::hex << float_to_bits(in[i]) << ": 0x" << float_to_bits(h1[i])
                                              << " / 0x" << float_to_bits(h2[i]) << ", host 0x" << float_to_bits(want)
