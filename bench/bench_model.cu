@@ -131,20 +131,18 @@ struct options {
   bool checkpoint_only = false;       // write the checkpoint to `checkpoint` and stop
 };
 
-//! `--checkpoint-only`: the random checkpoint of `Model` in opt.checkpoint (kept if it is there).
+//! `--checkpoint DIR`: the random checkpoint of `Model` (scaled initialisation, seed 1) written to
+//! DIR, or the one DIR holds reused.
 template <class Model>
-int write_checkpoint_only(const options& opt) {
-  if (opt.checkpoint.empty()) throw error("--checkpoint-only needs --checkpoint DIR");
-  const std::filesystem::path dir(opt.checkpoint);
+void ensure_random_checkpoint(const std::filesystem::path& dir) {
   if (std::filesystem::exists(dir / "model.safetensors.index.json")) {
-    std::printf("model %s: the random checkpoint in %s is there already\n", Model::name, dir.c_str());
-    return 0;
+    std::printf("model %s: reusing the random checkpoint in %s\n", Model::name, dir.c_str());
+    return;
   }
   const auto t0 = std::chrono::steady_clock::now();
   io::write_random_checkpoint(models::checkpoint_schema<Model>(), dir.string(), std::size_t(4) << 30, 1,
                               io::random_init::scaled);
   std::printf("model %s: random checkpoint written to %s in %.1f s\n", Model::name, dir.c_str(), seconds_since(t0));
-  return 0;
 }
 
 template <class Model>
@@ -171,12 +169,7 @@ int run(FILE* jf, const options& opt) {
       return m;
     }
     const std::filesystem::path dir(opt.checkpoint);
-    if (std::filesystem::exists(dir / "model.safetensors.index.json")) {
-      std::printf("model %s: reusing the random checkpoint in %s\n", Model::name, dir.c_str());
-    } else {
-      io::write_random_checkpoint(schema, dir.string(), std::size_t(4) << 30, 1, io::random_init::scaled);
-      std::printf("model %s: random checkpoint written in %.1f s\n", Model::name, seconds_since(t0));
-    }
+    ensure_random_checkpoint<Model>(dir);
     t0 = clock::now();
     io::checkpoint& ck = file_ck.emplace(dir.string());
     ck.on_progress(io::load_progress_printer(std::cout, "loading " + dir.string()));
@@ -490,8 +483,11 @@ int main(int argc, char** argv) {
       f << (v41 ? models::config_json_text<v41_width>() : models::config_json_text<models::tiny>());
       if (!f.flush()) throw error("--config-json: cannot write " + config_json);
     }
-    if (opt.checkpoint_only)
-      return v41 ? write_checkpoint_only<v41_width>(opt) : write_checkpoint_only<models::tiny>(opt);
+    if (opt.checkpoint_only) {
+      if (opt.checkpoint.empty()) throw error("--checkpoint-only needs --checkpoint DIR");
+      v41 ? ensure_random_checkpoint<v41_width>(opt.checkpoint) : ensure_random_checkpoint<models::tiny>(opt.checkpoint);
+      return 0;
+    }
     FILE* jf = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
     if (jf) std::fprintf(jf, "{\"results\": [\n");
     const int rc = v41 ? run<v41_width>(jf, opt) : run<models::tiny>(jf, opt);

@@ -71,7 +71,7 @@ def main():
     if not args.dspark_block_size:
         sys.exit("reference_dspark: the config has no DSpark stages (dspark_block_size 0)")
     t0 = time.time()
-    model = ref.Transformer(args, rl.IdentityTokenizer(args.vocab_size, args.engram_compressed_vocab_size)).eval()
+    model = ref.Transformer(args, rl.ModuloTokenizer(args.vocab_size, args.engram_compressed_vocab_size)).eval()
     loaded = rl.load_into(torch, model, rl.read_checkpoint(torch, a.checkpoint), a.device)
     os.makedirs(a.out_dir, exist_ok=True)
     for name, prompt, decode in cases:

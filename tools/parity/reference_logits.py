@@ -149,7 +149,7 @@ def load_into(torch, model, ckpt, device):
     return loaded
 
 
-class IdentityTokenizer:
+class ModuloTokenizer:
     """Just enough of a HF tokenizer for engram.build_compressed_token_map: token i decodes to the
     lower-case text t<i mod compressed>, which every normalizer step leaves as it is, so the
     compressed token map is i -> i mod compressed (first-seen ids). `compressed` defaults to the
@@ -351,7 +351,7 @@ def main():
     if timing_shape and sum(timing_shape) > args.max_seq_len:
         sys.exit(f"reference_logits: --time {a.time}: {sum(timing_shape)} positions exceed max_seq_len {args.max_seq_len}")
     t0 = time.time()
-    model = ref.Transformer(args, IdentityTokenizer(args.vocab_size, args.engram_compressed_vocab_size)).eval()
+    model = ref.Transformer(args, ModuloTokenizer(args.vocab_size, args.engram_compressed_vocab_size)).eval()
     print(f"reference_logits: the reference model built in {time.time() - t0:.1f} s", flush=True)
     ckpt = read_checkpoint(torch, a.checkpoint)
     print(f"reference_logits: {len(ckpt)} checkpoint tensors read at {time.time() - t0:.1f} s", flush=True)
