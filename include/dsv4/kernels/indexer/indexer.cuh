@@ -123,8 +123,11 @@ DSV4_DEVICE float index_term(double dot, float w) {
   const float d = numerics::fast_round_to_bf16(__double2float_rn(dot));
   return numerics::fast_round_to_bf16(__fmul_rn(index_relu(d), w));
 }
-DSV4_DEVICE float2 index_term_pair(double dot0, double dot1, float w0, float w1) {
-  const float2 d = numerics::fast_round_to_bf16x2(__double2float_rn(dot0), __double2float_rn(dot1));
+DSV4_DEVICE float index_dot_to_float(double dot) { return __double2float_rn(dot); }
+DSV4_DEVICE float index_dot_to_float(float dot) { return dot; }
+template <class Acc>
+DSV4_DEVICE float2 index_term_pair(Acc dot0, Acc dot1, float w0, float w1) {
+  const float2 d = numerics::fast_round_to_bf16x2(index_dot_to_float(dot0), index_dot_to_float(dot1));
   return numerics::fast_round_to_bf16x2(__fmul_rn(index_relu(d.x), w0), __fmul_rn(index_relu(d.y), w1));
 }
 
@@ -306,6 +309,32 @@ inline constexpr int stream_keys = 16;  // keys per warp tile: two MMA n-tiles
 inline constexpr int stream_rows = 4;   // query rows per CTA: they share a tile's key fragments
 static_assert(stream_rows == scan_rows, "index scan: both kernels' grids hold 4 rows per CTA (the launcher's row limit)");
 
+//! Binary exponents of a set of MXFP4 blocks, for the streamed scan's one-accumulator path: `spread`
+//! the largest difference within one vector (a query head or a key), `lo` / `hi` the smallest and
+//! largest over all of them. Queries: the bf16 exponent field of each nonzero block's largest
+//! magnitude (blocks of zeros left out); keys: the UE8M0 scale codes.
+struct scale_range {
+  int spread = 0, lo = 255, hi = 0;
+};
+
+//! Whether the dot products of a row's queries (`q`) with a tile's keys (`k`) are exact in one fp32
+//! accumulator over all `Dim` channels, added in any order (so bit-equal to the host's per-block
+//! sums added in double). A query block with largest exponent E has its elements on multiples of
+//! 2^(E - 3) below 2^(E + 1) (E2M1 values times 2^e, with E <= e + 2); a key block with code c on
+//! multiples of 2^(c - 128) up to 12 of them. A block's 32 products are then multiples of its unit
+//! u below 2^13 u, and every partial sum over the blocks a multiple of the smallest unit below
+//! blocks x 2^13 x the largest: exact in fp32's 24 bits while the units lie within 2^(11 -
+//! log2 blocks) of each other (the query's plus the key's spread), every unit is a normal fp32
+//! (E + c >= 132) and nothing overflows (E + c < 371); query maxima normal and finite (E within
+//! 1..254: a subnormal maximum breaks the unit's bound), key codes within 8..250 (finite, normal
+//! elements). Otherwise the scan keeps a tensor-core accumulator per block, added in double.
+template <int Dim>
+DSV4_DEVICE bool one_accumulator_exact(const scale_range& q, const scale_range& k) {
+  constexpr int max_spread = Dim / 32 <= 2 ? 10 : Dim / 32 <= 4 ? 9 : Dim / 32 <= 8 ? 8 : 7;
+  return q.spread + k.spread <= max_spread && q.lo >= 1 && q.hi <= 254 && k.lo >= 8 && k.hi <= 250 &&
+         q.lo + k.lo >= 132 && q.hi + k.hi < 371;
+}
+
 //! Shared memory of a streamed-scan CTA: the rows' query fragments [rows][head tiles][k-steps][32
 //! lanes] (16 bytes per lane), their weights [rows][heads] and each warp's (key, head) terms
 //! [warps][16][heads + 1] in fp32.
@@ -314,7 +343,8 @@ struct stream_smem {
   static constexpr int ksteps = Dim / 16;
   DSV4_HOST_DEVICE static int q_frags(int heads) { return stream_rows * ((heads + 15) / 16) * ksteps * 32; }
   static int bytes(int heads) {
-    return q_frags(heads) * 16 + (stream_rows * heads + stream_warps * stream_keys * (heads + 1)) * int(sizeof(float));
+    return q_frags(heads) * 16 + (stream_rows * heads + stream_warps * stream_keys * (heads + 1)) * int(sizeof(float)) +
+           stream_rows * int(sizeof(scale_range));
   }
 };
 
@@ -362,6 +392,25 @@ DSV4_DEVICE void stream_key_fragments(const stream_key_bits<Dim>& bits, std::uin
     }
 }
 
+//! The scale range of a warp's tile of keys (every lane's two keys; keys not loaded hold code 127),
+//! the same in every lane.
+template <int Dim>
+DSV4_DEVICE scale_range stream_key_scale_range(const stream_key_bits<Dim>& bits) {
+  int spread = 0, lo = 255, hi = 0;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    int kl = 255, kh = 0;
+#pragma unroll
+    for (int b = 0; b < Dim / 32; ++b) {
+      const int code = int((bits.scales[j][b / 4] >> (8 * (b % 4))) & 0xFFu);
+      kl = min(kl, code), kh = max(kh, code);
+    }
+    spread = max(spread, kh - kl), lo = min(lo, kl), hi = max(hi, kh);
+  }
+  return {int(__reduce_max_sync(0xFFFFFFFFu, unsigned(spread))), int(__reduce_min_sync(0xFFFFFFFFu, unsigned(lo))),
+          int(__reduce_max_sync(0xFFFFFFFFu, unsigned(hi)))};
+}
+
 //! Work items are (tile, row) pairs, rows inner; each warp walks its own tiles. An item whose row
 //! sees none of the tile is written -inf on the way; an item whose keys are not already in the
 //! fragments (a new tile, another sequence's pages, a gathered row) has them loaded while the
@@ -377,6 +426,7 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 4) index_scan_streamed_ker
   float* w_s = reinterpret_cast<float*>(q_f + stream_smem<Dim>::q_frags(heads));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, quad = lane % 4;
   float* terms = w_s + stream_rows * heads + warp * stream_keys * tstride;
+  scale_range* q_range = reinterpret_cast<scale_range*>(w_s + stream_rows * heads + stream_warps * stream_keys * tstride);
   const int row0 = int(blockIdx.y) * stream_rows, nrows = min(a.rows - row0, stream_rows);
 
   // The rows' queries in fragment order: lane (gid, quad) of k-step s = 2b + half holds heads gid
@@ -393,6 +443,23 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 4) index_scan_streamed_ker
   }
   for (int i = threadIdx.x; i < nrows * heads; i += blockDim.x)
     w_s[i] = a.w[static_cast<long long>(row0) * heads + i].to_float();
+  // Each row's query scale range (one_accumulator_exact): a thread per (row, head) finds the
+  // exponent field of each block's largest magnitude; warp then CTA reductions per row.
+  if (threadIdx.x < stream_rows) q_range[threadIdx.x] = scale_range{};
+  __syncthreads();
+  for (int i = threadIdx.x; i < nrows * heads; i += blockDim.x) {
+    const auto* q = reinterpret_cast<const std::uint16_t*>(a.q + (static_cast<long long>(row0) * heads + i) * Dim);
+    int hl = 255, hh = 0;
+    for (int b = 0; b < Dim / 32; ++b) {
+      unsigned m = 0;
+      for (int c = 0; c < 32; ++c) m = max(m, unsigned(q[32 * b + c]) & 0x7FFFu);
+      if (m == 0) continue;  // a block of zeros adds exact zeros
+      const int e = int(m >> 7);
+      hl = min(hl, e), hh = max(hh, e);
+    }
+    scale_range& rr = q_range[i / heads];
+    atomicMax(&rr.spread, hh >= hl ? hh - hl : 0), atomicMin(&rr.lo, hl), atomicMax(&rr.hi, hh);
+  }
   __syncthreads();
 
   auto key_source = [&](int row) { return scan_key_source(a, positions, row); };
@@ -446,6 +513,7 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 4) index_scan_streamed_ker
   };
 
   std::uint32_t kf[2][kSteps][2];  // B fragments of the current item's keys
+  scale_range k_range;             // and their scale range
   stream_key_bits<Dim> next_bits;
   long long tile = static_cast<long long>(blockIdx.x) * stream_warps + warp - stride, loaded = -2;
   int r = nrows - 1;
@@ -454,6 +522,7 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 4) index_scan_streamed_ker
   if (tile < tiles) {
     fetch(tile, r, next_bits);
     stream_key_fragments<Dim>(next_bits, kf);
+    k_range = stream_key_scale_range<Dim>(next_bits);
   }
   while (tile < tiles) {
     long long next_tile = tile, next_loaded = loaded;
@@ -466,24 +535,8 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 4) index_scan_streamed_ker
     const long long key0 = tile * stream_keys, visible = a.visible[row];
     const uint4* qr = q_f + r * head_tiles * kSteps * 32;
     const float* wr = w_s + r * heads;
-    for (int ht = 0; ht < head_tiles; ++ht) {
-      double acc[2][4] = {};
-#pragma unroll
-      for (int b = 0; b < Dim / 32; ++b) {
-        float part[2][4] = {};
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const uint4 f = qr[(ht * kSteps + 2 * b + half) * 32 + lane];
-          const std::uint32_t qa[4] = {f.x, f.y, f.z, f.w};
-          tensor_core::mma_bf16(part[0], qa, kf[0][2 * b + half][0], kf[0][2 * b + half][1]);
-          tensor_core::mma_bf16(part[1], qa, kf[1][2 * b + half][0], kf[1][2 * b + half][1]);
-        }
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[j][i] += double(part[j][i]);
-      }
-      // Accumulator elements (i, i + 1) are one head's terms for keys 2 quad and 2 quad + 1.
+    // Accumulator elements (i, i + 1) are one head's terms for keys 2 quad and 2 quad + 1.
+    auto write_terms = [&](int ht, const auto& acc) {
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -494,6 +547,34 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 4) index_scan_streamed_ker
           terms[key * tstride + h] = t.x;
           terms[(key + 1) * tstride + h] = t.y;
         }
+    };
+    auto mma_step = [&](int ht, int step, float (&acc)[2][4]) {
+      const uint4 f = qr[(ht * kSteps + step) * 32 + lane];
+      const std::uint32_t qa[4] = {f.x, f.y, f.z, f.w};
+      tensor_core::mma_bf16(acc[0], qa, kf[0][step][0], kf[0][step][1]);
+      tensor_core::mma_bf16(acc[1], qa, kf[1][step][0], kf[1][step][1]);
+    };
+    if (one_accumulator_exact<Dim>(q_range[r], k_range)) {  // warp-uniform
+      for (int ht = 0; ht < head_tiles; ++ht) {
+        float acc[2][4] = {};
+#pragma unroll
+        for (int step = 0; step < kSteps; ++step) mma_step(ht, step, acc);
+        write_terms(ht, acc);
+      }
+    } else {
+      for (int ht = 0; ht < head_tiles; ++ht) {
+        double acc[2][4] = {};
+#pragma unroll
+        for (int b = 0; b < Dim / 32; ++b) {
+          float part[2][4] = {};
+          mma_step(ht, 2 * b, part), mma_step(ht, 2 * b + 1, part);
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[j][i] += double(part[j][i]);
+        }
+        write_terms(ht, acc);
+      }
     }
     __syncwarp();
     if (lane < stream_keys && key0 + lane < a.n_keys) {
@@ -519,7 +600,10 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 4) index_scan_streamed_ker
     }
     __syncwarp();  // the sums are read before the next item's terms overwrite them
 
-    if (next_tile < tiles && next_load) stream_key_fragments<Dim>(next_bits, kf);
+    if (next_tile < tiles && next_load) {
+      stream_key_fragments<Dim>(next_bits, kf);
+      k_range = stream_key_scale_range<Dim>(next_bits);
+    }
     tile = next_tile, r = next_r, loaded = next_loaded;
   }
 }
