@@ -325,14 +325,17 @@ struct scale_range {
 //! u below 2^13 u, and every partial sum over the blocks a multiple of the smallest unit below
 //! blocks x 2^13 x the largest: exact in fp32's 24 bits while the units lie within 2^(11 -
 //! log2 blocks) of each other (the query's plus the key's spread), every unit is a normal fp32
-//! (E + c >= 132) and nothing overflows (E + c < 371); query maxima normal and finite (E within
+//! (E + c >= 132, biased) and nothing overflows (E + c < 373 - log2 blocks: 371 at 128 channels);
+//! query maxima normal and finite (E within
 //! 1..254: a subnormal maximum breaks the unit's bound), key codes within 8..250 (finite, normal
 //! elements). Otherwise the scan keeps a tensor-core accumulator per block, added in double.
 template <int Dim>
 DSV4_DEVICE bool one_accumulator_exact(const scale_range& q, const scale_range& k) {
-  constexpr int max_spread = Dim / 32 <= 2 ? 10 : Dim / 32 <= 4 ? 9 : Dim / 32 <= 8 ? 8 : 7;
-  return q.spread + k.spread <= max_spread && q.lo >= 1 && q.hi <= 254 && k.lo >= 8 && k.hi <= 250 &&
-         q.lo + k.lo >= 132 && q.hi + k.hi < 371;
+  constexpr int log2_blocks = Dim / 32 <= 1 ? 0 : Dim / 32 <= 2 ? 1 : Dim / 32 <= 4 ? 2 : Dim / 32 <= 8 ? 3 : 4;
+  // Units 2^(E + c - 258) (biased E and c): the smallest normal, the largest times blocks x 2^13
+  // below 2^128, and blocks x 2^13 x the largest within 2^24 x the smallest.
+  return q.spread + k.spread <= 11 - log2_blocks && q.lo >= 1 && q.hi <= 254 && k.lo >= 8 && k.hi <= 250 &&
+         q.lo + k.lo >= 132 && q.hi + k.hi < 373 - log2_blocks;
 }
 
 //! Shared memory of a streamed-scan CTA: the rows' query fragments [rows][head tiles][k-steps][32
