@@ -18,10 +18,24 @@
 
 #include "bench_util.cuh"
 #include "dsv4/kernels/indexer/indexer.cuh"
+#include "dsv4/numerics/formats.hpp"
+#include "dsv4/numerics/quantize.hpp"
 
 using namespace dsv4;
 using namespace dsv4::kernels::indexer;
 using numerics::bf16;
+
+namespace {
+
+//! Query values -3 .. 3 in steps of 1/2, MXFP4 quantize-dequantized per `dim` channels as the
+//! model's queries are (the scans' exactness assumes it).
+void random_queries(std::mt19937& rng, std::vector<bf16>& q, int dim) {
+  for (auto& v : q) v = bf16::from_float(float(int(rng() % 13)) / 2.0f - 3.0f);
+  for (std::size_t h = 0; h < q.size() / std::size_t(dim); ++h)
+    numerics::qdq_vector<numerics::index_key_format>(std::span(q).subspan(h * std::size_t(dim), std::size_t(dim)));
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   std::string json;
@@ -41,7 +55,7 @@ int main(int argc, char** argv) {
       runtime::device_buffer<std::uint8_t> dkeys{std::span<const std::uint8_t>(cache)};
       for (int rows : {1, 8, 64}) {
         std::vector<bf16> q(std::size_t(rows) * heads * dim), w(std::size_t(rows) * heads);
-        for (auto& v : q) v = bf16::from_float(float(int(rng() % 13)) / 2.0f - 3.0f);
+        random_queries(rng, q, dim);
         for (auto& v : w) v = bf16::from_float(float(int(rng() % 9) - 4) / 64.0f);
         std::vector<long long> visible(std::size_t(rows), keys);
         runtime::device_buffer<bf16> dq{std::span<const bf16>(q)}, dw{std::span<const bf16>(w)},
@@ -109,7 +123,7 @@ int main(int argc, char** argv) {
       std::vector<std::uint8_t> cache(std::size_t(keys) * entry);
       for (std::size_t i = 0; i < cache.size(); ++i) cache[i] = (i % entry) < 64 ? std::uint8_t(rng()) : std::uint8_t(120 + rng() % 8);
       std::vector<bf16> q(std::size_t(rows) * heads * dim), w(std::size_t(rows) * heads);
-      for (auto& v : q) v = bf16::from_float(float(int(rng() % 13)) / 2.0f - 3.0f);
+      random_queries(rng, q, dim);
       for (auto& v : w) v = bf16::from_float(float(int(rng() % 9) - 4) / 64.0f);
       std::vector<long long> visible(static_cast<std::size_t>(rows));
       for (int r = 0; r < rows; ++r) visible[std::size_t(r)] = r + 1;

@@ -206,22 +206,23 @@ BOOST_AUTO_TEST_CASE(scan_is_exact_for_far_apart_block_scales,
 
 // The streamed scan sums a tile in one fp32 accumulator when the query's and the keys' block
 // scales lie close enough for that sum to be exact (one_accumulator_exact: spreads adding up to 9
-// binades at 128 channels), else a tensor-core accumulator per block. Here a block summing to 1028
-// (a bf16 tie between 1024 and 1032) sits beside a block adding 2^-7, the smallest unit, 2^9 below
-// block 0's: the exact dot rounds up to 1032, one that lost the small block would give 1024. Keys
-// at the bound (spreads 4 + 5: the one-accumulator path) and one binade past it (4 + 6: per block).
+// binades at 128 channels), else a tensor-core accumulator per block. Here three blocks of large
+// products sum to 54912 (a bf16 tie between 54784 and 55040) beside a fourth adding +-2^-7, the
+// smallest unit, 2^9 below the large blocks' unit: the exact sum needs 23 bits and rounds up to
+// 55040; an accumulator that kept fewer bits below its largest addend, or lost the small block,
+// gives 54784. Keys at the bound (spreads 4 + 5: one accumulator) and one binade past it (4 + 6,
+// 2^-8: per block), a tile (16 keys) of each in turn.
 BOOST_AUTO_TEST_CASE(one_accumulator_scan_keeps_the_smallest_block_at_the_spread_bound,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   constexpr int dim = 128, heads = 16, n_keys = 96;
   auto b = [](float v) { return bf16::from_float(v); };
-  // Every block holds a +-6 x scale element (so the quantizer keeps the scale) where the other
-  // vector has a zero; block 0 of q at scale 2^4, the rest at 2^0.
+  // q: blocks 0-2 all 96 (scale 16, E2M1 6), block 3 at scale 1 (a 6 where the keys hold 0, and
+  // 0.5 at channel 96).
   std::vector<bf16> q(std::size_t(heads) * dim, b(0));
   for (int h = 0; h < heads; ++h) {
     bf16* v = q.data() + std::size_t(h) * dim;
-    v[0] = b(96), v[1] = b(96), v[2] = b(16), v[3] = b(8);  // block 0 (scale 16): 96 is its 6 x scale
-    v[40] = b(6), v[72] = b(6), v[126] = b(6);                // blocks 1-3 pinned at scale 1
-    v[96] = b(0.5f);
+    for (int c = 0; c < 96; ++c) v[c] = b(96);
+    v[126] = b(6), v[96] = b(0.5f);
   }
   std::vector<bf16> keys(std::size_t(n_keys) * dim, b(0));
   std::vector<int> eps_sign(n_keys);
@@ -229,10 +230,10 @@ BOOST_AUTO_TEST_CASE(one_accumulator_scan_keeps_the_smallest_block_at_the_spread
     bf16* k = keys.data() + std::size_t(t) * dim;
     const int shift = (t / 16) % 2 ? 6 : 5;  // block 3's scale 2^-5 (spread 9) or 2^-6 (spread 10), per 16-key tile
     eps_sign[t] = t % 3 == 2 ? -1 : 1;
-    k[0] = b(6), k[1] = b(4), k[2] = b(4), k[3] = b(0.5f);  // block 0: 576 + 384 + 64 + 4 = 1028
-    k[33] = b(6), k[65] = b(6);                             // blocks 1, 2: scale 1, no products
-    k[127] = b(std::ldexp(6.0f, -shift));                   // block 3's scale
-    k[96] = b(eps_sign[t] * std::ldexp(0.5f, -shift));      // q 0.5 x this: +-2^-7 or +-2^-8
+    for (int c = 0; c < 96; ++c) k[c] = b(6);  // 95 x 576 + 96 x 2 = 54912
+    k[5] = b(2);
+    k[127] = b(std::ldexp(6.0f, -shift));               // block 3's scale (q holds 0 there)
+    k[96] = b(eps_sign[t] * std::ldexp(0.5f, -shift));  // q 0.5 x this: +-2^-7 or +-2^-8
   }
   const std::vector<bf16> w(heads, b(0x1p-6f));
   auto [cache, kq] = test::pack_index_keys<dim>(keys);
@@ -242,8 +243,8 @@ BOOST_AUTO_TEST_CASE(one_accumulator_scan_keeps_the_smallest_block_at_the_spread
   for (std::size_t i = 0; i < q.size(); ++i) BOOST_REQUIRE(qq[i].bits == q[i].bits);
 
   const auto want = index_scores_reference(q, w, kq, heads, dim, n_keys);
-  for (int t = 0; t < n_keys; ++t)  // the exact sums: 16 heads x bf16(1028 +- eps) / 64
-    BOOST_REQUIRE(want[std::size_t(t)] == (eps_sign[t] > 0 ? 258.0f : 256.0f));
+  for (int t = 0; t < n_keys; ++t)  // the exact sums: 16 heads x bf16(54912 +- eps) / 64
+    BOOST_REQUIRE(want[std::size_t(t)] == (eps_sign[t] > 0 ? 13760.0f : 13696.0f));
   const std::vector<long long> visible{n_keys};
   device_buffer<bf16> dq{std::span<const bf16>(q)}, dw{std::span<const bf16>(w)}, dscores{std::size_t(n_keys)};
   device_buffer<std::uint8_t> dkeys{std::span<const std::uint8_t>(cache)};

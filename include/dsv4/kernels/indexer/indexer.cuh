@@ -2,11 +2,13 @@
 //! \file
 //! CUDA lightning-indexer scan and top-k selection (spec §7), same results as reference.hpp.
 //!
-//! Scan: one CTA per 64 keys and 4 query rows. The keys are dequantized (MXFP4 -> bf16, exact)
-//! into shared memory once for the rows that read them; per row, q [heads, dim] times the keys on
-//! the tensor cores (bf16 MMA, one fp32 accumulator per 32-channel block, the blocks added in
-//! double: the exact dot product, as the host's), then per (head, key) bf16(relu(bf16(dot)) * w)
-//! and a head-ordered fp32 sum per key. Scores are stored as bf16 (-inf where not visible).
+//! Scan (two kernels, the same scores): q [heads, dim] times the keys on the tensor cores (bf16
+//! MMA: the exact dot product, as the host's), then per (head, key) bf16(relu(bf16(dot)) * w) and
+//! a head-ordered fp32 sum per key; scores stored as bf16 (-inf where not visible). The tiled
+//! kernel (one CTA per 64 keys and 4 query rows, the keys dequantized into shared memory) keeps one
+//! fp32 accumulator per 32-channel block and adds the blocks in double; the streamed kernel (the
+//! default) does too, except for tiles whose query and key block scales lie close enough for one
+//! fp32 accumulator over all channels to be exact (one_accumulator_exact).
 //!
 //! Top-k: one CTA per row (several for long rows given scratch), in torch.topk's order
 //! (numerics/order_key.hpp: -0 below +0, NaN above +inf, NaNs tied). Two histogram passes over the orderable 16-bit keys (per-warp bins,
@@ -42,7 +44,9 @@ using numerics::bf16;
 enum class scan_method { automatic, tiled, streamed };
 
 struct index_scan_args {
-  const bf16* q = nullptr;           //!< [rows, heads, Dim], MXFP4 QDQ'd queries (RoPE applied)
+  const bf16* q = nullptr;           //!< [rows, heads, Dim], MXFP4 QDQ'd queries (RoPE applied):
+                                     //!< E2M1 values times a power of two per 32 channels, which the
+                                     //!< scans' exactness needs (other bf16 values: not exact)
   const bf16* w = nullptr;           //!< [rows, heads], weights_proj output already scaled by 2^-6
   const std::uint8_t* keys = nullptr;  //!< [n_keys] packed MXFP4 index keys
   long long key_stride = 0;          //!< bytes between keys
@@ -329,9 +333,14 @@ struct scale_range {
 //! query maxima normal and finite (E within
 //! 1..254: a subnormal maximum breaks the unit's bound), key codes within 8..250 (finite, normal
 //! elements). Otherwise the scan keeps a tensor-core accumulator per block, added in double.
+DSV4_HOST_DEVICE constexpr int ceil_log2(int n) {
+  int l = 0;
+  while ((1 << l) < n) ++l;
+  return l;
+}
 template <int Dim>
 DSV4_DEVICE bool one_accumulator_exact(const scale_range& q, const scale_range& k) {
-  constexpr int log2_blocks = Dim / 32 <= 1 ? 0 : Dim / 32 <= 2 ? 1 : Dim / 32 <= 4 ? 2 : Dim / 32 <= 8 ? 3 : 4;
+  constexpr int log2_blocks = ceil_log2(Dim / 32);
   // Units 2^(E + c - 258) (biased E and c): the smallest normal, the largest times blocks x 2^13
   // below 2^128, and blocks x 2^13 x the largest within 2^24 x the smallest.
   return q.spread + k.spread <= 11 - log2_blocks && q.lo >= 1 && q.hi <= 254 && k.lo >= 8 && k.hi <= 250 &&
@@ -447,15 +456,20 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 4) index_scan_streamed_ker
   for (int i = threadIdx.x; i < nrows * heads; i += blockDim.x)
     w_s[i] = a.w[static_cast<long long>(row0) * heads + i].to_float();
   // Each row's query scale range (one_accumulator_exact): a thread per (row, head) finds the
-  // exponent field of each block's largest magnitude; warp then CTA reductions per row.
+  // exponent field of each block's largest magnitude (16-byte loads: eight channels each), then
+  // shared-memory atomics per row.
   if (threadIdx.x < stream_rows) q_range[threadIdx.x] = scale_range{};
   __syncthreads();
   for (int i = threadIdx.x; i < nrows * heads; i += blockDim.x) {
-    const auto* q = reinterpret_cast<const std::uint16_t*>(a.q + (static_cast<long long>(row0) * heads + i) * Dim);
+    const auto* q = reinterpret_cast<const uint4*>(a.q + (static_cast<long long>(row0) * heads + i) * Dim);
     int hl = 255, hh = 0;
     for (int b = 0; b < Dim / 32; ++b) {
-      unsigned m = 0;
-      for (int c = 0; c < 32; ++c) m = max(m, unsigned(q[32 * b + c]) & 0x7FFFu);
+      unsigned m = 0;  // the largest |bf16| bits of the block: max over the halves of each word
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const uint4 u = q[4 * b + v];
+        for (const unsigned word : {u.x, u.y, u.z, u.w}) m = max(m, max(word & 0x7FFFu, (word >> 16) & 0x7FFFu));
+      }
       if (m == 0) continue;  // a block of zeros adds exact zeros
       const int e = int(m >> 7);
       hl = min(hl, e), hh = max(hh, e);
