@@ -4,7 +4,7 @@
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced]
 //!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
 //!                    [--no-folded] [--dspark]
-//!                    [--config-json FILE] [--checkpoint-only] [--json FILE]
+//!                    [--config-json FILE] [--checkpoint-only] [--clone-contexts] [--json FILE]
 //!
 //! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
 //! routed experts cut to 16 (DSpark stages to 8) and small Engram tables, so that one H200 holds it
@@ -19,6 +19,12 @@
 //! `--checkpoint DIR` writes the random checkpoint to DIR instead, or reuses the one DIR holds.
 //! `--config-json FILE`: also write the variant's inference/config.json (models::config_json_text),
 //! so that the official reference can build the same model (scripts/gpu-reference-speed.sh).
+//! `--clone-contexts`: a decode batch's sequences are one prefilled context and copies of it
+//! (device_model::copy_sequence) instead of a prefill each: the same work per step, without the
+//! batch's prefills (64 contexts of 128K tokens would take minutes). Either way the contexts hold
+//! the same ids; the rows of a decode step differ by their token (ids 5 + 7919 b), so that the MoE
+//! routes them as distinct requests (before the thirty-third session every row took id 5: one
+//! routing for the whole batch, fewer experts read than a real batch reads).
 //! `--checkpoint-only` (with `--checkpoint DIR`): write the random checkpoint (and the config.json)
 //! and stop, for a reference run on the same weights without timing ours again (they come from a
 //! fixed seed: the same weights every time).
@@ -129,6 +135,7 @@ struct options {
   int chunk = 0;                      // > 0: longer prompts as a prefill of `chunk` tokens + appended chunks
   bool dspark = false;                // also time the DSpark drafter on CUDA
   bool checkpoint_only = false;       // write the checkpoint to `checkpoint` and stop
+  bool clone_contexts = false;        // decode batches: one prefill, the other sequences copies of it
 };
 
 //! `--checkpoint DIR`: the random checkpoint of `Model` (scaled initialisation, seed 1) written to
@@ -238,13 +245,24 @@ int run(FILE* jf, const options& opt) {
     return work;
   };
   // `batch` sequences prefilled (CED) to `decode_context` tokens, and one warm-up decode step.
+  // A decode step's ids: one per row, distinct, so that the rows route as distinct requests.
+  const long long vocab = c.vocab_size;
+  auto step_ids = [vocab](int batch) {
+    std::vector<std::int32_t> row_ids;
+    for (long long b = 0; b < batch; ++b) row_ids.push_back(std::int32_t((5 + 7919 * b) % vocab));
+    return row_ids;
+  };
   auto decode_batch = [&](int batch) {
     std::vector<int> slots;
     for (int b = 0; b < batch; ++b) {
+      if (opt.clone_contexts && b > 0) {
+        slots.push_back(dm.copy_sequence(slots.front()));
+        continue;
+      }
       slots.push_back(dm.add_sequence());
       put_prompt(slots.back(), decode_context, true);
     }
-    dm.decode(slots, std::vector<std::int32_t>(std::size_t(batch), 5));
+    dm.decode(slots, step_ids(batch));
     return slots;
   };
   if (!opt.profile_prefill.empty()) {  // for `ncu --profile-from-start off`: the kernels of one prefill
@@ -262,7 +280,7 @@ int run(FILE* jf, const options& opt) {
   if (opt.profile_decode) {  // for `ncu --profile-from-start off`: the kernels of one decode step
     const int batch = batches.front();
     const auto slots = decode_batch(batch);
-    const std::vector<std::int32_t> tok(std::size_t(batch), 5);
+    const auto tok = step_ids(batch);
     DSV4_CUDA_CHECK(cudaProfilerStart());
     dm.decode(slots, tok);
     DSV4_CUDA_CHECK(cudaProfilerStop());
@@ -296,7 +314,7 @@ int run(FILE* jf, const options& opt) {
   std::vector<double> decode_s;  // per batch size, for the speculative rounds' comparison
   for (int batch : batches) {
     const auto slots = decode_batch(batch);
-    const std::vector<std::int32_t> tok(std::size_t(batch), 5);
+    const auto tok = step_ids(batch);
     const auto t = clock::now();
     for (int i = 0; i < steps; ++i) dm.decode(slots, tok);
     const double s = seconds_since(t) / steps;
@@ -449,6 +467,7 @@ int main(int argc, char** argv) {
       else if (a == "--engram-host-tables") opt.engram_host_tables = true;
       else if (a == "--dspark") opt.dspark = true;
       else if (a == "--checkpoint-only") opt.checkpoint_only = true;
+      else if (a == "--clone-contexts") opt.clone_contexts = true;
       else if (a == "--chunk" && has_value) opt.chunk = bench::int_list(a, argv[++i]).at(0);
       else if (a == "--gemm" && has_value && (std::string(argv[i + 1]) == "mma" || std::string(argv[i + 1]) == "wgmma"))
         kernels::gemm::set_decode_gemm(std::string(argv[++i]) == "wgmma" ? kernels::gemm::decode_gemm::wgmma
@@ -464,7 +483,7 @@ int main(int argc, char** argv) {
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
             "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--dspark] [--config-json FILE] "
-            "[--checkpoint-only] [--json FILE]\n");
+            "[--checkpoint-only] [--clone-contexts] [--json FILE]\n");
         return 2;
       }
     }

@@ -296,6 +296,49 @@ BOOST_AUTO_TEST_CASE(rolled_back_rounds_leave_no_trace, *utf::label("gpu") * utf
   BOOST_TEST(test::throws_with([&] { dm.append_all(a, random_ids(9)); }, "limits::logit_rows"));
 }
 
+// copy_sequence: a copy continues exactly as its original would (the same kernels on the same
+// state: bit for bit), the original is left as it was, the copy's pages come from the pool and go
+// back on release; in exact mode and with CED appends (the tail rows copied too). Misuse refused.
+BOOST_AUTO_TEST_CASE(copied_sequences_continue_as_their_original, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  const auto hm = load_tiny("device_model_copy", 53);
+  auto rng = test::make_rng(79);
+  auto random_ids = [&](int n) { return tiny_ids(rng, n); };
+  auto same_bits = [](const std::vector<float>& x, const std::vector<float>& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+  };
+  for (const bool ced : {false, true}) {
+    BOOST_TEST_CONTEXT((ced ? "CED appends" : "exact mode")) {
+      auto lim = tiny_limits(3, 96, 192);
+      lim.ced_appends = ced;
+      model::device_model<tiny> dm(hm, lim);
+      const auto prompt = random_ids(83), chunk = random_ids(21);  // past the window (16) and the pool
+      const int a = dm.add_sequence(), twin = dm.add_sequence();
+      for (int s : {a, twin}) (void)(ced ? dm.prefill_ced(s, prompt) : dm.prefill(s, prompt));
+      const long long pages = dm.attention().usage().pages_used;
+      const int b = dm.copy_sequence(a);
+      BOOST_TEST(dm.length(b) == dm.length(a));
+      auto pages_of = [&](int s) { return (dm.length(s) + lim.page_tokens - 1) / lim.page_tokens; };
+      BOOST_TEST(dm.attention().usage().pages_used == pages + pages_of(a));  // a's pages, once more
+      BOOST_TEST(test::throws_with([&] { dm.copy_sequence(a); }, "slots are in use"));
+      // b and then a take the same chunk and token: the same logits, bit for bit.
+      auto append = [&](int s, const std::vector<std::int32_t>& ids) { return ced ? dm.append_ced(s, ids) : dm.append(s, ids); };
+      const auto x = random_ids(1), y = random_ids(1);
+      BOOST_TEST(same_bits(append(b, chunk), append(a, chunk)), "the chunk after the copy differs");
+      BOOST_TEST(same_bits(dm.decode({b}, x), dm.decode({a}, x)), "the decode step after the copy differs");
+      // b goes on alone; a, a step behind, then takes b's step: a was left as it was.
+      const auto b_next = dm.decode({b}, y);
+      (void)append(twin, chunk);
+      (void)dm.decode({twin}, x);
+      BOOST_TEST(same_bits(dm.decode({twin}, y), b_next), "the copy differs from a sequence fed the same tokens");
+      BOOST_TEST(same_bits(dm.decode({a}, y), b_next), "the original changed with its copy");
+      const long long used = dm.attention().usage().pages_used, b_pages = pages_of(b);
+      dm.release_sequence(b);
+      BOOST_TEST(dm.attention().usage().pages_used == used - b_pages);
+      BOOST_TEST(test::throws_with([&] { dm.copy_sequence(b); }, "no live sequence"));
+    }
+  }
+}
+
 // Chunks appended to several sequences in one call (append_all over slots: a batch of
 // speculative rounds' verifications) give each sequence what its own append_all gives: three
 // prompts (longer than the window and the pool, odd and even, one shorter than the window) and

@@ -303,6 +303,17 @@ class device_model {
     return s;
   }
   void release_sequence(int slot) { stack_->release_sequence(slot); }
+  //! A new sequence that continues from where sequence `from` stands (its caches, window rings,
+  //! compressor states, Engram histories and CED tail copied on the model's stream); returns its
+  //! slot. For several samples of one prompt or the branches of a conversation: one prefill, then
+  //! copies. Between calls only.
+  int copy_sequence(int from) {
+    check_idle();
+    const int to = stack_->copy_sequence(from);
+    histories_[std::size_t(to)] = histories_.at(std::size_t(from));
+    if (lim_.ced_appends) tail_copy_between(from, to);
+    return to;
+  }
   long long length(int slot) const { return stack_->length(slot); }
   stack_t& attention() { return *stack_; }
   //! Per Engram module, what its host-table fetches cost (empty without limits::engram_host_tables).
@@ -831,6 +842,18 @@ class device_model {
     one(tail_x_, &sequence_snapshot::tail_x, std::size_t(hc) * D), one(tail_h_, &sequence_snapshot::tail_h, D);
     one(tail_pre_, &sequence_snapshot::tail_pre, std::size_t(hc)), one(tail_post_, &sequence_snapshot::tail_post, std::size_t(hc));
     one(tail_comb_, &sequence_snapshot::tail_comb, std::size_t(hc) * hc);
+  }
+
+  //! Sequence `from`'s CED tail rows into sequence `to`'s (copy_sequence).
+  void tail_copy_between(int from, int to) {
+    const std::size_t W = std::size_t(c.attn.window_size), D = std::size_t(c.dim);
+    auto one = [&](auto& tail, std::size_t width) {
+      using T = std::remove_reference_t<decltype(*tail.data())>;
+      DSV4_CUDA_CHECK(cudaMemcpyAsync(tail.data() + std::size_t(to) * W * width, tail.data() + std::size_t(from) * W * width,
+                                      W * width * sizeof(T), cudaMemcpyDeviceToDevice, stream()));
+    };
+    one(tail_x_, std::size_t(hc) * D), one(tail_h_, D), one(tail_pre_, std::size_t(hc)), one(tail_post_, std::size_t(hc));
+    one(tail_comb_, std::size_t(hc) * hc);
   }
 
   //! fp32 logits of bf16 rows through the head (`vocab`: the rows held): from the bf16 head

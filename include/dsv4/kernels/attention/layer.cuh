@@ -283,6 +283,43 @@ class attention_stack {
   long long length(int slot) const { return lengths_.at(std::size_t(slot)); }
   long long page_bytes() const { return page_bytes_; }
 
+  //! A new sequence holding a copy of sequence `from`: its pages (every owner's global entries and
+  //! index keys), window rings, compressor states and length, device copies on the stack's stream;
+  //! returns its slot. The two then go on independently (several samples of one prompt, the
+  //! branches of a conversation). Between calls only; the pages come from the pool (checked first:
+  //! nothing changes when they are not there).
+  int copy_sequence(int from) {
+    check_slot(from);
+    if (call_) throw error("attention_stack::copy_sequence: a call is in progress");
+    if (ced_pending_[std::size_t(from)] >= 0)
+      throw error("attention_stack::copy_sequence: sequence slot " + std::to_string(from) + " waits for its CED replay");
+    const int seq_from = slot_seq_[std::size_t(from)];
+    const long long pages = static_cast<long long>(alloc_->block_table(seq_from).size());
+    if (pages > alloc_->free_pages())
+      throw error("attention_stack::copy_sequence: the page pool is exhausted: the copy needs " + std::to_string(pages) +
+                  " pages, " + std::to_string(alloc_->free_pages()) + " are free");
+    const int to = add_sequence();  // throws when every slot is in use, before anything changes
+    alloc_->append(slot_seq_[std::size_t(to)], alloc_->tokens(seq_from));
+    const auto& src = alloc_->block_table(seq_from);
+    const auto& dst = alloc_->block_table(slot_seq_[std::size_t(to)]);
+    for (std::size_t i = 0; i < src.size(); ++i)
+      DSV4_CUDA_CHECK(cudaMemcpyAsync(pool_.data() + std::size_t(dst[i]) * std::size_t(page_bytes_),
+                                      pool_.data() + std::size_t(src[i]) * std::size_t(page_bytes_), std::size_t(page_bytes_),
+                                      cudaMemcpyDeviceToDevice, stream_));
+    const std::size_t ring_bytes = std::size_t(shape_.window) * window_layout::bytes;
+    for (auto& ring : rings_)
+      DSV4_CUDA_CHECK(cudaMemcpyAsync(ring.data() + std::size_t(to) * ring_bytes, ring.data() + std::size_t(from) * ring_bytes,
+                                      ring_bytes, cudaMemcpyDeviceToDevice, stream_));
+    for (auto* states : {&states_k_, &states_z_})
+      for (auto& [l, buf] : *states) {
+        const std::size_t n = std::size_t(wiring_[std::size_t(l)].ratio) * HeadDim;
+        DSV4_CUDA_CHECK(cudaMemcpyAsync(buf.data() + std::size_t(to) * n, buf.data() + std::size_t(from) * n,
+                                        n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+      }
+    lengths_[std::size_t(to)] = lengths_[std::size_t(from)];
+    return to;
+  }
+
   //! What a sequence's later calls can change and not recompute: its length, its window rings
   //! (slots are overwritten modulo the window) and its ratio-2 compressors' decode states. Global
   //! entries and index keys past the length are never read, so they need no copy.
