@@ -297,8 +297,11 @@ BOOST_AUTO_TEST_CASE(rolled_back_rounds_leave_no_trace, *utf::label("gpu") * utf
 }
 
 // copy_sequence: a copy continues exactly as its original would (the same kernels on the same
-// state: bit for bit), the original is left as it was, the copy's pages come from the pool and go
-// back on release; in exact mode and with CED appends (the tail rows copied too). Misuse refused.
+// state: bit for bit), and the two are independent: after the copy the original and the copy take
+// different chunks and tokens, and each matches a twin prefilled with the same prompt and fed the
+// same input (a copy that shared pages, rings or states with its original would differ). In exact
+// mode and with CED appends (the tail rows copied too); the copy's pages come from the pool and go
+// back on release; misuse refused.
 BOOST_AUTO_TEST_CASE(copied_sequences_continue_as_their_original, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   const auto hm = load_tiny("device_model_copy", 53);
   auto rng = test::make_rng(79);
@@ -308,29 +311,30 @@ BOOST_AUTO_TEST_CASE(copied_sequences_continue_as_their_original, *utf::label("g
   };
   for (const bool ced : {false, true}) {
     BOOST_TEST_CONTEXT((ced ? "CED appends" : "exact mode")) {
-      auto lim = tiny_limits(3, 96, 192);
+      auto lim = tiny_limits(4, 96, 192);
       lim.ced_appends = ced;
       model::device_model<tiny> dm(hm, lim);
-      const auto prompt = random_ids(83), chunk = random_ids(21);  // past the window (16) and the pool
-      const int a = dm.add_sequence(), twin = dm.add_sequence();
-      for (int s : {a, twin}) (void)(ced ? dm.prefill_ced(s, prompt) : dm.prefill(s, prompt));
+      // Past the window (16) and the pool; 83: a ratio-2 group left half full.
+      const auto prompt = random_ids(83), chunk_a = random_ids(21), chunk_b = random_ids(13);
+      const auto x = random_ids(1), y = random_ids(1);
+      const int a = dm.add_sequence(), twin_a = dm.add_sequence(), twin_b = dm.add_sequence();
+      for (int s : {a, twin_a, twin_b}) (void)(ced ? dm.prefill_ced(s, prompt) : dm.prefill(s, prompt));
+      auto pages_of = [&](int s) { return (dm.length(s) + lim.page_tokens - 1) / lim.page_tokens; };
       const long long pages = dm.attention().usage().pages_used;
       const int b = dm.copy_sequence(a);
       BOOST_TEST(dm.length(b) == dm.length(a));
-      auto pages_of = [&](int s) { return (dm.length(s) + lim.page_tokens - 1) / lim.page_tokens; };
       BOOST_TEST(dm.attention().usage().pages_used == pages + pages_of(a));  // a's pages, once more
       BOOST_TEST(test::throws_with([&] { dm.copy_sequence(a); }, "slots are in use"));
-      // b and then a take the same chunk and token: the same logits, bit for bit.
       auto append = [&](int s, const std::vector<std::int32_t>& ids) { return ced ? dm.append_ced(s, ids) : dm.append(s, ids); };
-      const auto x = random_ids(1), y = random_ids(1);
-      BOOST_TEST(same_bits(append(b, chunk), append(a, chunk)), "the chunk after the copy differs");
-      BOOST_TEST(same_bits(dm.decode({b}, x), dm.decode({a}, x)), "the decode step after the copy differs");
-      // b goes on alone; a, a step behind, then takes b's step: a was left as it was.
-      const auto b_next = dm.decode({b}, y);
-      (void)append(twin, chunk);
-      (void)dm.decode({twin}, x);
-      BOOST_TEST(same_bits(dm.decode({twin}, y), b_next), "the copy differs from a sequence fed the same tokens");
-      BOOST_TEST(same_bits(dm.decode({a}, y), b_next), "the original changed with its copy");
+      // The copy first, then the original, each with its own input; then the twins.
+      const auto b1 = append(b, chunk_b), b2 = dm.decode({b}, y);
+      const auto a1 = append(a, chunk_a), a2 = dm.decode({a}, x);
+      const auto ta1 = append(twin_a, chunk_a), ta2 = dm.decode({twin_a}, x);
+      const auto tb1 = append(twin_b, chunk_b), tb2 = dm.decode({twin_b}, y);
+      BOOST_TEST(same_bits(b1, tb1), "the copy's chunk differs from its twin's");
+      BOOST_TEST(same_bits(b2, tb2), "the copy's decode step differs from its twin's");
+      BOOST_TEST(same_bits(a1, ta1), "the original's chunk after the copy differs from its twin's");
+      BOOST_TEST(same_bits(a2, ta2), "the original's decode step after the copy differs from its twin's");
       const long long used = dm.attention().usage().pages_used, b_pages = pages_of(b);
       dm.release_sequence(b);
       BOOST_TEST(dm.attention().usage().pages_used == used - b_pages);

@@ -306,12 +306,20 @@ class device_model {
   //! A new sequence that continues from where sequence `from` stands (its caches, window rings,
   //! compressor states, Engram histories and CED tail copied on the model's stream); returns its
   //! slot. For several samples of one prompt or the branches of a conversation: one prefill, then
-  //! copies. Between calls only.
+  //! copies. Between calls only. Not copied: a DSpark drafter's state for the sequence (the
+  //! drafter keeps its own per slot; prefill it for the copy before drafting for it), and nothing
+  //! random: draws for the copy with the original's row_request (params seed, `sequence`, `step`)
+  //! repeat the original's tokens, so give each copy its own `sequence` number.
   int copy_sequence(int from) {
     check_idle();
     const int to = stack_->copy_sequence(from);
-    histories_[std::size_t(to)] = histories_.at(std::size_t(from));
-    if (lim_.ced_appends) tail_copy_between(from, to);
+    try {
+      histories_[std::size_t(to)] = histories_.at(std::size_t(from));
+      if (lim_.ced_appends) tail_copy_between(from, to);
+    } catch (...) {
+      stack_->release_sequence(to);
+      throw;
+    }
     return to;
   }
   long long length(int slot) const { return stack_->length(slot); }

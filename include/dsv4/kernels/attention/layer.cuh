@@ -299,23 +299,34 @@ class attention_stack {
       throw error("attention_stack::copy_sequence: the page pool is exhausted: the copy needs " + std::to_string(pages) +
                   " pages, " + std::to_string(alloc_->free_pages()) + " are free");
     const int to = add_sequence();  // throws when every slot is in use, before anything changes
-    alloc_->append(slot_seq_[std::size_t(to)], alloc_->tokens(seq_from));
-    const auto& src = alloc_->block_table(seq_from);
-    const auto& dst = alloc_->block_table(slot_seq_[std::size_t(to)]);
-    for (std::size_t i = 0; i < src.size(); ++i)
-      DSV4_CUDA_CHECK(cudaMemcpyAsync(pool_.data() + std::size_t(dst[i]) * std::size_t(page_bytes_),
-                                      pool_.data() + std::size_t(src[i]) * std::size_t(page_bytes_), std::size_t(page_bytes_),
-                                      cudaMemcpyDeviceToDevice, stream_));
-    const std::size_t ring_bytes = std::size_t(shape_.window) * window_layout::bytes;
-    for (auto& ring : rings_)
-      DSV4_CUDA_CHECK(cudaMemcpyAsync(ring.data() + std::size_t(to) * ring_bytes, ring.data() + std::size_t(from) * ring_bytes,
-                                      ring_bytes, cudaMemcpyDeviceToDevice, stream_));
-    for (auto* states : {&states_k_, &states_z_})
-      for (auto& [l, buf] : *states) {
-        const std::size_t n = std::size_t(wiring_[std::size_t(l)].ratio) * HeadDim;
-        DSV4_CUDA_CHECK(cudaMemcpyAsync(buf.data() + std::size_t(to) * n, buf.data() + std::size_t(from) * n,
-                                        n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    try {
+      alloc_->append(slot_seq_[std::size_t(to)], alloc_->tokens(seq_from));
+      const auto& src = alloc_->block_table(seq_from);
+      const auto& dst = alloc_->block_table(slot_seq_[std::size_t(to)]);
+      // One copy per run of pages that are consecutive in both tables (the free list hands out
+      // ascending runs).
+      for (std::size_t i = 0; i < src.size();) {
+        std::size_t n = 1;
+        while (i + n < src.size() && src[i + n] == src[i] + std::int32_t(n) && dst[i + n] == dst[i] + std::int32_t(n)) ++n;
+        DSV4_CUDA_CHECK(cudaMemcpyAsync(pool_.data() + std::size_t(dst[i]) * std::size_t(page_bytes_),
+                                        pool_.data() + std::size_t(src[i]) * std::size_t(page_bytes_),
+                                        n * std::size_t(page_bytes_), cudaMemcpyDeviceToDevice, stream_));
+        i += n;
       }
+      const std::size_t ring_bytes = std::size_t(shape_.window) * window_layout::bytes;
+      for (auto& ring : rings_)
+        DSV4_CUDA_CHECK(cudaMemcpyAsync(ring.data() + std::size_t(to) * ring_bytes, ring.data() + std::size_t(from) * ring_bytes,
+                                        ring_bytes, cudaMemcpyDeviceToDevice, stream_));
+      for (auto* states : {&states_k_, &states_z_})
+        for (auto& [l, buf] : *states) {
+          const std::size_t n = std::size_t(wiring_[std::size_t(l)].ratio) * HeadDim;
+          DSV4_CUDA_CHECK(cudaMemcpyAsync(buf.data() + std::size_t(to) * n, buf.data() + std::size_t(from) * n,
+                                          n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+        }
+    } catch (...) {
+      release_sequence(to);  // a half-made copy gives its slot and pages back
+      throw;
+    }
     lengths_[std::size_t(to)] = lengths_[std::size_t(from)];
     return to;
   }
