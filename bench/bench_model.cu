@@ -1,6 +1,6 @@
 //! \brief The whole model on CUDA (model::device_model): prefill tokens/s in exact and CED mode,
 //! decode tokens/s at several batch sizes, global-cache bytes per token actually allocated.
-//! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N]
+//! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N,N..]
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced]
 //!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
 //!                    [--no-folded] [--dspark]
@@ -16,6 +16,8 @@
 //! each chunk's decoder replaying the last window), so that max_rows, and the scratch that grows
 //! with it (the index scores and lists: rows x keys), stays at N: how 64K prompts and 128K
 //! contexts fit one GPU.
+//! `--decode-context N,N..`: the plain decode rows at each context length (every batch size at each;
+//! default 8K, tiny 256); the profile and the DSpark rounds run at the first.
 //! `--checkpoint DIR` writes the random checkpoint to DIR instead, or reuses the one DIR holds.
 //! `--config-json FILE`: also write the variant's inference/config.json (models::config_json_text),
 //! so that the official reference can build the same model (scripts/gpu-reference-speed.sh).
@@ -127,7 +129,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 struct options {
   std::vector<int> prompts, batches;  // empty: the variant's defaults
-  int decode_context = 0;             // 0: the variant's default
+  std::vector<int> decode_contexts;   // empty: the variant's default; decode is timed at each
   std::string checkpoint;             // empty: a temporary folder, removed at the end
   bool profile_decode = false;        // one decode step between cudaProfilerStart / Stop, nothing else
   std::string profile_prefill;        // "exact" / "ced": one prefill between cudaProfilerStart / Stop, nothing else
@@ -189,12 +191,16 @@ int run(FILE* jf, const options& opt) {
   const std::vector<int> prompt_lengths =
       !opt.prompts.empty() ? opt.prompts : tiny ? std::vector<int>{64, 512} : std::vector<int>{8192, 65535};
   const std::vector<int> batches = !opt.batches.empty() ? opt.batches : std::vector<int>{1, 8, 64};
-  const int decode_context = opt.decode_context > 0 ? opt.decode_context : tiny ? 256 : 8192, steps = tiny ? 8 : 16;
+  const std::vector<int> decode_contexts =
+      !opt.decode_contexts.empty() ? opt.decode_contexts : std::vector<int>{tiny ? 256 : 8192};
+  // The profile and the DSpark rounds run at the first context; the plain decode rows at each.
+  const int decode_context = decode_contexts.front(), steps = tiny ? 8 : 16;
+  const int longest_context = *std::max_element(decode_contexts.begin(), decode_contexts.end());
   typename model::device_model<Model>::limits lim;
   lim.max_seqs = *std::max_element(batches.begin(), batches.end()) + 2;
-  const int longest = std::max(*std::max_element(prompt_lengths.begin(), prompt_lengths.end()), decode_context);
+  const int longest = std::max(*std::max_element(prompt_lengths.begin(), prompt_lengths.end()), longest_context);
   lim.max_rows = opt.chunk > 0 ? std::min(longest, opt.chunk) : longest;
-  lim.max_tokens = std::max<long long>(longest, decode_context + steps + 1), lim.page_tokens = 256;
+  lim.max_tokens = std::max<long long>(longest, longest_context + steps + 1), lim.page_tokens = 256;
   lim.ced_appends = opt.chunk > 0 && opt.chunk < longest;  // chunked CED prompts append in CED mode
   lim.engram_host_tables = opt.engram_host_tables;
   // --dspark: a speculative round of every sequence of the largest batch in one call, and room
@@ -244,7 +250,7 @@ int run(FILE* jf, const options& opt) {
     }
     return work;
   };
-  // `batch` sequences prefilled (CED) to `decode_context` tokens, and one warm-up decode step.
+  // `batch` sequences prefilled (CED) to `context` tokens, and one warm-up decode step.
   // A decode step's ids: one per row, distinct, so that the rows route as distinct requests.
   const long long vocab = c.vocab_size;
   auto step_ids = [vocab](int batch) {
@@ -252,7 +258,7 @@ int run(FILE* jf, const options& opt) {
     for (long long b = 0; b < batch; ++b) row_ids.push_back(std::int32_t((5 + 7919 * b) % vocab));
     return row_ids;
   };
-  auto decode_batch = [&](int batch) {
+  auto decode_batch = [&](int batch, int context) {
     std::vector<int> slots;
     for (int b = 0; b < batch; ++b) {
       if (opt.clone_contexts && b > 0) {
@@ -260,7 +266,7 @@ int run(FILE* jf, const options& opt) {
         continue;
       }
       slots.push_back(dm.add_sequence());
-      put_prompt(slots.back(), decode_context, true);
+      put_prompt(slots.back(), context, true);
     }
     dm.decode(slots, step_ids(batch));
     return slots;
@@ -279,7 +285,7 @@ int run(FILE* jf, const options& opt) {
   }
   if (opt.profile_decode) {  // for `ncu --profile-from-start off`: the kernels of one decode step
     const int batch = batches.front();
-    const auto slots = decode_batch(batch);
+    const auto slots = decode_batch(batch, decode_context);
     const auto tok = step_ids(batch);
     DSV4_CUDA_CHECK(cudaProfilerStart());
     dm.decode(slots, tok);
@@ -310,18 +316,20 @@ int run(FILE* jf, const options& opt) {
         dm.release_sequence(slot);
       }
     }
-  // Decode: `batch` sequences at `decode_context` tokens, `steps` steps each.
-  std::vector<double> decode_s;  // per batch size, for the speculative rounds' comparison
-  for (int batch : batches) {
-    const auto slots = decode_batch(batch);
-    const auto tok = step_ids(batch);
-    const auto t = clock::now();
-    for (int i = 0; i < steps; ++i) dm.decode(slots, tok);
-    const double s = seconds_since(t) / steps;
-    decode_s.push_back(s);
-    row("decode", decode_context, batch, s, batch / s, traffic.decode_bytes(batch) / ceiling.copy_bps);
-    for (int sl : slots) dm.release_sequence(sl);
-  }
+  // Decode: `batch` sequences at each context, `steps` steps each.
+  std::vector<double> decode_s;  // per batch size at the first context, for the speculative rounds' comparison
+  for (std::size_t ci = 0; ci < decode_contexts.size(); ++ci)
+    for (int batch : batches) {
+      const int context = decode_contexts[ci];
+      const auto slots = decode_batch(batch, context);
+      const auto tok = step_ids(batch);
+      const auto t = clock::now();
+      for (int i = 0; i < steps; ++i) dm.decode(slots, tok);
+      const double s = seconds_since(t) / steps;
+      if (ci == 0) decode_s.push_back(s);
+      row("decode", context, batch, s, batch / s, traffic.decode_bytes(batch) / ceiling.copy_bps);
+      for (int sl : slots) dm.release_sequence(sl);
+    }
   // The DSpark drafter: one sequence at the decode context (CED prompt: the capture then holds its
   // replayed rows, the last window positions), then rounds of one backbone step + one draft block.
   if constexpr (sched::drafter::stages > 0) {
@@ -459,7 +467,7 @@ int main(int argc, char** argv) {
       else if (a == "--v41-width") v41 = true;
       else if (a == "--prompts" && has_value) opt.prompts = bench::int_list(a, argv[++i]);
       else if (a == "--batches" && has_value) opt.batches = bench::int_list(a, argv[++i]);
-      else if (a == "--decode-context" && has_value) opt.decode_context = bench::int_list(a, argv[++i]).at(0);
+      else if (a == "--decode-context" && has_value) opt.decode_contexts = bench::int_list(a, argv[++i]);
       else if (a == "--checkpoint" && has_value) opt.checkpoint = argv[++i];
       else if (a == "--profile-decode") opt.profile_decode = true;
       else if (a == "--profile-prefill" && has_value && (std::string(argv[i + 1]) == "exact" || std::string(argv[i + 1]) == "ced"))
@@ -479,7 +487,7 @@ int main(int argc, char** argv) {
       else {
         std::fprintf(
             stderr,
-            "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N] "
+            "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N,N..] "
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
             "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--dspark] [--config-json FILE] "
