@@ -1,12 +1,14 @@
 //! \brief The fused mHC sublayer boundary (hc_post + hc_pre + RMSNorm + next coefficients),
 //! V4.1 widths (4 streams x 5120), at decode and prefill token counts.
 //! Usage: bench_mhc [--json FILE]
-//! Above 16 tokens a row per prefill token group (8, the default, and 16 tokens a CTA).
+//! Above 16 tokens a row per prefill token group (8, the default, and 16 tokens a CTA); at 32 and 64
+//! tokens also one token a CTA (set_one_token_ctas_up_to; group 1 in the table).
 //!
 //! Bytes = per token (X 4d + F d + Y 4d + h d) x 2 bytes (the article's (2n+2)d single pass)
 //! plus the 24 x 4d fp32 projection weight once per launch. Times per call of back-to-back calls
 //! replayed as a CUDA graph; ratio to the copy ceiling measured in the same run.
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -35,7 +37,7 @@ int main(int argc, char** argv) {
     runtime::device_buffer<bf16> w(dim);
     w.fill_bytes(0x3f);
     bool first = true;
-    for (long long tokens : {1LL, 8LL, 64LL, 512LL, 4096LL}) {
+    for (long long tokens : {1LL, 8LL, 32LL, 64LL, 512LL, 4096LL}) {
       runtime::device_buffer<bf16> x(std::size_t(tokens) * 4 * dim), f(std::size_t(tokens) * dim), y(x.size()),
           h(f.size());
       x.fill_bytes(0x3e);
@@ -50,9 +52,14 @@ int main(int argc, char** argv) {
       a.fn = fn.data(), a.base = base.data(), a.scale = scale.data();
       a.next_pre = npre.data(), a.next_post = npost.data(), a.next_comb = ncomb.data();
       a.tokens = tokens, a.dim = dim;
-      // Above 16 tokens both prefill token groups (set_prefill_token_group), the default first.
-      for (int group : tokens > 16 ? std::vector<int>{8, 16} : std::vector<int>{1}) {
+      // Above 16 tokens both prefill token groups (set_prefill_token_group), the default first, and
+      // at 32 / 64 tokens one token a CTA as at decode (set_one_token_ctas_up_to).
+      const std::vector<int> groups = tokens <= 16 ? std::vector<int>{1}
+                                      : tokens <= 64 ? std::vector<int>{8, 16, 1}
+                                                     : std::vector<int>{8, 16};
+      for (int group : groups) {
         if (group > 1) set_prefill_token_group(group);
+        set_one_token_ctas_up_to(group == 1 ? int(std::max(16LL, tokens)) : 16);
         const double ms = bench::median_ms_per_call([&](cudaStream_t s) { mhc_step(a, ws, s); }, 20);
         const double bytes = double(tokens) * 10.0 * dim * 2.0 + 24.0 * 4 * dim * 4;
         const double floor_us = bytes / copy_bps * 1e6;
@@ -64,6 +71,7 @@ int main(int argc, char** argv) {
         first = false;
       }
       set_prefill_token_group(8);
+      set_one_token_ctas_up_to(16);
     }
     if (jf) {
       std::fprintf(jf, "\n]}\n");

@@ -157,6 +157,23 @@ BOOST_AUTO_TEST_CASE(sixteen_token_groups_match_host,
   BOOST_TEST(test::throws_with([] { set_prefill_token_group(12); }, "8 or 16 tokens a CTA, not 12"));
 }
 
+// One token a CTA above 16 tokens (set_one_token_ctas_up_to, the decode variant at batch sizes that
+// otherwise take 8-token groups): the same bits and bounds.
+BOOST_AUTO_TEST_CASE(one_token_ctas_above_sixteen_tokens_match_host,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  struct restore {
+    ~restore() { set_one_token_ctas_up_to(16); }
+  } r;
+  set_one_token_ctas_up_to(64);
+  BOOST_TEST(one_token_ctas_up_to() == 64);
+  check_step(64, 5120, boundary::inside, 16);
+  check_step(37, 328, boundary::inside, 17);
+  check_step(33, 5120, boundary::entry, 18);
+  check_step(40, 200, boundary::exit, 19);
+  check_step(65, 256, boundary::inside, 20);  // above the limit: 8-token groups
+  BOOST_TEST(test::throws_with([] { set_one_token_ctas_up_to(0); }, "1 to 4096 tokens a call, not 0"));
+}
+
 BOOST_AUTO_TEST_CASE(bad_arguments_are_errors, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   mhc_workspace ws(1, 256);  // allocates: needs a device
   mhc_step_args a;

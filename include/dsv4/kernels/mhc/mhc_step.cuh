@@ -9,7 +9,7 @@
 //! (from L2 after the first).
 //!
 //! Work split: a CTA takes a slice of 128 positions of d (all four streams) for a group of tokens
-//! (one at decode, up to 16 tokens; eight above). It computes Y and h there (Y kept in shared
+//! (one at decode, up to 16 tokens by default: set_one_token_ctas_up_to; eight above). It computes Y and h there (Y kept in shared
 //! memory), then the slice's share of the 24 projections, each weight row read once per group
 //! and used for all its tokens. Partial sums (the squares of Y and of h in double, like the host
 //! reference, so the RMS statistics match it bit for bit in practice; the 24 projections in fp32
@@ -468,7 +468,24 @@ inline std::atomic<int>& prefill_token_group() {
   static std::atomic<int> tokens{8};
   return tokens;
 }
+inline std::atomic<int>& one_token_ctas_up_to() {
+  static std::atomic<int> tokens{16};
+  return tokens;
+}
 }  // namespace detail
+
+//! Process-wide: up to how many tokens a call runs one token a CTA (the decode variant: a CTA per
+//! token and slice, the weight slice bulk-copied into each, one Sinkhorn warp per token beside three
+//! warps normalizing h), 16 by default; above it, token groups of prefill_token_group() tokens a
+//! CTA. bench_mhc times 32 and 64 tokens both ways. 1 to 4096; anything else is an error.
+inline void set_one_token_ctas_up_to(int tokens) {
+  if (tokens < 1 || tokens > 4096)
+    throw error("mhc_step: one token a CTA is for 1 to 4096 tokens a call, not " + std::to_string(tokens));
+  detail::one_token_ctas_up_to().store(tokens);
+}
+inline int one_token_ctas_up_to() {
+  return detail::one_token_ctas_up_to().load();
+}
 
 //! Process-wide: how many tokens one CTA takes above 16 tokens a call (prefill), 8 (the default)
 //! or 16. Larger groups read the 24 x 4d projection weight (from L2) half as often and run half
@@ -516,7 +533,7 @@ inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t str
   };
   // One token per CTA at decode (more CTAs), groups of 8 or 16 when there are many tokens (the
   // weight is then read once per group).
-  if (a.tokens <= 16)
+  if (a.tokens <= one_token_ctas_up_to())
     go(detail::mhc_step_kernel<1>, 0, a.tokens, smem_decode);
   else if (prefill_token_group() == 16)
     go(detail::mhc_step_kernel<16>, 2, (a.tokens + 15) / 16, mhc_workspace::stage_bytes);
