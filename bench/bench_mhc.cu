@@ -1,8 +1,9 @@
 //! \brief The fused mHC sublayer boundary (hc_post + hc_pre + RMSNorm + next coefficients),
 //! V4.1 widths (4 streams x 5120), at decode and prefill token counts.
 //! Usage: bench_mhc [--json FILE]
-//! Above 16 tokens a row per prefill token group (8, the default, and 16 tokens a CTA); at 32 and 64
-//! tokens also one token a CTA (set_one_token_ctas_up_to; group 1 in the table).
+//! At 32 and 64 tokens a row with one token a CTA (group 1; set_one_token_ctas_up_to, the default up
+//! to 32 tokens) and one per prefill token group (8, the default above, and 16 tokens a CTA); above
+//! 64 the token groups only.
 //!
 //! Bytes = per token (X 4d + F d + Y 4d + h d) x 2 bytes (the article's (2n+2)d single pass)
 //! plus the 24 x 4d fp32 projection weight once per launch. Times per call of back-to-back calls
@@ -52,14 +53,14 @@ int main(int argc, char** argv) {
       a.fn = fn.data(), a.base = base.data(), a.scale = scale.data();
       a.next_pre = npre.data(), a.next_post = npost.data(), a.next_comb = ncomb.data();
       a.tokens = tokens, a.dim = dim;
-      // Above 16 tokens both prefill token groups (set_prefill_token_group), the default first, and
-      // at 32 / 64 tokens one token a CTA as at decode (set_one_token_ctas_up_to).
+      // Above 16 tokens both prefill token groups (set_prefill_token_group), and at 32 / 64 tokens
+      // one token a CTA as at decode (set_one_token_ctas_up_to).
       const std::vector<int> groups = tokens <= 16 ? std::vector<int>{1}
                                       : tokens <= 64 ? std::vector<int>{8, 16, 1}
                                                      : std::vector<int>{8, 16};
       for (int group : groups) {
         if (group > 1) set_prefill_token_group(group);
-        set_one_token_ctas_up_to(group == 1 ? int(std::max(16LL, tokens)) : 16);
+        set_one_token_ctas_up_to(group == 1 ? int(std::max(16LL, tokens)) : 16);  // 16: groups from 17 tokens
         const double ms = bench::median_ms_per_call([&](cudaStream_t s) { mhc_step(a, ws, s); }, 20);
         const double bytes = double(tokens) * 10.0 * dim * 2.0 + 24.0 * 4 * dim * 4;
         const double floor_us = bytes / copy_bps * 1e6;
@@ -71,7 +72,7 @@ int main(int argc, char** argv) {
         first = false;
       }
       set_prefill_token_group(8);
-      set_one_token_ctas_up_to(16);
+      set_one_token_ctas_up_to(detail::default_one_token_ctas);
     }
     if (jf) {
       std::fprintf(jf, "\n]}\n");

@@ -3,7 +3,7 @@
 //! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N,N..]
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced]
 //!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
-//!                    [--no-folded] [--dspark]
+//!                    [--no-folded] [--dspark] [--mhc-one-token-ctas N]
 //!                    [--config-json FILE] [--checkpoint-only] [--clone-contexts] [--json FILE]
 //!
 //! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
@@ -16,6 +16,8 @@
 //! each chunk's decoder replaying the last window), so that max_rows, and the scratch that grows
 //! with it (the index scores and lists: rows x keys), stays at N: how 64K prompts and 128K
 //! contexts fit one GPU.
+//! `--mhc-one-token-ctas N`: the mHC boundaries run one token a CTA up to N tokens a call
+//! (kernels::mhc::set_one_token_ctas_up_to; default 32), token groups above.
 //! `--decode-context N,N..`: the plain decode rows at each context length (every batch size at each;
 //! default 8K, tiny 256); the profile and the DSpark rounds run at the first.
 //! `--checkpoint DIR` writes the random checkpoint to DIR instead, or reuses the one DIR holds.
@@ -480,6 +482,8 @@ int main(int argc, char** argv) {
       else if (a == "--gemm" && has_value && (std::string(argv[i + 1]) == "mma" || std::string(argv[i + 1]) == "wgmma"))
         kernels::gemm::set_decode_gemm(std::string(argv[++i]) == "wgmma" ? kernels::gemm::decode_gemm::wgmma
                                                                         : kernels::gemm::decode_gemm::mma_sync);
+      else if (a == "--mhc-one-token-ctas" && has_value)
+        kernels::mhc::set_one_token_ctas_up_to(bench::int_list(a, argv[++i]).at(0));
       else if (a == "--no-folded")
         kernels::gemm::set_folded_linears(false);
       else if (a == "--gemm-max-tokens" && has_value)
@@ -490,7 +494,7 @@ int main(int argc, char** argv) {
             "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N,N..] "
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
-            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--dspark] [--config-json FILE] "
+            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--dspark] [--mhc-one-token-ctas N] [--config-json FILE] "
             "[--checkpoint-only] [--clone-contexts] [--json FILE]\n");
         return 2;
       }

@@ -136,7 +136,7 @@ BOOST_AUTO_TEST_CASE(fused_step_matches_host, *utf::label("gpu") * utf::precondi
   // weight rows are copied short), at decode (one token a CTA) and in 8-token groups.
   check_step(3, 200, boundary::inside, 7);
   check_step(16, 328, boundary::inside, 8);
-  check_step(17, 328, boundary::inside, 9);
+  check_step(33, 328, boundary::inside, 9);  // above the default one-token limit (32): 8-token groups
   check_step(2, 200, boundary::exit, 10);
 }
 
@@ -151,25 +151,27 @@ BOOST_AUTO_TEST_CASE(sixteen_token_groups_match_host,
   BOOST_TEST(prefill_token_group() == 16);
   check_step(37, 5120, boundary::inside, 11);
   check_step(300, 256, boundary::inside, 12);
-  check_step(17, 328, boundary::inside, 13);
+  check_step(33, 328, boundary::inside, 13);
   check_step(40, 200, boundary::exit, 14);
   check_step(33, 5120, boundary::entry, 15);
   BOOST_TEST(test::throws_with([] { set_prefill_token_group(12); }, "8 or 16 tokens a CTA, not 12"));
 }
 
-// One token a CTA above 16 tokens (set_one_token_ctas_up_to, the decode variant at batch sizes that
-// otherwise take 8-token groups): the same bits and bounds.
+// One token a CTA above 16 tokens (set_one_token_ctas_up_to: the default up to 32, here up to 64):
+// the same bits and bounds as the 8-token groups'.
 BOOST_AUTO_TEST_CASE(one_token_ctas_above_sixteen_tokens_match_host,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   struct restore {
-    ~restore() { set_one_token_ctas_up_to(16); }
+    ~restore() { set_one_token_ctas_up_to(detail::default_one_token_ctas); }
   } r;
+  BOOST_TEST(one_token_ctas_up_to() == detail::default_one_token_ctas);
   set_one_token_ctas_up_to(64);
   BOOST_TEST(one_token_ctas_up_to() == 64);
   check_step(64, 5120, boundary::inside, 16);
   check_step(37, 328, boundary::inside, 17);
   check_step(33, 5120, boundary::entry, 18);
   check_step(40, 200, boundary::exit, 19);
+  check_step(17, 5120, boundary::inside, 21);
   check_step(65, 256, boundary::inside, 20);  // above the limit: 8-token groups
   BOOST_TEST(test::throws_with([] { set_one_token_ctas_up_to(0); }, "1 to 4096 tokens a call, not 0"));
 }
