@@ -4,7 +4,7 @@
 //!
 //! Scan (two kernels, the same scores): q [heads, dim] times the keys on the tensor cores (bf16
 //! MMA: the exact dot product, as the host's), then per (head, key) bf16(relu(bf16(dot)) * w) and
-//! an fp32 sum per key in the host's order (two halves of the heads, each in order: index_head_split); scores stored as bf16 (-inf where not visible). The tiled
+//! a head-ordered fp32 sum per key; scores stored as bf16 (-inf where not visible). The tiled
 //! kernel (one CTA per 64 keys and 4 query rows, the keys dequantized into shared memory) keeps one
 //! fp32 accumulator per 32-channel block and adds the blocks in double; the streamed kernel (the
 //! default) does too, except for tiles whose query and key block scales lie close enough for one
@@ -25,7 +25,6 @@
 #include <string>
 
 #include "dsv4/core/error.hpp"
-#include "dsv4/kernels/indexer/reference.hpp"  // index_head_split: the head sum's order
 #include "dsv4/kernels/tensor_core.cuh"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/numerics/fast_codec.cuh"
@@ -164,7 +163,7 @@ struct scan_smem {
 //! its own gathered positions); per row, every warp multiplies all head tiles by its 16 keys on
 //! the tensor cores (QK^T as an m16n8k16 bf16 MMA with fp32 accumulation), then each (head, key)
 //! term bf16(relu(bf16(dot)) * w_h) goes to shared memory and one thread per key adds the heads'
-//! terms in the host's order (index_head_split). A block's MXFP4 products are exact and so is their tensor-core sum; the
+//! terms in head order. A block's MXFP4 products are exact and so is their tensor-core sum; the
 //! blocks' sums in double give the exact dot product while the blocks' products lie within 2^40 of
 //! each other (test: scan_is_exact_for_far_apart_block_scales; fp32 accumulation across blocks
 //! differed from the host at 2^32), so scores equal the host reference's bit for bit.
@@ -286,12 +285,9 @@ DSV4_KERNEL void __launch_bounds__(scan_threads) index_scan_kernel(index_scan_ar
         if (pos < 0 || pos >= a.visible[row]) {
           *out = bf16::from_bits(0xFF80);  // -inf
         } else {
-          // fp32, each half of the heads in order, then low + high (as the host reference)
-          const int split = index_head_split(heads);
-          float low = 0.0f, high = 0.0f;
-          for (int h = 0; h < split; ++h) low += terms[threadIdx.x * tstride + h];
-          for (int h = split; h < heads; ++h) high += terms[threadIdx.x * tstride + h];
-          *out = bf16::from_float(low + high);
+          float sum = 0.0f;  // fp32, heads in order (as the host reference)
+          for (int h = 0; h < heads; ++h) sum += terms[threadIdx.x * tstride + h];
+          *out = bf16::from_float(sum);
         }
       }
     }
@@ -598,29 +594,25 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 4) index_scan_streamed_ker
       }
     }
     __syncwarp();
-    {
-      // fp32 in the host's order: lane l (< 16) adds key l's first half of the heads in order, lane
-      // l + 16 its second half, eight loads in flight before their adds; then low + high in lane l.
-      // (Lanes of keys past the end add whatever their terms hold; nothing of it is stored.)
-      static_assert(2 * stream_keys == 32, "the streamed scan: two lanes per key of a tile");
-      const int split = index_head_split(heads), half = lane / stream_keys;
-      const float* t = terms + (lane % stream_keys) * tstride;
-      const int h_end = half ? heads : split;
-      float part = 0.0f;
-      int h = half ? split : 0;
-      for (; h + 8 <= h_end; h += 8) {
-        float v[8];
+    if (lane < stream_keys && key0 + lane < a.n_keys) {
+      const long long pos = position(row, key0 + lane);
+      bf16* out = a.scores + static_cast<long long>(row) * a.n_keys + key0 + lane;
+      if (pos < 0 || pos >= visible) {
+        *out = neg_inf;
+      } else {
+        // fp32, heads in order (as the host reference); eight loads in flight before their adds.
+        const float* t = terms + lane * tstride;
+        float sum = 0.0f;
+        int h = 0;
+        for (; h + 8 <= heads; h += 8) {
+          float v[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = t[h + i];
+          for (int i = 0; i < 8; ++i) v[i] = t[h + i];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) part += v[i];
-      }
-      for (; h < h_end; ++h) part += t[h];
-      const float high = __shfl_down_sync(0xffffffffu, part, stream_keys);
-      if (lane < stream_keys && key0 + lane < a.n_keys) {
-        const long long pos = position(row, key0 + lane);
-        bf16* out = a.scores + static_cast<long long>(row) * a.n_keys + key0 + lane;
-        *out = pos < 0 || pos >= visible ? neg_inf : bf16::from_float(part + high);
+          for (int i = 0; i < 8; ++i) sum += v[i];
+        }
+        for (; h < heads; ++h) sum += t[h];
+        *out = bf16::from_float(sum);
       }
     }
     __syncwarp();  // the sums are read before the next item's terms overwrite them

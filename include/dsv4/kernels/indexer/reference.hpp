@@ -36,7 +36,6 @@
 #include <string>
 #include <vector>
 
-#include "dsv4/config.hpp"
 #include "dsv4/core/error.hpp"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/numerics/formats.hpp"
@@ -48,11 +47,6 @@ using numerics::bf16;
 
 //! Channels per MXFP4 block of the index vectors: the unit of the dot product's exact partial sums.
 inline constexpr int index_block = numerics::index_key_format::block_size;
-
-//! The order of a score's head sum (fp32): heads [0, split) in order, heads [split, heads) in order,
-//! then low + high. The reference leaves this order to the framework (spec §18.10: the indexer's
-//! einsum and sum); two halves let two lanes of the streamed scan share a key's sum (indexer.cuh).
-DSV4_HOST_DEVICE constexpr int index_head_split(int heads) { return (heads + 1) / 2; }
 
 //! Scores of one query row against keys [0, n): q [heads, dim], w [heads] (scaled), keys [n, dim].
 //! Positions t >= visible score -inf.
@@ -67,8 +61,7 @@ inline std::vector<float> index_scores_reference(std::span<const bf16> q, std::s
       out[std::size_t(t)] = -INFINITY;
       continue;
     }
-    float low = 0, high = 0;  // fp32, each half of the heads in order (index_head_split; as the kernels)
-    const int split = index_head_split(heads);
+    float sum = 0;  // fp32, heads in order (the CUDA kernel sums in the same order)
     for (int h = 0; h < heads; ++h) {
       double dot = 0;
       for (int c0 = 0; c0 < dim; c0 += index_block) {
@@ -78,9 +71,9 @@ inline std::vector<float> index_scores_reference(std::span<const bf16> q, std::s
         dot += block;
       }
       const float d = numerics::round_to_bf16(float(dot));
-      (h < split ? low : high) += numerics::round_to_bf16(std::max(d, 0.0f) * w[std::size_t(h)].to_float());
+      sum += numerics::round_to_bf16(std::max(d, 0.0f) * w[std::size_t(h)].to_float());
     }
-    out[std::size_t(t)] = numerics::round_to_bf16(low + high);
+    out[std::size_t(t)] = numerics::round_to_bf16(sum);
   }
   return out;
 }
