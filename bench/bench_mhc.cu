@@ -1,9 +1,9 @@
 //! \brief The fused mHC sublayer boundary (hc_post + hc_pre + RMSNorm + next coefficients),
 //! V4.1 widths (4 streams x 5120), at decode and prefill token counts.
 //! Usage: bench_mhc [--json FILE]
-//! At 32 and 64 tokens a row with one token a CTA (group 1; set_one_token_ctas_up_to, the default up
-//! to 32 tokens) and one per prefill token group (8, the default above, and 16 tokens a CTA); above
-//! 64 the token groups only.
+//! At 32 and 64 tokens a row with one token a CTA (group 1; set_one_token_ctas_up_to, by default up
+//! to 16 tokens) and one per prefill token group (8, the default above it, and 16 tokens a CTA);
+//! above 64 the token groups only.
 //!
 //! Bytes = per token (X 4d + F d + Y 4d + h d) x 2 bytes (the article's (2n+2)d single pass)
 //! plus the 24 x 4d fp32 projection weight once per launch. Times per call of back-to-back calls

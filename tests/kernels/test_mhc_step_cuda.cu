@@ -136,7 +136,8 @@ BOOST_AUTO_TEST_CASE(fused_step_matches_host, *utf::label("gpu") * utf::precondi
   // weight rows are copied short), at decode (one token a CTA) and in 8-token groups.
   check_step(3, 200, boundary::inside, 7);
   check_step(16, 328, boundary::inside, 8);
-  check_step(33, 328, boundary::inside, 9);  // above the default one-token limit (32): 8-token groups
+  check_step(17, 328, boundary::inside, 9);
+  check_step(33, 328, boundary::inside, 22);
   check_step(2, 200, boundary::exit, 10);
 }
 
@@ -157,7 +158,7 @@ BOOST_AUTO_TEST_CASE(sixteen_token_groups_match_host,
   BOOST_TEST(test::throws_with([] { set_prefill_token_group(12); }, "8 or 16 tokens a CTA, not 12"));
 }
 
-// One token a CTA above 16 tokens (set_one_token_ctas_up_to: the default up to 32, here up to 64):
+// One token a CTA above 16 tokens (set_one_token_ctas_up_to: by default up to 16, here up to 64):
 // the same bits and bounds as the 8-token groups'.
 BOOST_AUTO_TEST_CASE(one_token_ctas_above_sixteen_tokens_match_host,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
