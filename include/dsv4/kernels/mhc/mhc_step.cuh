@@ -9,13 +9,13 @@
 //! (from L2 after the first).
 //!
 //! Work split: a CTA takes a slice of 128 positions of d (all four streams) for a group of tokens
-//! (one at decode, up to 16 tokens by default: set_one_token_ctas_up_to; eight above). It computes Y and h there (Y kept in shared
-//! memory), then the slice's share of the 24 projections, each weight row read once per group
-//! and used for all its tokens. Partial sums (the squares of Y and of h in double, like the host
-//! reference, so the RMS statistics match it bit for bit in practice; the 24 projections in fp32
-//! over 16 products per lane, then double) go to a workspace; the last CTA of a group to arrive
-//! adds the slices, runs the Sinkhorn split and normalizes h. Every sum has an order fixed by the
-//! shape, so results do not depend on arrival order.
+//! (one at decode, up to 16 tokens by default: set_one_token_ctas_up_to; eight above). It computes
+//! Y and h there (Y kept in shared memory), then the slice's share of the 24 projections, each
+//! weight row read once per group and used for all its tokens. Partial sums (the squares of Y and
+//! of h in double, like the host reference, so the RMS statistics match it bit for bit in practice;
+//! the 24 projections in fp32 over 16 products per lane, then double) go to a workspace; the last
+//! CTA of a group to arrive adds the slices, runs the Sinkhorn split and normalizes h. Every sum
+//! has an order fixed by the shape, so results do not depend on arrival order.
 //!
 //! Decode latency (docs/decisions.md, "mhc_step at decode"): the weight slice is requested before
 //! the programmatic wait by bulk copies into shared memory, phase 1 gives each of the 128 threads
@@ -493,10 +493,11 @@ inline int one_token_ctas_up_to() {
   return detail::one_token_ctas_up_to().load();
 }
 
-//! Process-wide: how many tokens one CTA takes above one_token_ctas_up_to() tokens a call (prefill), 8 (the default)
-//! or 16. Larger groups read the 24 x 4d projection weight (from L2) half as often and run half
-//! the CTAs, with twice the shared memory for Y a CTA; bench_mhc measures both (not yet on a
-//! device: docs/decisions.md). Anything else is an error naming the choices.
+//! Process-wide: how many tokens one CTA takes above one_token_ctas_up_to() tokens a call
+//! (prefill), 8 (the default) or 16. Larger groups read the 24 x 4d projection weight (from L2)
+//! half as often and run half the CTAs, with twice the shared memory for Y a CTA; bench_mhc
+//! measures both (16 is slower at every size: docs/perf.md). Anything else is an error naming the
+//! choices.
 inline void set_prefill_token_group(int tokens) {
   if (tokens != 8 && tokens != 16)
     throw error("mhc_step: the prefill token group is 8 or 16 tokens a CTA, not " + std::to_string(tokens));
