@@ -832,10 +832,20 @@ class device_model {
     observe(l, "ffn_out", sub_.data(), R);
   }
 
+  //! Calls f(tail buffer, its sequence_snapshot member, values per row) for each CED tail buffer
+  //! (every sequence holds window_size rows of each): the one list of them.
+  template <class F>
+  void for_each_tail(F&& f) {
+    const std::size_t D = std::size_t(c.dim);
+    f(tail_x_, &sequence_snapshot::tail_x, std::size_t(hc) * D), f(tail_h_, &sequence_snapshot::tail_h, D);
+    f(tail_pre_, &sequence_snapshot::tail_pre, std::size_t(hc)), f(tail_post_, &sequence_snapshot::tail_post, std::size_t(hc));
+    f(tail_comb_, &sequence_snapshot::tail_comb, std::size_t(hc) * hc);
+  }
+
   //! The CED tail rows of `slot` into a snapshot (`into`) or back from one (`from`).
   void tail_copy(int slot, sequence_snapshot* into, const sequence_snapshot* from) {
-    const std::size_t W = std::size_t(c.attn.window_size), D = std::size_t(c.dim), first = std::size_t(slot) * W;
-    auto one = [&](auto& tail, auto member, std::size_t width) {
+    const std::size_t W = std::size_t(c.attn.window_size), first = std::size_t(slot) * W;
+    for_each_tail([&](auto& tail, auto member, std::size_t width) {
       using T = std::remove_reference_t<decltype(*tail.data())>;
       T* live = tail.data() + first * width;
       const std::size_t bytes = W * width * sizeof(T);
@@ -846,22 +856,17 @@ class device_model {
       } else {
         DSV4_CUDA_CHECK(cudaMemcpyAsync(live, (from->*member).data(), bytes, cudaMemcpyDeviceToDevice, stream()));
       }
-    };
-    one(tail_x_, &sequence_snapshot::tail_x, std::size_t(hc) * D), one(tail_h_, &sequence_snapshot::tail_h, D);
-    one(tail_pre_, &sequence_snapshot::tail_pre, std::size_t(hc)), one(tail_post_, &sequence_snapshot::tail_post, std::size_t(hc));
-    one(tail_comb_, &sequence_snapshot::tail_comb, std::size_t(hc) * hc);
+    });
   }
 
   //! Sequence `from`'s CED tail rows into sequence `to`'s (copy_sequence).
   void tail_copy_between(int from, int to) {
-    const std::size_t W = std::size_t(c.attn.window_size), D = std::size_t(c.dim);
-    auto one = [&](auto& tail, std::size_t width) {
+    const std::size_t W = std::size_t(c.attn.window_size);
+    for_each_tail([&](auto& tail, auto, std::size_t width) {
       using T = std::remove_reference_t<decltype(*tail.data())>;
       DSV4_CUDA_CHECK(cudaMemcpyAsync(tail.data() + std::size_t(to) * W * width, tail.data() + std::size_t(from) * W * width,
                                       W * width * sizeof(T), cudaMemcpyDeviceToDevice, stream()));
-    };
-    one(tail_x_, std::size_t(hc) * D), one(tail_h_, D), one(tail_pre_, std::size_t(hc)), one(tail_post_, std::size_t(hc));
-    one(tail_comb_, std::size_t(hc) * hc);
+    });
   }
 
   //! fp32 logits of bf16 rows through the head (`vocab`: the rows held): from the bf16 head
