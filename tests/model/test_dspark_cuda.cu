@@ -167,9 +167,35 @@ struct ring_check {
 
   //! Compares the rings of `slot` with `st`'s, then (teacher forcing of the state) gives the host
   //! the device's rings, so that the next step of both starts from the same state.
-  void compare_and_sync(model::device_dspark<tiny>& dd, int slot, model::dspark_state& st) {
+  //! Calls whose backbones diverged (`backbone_agrees` false, see backbones_agree): only their
+  //! entries' relative L2 error is bounded, in check.
+  long long diverged_calls = 0;
+  double diverged_worst_rel = 0;  //!< largest |device - host| / |host| of an entry (L2), over those calls
+
+  void compare_and_sync(model::device_dspark<tiny>& dd, int slot, model::dspark_state& st, bool backbone_agrees = true) {
     const std::size_t hd = std::size_t(c.attn.head_dim);
     std::ostringstream call;  // this call's differing entries
+    if (!backbone_agrees) {
+      ++diverged_calls;
+      double worst_rel = 0;
+      for (std::size_t s = 0; s < st.rings.size(); ++s) {
+        auto got = dd.ring_values(int(s), slot);
+        BOOST_REQUIRE_EQUAL(got.size(), st.rings[s].size());
+        for (std::size_t r = 0; r < got.size() / hd; ++r) {
+          double dd2 = 0, hh2 = 0;
+          for (std::size_t i = r * hd; i < (r + 1) * hd; ++i) {
+            const double g = got[i].to_float(), h = st.rings[s][i].to_float();
+            BOOST_REQUIRE_MESSAGE(std::isfinite(g), "non-finite ring value, stage " << s << " slot " << r);
+            dd2 += (g - h) * (g - h), hh2 += h * h;
+          }
+          worst_rel = std::max(worst_rel, std::sqrt(dd2 / std::max(hh2, 1e-30)));
+        }
+        st.rings[s] = std::move(got);
+      }
+      diverged_worst_rel = std::max(diverged_worst_rel, worst_rel);
+      where << " | call " << calls++ << ": backbone diverged, worst entry " << worst_rel << " (L2, relative)";
+      return;
+    }
     for (std::size_t s = 0; s < st.rings.size(); ++s) {
       auto got = dd.ring_values(int(s), slot);
       BOOST_REQUIRE_EQUAL(got.size(), st.rings[s].size());
@@ -212,15 +238,38 @@ struct ring_check {
   //! a rounding boundary of the ring's E4M3 codes, or a code of main_x that moved a few values of
   //! an entry by a few percent of their block. A wrong slot, position, RoPE or norm moves most
   //! values of an entry, and by far more.
+  //! A call whose backbone diverged (a resumed sequence against a fresh start: a row's bits depend
+  //! on its call's shape, docs/decisions.md) only bounds each entry's relative error: a wrong slot
+  //! or position gives unrelated entries (relative errors near 1 and above).
   void check(const char* what) const {
     BOOST_TEST_MESSAGE(what << " rings vs host: " << differing << " of " << values << " values in " << entries
-                            << " entries differ, by at most " << worst_step << " of their allowance;"
-                            << where.str());
+                            << " entries differ, by at most " << worst_step << " of their allowance; "
+                            << diverged_calls << " calls with diverged backbones, worst entry " << diverged_worst_rel
+                            << ";" << where.str());
     BOOST_TEST(entries > 0);
     BOOST_TEST(worst_step <= 1.0 + 1e-9);
     BOOST_TEST(differing * 100 <= values);
+    BOOST_TEST(diverged_worst_rel < 0.5);
   }
 };
+
+//! Whether sequences a and b of `dm` hold the same backbone state, as one decode step shows it:
+//! copies of both (device_model::copy_sequence; two free slots needed) decode one token in one
+//! call, and their logits must be equal bit for bit. (Rows of one call at the same position with
+//! the same caches compute alike; two calls of different shapes need not: docs/decisions.md.)
+bool backbones_agree(model::device_model<tiny>& dm, int a, int b, std::ostringstream& report) {
+  const int ca = dm.copy_sequence(a), cb = dm.copy_sequence(b);
+  const std::vector<std::int32_t> token{7, 7};
+  const auto logits = dm.decode({ca, cb}, token);
+  dm.release_sequence(ca), dm.release_sequence(cb);
+  double worst = 0, peak = 0;
+  for (std::size_t i = 0; i < std::size_t(V); ++i) {
+    worst = std::max(worst, double(std::fabs(logits[i] - logits[V + i])));
+    peak = std::max(peak, double(std::fabs(logits[V + i])));
+  }
+  if (worst > 0) report << " (the backbones differ: a probe step's logits by " << worst / peak << " of their peak)";
+  return worst == 0;
+}
 
 std::string describe(const std::vector<block_record>& blocks) {
   std::ostringstream os;
@@ -719,8 +768,11 @@ BOOST_AUTO_TEST_CASE(speculative_rounds_over_sequences_that_join_and_leave,
 
 // speculative_batch::resume (a server session's next turn) between rounds: after the turn's first
 // round the drafter's rings are those of a fresh start on the whole conversation in the same mode
-// (up to the FP8 code flips of ring_check: the backbone's append and prefill split their GEMMs
-// differently), both have seen the same positions, and the turn's tokens are plain decoding's of
+// (up to the FP8 code flips of ring_check where a probe step finds the two backbones equal; where
+// it does not, the calls' shapes moved a sum of the backbone's, which 20 random decoder layers
+// amplify, and only each ring entry's relative error is bounded: H100, seed 1919460011733219210,
+// the CED plan's 36-row append against the 46-row prefill, first apart at encoder layer 17's
+// attention output by 1% of its peak, the caches equal), both have seen the same positions, and the turn's tokens are plain decoding's of
 // the whole conversation up to its first close call. Plans: exact and CED turns shorter and
 // longer than the window; two turns with no round between them, the second moving the rows the
 // drafter has not seen down its buffer (a W - 1 turn after one of 3: the old rows but the newest
@@ -778,7 +830,10 @@ BOOST_AUTO_TEST_CASE(an_appended_turn_leaves_a_fresh_starts_drafter_state,
     BOOST_TEST(sb.stats(a).since(before).rounds == 1, what << ": the turn's first round drafted");
     model::dspark_state fresh;
     for (int s = 0; s < int(f.w.stages.size()); ++s) fresh.rings.push_back(dd.ring_values(s, b));
-    rings.compare_and_sync(dd, a, fresh);
+    std::ostringstream backbone;
+    const bool agree = backbones_agree(dm, a, b, backbone);
+    if (!agree) BOOST_TEST_MESSAGE(what << backbone.str());
+    rings.compare_and_sync(dd, a, fresh, agree);
     while ((long long)turn_tokens.size() < n) {
       const model::speculative_batch<tiny>::request r{a, n - (long long)turn_tokens.size()};
       const auto kept = sb.round(std::span(&r, 1))[0];
