@@ -1,9 +1,9 @@
 //! \brief The fused mHC sublayer boundary (hc_post + hc_pre + RMSNorm + next coefficients),
 //! V4.1 widths (4 streams x 5120), at decode and prefill token counts.
 //! Usage: bench_mhc [--json FILE]
-//! At 32 and 64 tokens a row with one token a CTA (group 1; set_one_token_ctas_up_to, by default up
-//! to 16 tokens) and one per prefill token group (8, the default above it, and 16 tokens a CTA);
-//! above 64 the token groups only.
+//! From 4 to 128 tokens a row with one token a CTA (group 1; set_one_token_ctas_up_to), one per
+//! small token group (2 and 4 tokens a CTA, set_small_token_groups) and one per prefill token
+//! group (8 and 16 tokens a CTA, set_prefill_token_group); above, the prefill token groups only.
 //!
 //! Bytes = per token (X 4d + F d + Y 4d + h d) x 2 bytes (the article's (2n+2)d single pass)
 //! plus the 24 x 4d fp32 projection weight once per launch. Times per call of back-to-back calls
@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
     runtime::device_buffer<bf16> w(dim);
     w.fill_bytes(0x3f);
     bool first = true;
-    for (long long tokens : {1LL, 8LL, 32LL, 64LL, 512LL, 4096LL}) {
+    for (long long tokens : {1LL, 4LL, 8LL, 12LL, 16LL, 24LL, 32LL, 48LL, 64LL, 96LL, 128LL, 512LL, 4096LL}) {
       runtime::device_buffer<bf16> x(std::size_t(tokens) * 4 * dim), f(std::size_t(tokens) * dim), y(x.size()),
           h(f.size());
       x.fill_bytes(0x3e);
@@ -55,12 +55,13 @@ int main(int argc, char** argv) {
       a.tokens = tokens, a.dim = dim;
       // Above 16 tokens both prefill token groups (set_prefill_token_group), and at 32 / 64 tokens
       // one token a CTA as at decode (set_one_token_ctas_up_to).
-      const std::vector<int> groups = tokens <= 16 ? std::vector<int>{1}
-                                      : tokens <= 64 ? std::vector<int>{8, 16, 1}
-                                                     : std::vector<int>{8, 16};
+      const std::vector<int> groups = tokens == 1     ? std::vector<int>{1}
+                                      : tokens <= 128 ? std::vector<int>{8, 16, 1, 2, 4}
+                                                      : std::vector<int>{8, 16};
       for (int group : groups) {
-        if (group > 1) set_prefill_token_group(group);
-        set_one_token_ctas_up_to(group == 1 ? int(std::max(16LL, tokens)) : 16);  // 16: groups from 17 tokens
+        if (group >= 8) set_prefill_token_group(group);
+        set_one_token_ctas_up_to(group == 1 ? int(tokens) : int(tokens - 1));
+        set_small_token_groups(group == 2 ? int(tokens) : 0, group == 4 ? int(tokens) : 0);
         const double ms = bench::median_ms_per_call([&](cudaStream_t s) { mhc_step(a, ws, s); }, 20);
         const double bytes = double(tokens) * 10.0 * dim * 2.0 + 24.0 * 4 * dim * 4;
         const double floor_us = bytes / copy_bps * 1e6;
@@ -73,6 +74,7 @@ int main(int argc, char** argv) {
       }
       set_prefill_token_group(8);
       set_one_token_ctas_up_to(detail::default_one_token_ctas);
+      set_small_token_groups(detail::default_twos_up_to, detail::default_fours_up_to);
     }
     if (jf) {
       std::fprintf(jf, "\n]}\n");

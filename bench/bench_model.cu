@@ -3,7 +3,7 @@
 //! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N,N..]
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced]
 //!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
-//!                    [--no-folded] [--dspark] [--mhc-one-token-ctas N]
+//!                    [--no-folded] [--dspark] [--mhc-one-token-ctas N] [--mhc-small-groups N,M]
 //!                    [--config-json FILE] [--checkpoint-only] [--clone-contexts] [--json FILE]
 //!
 //! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
@@ -18,6 +18,8 @@
 //! contexts fit one GPU.
 //! `--mhc-one-token-ctas N`: the mHC boundaries run one token a CTA up to N tokens a call
 //! (kernels::mhc::set_one_token_ctas_up_to; default 16), token groups above.
+//! `--mhc-small-groups N,M`: above that, two tokens a CTA up to N tokens a call, four up to M
+//! (kernels::mhc::set_small_token_groups; 0: none).
 //! `--decode-context N,N..`: the plain decode rows at each context length (every batch size at each;
 //! default 8K, tiny 256); the profile and the DSpark rounds run at the first.
 //! `--checkpoint DIR` writes the random checkpoint to DIR instead, or reuses the one DIR holds.
@@ -484,6 +486,17 @@ int main(int argc, char** argv) {
                                                                         : kernels::gemm::decode_gemm::mma_sync);
       else if (a == "--mhc-one-token-ctas" && has_value)
         kernels::mhc::set_one_token_ctas_up_to(bench::int_list(a, argv[++i]).at(0));
+      else if (a == "--mhc-small-groups" && has_value) {
+        const std::string v = argv[++i];
+        const auto comma = v.find(',');
+        int twos = -1, fours = -1;
+        try {
+          if (comma != std::string::npos) twos = std::stoi(v.substr(0, comma)), fours = std::stoi(v.substr(comma + 1));
+        } catch (const std::exception&) {
+        }
+        if (twos < 0 || fours < 0) throw error("--mhc-small-groups: '" + v + "' is not N,M (two numbers of 0 and up)");
+        kernels::mhc::set_small_token_groups(twos, fours);
+      }
       else if (a == "--no-folded")
         kernels::gemm::set_folded_linears(false);
       else if (a == "--gemm-max-tokens" && has_value)
@@ -494,7 +507,7 @@ int main(int argc, char** argv) {
             "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N,N..] "
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
-            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--dspark] [--mhc-one-token-ctas N] [--config-json FILE] "
+            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--dspark] [--mhc-one-token-ctas N] [--mhc-small-groups N,M] [--config-json FILE] "
             "[--checkpoint-only] [--clone-contexts] [--json FILE]\n");
         return 2;
       }

@@ -177,6 +177,36 @@ BOOST_AUTO_TEST_CASE(one_token_ctas_above_sixteen_tokens_match_host,
   BOOST_TEST(test::throws_with([] { set_one_token_ctas_up_to(0); }, "1 to 4096 tokens a call, not 0"));
 }
 
+// Small token groups (set_small_token_groups: 2 or 4 tokens a CTA, the weight slice in shared
+// memory, two tokens a Sinkhorn warp; a group's odd last token leaves a half warp idle): the same
+// bits and bounds as the 8-token groups'. Each size alone up to 64 tokens, then both (twos up to
+// 24, fours up to 48) with calls on either side of each limit.
+BOOST_AUTO_TEST_CASE(small_token_groups_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  struct restore {
+    ~restore() {
+      set_one_token_ctas_up_to(detail::default_one_token_ctas);
+      set_small_token_groups(detail::default_twos_up_to, detail::default_fours_up_to);
+    }
+  } r;
+  set_one_token_ctas_up_to(8);
+  for (const int group : {2, 4}) {
+    set_small_token_groups(group == 2 ? 64 : 0, group == 4 ? 64 : 0);
+    BOOST_TEST(twos_up_to() == (group == 2 ? 64 : 0));
+    BOOST_TEST(fours_up_to() == (group == 4 ? 64 : 0));
+    check_step(64, 5120, boundary::inside, 30 + group);
+    check_step(37, 328, boundary::inside, 31 + group);
+    check_step(33, 5120, boundary::entry, 32 + group);
+    check_step(40, 200, boundary::exit, 33 + group);
+    check_step(9, 5120, boundary::inside, 34 + group);
+    check_step(19, 256, boundary::inside, 35 + group);
+    check_step(65, 256, boundary::inside, 36 + group);  // above the limit: 8-token groups
+  }
+  set_small_token_groups(24, 48);
+  for (const long long tokens : {8LL, 9LL, 24LL, 25LL, 47LL, 48LL, 49LL}) check_step(tokens, 5120, boundary::inside, 40 + tokens);
+  BOOST_TEST(test::throws_with([] { set_small_token_groups(-1, 64); }, "lies in 0 to 4096 tokens a call, not -1"));
+  BOOST_TEST(test::throws_with([] { set_small_token_groups(2, 5000); }, "lies in 0 to 4096 tokens a call, not 5000"));
+}
+
 BOOST_AUTO_TEST_CASE(bad_arguments_are_errors, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   mhc_workspace ws(1, 256);  // allocates: needs a device
   mhc_step_args a;

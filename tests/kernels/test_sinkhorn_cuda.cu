@@ -42,17 +42,22 @@ __global__ void sequential_split_kernel(const float* mixes, const float* scale, 
   for (int i = 0; i < hc * hc; ++i) comb[t * hc * hc + i] = c[i];
 }
 
-//! One warp per token: `split_sinkhorn_warp`, called as the fused mHC step calls it (every lane
-//! holds the token's 24 mixes in registers).
+//! `split_sinkhorn_warp`, called as the fused mHC step calls it: one token a warp (both halves
+//! given it, the first writing) or two (a token a half).
+template <int PerWarp>
 __global__ void warp_split_kernel(const float* mixes, const float* scale, const float* base, const int* iters,
                                   const float* eps, long long tokens, float* pre, float* post, float* comb) {
-  const long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  if (t >= tokens) return;  // whole warps leave together
+  const int lane = int(threadIdx.x % 32);
+  const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const long long first = w * PerWarp;
+  if (first >= tokens) return;  // whole warps leave together
+  const long long t = PerWarp == 1 || first + lane / 16 >= tokens ? first : first + lane / 16;
+  const bool writes = PerWarp == 1 ? lane < 16 : first + lane / 16 < tokens;
   float m[mix_count];
 #pragma unroll
   for (int i = 0; i < mix_count; ++i) m[i] = mixes[t * mix_count + i];
   kernels::mhc::split_sinkhorn_warp(m, scale + t * 3, base + t * mix_count, iters[t], eps[t], pre + t * hc, post + t * hc,
-                                    comb + t * hc * hc);
+                                    comb + t * hc * hc, writes);
 }
 
 float from_bits(std::uint32_t u) {
@@ -158,8 +163,8 @@ split_inputs make_split_inputs(std::mt19937_64& rng, int per_group) {
 
 BOOST_AUTO_TEST_SUITE(sinkhorn_cuda)
 
-// mhc_step.cuh computes the split with split_sinkhorn_warp (one warp per token, sums gathered by
-// shuffles in the sequential order); it must equal the sequential split_sinkhorn, which the host
+// mhc_step.cuh computes the split with split_sinkhorn_warp (a token a warp or a half warp, sums
+// gathered by shuffles in the sequential order); it must equal the sequential split_sinkhorn, which the host
 // reference runs, bit for bit: both run here on the device (the same expf), on every input family.
 BOOST_AUTO_TEST_CASE(warp_split_equals_sequential_split_bitwise,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
@@ -171,22 +176,34 @@ BOOST_AUTO_TEST_CASE(warp_split_equals_sequential_split_bitwise,
       db{std::span<const float>(in.base)}, de{std::span<const float>(in.eps)};
   device_buffer<int> di{std::span<const int>(in.iters)};
   const std::size_t outs = std::size_t(tokens) * (2 * hc + hc * hc);
-  device_buffer<float> seq(outs), warp(outs);
+  device_buffer<float> seq(outs), warp(outs), pairs(outs);
   seq.fill_bytes(0xFF);   // a value either side leaves unwritten shows as a difference
   warp.fill_bytes(0x7F);
+  pairs.fill_bytes(0x7F);
   auto pre = [&](device_buffer<float>& o) { return o.data(); };
   auto post = [&](device_buffer<float>& o) { return o.data() + tokens * hc; };
   auto comb = [&](device_buffer<float>& o) { return o.data() + 2 * tokens * hc; };
   sequential_split_kernel<<<unsigned((tokens + 127) / 128), 128>>>(dm.data(), ds.data(), db.data(), di.data(), de.data(),
                                                                   tokens, pre(seq), post(seq), comb(seq));
   DSV4_CUDA_CHECK_LAUNCH();
-  warp_split_kernel<<<unsigned((tokens * 32 + 255) / 256), 256>>>(dm.data(), ds.data(), db.data(), di.data(), de.data(),
-                                                                   tokens, pre(warp), post(warp), comb(warp));
+  warp_split_kernel<1><<<unsigned((tokens * 32 + 255) / 256), 256>>>(dm.data(), ds.data(), db.data(), di.data(),
+                                                                      de.data(), tokens, pre(warp), post(warp), comb(warp));
+  DSV4_CUDA_CHECK_LAUNCH();
+  // Two tokens a warp, over all but the last token (an odd count: the last warp's second half has
+  // none and must write nothing), then the last token in a launch of its own.
+  warp_split_kernel<2><<<unsigned((tokens / 2 * 32 + 255) / 256), 256>>>(  // ceil((tokens - 1) / 2) warps
+      dm.data(), ds.data(), db.data(), di.data(), de.data(), tokens - 1, pre(pairs), post(pairs), comb(pairs));
+  DSV4_CUDA_CHECK_LAUNCH();
+  warp_split_kernel<2><<<1, 32>>>(dm.data() + (tokens - 1) * mix_count, ds.data() + (tokens - 1) * 3,
+                                  db.data() + (tokens - 1) * mix_count, di.data() + (tokens - 1), de.data() + (tokens - 1),
+                                  1, pre(pairs) + (tokens - 1) * hc, post(pairs) + (tokens - 1) * hc,
+                                  comb(pairs) + (tokens - 1) * hc * hc);
   DSV4_CUDA_CHECK_LAUNCH();
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto a = seq.download(), b = warp.download();
+  const auto a = seq.download(), b = warp.download(), b2 = pairs.download();
   const int groups = int(tokens / per_group);
-  std::vector<std::size_t> differ(std::size_t(groups), 0), nan(std::size_t(groups), 0), inf(std::size_t(groups), 0);
+  std::vector<std::size_t> differ(std::size_t(groups), 0), differ2(std::size_t(groups), 0), nan(std::size_t(groups), 0),
+      inf(std::size_t(groups), 0);
   // Output i of token t, in the buffer's [pre | post | comb] layout.
   auto token_of = [&](std::size_t i) {
     const std::size_t pp = std::size_t(tokens) * hc;
@@ -195,14 +212,16 @@ BOOST_AUTO_TEST_CASE(warp_split_equals_sequential_split_bitwise,
   for (std::size_t i = 0; i < outs; ++i) {
     const std::size_t g = std::size_t(in.group[token_of(i)]);
     differ[g] += to_bits(a[i]) != to_bits(b[i]);
+    differ2[g] += to_bits(a[i]) != to_bits(b2[i]);
     nan[g] += std::isnan(a[i]);
     inf[g] += std::isinf(a[i]);
   }
   for (int g = 0; g < groups; ++g) {
     BOOST_TEST_MESSAGE("split_sinkhorn_warp vs split_sinkhorn, input family " << g << ": " << differ[std::size_t(g)]
-                       << " of " << per_group * (2 * hc + hc * hc) << " outputs differ in bits (" << nan[std::size_t(g)]
-                       << " NaN, " << inf[std::size_t(g)] << " inf)");
+                       << " of " << per_group * (2 * hc + hc * hc) << " outputs differ in bits, two tokens a warp "
+                       << differ2[std::size_t(g)] << " (" << nan[std::size_t(g)] << " NaN, " << inf[std::size_t(g)] << " inf)");
     BOOST_TEST(differ[std::size_t(g)] == 0u, "input family " << g << ": the warp split differs from the sequential split");
+    BOOST_TEST(differ2[std::size_t(g)] == 0u, "input family " << g << ": two tokens a warp differ from the sequential split");
   }
 }
 

@@ -116,23 +116,39 @@ DSV4_DEVICE uint4 pack8(const float (&v)[8]) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-//! W consecutive bf16 values (W = 1 or 8; 8 as one 16-byte access) to fp32, and back.
+//! W consecutive bf16 values (W = 1, 2, 4 or 8: one 2-, 4-, 8- or 16-byte access) to fp32, and back.
 template <int W>
 struct bf16_run {
-  static_assert(W == 1 || W == 8, "mhc_step: an item covers 1 or 8 positions");
-  std::conditional_t<W == 8, uint4, unsigned short> raw;
-  DSV4_DEVICE void load(const numerics::bf16* p) { raw = *reinterpret_cast<const decltype(raw)*>(p); }
+  static_assert(W == 1 || W == 2 || W == 4 || W == 8, "mhc_step: an item covers 1, 2, 4 or 8 positions");
+  using raw_t = std::conditional_t<W == 8, uint4,
+                                   std::conditional_t<W == 4, uint2, std::conditional_t<W == 2, unsigned, unsigned short>>>;
+  raw_t raw;
+  DSV4_DEVICE void load(const numerics::bf16* p) { raw = *reinterpret_cast<const raw_t*>(p); }
   DSV4_DEVICE void unpack(float (&out)[W]) const {
-    if constexpr (W == 8)
+    if constexpr (W == 8) {
       unpack8(raw, out);
-    else
+    } else if constexpr (W == 1) {
       out[0] = __uint_as_float(unsigned(raw) << 16);
+    } else {
+      const unsigned* w = reinterpret_cast<const unsigned*>(&raw);
+#pragma unroll
+      for (int i = 0; i < W; ++i) out[i] = __uint_as_float((w[i / 2] >> (16 * (i % 2))) << 16);
+    }
   }
   DSV4_DEVICE static void store(numerics::bf16* p, const float (&v)[W]) {
-    if constexpr (W == 8)
+    if constexpr (W == 8) {
       *reinterpret_cast<uint4*>(p) = pack8(v);
-    else
+    } else if constexpr (W == 1) {
       p->bits = numerics::bf16::from_float(v[0]).bits;
+    } else {
+      raw_t r;
+      unsigned* w = reinterpret_cast<unsigned*>(&r);
+#pragma unroll
+      for (int i = 0; i < W / 2; ++i)
+        w[i] = unsigned(numerics::bf16::from_float(v[2 * i]).bits) |
+               (unsigned(numerics::bf16::from_float(v[2 * i + 1]).bits) << 16);
+      *reinterpret_cast<raw_t*>(p) = r;
+    }
   }
 };
 
@@ -152,7 +168,7 @@ DSV4_DEVICE void named_barrier(int id, int count) {
 }
 
 template <int TB>
-DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1   ? 1
+DSV4_KERNEL void __launch_bounds__(mhc_threads, TB <= 4   ? 1
                                                 : TB == 8 ? 4
                                                           : 3)
     mhc_step_kernel(mhc_step_args a, double* partials, unsigned* counters) {
@@ -162,17 +178,18 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1   ? 1
                 "mhc_step: 24 rows over the warps, 32 lanes per slice row");
   // Phase 1 gives each thread items of W positions of one token: at decode (one token a CTA) a
   // position each, so that all four warps share the work (one warp doing 8 positions a thread
-  // was the kernel's longest phase); with token groups (8 or 16) 8 positions (16-byte accesses),
-  // one or two items a thread.
-  static_assert(TB == 1 || TB == 8 || TB == 16, "mhc_step: token groups of 1, 8 or 16");
-  constexpr int W = TB == 1 ? 1 : 8, kItems = S / W;  // items per token
+  // was the kernel's longest phase); with groups of 2 or 4 tokens 2 or 4 positions, one item a
+  // thread; with 8 or 16 tokens 8 positions (16-byte accesses), one or two items a thread.
+  static_assert(TB == 1 || TB == 2 || TB == 4 || TB == 8 || TB == 16, "mhc_step: token groups of 1, 2, 4, 8 or 16");
+  constexpr int W = TB < 8 ? TB : 8, kItems = S / W;  // items per token
   constexpr int kRounds = TB * kItems / mhc_threads;  // items per thread
   static_assert(kRounds * mhc_threads == TB * kItems, "mhc_step: whole rounds of phase-1 items");
   constexpr int G = kItems < 32 ? kItems : 32, kGroups = kItems / G;  // lane groups per token
-  // At decode the projection weight's slice comes through shared memory by bulk copies (below);
-  // with token groups it is loaded into registers after phase 1 (the load is shared by the
-  // group's tokens there, and 48 KB of shared memory a CTA would cost occupancy at prefill).
-  constexpr bool kWeightsInShared = TB == 1 && DSV4_BULK_COPY_PASS;
+  // At decode and in groups of up to 4 tokens the projection weight's slice comes through shared
+  // memory by bulk copies (below); in groups of 8 or 16 it is loaded into registers after phase 1
+  // (the load is shared by the group's tokens there, and 48 KB of shared memory a CTA would cost
+  // occupancy at prefill).
+  constexpr bool kWeightsInShared = TB <= 4 && DSV4_BULK_COPY_PASS;
   const int dim = a.dim, splits = (dim + S - 1) / S, split = blockIdx.x;
   const long long group = blockIdx.y, tok0 = group * TB;
   const int toks = a.tokens - tok0 < TB ? int(a.tokens - tok0) : TB;
@@ -183,7 +200,7 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1   ? 1
   __shared__ __align__(16) float ys[TB][hc][S];
   __shared__ double group_ss[TB][kGroups][2];
   __shared__ double dots[TB][mix_count];
-  __shared__ float split_base[mix_count], split_scale[3], split_mixes[kWarps][mix_count];
+  __shared__ float split_base[mix_count], split_scale[3], split_mixes[kWarps][2][mix_count];
   __shared__ std::uint64_t weight_bar;
   // Dynamic: the weight slice [24][hc][S] at decode on sm_90, then (in the last CTA) the stage of
   // partial sums; mhc_step sizes it.
@@ -410,22 +427,29 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB == 1   ? 1
   __syncthreads();
   if (threadIdx.x == 0) counters[group] = 0;  // ready for the next step
 
-  // One warp per token runs the Sinkhorn split (a long dependent chain); the warps left over
-  // normalize h meanwhile, synchronized among themselves only. With as many tokens as warps,
-  // every warp splits first, then all normalize. (Each value is computed as before; only which
-  // thread does what changes.)
-  const int sinkhorn_warps = has_next ? min(toks, kWarps) : 0;
+  // The Sinkhorn split (a long dependent chain) runs a token per half warp, two a warp (one at
+  // decode); the warps left over normalize h meanwhile, synchronized among themselves only. With
+  // as many token pairs as warps or more, every warp splits first, then all normalize. (Each value
+  // is computed as before; only which thread does what changes.)
+  const int pairs = TB == 1 ? toks : (toks + 1) / 2;
+  const int sinkhorn_warps = has_next ? min(pairs, kWarps) : 0;
   const bool overlap = sinkhorn_warps < kWarps;
   if (warp < sinkhorn_warps)
-    for (int t = warp; t < toks; t += sinkhorn_warps) {
-      const long long tok = tok0 + t;
-      const float mean_y = float(total[t][0] / double(4 * dim));
-      const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_y, a.mix_norm_eps)));
-      if (lane < mix_count) split_mixes[warp][lane] = __fmul_rn(float(total[t][2 + lane]), r);
+    for (int pair = warp; pair < pairs; pair += sinkhorn_warps) {
+      const int t0 = TB == 1 ? pair : 2 * pair;
+      // Each half's mixes: the projections over the RMS of Y, lane k of the warp computes k and 24 + k.
+      for (int k = lane; k < 2 * mix_count; k += 32) {
+        const int t = min(t0 + k / mix_count, toks - 1);  // a half without a token repeats the last
+        const float mean_y = float(total[t][0] / double(4 * dim));
+        const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_y, a.mix_norm_eps)));
+        split_mixes[warp][k / mix_count][k % mix_count] = __fmul_rn(float(total[t][2 + k % mix_count]), r);
+      }
       __syncwarp();
-      split_sinkhorn_warp(split_mixes[warp], split_scale, split_base, a.iters, a.hc_eps,
-                          a.next_pre + tok * hc, a.next_post + tok * hc, a.next_comb + tok * hc * hc);
-      __syncwarp();  // the warp's mixes are read before its next token overwrites them
+      const int half = TB == 1 ? 0 : lane / 16, t = min(t0 + half, toks - 1);
+      const long long tok = tok0 + t;
+      split_sinkhorn_warp(split_mixes[warp][half], split_scale, split_base, a.iters, a.hc_eps, a.next_pre + tok * hc,
+                          a.next_post + tok * hc, a.next_comb + tok * hc * hc, TB == 1 ? lane < 16 : t0 + half < toks);
+      __syncwarp();  // the warp's mixes are read before its next pair overwrites them
     }
   if (!overlap) __syncthreads();
   const int first = overlap ? sinkhorn_warps * 32 : 0, workers = mhc_threads - first;
@@ -477,6 +501,17 @@ inline std::atomic<int>& one_token_ctas_up_to() {
   static std::atomic<int> tokens{default_one_token_ctas};
   return tokens;
 }
+//! Small token groups (2 or 4 tokens a CTA, the weight slice in shared memory as at decode): up to
+//! how many tokens a call each runs (set_small_token_groups).
+inline constexpr int default_twos_up_to = 0, default_fours_up_to = 0;
+inline std::atomic<int>& twos_up_to() {
+  static std::atomic<int> tokens{default_twos_up_to};
+  return tokens;
+}
+inline std::atomic<int>& fours_up_to() {
+  static std::atomic<int> tokens{default_fours_up_to};
+  return tokens;
+}
 }  // namespace detail
 
 //! Process-wide: up to how many tokens a call runs one token a CTA (the decode variant: a CTA per
@@ -507,6 +542,25 @@ inline int prefill_token_group() {
   return detail::prefill_token_group().load();
 }
 
+//! Process-wide: calls of more than one_token_ctas_up_to() tokens and at most `twos_up_to` run two
+//! tokens a CTA, then up to `fours_up_to` four tokens a CTA, with the projection weight's slice
+//! bulk-copied into shared memory as at decode and two tokens a Sinkhorn warp; larger calls take
+//! the prefill token groups. 0 turns a size off. Defaults: detail::default_twos_up_to and
+//! detail::default_fours_up_to; bench_mhc times every size. 0 to 4096 each; anything else is an error.
+inline void set_small_token_groups(int twos_up_to, int fours_up_to) {
+  for (const int v : {twos_up_to, fours_up_to})
+    if (v < 0 || v > 4096)
+      throw error("mhc_step: a small token group's limit lies in 0 to 4096 tokens a call, not " + std::to_string(v));
+  detail::twos_up_to().store(twos_up_to);
+  detail::fours_up_to().store(fours_up_to);
+}
+inline int twos_up_to() {
+  return detail::twos_up_to().load();
+}
+inline int fours_up_to() {
+  return detail::fours_up_to().load();
+}
+
 inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t stream = nullptr) {
   const std::string where = "mhc_step (tokens " + std::to_string(a.tokens) + ", dim " + std::to_string(a.dim) + "): ";
   if (a.tokens < 0 || a.dim <= 0 || a.dim % 8 != 0) throw error(where + "need tokens >= 0 and dim a positive multiple of 8");
@@ -527,7 +581,7 @@ inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t str
   const int smem_decode = a.fn ? mhc_workspace::weight_slice_bytes : mhc_workspace::stage_bytes;
   // The shared-memory opt-in is per device and per kernel copy (kernels have internal linkage),
   // so it is made here, beside the launch, once per device and variant.
-  static runtime::per_device_ints ready[3] = {};
+  static runtime::per_device_ints ready[5] = {};
   auto go = [&](auto kernel, int variant, long long groups, int smem) {
     if (groups > 65535) throw error(where + "too many tokens for one launch");
     runtime::cached_per_device(ready[variant], [&](int) {
@@ -538,10 +592,14 @@ inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t str
     runtime::launch_programmatic(kernel, dim3(splits, unsigned(groups)), dim3(detail::mhc_threads),
                                  std::size_t(smem), stream, a, ws.partials(), ws.counters());
   };
-  // One token per CTA at decode (more CTAs), groups of 8 or 16 when there are many tokens (the
-  // weight is then read once per group).
+  // One token per CTA at decode (more CTAs), small groups of 2 or 4 where set, groups of 8 or 16
+  // when there are many tokens (the weight is then read once per group).
   if (a.tokens <= one_token_ctas_up_to())
     go(detail::mhc_step_kernel<1>, 0, a.tokens, smem_decode);
+  else if (a.tokens <= twos_up_to())
+    go(detail::mhc_step_kernel<2>, 3, (a.tokens + 1) / 2, smem_decode);
+  else if (a.tokens <= fours_up_to())
+    go(detail::mhc_step_kernel<4>, 4, (a.tokens + 3) / 4, smem_decode);
   else if (prefill_token_group() == 16)
     go(detail::mhc_step_kernel<16>, 2, (a.tokens + 15) / 16, mhc_workspace::stage_bytes);
   else

@@ -25,20 +25,22 @@ struct sinkhorn_args {
   float eps = 1e-6f;
 };
 
-//! The same split, computed by one warp for one token: lane 4 r + j owns comb[r][j] and the row
-//! and column sums are gathered by shuffles and added in the sequential function's order, so the
-//! result is that of `split_sinkhorn` bit for bit, at 1/16 of its single-thread latency (the 640
-//! dependent divisions of 20 iterations dominate a decode step otherwise). All 32 lanes call it;
-//! lanes 0..15 write comb, lanes 0..3 write pre and post.
+//! The same split, computed by half a warp for one token: lane 4 r + j of a half owns comb[r][j]
+//! and the row and column sums are gathered by shuffles inside the half and added in the sequential
+//! function's order, so the result is that of `split_sinkhorn` bit for bit, at 1/16 of its
+//! single-thread latency (the 640 dependent divisions of 20 iterations dominate a decode step
+//! otherwise). All 32 lanes call it, each with its half's token (mixes, pre, post, comb): two
+//! tokens a warp, or one where both halves pass the same and only lanes 0..15 say `writes`. In a
+//! writing half, its lanes 0..15 write comb and 0..3 pre and post.
 DSV4_DEVICE void split_sinkhorn_warp(const float* mixes, const float* scale, const float* base, int iters, float eps,
-                                     float* pre, float* post, float* comb) {
+                                     float* pre, float* post, float* comb, bool writes) {
   using numerics::mul_rn;
-  const int lane = threadIdx.x % 32, r = (lane / hc) % hc, j = lane % hc;
-  if (lane < hc) {
-    pre[lane] = sigmoid_f32(mul_rn(mixes[lane], scale[0]) + base[lane]) + eps;
-    post[lane] = 2.0f * sigmoid_f32(mul_rn(mixes[hc + lane], scale[1]) + base[hc + lane]);
+  const int lane = threadIdx.x % 32, hl = lane % 16, r = hl / hc, j = hl % hc;
+  if (writes && hl < hc) {
+    pre[hl] = sigmoid_f32(mul_rn(mixes[hl], scale[0]) + base[hl]) + eps;
+    post[hl] = 2.0f * sigmoid_f32(mul_rn(mixes[hc + hl], scale[1]) + base[hc + hl]);
   }
-  const int e = 2 * hc + r * hc + j;  // lanes 16..31 mirror 0..15 and write nothing
+  const int e = 2 * hc + r * hc + j;
   float c = mul_rn(mixes[e], scale[2]) + base[e];
   auto row_lane = [&](int q) { return (lane & ~(hc - 1)) + q; };   // lane of (r, q)
   auto col_lane = [&](int q) { return (lane & 16) + q * hc + j; };  // lane of (q, j)
@@ -61,7 +63,7 @@ DSV4_DEVICE void split_sinkhorn_warp(const float* mixes, const float* scale, con
     normalize(true);
     normalize(false);
   }
-  if (lane < hc * hc) comb[lane] = c;
+  if (writes) comb[hl] = c;
 }
 
 namespace detail {
