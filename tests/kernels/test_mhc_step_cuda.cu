@@ -133,22 +133,31 @@ BOOST_AUTO_TEST_CASE(fused_step_matches_host, *utf::label("gpu") * utf::precondi
   check_step(300, 256, boundary::inside, 5);
   check_step(2, 256, boundary::entry, 6);
   // Widths that are not a multiple of the 128-position slice (the last CTA's partial slice: its
-  // weight rows are copied short), at decode (one token a CTA) and in 8-token groups.
+  // weight rows are copied short), in each default shape: one token a CTA (up to 8 tokens), twos
+  // (up to 48), fours (up to 96) and 8-token groups.
   check_step(3, 200, boundary::inside, 7);
   check_step(16, 328, boundary::inside, 8);
   check_step(17, 328, boundary::inside, 9);
   check_step(33, 328, boundary::inside, 22);
   check_step(2, 200, boundary::exit, 10);
+  check_step(8, 328, boundary::inside, 23);
+  check_step(61, 328, boundary::inside, 24);
+  check_step(101, 328, boundary::inside, 25);
+  check_step(97, 5120, boundary::entry, 26);
 }
 
 // The prefill variant with 16 tokens a CTA (set_prefill_token_group): two phase-1 items a thread,
-// four tokens a Sinkhorn warp; the same bits as the 8-token groups' (Y, h) and the same bounds.
+// two tokens a Sinkhorn warp, two rounds; the same bits as the 8-token groups' (Y, h) and the same bounds.
 BOOST_AUTO_TEST_CASE(sixteen_token_groups_match_host,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   struct restore {
-    ~restore() { set_prefill_token_group(8); }
+    ~restore() {
+      set_prefill_token_group(8);
+      set_small_token_groups(detail::default_twos_up_to, detail::default_fours_up_to);
+    }
   } r;
   set_prefill_token_group(16);
+  set_small_token_groups(0, 0);  // (from 9 tokens on, the groups)
   BOOST_TEST(prefill_token_group() == 16);
   check_step(37, 5120, boundary::inside, 11);
   check_step(300, 256, boundary::inside, 12);
@@ -158,15 +167,19 @@ BOOST_AUTO_TEST_CASE(sixteen_token_groups_match_host,
   BOOST_TEST(test::throws_with([] { set_prefill_token_group(12); }, "8 or 16 tokens a CTA, not 12"));
 }
 
-// One token a CTA above 16 tokens (set_one_token_ctas_up_to: by default up to 16, here up to 64):
+// One token a CTA above 16 tokens (set_one_token_ctas_up_to: by default up to 8, here up to 64):
 // the same bits and bounds as the 8-token groups'.
 BOOST_AUTO_TEST_CASE(one_token_ctas_above_sixteen_tokens_match_host,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   struct restore {
-    ~restore() { set_one_token_ctas_up_to(detail::default_one_token_ctas); }
+    ~restore() {
+      set_one_token_ctas_up_to(detail::default_one_token_ctas);
+      set_small_token_groups(detail::default_twos_up_to, detail::default_fours_up_to);
+    }
   } r;
   BOOST_TEST(one_token_ctas_up_to() == detail::default_one_token_ctas);
   set_one_token_ctas_up_to(64);
+  set_small_token_groups(0, 0);
   BOOST_TEST(one_token_ctas_up_to() == 64);
   check_step(64, 5120, boundary::inside, 16);
   check_step(37, 328, boundary::inside, 17);

@@ -9,7 +9,8 @@
 //! (from L2 after the first).
 //!
 //! Work split: a CTA takes a slice of 128 positions of d (all four streams) for a group of tokens
-//! (one at decode, up to 16 tokens by default: set_one_token_ctas_up_to; eight above). It computes
+//! (one at decode, by default up to 8 tokens a call; then 2, 4, and from 97 tokens 8 or 16:
+//! set_one_token_ctas_up_to, set_small_token_groups, set_prefill_token_group). It computes
 //! Y and h there (Y kept in shared memory), then the slice's share of the 24 projections, each
 //! weight row read once per group and used for all its tokens. Partial sums (the squares of Y and
 //! of h in double, like the host reference, so the RMS statistics match it bit for bit in practice;
@@ -492,18 +493,20 @@ inline std::atomic<int>& prefill_token_group() {
   static std::atomic<int> tokens{8};
   return tokens;
 }
-//! 16. One token a CTA up to 32 was faster on an H100 (thirty-fourth session: bench_mhc 24.1 against
-//! 33.5 us at 32 tokens, 40.5 against 40.1 at 64; batch-32 decode 27.1 against 28.8 ms), but the
-//! build that had it with another change failed a drafter test at one seed, not yet explained
-//! (docs/decisions.md): the default stays where the whole GPU suite passed until that is checked.
-inline constexpr int default_one_token_ctas = 16;
+//! The call sizes of each shape (thirty-fifth session, bench_mhc on an H100, V4.1 widths): one
+//! token a CTA up to 8 tokens (its 40 CTAs a token take a second wave from ~14 tokens: 16 tokens
+//! 16.0 us against 12.8 in twos), two tokens a CTA up to 48, four up to 96, then the prefill
+//! groups (128 tokens: 44.7 us in eights against 49.1 in fours). The drafter test that failed at
+//! one seed with the limit at 32 fails alike with main's kernels (a backbone sensitivity of the
+//! test, since mended: docs/decisions.md).
+inline constexpr int default_one_token_ctas = 8;
 inline std::atomic<int>& one_token_ctas_up_to() {
   static std::atomic<int> tokens{default_one_token_ctas};
   return tokens;
 }
 //! Small token groups (2 or 4 tokens a CTA, the weight slice in shared memory as at decode): up to
 //! how many tokens a call each runs (set_small_token_groups).
-inline constexpr int default_twos_up_to = 0, default_fours_up_to = 0;
+inline constexpr int default_twos_up_to = 48, default_fours_up_to = 96;
 inline std::atomic<int>& twos_up_to() {
   static std::atomic<int> tokens{default_twos_up_to};
   return tokens;
@@ -516,9 +519,9 @@ inline std::atomic<int>& fours_up_to() {
 
 //! Process-wide: up to how many tokens a call runs one token a CTA (the decode variant: a CTA per
 //! token and slice, the weight slice bulk-copied into each, one Sinkhorn warp per token beside three
-//! warps normalizing h), 16 by default (detail::default_one_token_ctas); above it, token groups of
-//! prefill_token_group() tokens a CTA. bench_mhc times 32 and 64 tokens both ways. 1 to 4096;
-//! anything else is an error.
+//! warps normalizing h), 8 by default (detail::default_one_token_ctas); above it, the small token
+//! groups (set_small_token_groups), then groups of prefill_token_group() tokens a CTA. bench_mhc
+//! times every shape from 4 to 128 tokens. 1 to 4096; anything else is an error.
 inline void set_one_token_ctas_up_to(int tokens) {
   if (tokens < 1 || tokens > 4096)
     throw error("mhc_step: one token a CTA is for 1 to 4096 tokens a call, not " + std::to_string(tokens));
@@ -545,8 +548,8 @@ inline int prefill_token_group() {
 //! Process-wide: calls of more than one_token_ctas_up_to() tokens and at most `twos_up_to` run two
 //! tokens a CTA, then up to `fours_up_to` four tokens a CTA, with the projection weight's slice
 //! bulk-copied into shared memory as at decode and two tokens a Sinkhorn warp; larger calls take
-//! the prefill token groups. 0 turns a size off. Defaults: detail::default_twos_up_to and
-//! detail::default_fours_up_to; bench_mhc times every size. 0 to 4096 each; anything else is an error.
+//! the prefill token groups. 0 turns a size off. Defaults: detail::default_twos_up_to (48) and
+//! detail::default_fours_up_to (96); bench_mhc times every size. 0 to 4096 each; anything else is an error.
 inline void set_small_token_groups(int twos_up_to, int fours_up_to) {
   for (const int v : {twos_up_to, fours_up_to})
     if (v < 0 || v > 4096)
