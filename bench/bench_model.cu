@@ -17,9 +17,9 @@
 //! with it (the index scores and lists: rows x keys), stays at N: how 64K prompts and 128K
 //! contexts fit one GPU.
 //! `--mhc-one-token-ctas N`: the mHC boundaries run one token a CTA up to N tokens a call
-//! (kernels::mhc::set_one_token_ctas_up_to; default 8), token groups above.
+//! (kernels::mhc::set_one_token_ctas_up_to; default 16), token groups above.
 //! `--mhc-small-groups N,M`: above that, two tokens a CTA up to N tokens a call, four up to M
-//! (kernels::mhc::set_small_token_groups; default 48,96; 0: none).
+//! (kernels::mhc::set_small_token_groups; default 48,64; 0: none).
 //! `--decode-context N,N..`: the plain decode rows at each context length (every batch size at each;
 //! default 8K, tiny 256); the profile and the DSpark rounds run at the first.
 //! `--checkpoint DIR` writes the random checkpoint to DIR instead, or reuses the one DIR holds.

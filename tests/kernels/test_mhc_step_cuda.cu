@@ -133,8 +133,8 @@ BOOST_AUTO_TEST_CASE(fused_step_matches_host, *utf::label("gpu") * utf::precondi
   check_step(300, 256, boundary::inside, 5);
   check_step(2, 256, boundary::entry, 6);
   // Widths that are not a multiple of the 128-position slice (the last CTA's partial slice: its
-  // weight rows are copied short), in each default shape: one token a CTA (up to 8 tokens), twos
-  // (up to 48), fours (up to 96) and 8-token groups.
+  // weight rows are copied short), in each default shape: one token a CTA (up to 16 tokens), twos
+  // (up to 48), fours (up to 64) and 8-token groups.
   check_step(3, 200, boundary::inside, 7);
   check_step(16, 328, boundary::inside, 8);
   check_step(17, 328, boundary::inside, 9);
@@ -167,7 +167,7 @@ BOOST_AUTO_TEST_CASE(sixteen_token_groups_match_host,
   BOOST_TEST(test::throws_with([] { set_prefill_token_group(12); }, "8 or 16 tokens a CTA, not 12"));
 }
 
-// One token a CTA above 16 tokens (set_one_token_ctas_up_to: by default up to 8, here up to 64):
+// One token a CTA above 16 tokens (set_one_token_ctas_up_to: by default up to 16, here up to 64):
 // the same bits and bounds as the 8-token groups'.
 BOOST_AUTO_TEST_CASE(one_token_ctas_above_sixteen_tokens_match_host,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {

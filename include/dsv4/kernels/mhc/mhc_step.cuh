@@ -9,7 +9,7 @@
 //! (from L2 after the first).
 //!
 //! Work split: a CTA takes a slice of 128 positions of d (all four streams) for a group of tokens
-//! (one at decode, by default up to 8 tokens a call; then 2, 4, and from 97 tokens 8 or 16:
+//! (one at decode, by default up to 16 tokens a call; then 2, 4, and from 65 tokens 8 or 16:
 //! set_one_token_ctas_up_to, set_small_token_groups, set_prefill_token_group). It computes
 //! Y and h there (Y kept in shared memory), then the slice's share of the 24 projections, each
 //! weight row read once per group and used for all its tokens. Partial sums (the squares of Y and
@@ -493,20 +493,20 @@ inline std::atomic<int>& prefill_token_group() {
   static std::atomic<int> tokens{8};
   return tokens;
 }
-//! The call sizes of each shape (thirty-fifth session, bench_mhc on an H100, V4.1 widths): one
-//! token a CTA up to 8 tokens (its 40 CTAs a token take a second wave from ~14 tokens: 16 tokens
-//! 16.0 us against 12.8 in twos), two tokens a CTA up to 48, four up to 96, then the prefill
-//! groups (128 tokens: 44.7 us in eights against 49.1 in fours). The drafter test that failed at
-//! one seed with the limit at 32 fails alike with main's kernels (a backbone sensitivity of the
-//! test, since mended: docs/decisions.md).
-inline constexpr int default_one_token_ctas = 8;
+//! The call sizes of each shape (thirty-fifth session, H100, V4.1 widths): one token a CTA up to 16
+//! tokens, two tokens a CTA up to 48, four up to 64, then the prefill groups. bench_mhc: 12 tokens
+//! 12.0 us one a CTA or in twos; 16 tokens 15.9 against 12.8 in twos, but the decode step at batch
+//! 16 was 17.5 ms one a CTA against 17.7 in twos (the step's boundaries read their weights from
+//! HBM), so the decode shape keeps 16; 32 tokens 21.8 in twos (step at batch 32: 28.3 -> 26.3 ms);
+//! 64 tokens 33.2 in fours against 37.2 in eights; 96 tokens 35.4 in eights against 40.1 in fours.
+inline constexpr int default_one_token_ctas = 16;
 inline std::atomic<int>& one_token_ctas_up_to() {
   static std::atomic<int> tokens{default_one_token_ctas};
   return tokens;
 }
 //! Small token groups (2 or 4 tokens a CTA, the weight slice in shared memory as at decode): up to
 //! how many tokens a call each runs (set_small_token_groups).
-inline constexpr int default_twos_up_to = 48, default_fours_up_to = 96;
+inline constexpr int default_twos_up_to = 48, default_fours_up_to = 64;
 inline std::atomic<int>& twos_up_to() {
   static std::atomic<int> tokens{default_twos_up_to};
   return tokens;
@@ -519,7 +519,7 @@ inline std::atomic<int>& fours_up_to() {
 
 //! Process-wide: up to how many tokens a call runs one token a CTA (the decode variant: a CTA per
 //! token and slice, the weight slice bulk-copied into each, one Sinkhorn warp per token beside three
-//! warps normalizing h), 8 by default (detail::default_one_token_ctas); above it, the small token
+//! warps normalizing h), 16 by default (detail::default_one_token_ctas); above it, the small token
 //! groups (set_small_token_groups), then groups of prefill_token_group() tokens a CTA. bench_mhc
 //! times every shape from 4 to 128 tokens. 1 to 4096; anything else is an error.
 inline void set_one_token_ctas_up_to(int tokens) {
@@ -549,7 +549,7 @@ inline int prefill_token_group() {
 //! tokens a CTA, then up to `fours_up_to` four tokens a CTA, with the projection weight's slice
 //! bulk-copied into shared memory as at decode and two tokens a Sinkhorn warp; larger calls take
 //! the prefill token groups. 0 turns a size off. Defaults: detail::default_twos_up_to (48) and
-//! detail::default_fours_up_to (96); bench_mhc times every size. 0 to 4096 each; anything else is an error.
+//! detail::default_fours_up_to (64); bench_mhc times every size. 0 to 4096 each; anything else is an error.
 inline void set_small_token_groups(int twos_up_to, int fours_up_to) {
   for (const int v : {twos_up_to, fours_up_to})
     if (v < 0 || v > 4096)
