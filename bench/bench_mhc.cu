@@ -53,8 +53,9 @@ int main(int argc, char** argv) {
       a.fn = fn.data(), a.base = base.data(), a.scale = scale.data();
       a.next_pre = npre.data(), a.next_post = npost.data(), a.next_comb = ncomb.data();
       a.tokens = tokens, a.dim = dim;
-      // Above 16 tokens both prefill token groups (set_prefill_token_group), and at 32 / 64 tokens
-      // one token a CTA as at decode (set_one_token_ctas_up_to).
+      // Every shape from 2 to 128 tokens: one token a CTA (set_one_token_ctas_up_to), the small
+      // groups (set_small_token_groups) and the prefill groups (set_prefill_token_group); above,
+      // the prefill groups.
       const std::vector<int> groups = tokens == 1     ? std::vector<int>{1}
                                       : tokens <= 128 ? std::vector<int>{8, 16, 1, 2, 4}
                                                       : std::vector<int>{8, 16};

@@ -165,43 +165,24 @@ struct ring_check {
   std::ostringstream where;  //!< per call: stage:slot(differing values by code steps) of each differing entry
   int calls = 0;
 
-  //! Compares the rings of `slot` with `st`'s, then (teacher forcing of the state) gives the host
-  //! the device's rings, so that the next step of both starts from the same state.
-  //! Calls whose backbones diverged (`backbone_agrees` false, see backbones_agree): only their
-  //! entries' relative L2 error is bounded, in check.
-  long long diverged_calls = 0;
-  double diverged_worst_rel = 0;  //!< largest |device - host| / |host| of an entry (L2), over those calls
+  long long diverged_calls = 0;   //!< calls whose backbones diverged (backbones_agree)
+  double diverged_worst_rel = 0;  //!< over those calls: largest |device - host| / |host| of an entry (L2)
 
-  void compare_and_sync(model::device_dspark<tiny>& dd, int slot, model::dspark_state& st, bool backbone_agrees = true) {
+  //! Compares the rings of `slot` with `st`'s, then (teacher forcing of the state) gives the host
+  //! the device's rings, so that the next step of both starts from the same state. A call whose
+  //! backbones diverged (`backbone_agrees` false) counts only its entries' relative L2 error (check).
+  void compare_and_sync(model::device_dspark<tiny>& dd, int slot, model::dspark_state& st,
+                        bool backbone_agrees = true) {
     const std::size_t hd = std::size_t(c.attn.head_dim);
     std::ostringstream call;  // this call's differing entries
-    if (!backbone_agrees) {
-      ++diverged_calls;
-      double worst_rel = 0;
-      for (std::size_t s = 0; s < st.rings.size(); ++s) {
-        auto got = dd.ring_values(int(s), slot);
-        BOOST_REQUIRE_EQUAL(got.size(), st.rings[s].size());
-        for (std::size_t r = 0; r < got.size() / hd; ++r) {
-          double dd2 = 0, hh2 = 0;
-          for (std::size_t i = r * hd; i < (r + 1) * hd; ++i) {
-            const double g = got[i].to_float(), h = st.rings[s][i].to_float();
-            BOOST_REQUIRE_MESSAGE(std::isfinite(g), "non-finite ring value, stage " << s << " slot " << r);
-            dd2 += (g - h) * (g - h), hh2 += h * h;
-          }
-          worst_rel = std::max(worst_rel, std::sqrt(dd2 / std::max(hh2, 1e-30)));
-        }
-        st.rings[s] = std::move(got);
-      }
-      diverged_worst_rel = std::max(diverged_worst_rel, worst_rel);
-      where << " | call " << calls++ << ": backbone diverged, worst entry " << worst_rel << " (L2, relative)";
-      return;
-    }
+    double call_worst_rel = 0;
     for (std::size_t s = 0; s < st.rings.size(); ++s) {
       auto got = dd.ring_values(int(s), slot);
       BOOST_REQUIRE_EQUAL(got.size(), st.rings[s].size());
       for (std::size_t r = 0; r < got.size() / hd; ++r) {
         int diff = 0;
         double entry_steps = 0, worst_g = 0, worst_h = 0, worst_peak = 0;  // the entry's worst value
+        double diff2 = 0, want2 = 0;                                       // its squared L2 norms
         for (std::size_t b = r * hd; b < (r + 1) * hd; b += 32) {  // E4M3 blocks of 32, UE8M0 scales
           double peak = 0;
           for (std::size_t i = b; i < b + 32; ++i)
@@ -216,6 +197,7 @@ struct ring_check {
           for (std::size_t i = b; i < b + 32; ++i) {
             const double g = got[i].to_float(), h = st.rings[s][i].to_float();
             BOOST_REQUIRE_MESSAGE(std::isfinite(g), "non-finite ring value, stage " << s << " slot " << r);
+            diff2 += (g - h) * (g - h), want2 += h * h;
             if (g == h) continue;
             ++diff;
             const double high = std::max(std::fabs(g), std::fabs(h));
@@ -224,6 +206,8 @@ struct ring_check {
               entry_steps = std::fabs(g - h) / allowed, worst_g = g, worst_h = h, worst_peak = peak;
           }
         }
+        call_worst_rel = std::max(call_worst_rel, std::sqrt(diff2 / std::max(want2, 1e-30)));
+        if (!backbone_agrees) continue;
         entries += 1, values += (long long)hd, differing += diff;
         worst_step = std::max(worst_step, entry_steps);
         if (diff)
@@ -232,7 +216,14 @@ struct ring_check {
       }
       st.rings[s] = std::move(got);
     }
-    where << " | call " << calls++ << ':' << (call.str().empty() ? std::string(" =") : call.str());
+    where << " | call " << calls++ << ':';
+    if (!backbone_agrees) {
+      ++diverged_calls;
+      diverged_worst_rel = std::max(diverged_worst_rel, call_worst_rel);
+      where << " backbone diverged, worst entry " << call_worst_rel << " (L2, relative)";
+    } else {
+      where << (call.str().empty() ? std::string(" =") : call.str());
+    }
   }
   //! The state agrees up to isolated FP8 code flips: an ulp of a GEMM sum that moved a value across
   //! a rounding boundary of the ring's E4M3 codes, or a code of main_x that moved a few values of
