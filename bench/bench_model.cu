@@ -489,11 +489,18 @@ int main(int argc, char** argv) {
       else if (a == "--mhc-small-groups" && has_value) {
         const std::string v = argv[++i];
         const auto comma = v.find(',');
+        auto whole = [](const std::string& text) {  // a whole non-negative number, else -1
+          std::size_t used = 0;
+          int n = -1;
+          try {
+            n = std::stoi(text, &used);
+          } catch (const std::exception&) {
+            return -1;
+          }
+          return used == text.size() ? n : -1;
+        };
         int twos = -1, fours = -1;
-        try {
-          if (comma != std::string::npos) twos = std::stoi(v.substr(0, comma)), fours = std::stoi(v.substr(comma + 1));
-        } catch (const std::exception&) {
-        }
+        if (comma != std::string::npos) twos = whole(v.substr(0, comma)), fours = whole(v.substr(comma + 1));
         if (twos < 0 || fours < 0) throw error("--mhc-small-groups: '" + v + "' is not N,M (two numbers of 0 and up)");
         kernels::mhc::set_small_token_groups(twos, fours);
       }

@@ -157,7 +157,7 @@ BOOST_AUTO_TEST_CASE(sixteen_token_groups_match_host,
     }
   } r;
   set_prefill_token_group(16);
-  set_small_token_groups(0, 0);  // (from 9 tokens on, the groups)
+  set_small_token_groups(0, 0);  // (from 17 tokens on, the groups)
   BOOST_TEST(prefill_token_group() == 16);
   check_step(37, 5120, boundary::inside, 11);
   check_step(300, 256, boundary::inside, 12);

@@ -43,21 +43,25 @@ __global__ void sequential_split_kernel(const float* mixes, const float* scale, 
 }
 
 //! `split_sinkhorn_warp`, called as the fused mHC step calls it: one token a warp (both halves
-//! given it, the first writing) or two (a token a half).
+//! given it, the first writing) or two (a token a half; the halves may differ in `iters`). A half
+//! without a token splits the warp's first token with `writes` false and its outputs pointed at
+//! `guard`, which must stay as it was.
 template <int PerWarp>
 __global__ void warp_split_kernel(const float* mixes, const float* scale, const float* base, const int* iters,
-                                  const float* eps, long long tokens, float* pre, float* post, float* comb) {
+                                  const float* eps, long long tokens, float* pre, float* post, float* comb, float* guard) {
   const int lane = int(threadIdx.x % 32);
   const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const long long first = w * PerWarp;
   if (first >= tokens) return;  // whole warps leave together
-  const long long t = PerWarp == 1 || first + lane / 16 >= tokens ? first : first + lane / 16;
-  const bool writes = PerWarp == 1 ? lane < 16 : first + lane / 16 < tokens;
+  const bool idle = PerWarp == 2 && first + lane / 16 >= tokens;
+  const long long t = PerWarp == 1 || idle ? first : first + lane / 16;
+  const bool writes = PerWarp == 1 ? lane < 16 : !idle;
   float m[mix_count];
 #pragma unroll
   for (int i = 0; i < mix_count; ++i) m[i] = mixes[t * mix_count + i];
-  kernels::mhc::split_sinkhorn_warp(m, scale + t * 3, base + t * mix_count, iters[t], eps[t], pre + t * hc, post + t * hc,
-                                    comb + t * hc * hc, writes);
+  kernels::mhc::split_sinkhorn_warp(m, scale + t * 3, base + t * mix_count, iters[t], eps[t],
+                                    idle ? guard : pre + t * hc, idle ? guard + hc : post + t * hc,
+                                    idle ? guard + 2 * hc : comb + t * hc * hc, writes);
 }
 
 float from_bits(std::uint32_t u) {
@@ -176,10 +180,11 @@ BOOST_AUTO_TEST_CASE(warp_split_equals_sequential_split_bitwise,
       db{std::span<const float>(in.base)}, de{std::span<const float>(in.eps)};
   device_buffer<int> di{std::span<const int>(in.iters)};
   const std::size_t outs = std::size_t(tokens) * (2 * hc + hc * hc);
-  device_buffer<float> seq(outs), warp(outs), pairs(outs);
+  device_buffer<float> seq(outs), warp(outs), pairs(outs), guard(2 * hc + hc * hc);
   seq.fill_bytes(0xFF);   // a value either side leaves unwritten shows as a difference
   warp.fill_bytes(0x7F);
   pairs.fill_bytes(0x7F);
+  guard.fill_bytes(0x7F);
   auto pre = [&](device_buffer<float>& o) { return o.data(); };
   auto post = [&](device_buffer<float>& o) { return o.data() + tokens * hc; };
   auto comb = [&](device_buffer<float>& o) { return o.data() + 2 * tokens * hc; };
@@ -187,20 +192,24 @@ BOOST_AUTO_TEST_CASE(warp_split_equals_sequential_split_bitwise,
                                                                   tokens, pre(seq), post(seq), comb(seq));
   DSV4_CUDA_CHECK_LAUNCH();
   warp_split_kernel<1><<<unsigned((tokens * 32 + 255) / 256), 256>>>(dm.data(), ds.data(), db.data(), di.data(),
-                                                                      de.data(), tokens, pre(warp), post(warp), comb(warp));
+                                                                      de.data(), tokens, pre(warp), post(warp), comb(warp), guard.data());
   DSV4_CUDA_CHECK_LAUNCH();
   // Two tokens a warp, over all but the last token (an odd count: the last warp's second half has
   // none and must write nothing), then the last token in a launch of its own.
   warp_split_kernel<2><<<unsigned((tokens / 2 * 32 + 255) / 256), 256>>>(  // ceil((tokens - 1) / 2) warps
-      dm.data(), ds.data(), db.data(), di.data(), de.data(), tokens - 1, pre(pairs), post(pairs), comb(pairs));
+      dm.data(), ds.data(), db.data(), di.data(), de.data(), tokens - 1, pre(pairs), post(pairs), comb(pairs),
+      guard.data());
   DSV4_CUDA_CHECK_LAUNCH();
   warp_split_kernel<2><<<1, 32>>>(dm.data() + (tokens - 1) * mix_count, ds.data() + (tokens - 1) * 3,
                                   db.data() + (tokens - 1) * mix_count, di.data() + (tokens - 1), de.data() + (tokens - 1),
                                   1, pre(pairs) + (tokens - 1) * hc, post(pairs) + (tokens - 1) * hc,
-                                  comb(pairs) + (tokens - 1) * hc * hc);
+                                  comb(pairs) + (tokens - 1) * hc * hc, guard.data());
   DSV4_CUDA_CHECK_LAUNCH();
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto a = seq.download(), b = warp.download(), b2 = pairs.download();
+  const auto a = seq.download(), b = warp.download(), b2 = pairs.download(), guarded = guard.download();
+  std::size_t guard_written = 0;
+  for (float v : guarded) guard_written += to_bits(v) != 0x7F7F7F7Fu;
+  BOOST_TEST(guard_written == 0u, "a half without a token wrote " << guard_written << " outputs");
   const int groups = int(tokens / per_group);
   std::vector<std::size_t> differ(std::size_t(groups), 0), differ2(std::size_t(groups), 0), nan(std::size_t(groups), 0),
       inf(std::size_t(groups), 0);

@@ -438,8 +438,9 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB <= 4   ? 1
   if (warp < sinkhorn_warps)
     for (int pair = warp; pair < pairs; pair += sinkhorn_warps) {
       const int t0 = TB == 1 ? pair : 2 * pair;
-      // Each half's mixes: the projections over the RMS of Y, lane k of the warp computes k and 24 + k.
-      for (int k = lane; k < 2 * mix_count; k += 32) {
+      // Each half's mixes: the projections over the RMS of Y, lane k of the warp computes k and 24 + k
+      // (at decode the one token's only).
+      for (int k = lane; k < (TB == 1 ? 1 : 2) * mix_count; k += 32) {
         const int t = min(t0 + k / mix_count, toks - 1);  // a half without a token repeats the last
         const float mean_y = float(total[t][0] / double(4 * dim));
         const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_y, a.mix_norm_eps)));

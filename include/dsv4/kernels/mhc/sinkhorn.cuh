@@ -29,13 +29,16 @@ struct sinkhorn_args {
 //! and the row and column sums are gathered by shuffles inside the half and added in the sequential
 //! function's order, so the result is that of `split_sinkhorn` bit for bit, at 1/16 of its
 //! single-thread latency (the 640 dependent divisions of 20 iterations dominate a decode step
-//! otherwise). All 32 lanes call it, each with its half's token (mixes, pre, post, comb): two
-//! tokens a warp, or one where both halves pass the same and only lanes 0..15 say `writes`. In a
-//! writing half, its lanes 0..15 write comb and 0..3 pre and post.
+//! otherwise). All 16 lanes of a half call it with the half's token (mixes, pre, post, comb): two
+//! tokens a warp, or one where both halves pass the same and only lanes 0..15 say `writes`. The
+//! halves shuffle only among their own lanes (a 16-lane mask), so they are independent: they may
+//! run different `iters`, and one half may be absent. In a writing half, its lanes 0..15 write comb
+//! and 0..3 pre and post.
 DSV4_DEVICE void split_sinkhorn_warp(const float* mixes, const float* scale, const float* base, int iters, float eps,
                                      float* pre, float* post, float* comb, bool writes) {
   using numerics::mul_rn;
   const int lane = threadIdx.x % 32, hl = lane % 16, r = hl / hc, j = hl % hc;
+  const unsigned half = 0xffffu << (lane & 16);  // the calling half's lanes
   if (writes && hl < hc) {
     pre[hl] = sigmoid_f32(mul_rn(mixes[hl], scale[0]) + base[hl]) + eps;
     post[hl] = 2.0f * sigmoid_f32(mul_rn(mixes[hc + hl], scale[1]) + base[hc + hl]);
@@ -46,16 +49,16 @@ DSV4_DEVICE void split_sinkhorn_warp(const float* mixes, const float* scale, con
   auto col_lane = [&](int q) { return (lane & 16) + q * hc + j; };  // lane of (q, j)
   float mx = -INFINITY;
   for (int q = 0; q < hc; ++q) {
-    const float v = __shfl_sync(0xffffffffu, c, row_lane(q));
+    const float v = __shfl_sync(half, c, row_lane(q));
     mx = v > mx ? v : mx;
   }
   c = exp_f32(c - mx);
   float sum = 0.0f;
-  for (int q = 0; q < hc; ++q) sum += __shfl_sync(0xffffffffu, c, row_lane(q));
+  for (int q = 0; q < hc; ++q) sum += __shfl_sync(half, c, row_lane(q));
   c = c / sum + eps;
   auto normalize = [&](bool rows) {
     float s = 0.0f;
-    for (int q = 0; q < hc; ++q) s += __shfl_sync(0xffffffffu, c, rows ? row_lane(q) : col_lane(q));
+    for (int q = 0; q < hc; ++q) s += __shfl_sync(half, c, rows ? row_lane(q) : col_lane(q));
     c = c / (s + eps);
   };
   normalize(false);
