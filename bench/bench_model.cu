@@ -501,10 +501,10 @@ int main(int argc, char** argv) {
         };
         int twos = -1, fours = -1;
         if (comma != std::string::npos) twos = whole(v.substr(0, comma)), fours = whole(v.substr(comma + 1));
-        if (twos < 0 || fours < 0) throw error("--mhc-small-groups: '" + v + "' is not N,M (two numbers of 0 and up)");
+        if (twos < 0 || fours < 0)
+          throw error("--mhc-small-groups: '" + v + "' is not N,M (two numbers of 0 and up)");
         kernels::mhc::set_small_token_groups(twos, fours);
-      }
-      else if (a == "--no-folded")
+      } else if (a == "--no-folded")
         kernels::gemm::set_folded_linears(false);
       else if (a == "--gemm-max-tokens" && has_value)
         gemm_max_tokens = bench::int_list(a, argv[++i]);
@@ -514,7 +514,8 @@ int main(int argc, char** argv) {
             "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N,N..] "
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
-            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--dspark] [--mhc-one-token-ctas N] [--mhc-small-groups N,M] [--config-json FILE] "
+            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--dspark] [--mhc-one-token-ctas N] "
+            "[--mhc-small-groups N,M] [--config-json FILE] "
             "[--checkpoint-only] [--clone-contexts] [--json FILE]\n");
         return 2;
       }

@@ -194,7 +194,8 @@ BOOST_AUTO_TEST_CASE(one_token_ctas_above_sixteen_tokens_match_host,
 // memory, two tokens a Sinkhorn warp; a group's odd last token leaves a half warp idle): the same
 // bits and bounds as the 8-token groups'. Each size alone up to 64 tokens, then both (twos up to
 // 24, fours up to 48) with calls on either side of each limit.
-BOOST_AUTO_TEST_CASE(small_token_groups_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+BOOST_AUTO_TEST_CASE(small_token_groups_match_host,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   struct restore {
     ~restore() {
       set_one_token_ctas_up_to(detail::default_one_token_ctas);
@@ -215,9 +216,12 @@ BOOST_AUTO_TEST_CASE(small_token_groups_match_host, *utf::label("gpu") * utf::pr
     check_step(65, 256, boundary::inside, 36 + group);  // above the limit: 8-token groups
   }
   set_small_token_groups(24, 48);
-  for (const long long tokens : {8LL, 9LL, 24LL, 25LL, 47LL, 48LL, 49LL}) check_step(tokens, 5120, boundary::inside, 40 + tokens);
-  BOOST_TEST(test::throws_with([] { set_small_token_groups(-1, 64); }, "lies in 0 to 4096 tokens a call, not -1"));
-  BOOST_TEST(test::throws_with([] { set_small_token_groups(2, 5000); }, "lies in 0 to 4096 tokens a call, not 5000"));
+  for (const long long tokens : {8LL, 9LL, 24LL, 25LL, 47LL, 48LL, 49LL})
+    check_step(tokens, 5120, boundary::inside, 40 + tokens);
+  BOOST_TEST(
+      test::throws_with([] { set_small_token_groups(-1, 64); }, "lies in 0 to 4096 tokens a call, not -1"));
+  BOOST_TEST(test::throws_with([] { set_small_token_groups(2, 5000); },
+                               "lies in 0 to 4096 tokens a call, not 5000"));
 }
 
 BOOST_AUTO_TEST_CASE(bad_arguments_are_errors, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {

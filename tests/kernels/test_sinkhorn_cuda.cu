@@ -48,7 +48,8 @@ __global__ void sequential_split_kernel(const float* mixes, const float* scale, 
 //! `guard`, which must stay as it was.
 template <int PerWarp>
 __global__ void warp_split_kernel(const float* mixes, const float* scale, const float* base, const int* iters,
-                                  const float* eps, long long tokens, float* pre, float* post, float* comb, float* guard) {
+                                  const float* eps, long long tokens, float* pre, float* post, float* comb,
+                                  float* guard) {
   const int lane = int(threadIdx.x % 32);
   const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const long long first = w * PerWarp;
@@ -191,8 +192,9 @@ BOOST_AUTO_TEST_CASE(warp_split_equals_sequential_split_bitwise,
   sequential_split_kernel<<<unsigned((tokens + 127) / 128), 128>>>(dm.data(), ds.data(), db.data(), di.data(), de.data(),
                                                                   tokens, pre(seq), post(seq), comb(seq));
   DSV4_CUDA_CHECK_LAUNCH();
-  warp_split_kernel<1><<<unsigned((tokens * 32 + 255) / 256), 256>>>(dm.data(), ds.data(), db.data(), di.data(),
-                                                                      de.data(), tokens, pre(warp), post(warp), comb(warp), guard.data());
+  warp_split_kernel<1><<<unsigned((tokens * 32 + 255) / 256), 256>>>(dm.data(), ds.data(), db.data(),
+                                                                     di.data(), de.data(), tokens, pre(warp),
+                                                                     post(warp), comb(warp), guard.data());
   DSV4_CUDA_CHECK_LAUNCH();
   // Two tokens a warp, over all but the last token (an odd count: the last warp's second half has
   // none and must write nothing), then the last token in a launch of its own.
@@ -201,9 +203,10 @@ BOOST_AUTO_TEST_CASE(warp_split_equals_sequential_split_bitwise,
       guard.data());
   DSV4_CUDA_CHECK_LAUNCH();
   warp_split_kernel<2><<<1, 32>>>(dm.data() + (tokens - 1) * mix_count, ds.data() + (tokens - 1) * 3,
-                                  db.data() + (tokens - 1) * mix_count, di.data() + (tokens - 1), de.data() + (tokens - 1),
-                                  1, pre(pairs) + (tokens - 1) * hc, post(pairs) + (tokens - 1) * hc,
-                                  comb(pairs) + (tokens - 1) * hc * hc, guard.data());
+                                  db.data() + (tokens - 1) * mix_count, di.data() + (tokens - 1),
+                                  de.data() + (tokens - 1), 1, pre(pairs) + (tokens - 1) * hc,
+                                  post(pairs) + (tokens - 1) * hc, comb(pairs) + (tokens - 1) * hc * hc,
+                                  guard.data());
   DSV4_CUDA_CHECK_LAUNCH();
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   const auto a = seq.download(), b = warp.download(), b2 = pairs.download(), guarded = guard.download();
@@ -211,8 +214,8 @@ BOOST_AUTO_TEST_CASE(warp_split_equals_sequential_split_bitwise,
   for (float v : guarded) guard_written += to_bits(v) != 0x7F7F7F7Fu;
   BOOST_TEST(guard_written == 0u, "a half without a token wrote " << guard_written << " outputs");
   const int groups = int(tokens / per_group);
-  std::vector<std::size_t> differ(std::size_t(groups), 0), differ2(std::size_t(groups), 0), nan(std::size_t(groups), 0),
-      inf(std::size_t(groups), 0);
+  std::vector<std::size_t> differ(std::size_t(groups), 0), differ2(std::size_t(groups), 0),
+      nan(std::size_t(groups), 0), inf(std::size_t(groups), 0);
   // Output i of token t, in the buffer's [pre | post | comb] layout.
   auto token_of = [&](std::size_t i) {
     const std::size_t pp = std::size_t(tokens) * hc;
@@ -226,11 +229,13 @@ BOOST_AUTO_TEST_CASE(warp_split_equals_sequential_split_bitwise,
     inf[g] += std::isinf(a[i]);
   }
   for (int g = 0; g < groups; ++g) {
-    BOOST_TEST_MESSAGE("split_sinkhorn_warp vs split_sinkhorn, input family " << g << ": " << differ[std::size_t(g)]
-                       << " of " << per_group * (2 * hc + hc * hc) << " outputs differ in bits, two tokens a warp "
-                       << differ2[std::size_t(g)] << " (" << nan[std::size_t(g)] << " NaN, " << inf[std::size_t(g)] << " inf)");
+    BOOST_TEST_MESSAGE("split_sinkhorn_warp vs split_sinkhorn, input family "
+                       << g << ": " << differ[std::size_t(g)] << " of " << per_group * (2 * hc + hc * hc)
+                       << " outputs differ in bits, two tokens a warp " << differ2[std::size_t(g)] << " ("
+                       << nan[std::size_t(g)] << " NaN, " << inf[std::size_t(g)] << " inf)");
     BOOST_TEST(differ[std::size_t(g)] == 0u, "input family " << g << ": the warp split differs from the sequential split");
-    BOOST_TEST(differ2[std::size_t(g)] == 0u, "input family " << g << ": two tokens a warp differ from the sequential split");
+    BOOST_TEST(differ2[std::size_t(g)] == 0u,
+               "input family " << g << ": two tokens a warp differ from the sequential split");
   }
 }
 

@@ -235,8 +235,8 @@ struct ring_check {
   void check(const char* what) const {
     BOOST_TEST_MESSAGE(what << " rings vs host: " << differing << " of " << values << " values in " << entries
                             << " entries differ, by at most " << worst_step << " of their allowance; "
-                            << diverged_calls << " calls with diverged backbones, worst entry " << diverged_worst_rel
-                            << ";" << where.str());
+                            << diverged_calls << " calls with diverged backbones, worst entry "
+                            << diverged_worst_rel << ";" << where.str());
     BOOST_TEST(entries > 0);
     BOOST_TEST(worst_step <= 1.0 + 1e-9);
     BOOST_TEST(differing * 100 <= values);
@@ -258,7 +258,8 @@ bool backbones_agree(model::device_model<tiny>& dm, int a, int b, std::ostringst
     worst = std::max(worst, double(std::fabs(logits[i] - logits[V + i])));
     peak = std::max(peak, double(std::fabs(logits[V + i])));
   }
-  if (worst > 0) report << " (the backbones differ: a probe step's logits by " << worst / peak << " of their peak)";
+  if (worst > 0)
+    report << " (the backbones differ: a probe step's logits by " << worst / peak << " of their peak)";
   return worst == 0;
 }
 
@@ -763,11 +764,12 @@ BOOST_AUTO_TEST_CASE(speculative_rounds_over_sequences_that_join_and_leave,
 // it does not, the calls' shapes moved a sum of the backbone's, which 20 random decoder layers
 // amplify, and only each ring entry's relative error is bounded: H100, seed 1919460011733219210,
 // the CED plan's 36-row append against the 46-row prefill, first apart at encoder layer 17's
-// attention output by 1% of its peak, the caches equal), both have seen the same positions, and the turn's tokens are plain decoding's of
-// the whole conversation up to its first close call. Plans: exact and CED turns shorter and
-// longer than the window; two turns with no round between them, the second moving the rows the
-// drafter has not seen down its buffer (a W - 1 turn after one of 3: the old rows but the newest
-// dropped); a turn right after a one-token prompt's start. Misuse is refused before any work.
+// attention output by 1% of its peak, the caches equal), both have seen the same positions, and the
+// turn's tokens are plain decoding's of the whole conversation up to its first close call. Plans:
+// exact and CED turns shorter and longer than the window; two turns with no round between them, the
+// second moving the rows the drafter has not seen down its buffer (a W - 1 turn after one of 3: the
+// old rows but the newest dropped); a turn right after a one-token prompt's start. Misuse is
+// refused before any work.
 BOOST_AUTO_TEST_CASE(an_appended_turn_leaves_a_fresh_starts_drafter_state,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   fixture f;

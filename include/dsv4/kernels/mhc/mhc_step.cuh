@@ -121,8 +121,8 @@ DSV4_DEVICE uint4 pack8(const float (&v)[8]) {
 template <int W>
 struct bf16_run {
   static_assert(W == 1 || W == 2 || W == 4 || W == 8, "mhc_step: an item covers 1, 2, 4 or 8 positions");
-  using raw_t = std::conditional_t<W == 8, uint4,
-                                   std::conditional_t<W == 4, uint2, std::conditional_t<W == 2, unsigned, unsigned short>>>;
+  using raw_t = std::conditional_t<
+      W == 8, uint4, std::conditional_t<W == 4, uint2, std::conditional_t<W == 2, unsigned, unsigned short>>>;
   raw_t raw;
   DSV4_DEVICE void load(const numerics::bf16* p) { raw = *reinterpret_cast<const raw_t*>(p); }
   DSV4_DEVICE void unpack(float (&out)[W]) const {
@@ -181,7 +181,8 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB <= 4   ? 1
   // position each, so that all four warps share the work (one warp doing 8 positions a thread
   // was the kernel's longest phase); with groups of 2 or 4 tokens 2 or 4 positions, one item a
   // thread; with 8 or 16 tokens 8 positions (16-byte accesses), one or two items a thread.
-  static_assert(TB == 1 || TB == 2 || TB == 4 || TB == 8 || TB == 16, "mhc_step: token groups of 1, 2, 4, 8 or 16");
+  static_assert(TB == 1 || TB == 2 || TB == 4 || TB == 8 || TB == 16,
+                "mhc_step: token groups of 1, 2, 4, 8 or 16");
   constexpr int W = TB < 8 ? TB : 8, kItems = S / W;  // items per token
   constexpr int kRounds = TB * kItems / mhc_threads;  // items per thread
   static_assert(kRounds * mhc_threads == TB * kItems, "mhc_step: whole rounds of phase-1 items");
@@ -449,8 +450,9 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB <= 4   ? 1
       __syncwarp();
       const int half = TB == 1 ? 0 : lane / 16, t = min(t0 + half, toks - 1);
       const long long tok = tok0 + t;
-      split_sinkhorn_warp(split_mixes[warp][half], split_scale, split_base, a.iters, a.hc_eps, a.next_pre + tok * hc,
-                          a.next_post + tok * hc, a.next_comb + tok * hc * hc, TB == 1 ? lane < 16 : t0 + half < toks);
+      split_sinkhorn_warp(split_mixes[warp][half], split_scale, split_base, a.iters, a.hc_eps,
+                          a.next_pre + tok * hc, a.next_post + tok * hc, a.next_comb + tok * hc * hc,
+                          TB == 1 ? lane < 16 : t0 + half < toks);
       __syncwarp();  // the warp's mixes are read before its next pair overwrites them
     }
   if (!overlap) __syncthreads();
@@ -554,7 +556,8 @@ inline int prefill_token_group() {
 inline void set_small_token_groups(int twos_up_to, int fours_up_to) {
   for (const int v : {twos_up_to, fours_up_to})
     if (v < 0 || v > 4096)
-      throw error("mhc_step: a small token group's limit lies in 0 to 4096 tokens a call, not " + std::to_string(v));
+      throw error("mhc_step: a small token group's limit lies in 0 to 4096 tokens a call, not " +
+                  std::to_string(v));
   detail::twos_up_to().store(twos_up_to);
   detail::fours_up_to().store(fours_up_to);
 }

@@ -34,8 +34,8 @@ struct sinkhorn_args {
 //! halves shuffle only among their own lanes (a 16-lane mask), so they are independent: they may
 //! run different `iters`, and one half may be absent. In a writing half, its lanes 0..15 write comb
 //! and 0..3 pre and post.
-DSV4_DEVICE void split_sinkhorn_warp(const float* mixes, const float* scale, const float* base, int iters, float eps,
-                                     float* pre, float* post, float* comb, bool writes) {
+DSV4_DEVICE void split_sinkhorn_warp(const float* mixes, const float* scale, const float* base, int iters,
+                                     float eps, float* pre, float* post, float* comb, bool writes) {
   using numerics::mul_rn;
   const int lane = threadIdx.x % 32, hl = lane % 16, r = hl / hc, j = hl % hc;
   const unsigned half = 0xffffu << (lane & 16);  // the calling half's lanes
