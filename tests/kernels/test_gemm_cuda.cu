@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
@@ -370,10 +372,52 @@ BOOST_AUTO_TEST_CASE(folded_exact_at_extreme_scales, *utf::label("gpu") * utf::p
   }
 }
 
-// block_scaled_linear gives FP8 GEMMs of folded_min_tokens .. folded_max_tokens tokens and at
-// least folded_min_rows outputs to the folded kernel (also with a cuBLAS handle and dequantize
-// scratch at hand), not fewer or more tokens, narrower weights, FP4 weights, or with
-// set_folded_linears(false).
+// The decoded activations a plan writes (its token groups x tokens per CTA) fit
+// folded_scratch_bytes whatever the plan depends on: the SMs and the workspace's partials (a split
+// lets the plan keep more tokens per CTA). Host only: the plan is host code. (Until this case
+// the scratch was sized by the plan without partials, which could take fewer tokens per CTA than
+// the launch: M 40, N 2304, K 5120 was sized for 48 rows where the launch wrote 64.)
+BOOST_AUTO_TEST_CASE(folded_scratch_covers_every_plan) {
+  namespace g = kernels::gemm;
+  long long checked = 0;
+  for (const int sms : {78, 114, 132})
+    for (const int n : {72, 512, 1280, 2304, 5120, 32768})
+      for (const int k : {96, 1280, 5120, 8192})
+        for (int m = 1; m <= 300; m += (m < 70 ? 1 : 7))
+          for (const std::size_t partials : {std::size_t(0), std::size_t(1) << 20, ~std::size_t(0) / 8}) {
+            const g::gemm_shape s{m, n, k};
+            const auto p = g::detail::make_folded_plan(s, sms, partials);
+            const std::size_t rows = std::size_t(p.token_groups) * std::size_t(p.tokens);
+            if (rows * std::size_t(k) * 2 > g::folded_scratch_bytes(s) || rows < std::size_t(m)) {
+              BOOST_ERROR("M " << m << " N " << n << " K " << k << " SMs " << sms << " partials " << partials
+                               << ": a plan of " << p.token_groups << " x " << p.tokens << " tokens against "
+                               << g::folded_scratch_bytes(s) << " bytes");
+              return;
+            }
+            ++checked;
+          }
+  BOOST_TEST(checked > 20000);
+}
+
+// The shapes block_scaled_linear folds (host: the rule only): folded_min_tokens ..
+// folded_max_tokens tokens for folded_min_rows outputs and more, up to folded_large_max_tokens for
+// weights of folded_min_elements; V4.1's wq_b and wo_b in, its other FP8 linears out.
+BOOST_AUTO_TEST_CASE(folded_shapes_follow_the_measured_range) {
+  namespace g = kernels::gemm;
+  const auto folds = [](int m, int n, int k) { return g::folded_shape({m, n, k}); };
+  for (const int m : {1, 16, 31, 129, 256}) BOOST_TEST(!folds(m, 32768, 1280), "wq_b at " << m);
+  for (const int m : {32, 64, 100, 128}) BOOST_TEST(folds(m, 32768, 1280), "wq_b at " << m);
+  for (const int m : {16, 31, 65, 128}) BOOST_TEST(!folds(m, 5120, 8192), "wo_b at " << m);
+  for (const int m : {32, 48, 64}) BOOST_TEST(folds(m, 5120, 8192), "wo_b at " << m);
+  for (const auto& [n, k] : std::initializer_list<std::pair<int, int>>{{1280, 5120}, {512, 5120}, {4096, 1280}, {2304, 5120}, {5120, 2304}})
+    for (const int m : {32, 64, 128}) BOOST_TEST(!folds(m, n, k), "N " << n << " K " << k << " at " << m);
+  BOOST_TEST(folds(64, 4096, 8192));   // exactly folded_min_elements
+  BOOST_TEST(!folds(64, 4096, 8160));  // one K block short
+}
+
+// block_scaled_linear gives FP8 GEMMs of the shapes folded_shape takes to the folded kernel (also
+// with a cuBLAS handle and dequantize scratch at hand), not fewer or more tokens, narrower or
+// smaller weights, FP4 weights, or with set_folded_linears(false).
 BOOST_AUTO_TEST_CASE(folded_path_routes_the_linear_layer, *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
   namespace g = kernels::gemm;
   test::blas_handle blas;
@@ -382,19 +426,18 @@ BOOST_AUTO_TEST_CASE(folded_path_routes_the_linear_layer, *utf::label("gpu") * u
     scope_off() { g::set_folded_linears(false); }
     ~scope_off() { g::set_folded_linears(true); }
   };
-  auto check = [&](int m, int n, weight_format wf, bool off) {
+  auto check = [&](int m, int n, weight_format wf, bool off, int k = 256) {
     auto rng = test::make_rng(salt++);
-    const gemm_operands op({m, n, 256}, wf, rng);
+    const gemm_operands op({m, n, k}, wf, rng);
     auto d = op.upload();
-    g::gemm_workspace work(std::size_t(1) << 20, g::dequant_elems(op.s), g::folded_bytes_for(m, 256));
+    g::gemm_workspace work(std::size_t(1) << 22, g::dequant_elems(op.s), g::folded_bytes_for(m, k));
     const unsigned long long before = g::folded_gemm_calls();
     {
       std::optional<scope_off> scope;
       if (off) scope.emplace();
       g::block_scaled_linear(d.args(), wf, &work, blas.h);
     }
-    const bool folded = !off && wf == weight_format::fp8_tile32 && m >= g::folded_min_tokens &&
-                        m <= g::folded_max_tokens && n >= g::folded_min_rows;
+    const bool folded = !off && wf == weight_format::fp8_tile32 && g::folded_shape(op.s);
     const std::string name = std::string(wf == weight_format::fp8_tile32 ? "fp8" : "fp4") + " linear M" +
                              std::to_string(m) + " N" + std::to_string(n) + (off ? ", folding off" : "");
     BOOST_TEST(g::folded_gemm_calls() == before + (folded ? 1u : 0u), name);
@@ -406,6 +449,7 @@ BOOST_AUTO_TEST_CASE(folded_path_routes_the_linear_layer, *utf::label("gpu") * u
   check(64, g::folded_min_rows - 64, weight_format::fp8_tile32, false);  // too narrow
   check(64, g::folded_min_rows, weight_format::fp4_row32, false);
   check(64, g::folded_min_rows, weight_format::fp8_tile32, true);
+  check(40, 4096, weight_format::fp8_tile32, false, 8192);  // a large weight (folded_min_elements), K split
   // Without room for the folded activations the linear layer takes another path; folded_gemm
   // itself refuses, naming the sizes.
   auto rng = test::make_rng(99);

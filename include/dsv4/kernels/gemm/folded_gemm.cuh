@@ -53,16 +53,22 @@
 namespace dsv4::kernels::gemm {
 
 //! Where block_scaled_linear gives FP8 GEMMs to this kernel (where it can run: wgmma_supported()):
-//! folded_min_tokens .. folded_max_tokens tokens and at least folded_min_rows output features.
-//! Measured on the H200 (bench_gemm, docs/perf.md, 2026-12-03) against the mma.sync kernel below
-//! 64 tokens and the dequantize + cuBLAS path from 64: wq_b (32768 x 1280) at 32 / 64 / 128
-//! tokens 32.5 / 38.8 / 50.3 us against 43.8 / 65.4 / 67.3, at 256 even (75.0 against 73.7).
-//! Narrower weights need split K, and there a fixed cost of ~15-20 us per call (not yet
-//! understood) loses to both: wo_b (5120 x 8192) wins at 32 tokens only (51.6 against 59.2),
-//! the shared expert and wq_a / wkv never.
+//! folded_min_tokens .. folded_max_tokens tokens for weights of at least folded_min_rows output
+//! features, and folded_min_tokens .. folded_large_max_tokens for any weight of at least
+//! folded_min_elements (N x K). Measured on the H200 (bench_gemm, docs/perf.md, 2026-12-03)
+//! against the mma.sync kernel below 64 tokens and the dequantize + cuBLAS path from 64: wq_b
+//! (32768 x 1280) at 32 / 64 / 128 tokens 32.5 / 38.8 / 50.3 us against 43.8 / 65.4 / 67.3. On an
+//! H100 (thirty-sixth session): wq_b 31.7 / 37.9 / 53.7 against 42.5 / 79.8 / 82.1; wo_b (5120 x
+//! 8192, its K split) 46.6 / 67.0 / 93.0 against 59.1 / 81.7 / 81.6, so it folds up to 64
+//! tokens; at 16 tokens both lose to mma.sync (30.2 against 23.9, 38.1 against 29.0). Smaller
+//! weights lose at every count (wq_a, wkv, the indexer's wq_b, the shared expert: 1.3-2x the
+//! other path's time), as do CTAs of two warpgroups and activation chunks requested further
+//! ahead (docs/decisions.md, thirty-sixth session).
 inline constexpr int folded_min_tokens = 32;
 inline constexpr int folded_max_tokens = 128;
 inline constexpr int folded_min_rows = 8192;
+inline constexpr long long folded_min_elements = 1LL << 25;
+inline constexpr int folded_large_max_tokens = 64;
 
 namespace detail {
 
@@ -174,7 +180,7 @@ DSV4_KERNEL void fold_activations_kernel(const std::uint8_t* a, const std::uint8
 //! One CTA: one warpgroup, 64 weight rows (warp w: row tile 4 z + w) x Tokens tokens, one K slice
 //! of `kbps` blocks. Grid: x = token groups, y = K slices, z = row groups.
 template <int Tokens>
-DSV4_KERNEL void __launch_bounds__(128)
+DSV4_KERNEL void __launch_bounds__(128, 3)  // three CTAs an SM, as shared memory allows
     folded_gemm_kernel(block_scaled_gemm_args g, const std::uint8_t* folded_a, int kbps, int slices,
                        float* partials, unsigned* counters) {
   static_assert(Tokens == 16 || Tokens == 32 || Tokens == 64 || Tokens == 128,
@@ -357,6 +363,11 @@ struct folded_plan {
   unsigned token_groups = 0, row_groups = 0;
 };
 
+//! The most tokens per CTA a plan for M tokens takes: the smallest N that holds them (128 at most).
+inline int folded_first_tokens(int m) {
+  return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
+}
+
 //! Tokens per CTA: the smallest N that holds the GEMM's tokens (128 at most: more token groups).
 //! K is split until about three CTAs per SM stream weights, each slice at least folded_depth
 //! batches, the last CTA's reduction at most 128 partials per thread, and as far as the workspace
@@ -385,7 +396,7 @@ inline folded_plan make_folded_plan(const gemm_shape& s, int sms, std::size_t pa
     p.slices = p.kbps ? (kb + p.kbps - 1) / p.kbps : 1;  // no empty slice
     return p;
   };
-  int tokens = s.m <= 16 ? 16 : s.m <= 32 ? 32 : s.m <= 64 ? 64 : 128;
+  int tokens = folded_first_tokens(s.m);
   folded_plan p = plan_for(tokens);
   while (tokens > 16 && (long long)p.row_groups * p.token_groups * p.slices < target)
     p = plan_for(tokens /= 2);
@@ -402,11 +413,13 @@ inline std::size_t folded_partial_floats(const gemm_shape& s) {
 }
 
 //! Bytes of decoded activations a folded GEMM of this shape needs in its workspace: its tokens
-//! rounded up to whole token groups, K bf16 each.
+//! rounded up to whole token groups, K bf16 each. Whatever the plan (its tokens per CTA depend
+//! on the workspace's partials), they are at most folded_first_tokens and divide it, so rounding
+//! up to that covers every plan.
 inline std::size_t folded_scratch_bytes(const gemm_shape& s) {
   if (s.m <= 0 || s.k < 32) return 0;
-  const auto p = detail::make_folded_plan(s, detail::sm_count(), 0);
-  return std::size_t(p.token_groups) * std::size_t(p.tokens) * std::size_t(s.k) * 2;
+  const long long t = detail::folded_first_tokens(s.m);
+  return std::size_t((s.m + t - 1) / t * t) * std::size_t(s.k) * 2;
 }
 
 //! Workspace bytes (gemm_workspace's `folded_bytes`) for folded GEMMs of up to `max_m` tokens and
@@ -441,6 +454,9 @@ inline void folded_gemm(const block_scaled_gemm_args& g, gemm_workspace& workspa
                 std::to_string(g.shape.k) + " needs " + std::to_string(scratch) +
                 " (gemm_workspace's folded_bytes, folded_bytes_for)");
   const auto p = detail::make_folded_plan(g.shape, detail::sm_count(), workspace.partial_floats());
+  if (std::size_t(p.token_groups) * std::size_t(p.tokens) * std::size_t(g.shape.k) * 2 > scratch)
+    throw error("folded_gemm: internal: a plan of " + std::to_string(p.token_groups) + " x " + std::to_string(p.tokens) +
+                " tokens outgrows folded_scratch_bytes");
   const long long runs = (long long)p.token_groups * p.tokens * (g.shape.k / 32) * 4;
   runtime::launch_programmatic(detail::fold_activations_kernel, dim3(unsigned((runs + 255) / 256)), dim3(256),
                                0, stream, g.a, g.a_s, g.shape.m, g.shape.k, p.tokens, runs,
@@ -500,12 +516,18 @@ inline bool folded_linears() {
   return detail::folded_linears_on().load();
 }
 
+//! Whether a weight of this shape folds at its token count (the measured range above).
+inline bool folded_shape(const gemm_shape& s) {
+  if (s.m < folded_min_tokens) return false;
+  if (s.n >= folded_min_rows) return s.m <= folded_max_tokens;
+  return (long long)s.n * s.k >= folded_min_elements && s.m <= folded_large_max_tokens;
+}
+
 //! Whether block_scaled_linear gives this GEMM to the folded kernel (folded_linears() on): FP8
-//! weights of at least folded_min_rows output features, folded_min_tokens .. folded_max_tokens
-//! tokens, a workspace with room for the activations and a device that runs wgmma.
+//! weights of a shape folded_shape takes, a workspace with room for the activations and a device
+//! that runs wgmma.
 inline bool takes_folded_path(const gemm_shape& s, weight_format wf, const gemm_workspace* workspace) {
-  return folded_linears() && wf == weight_format::fp8_tile32 && s.m >= folded_min_tokens &&
-         s.m <= folded_max_tokens && s.n >= folded_min_rows && workspace &&
+  return folded_linears() && wf == weight_format::fp8_tile32 && folded_shape(s) && workspace &&
          workspace->folded_bytes() >= folded_scratch_bytes(s) && wgmma_supported();
 }
 
