@@ -409,7 +409,8 @@ BOOST_AUTO_TEST_CASE(folded_shapes_follow_the_measured_range) {
   for (const int m : {32, 64, 100, 128}) BOOST_TEST(folds(m, 32768, 1280), "wq_b at " << m);
   for (const int m : {16, 31, 65, 128}) BOOST_TEST(!folds(m, 5120, 8192), "wo_b at " << m);
   for (const int m : {32, 48, 64}) BOOST_TEST(folds(m, 5120, 8192), "wo_b at " << m);
-  for (const auto& [n, k] : std::initializer_list<std::pair<int, int>>{{1280, 5120}, {512, 5120}, {4096, 1280}, {2304, 5120}, {5120, 2304}})
+  for (const auto& [n, k] : std::initializer_list<std::pair<int, int>>{
+           {1280, 5120}, {512, 5120}, {4096, 1280}, {2304, 5120}, {5120, 2304}})
     for (const int m : {32, 64, 128}) BOOST_TEST(!folds(m, n, k), "N " << n << " K " << k << " at " << m);
   BOOST_TEST(folds(64, 4096, 8192));   // exactly folded_min_elements
   BOOST_TEST(!folds(64, 4096, 8160));  // one K block short

@@ -455,8 +455,8 @@ inline void folded_gemm(const block_scaled_gemm_args& g, gemm_workspace& workspa
                 " (gemm_workspace's folded_bytes, folded_bytes_for)");
   const auto p = detail::make_folded_plan(g.shape, detail::sm_count(), workspace.partial_floats());
   if (std::size_t(p.token_groups) * std::size_t(p.tokens) * std::size_t(g.shape.k) * 2 > scratch)
-    throw error("folded_gemm: internal: a plan of " + std::to_string(p.token_groups) + " x " + std::to_string(p.tokens) +
-                " tokens outgrows folded_scratch_bytes");
+    throw error("folded_gemm: internal: a plan of " + std::to_string(p.token_groups) + " x " +
+                std::to_string(p.tokens) + " tokens outgrows folded_scratch_bytes");
   const long long runs = (long long)p.token_groups * p.tokens * (g.shape.k / 32) * 4;
   runtime::launch_programmatic(detail::fold_activations_kernel, dim3(unsigned((runs + 255) / 256)), dim3(256),
                                0, stream, g.a, g.a_s, g.shape.m, g.shape.k, p.tokens, runs,
