@@ -1,10 +1,11 @@
 //! \brief Block-scaled linear layers of V4.1 (FP8 32x32-tile weights, FP4 experts) at decode and
 //! prefill token counts, against cuBLAS BF16 on the same shape and the weight-streaming floor.
-//! Usage: bench_gemm [--json FILE] [--plans | --wgmma-plans] [--layer NAME] [--m M]
+//! Usage: bench_gemm [--json FILE] [--plans | --wgmma-plans | --folded-plans] [--layer NAME] [--m M]
 //! --layer / --m: one layer / one token count of the table only (to profile one kernel).
 //! --plans: instead of the table, sweep the MMA kernel's launch plans (tokens per CTA, the cap on
 //! the split-K reduction) at mid-size M, to choose make_plan's defaults. --wgmma-plans: the same
 //! for the wgmma kernel (CTAs per SM the K split aims at, the reduction cap), M = 1 .. 128.
+//! --folded-plans: the same for the folded FP8 kernel (tokens per CTA, K slices), M = 32 .. 128.
 //!
 //! Times are per call of back-to-back calls replayed as a CUDA graph (bench_util.cuh:
 //! median_ms_per_call), as a model's decode graph runs them. Each call reads a different copy
@@ -40,7 +41,7 @@ struct layer_shape {
 };
 
 //! What a plan sweep times, per layer and M: rotated weight copies (as below), the activations,
-//! C, a workspace of K / `k_per_partial` x M x N partial floats, and the floor.
+//! C, a workspace of K / `k_per_partial` (64 at most) x M x N partial floats, and the floor.
 struct sweep_case {
   const layer_shape& layer;
   kernels::gemm::gemm_shape s;
@@ -73,7 +74,9 @@ void for_each_sweep_case(const layer_shape (&layers)[L], const bench::ceilings& 
       bench::fill_codes(a.data(), a.size(), 2);
       a_s.fill_bytes(127);
       runtime::device_buffer<bf16> c(std::size_t(m) * layer.n);
-      g::gemm_workspace work(std::size_t(std::max(1, layer.k / k_per_partial)) * m * layer.n);
+      // (at most 64 slices' partials; the folded sweep's activations always, M x K bf16)
+      g::gemm_workspace work(std::size_t(std::clamp(layer.k / k_per_partial, 1, 64)) * m * layer.n, 0,
+                             g::folded_scratch_bytes(s));
       const double bytes = double(w_bytes + ws_bytes) + double(m) * (layer.k + layer.k / 32) + 2.0 * m * layer.n;
       sweep(sweep_case{layer, s, copies,
                        [&](int i) {
@@ -129,11 +132,42 @@ void sweep_wgmma_plans(const layer_shape (&layers)[L], const bench::ceilings& ce
   });
 }
 
+//! The folded kernel under every plan of a small grid (tokens per CTA, K slices), FP8 layers at
+//! M = 32, 64, 128; "waves": CTAs over three per SM (the kernel's occupancy).
+template <std::size_t L>
+void sweep_folded_plans(const layer_shape (&layers)[L], const bench::ceilings& ceil) {
+  namespace g = kernels::gemm;
+  std::printf("%-10s %5s %6s %7s %5s %6s %7s %9s %9s %8s\n", "layer", "M", "tokens", "slices", "kbps", "CTAs",
+              "waves", "us", "vs floor", "default");
+  for_each_sweep_case(layers, ceil, {32, 64, 128}, 32, [](const sweep_case& k) {
+    if (k.layer.wf != weight_format::fp8_tile32) return;
+    const int sms = g::detail::sm_count();
+    const auto chosen = g::detail::make_folded_plan(k.s, sms, k.work.partial_floats());
+    for (int tokens : {16, 32, 64, 128}) {
+      if (tokens > g::detail::folded_first_tokens(k.s.m)) continue;
+      int last_slices = -1;
+      for (int slices : {1, 2, 3, 4, 5, 6, 8, 10, 12, 16}) {
+        const auto p = g::detail::make_folded_plan(k.s, sms, k.work.partial_floats(), {tokens, slices});
+        if (p.slices == last_slices) continue;  // capped to the same split
+        last_slices = p.slices;
+        const double ms = k.per_call_ms([&](const g::block_scaled_gemm_args& args, cudaStream_t st) {
+          g::detail::launch_folded(args, p, k.work, st);
+        });
+        const long long ctas = (long long)p.token_groups * p.row_groups * p.slices;
+        const bool is_default = p.tokens == chosen.tokens && p.slices == chosen.slices;
+        std::printf("%-10s %5d %6d %7d %5d %6lld %7.2f %9.1f %8.1f%% %8s\n", k.layer.name, k.s.m, p.tokens,
+                    p.slices, p.kbps, ctas, double(ctas) / (3.0 * sms), ms * 1e3, 100 * k.floor_s / (ms * 1e-3),
+                    is_default ? "<-" : "");
+      }
+    }
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string json;
-  bool plans = false, wgmma_plans = false;
+  bool plans = false, wgmma_plans = false, folded_plans = false;
   std::string only_layer;  // --layer NAME: that layer only (for a profiler)
   int only_m = 0;          // --m M: that token count only
   std::vector<char*> args_left{argv[0]};
@@ -147,10 +181,12 @@ int main(int argc, char** argv) {
       plans = true;
     else if (a == "--wgmma-plans")
       wgmma_plans = true;
+    else if (a == "--folded-plans")
+      folded_plans = true;
     else
       args_left.push_back(argv[i]);
   }
-  if (!bench::parse_json_option(int(args_left.size()), args_left.data(), "bench_gemm [--plans | --wgmma-plans] [--layer NAME] [--m M]", json))
+  if (!bench::parse_json_option(int(args_left.size()), args_left.data(), "bench_gemm [--plans | --wgmma-plans | --folded-plans] [--layer NAME] [--m M]", json))
     return 2;
   try {
     const bench::ceilings ceil = bench::ceilings::measure();
@@ -164,6 +200,11 @@ int main(int argc, char** argv) {
     if (wgmma_plans) {
       kernels::gemm::detail::require_wgmma("bench_gemm --wgmma-plans");
       sweep_wgmma_plans(layers, ceil);
+      return 0;
+    }
+    if (folded_plans) {
+      kernels::gemm::detail::require_wgmma("bench_gemm --folded-plans");
+      sweep_folded_plans(layers, ceil);
       return 0;
     }
     if (plans) {

@@ -144,6 +144,19 @@ struct gemm_operands {
     return c;
   }
 
+  //! The folded kernel under forced plan options (bench_gemm --folded-plans times these plans).
+  std::vector<bf16> device_folded_plan(int tokens, int slices) const {
+    auto d = upload();
+    kernels::gemm::gemm_workspace work(std::size_t(std::max(1, s.k / 32)) * s.m * s.n, 0,
+                                       kernels::gemm::folded_scratch_bytes(s));
+    const auto plan = kernels::gemm::detail::make_folded_plan(s, kernels::gemm::detail::sm_count(),
+                                                              work.partial_floats(), {tokens, slices});
+    BOOST_TEST(plan.tokens == tokens);
+    BOOST_TEST(plan.slices == std::min(slices, s.k / 32));
+    kernels::gemm::detail::launch_folded(d.args(), plan, work, nullptr);
+    return d.c_after_sync();
+  }
+
   //! The MMA kernel under a chosen plan (tokens per CTA 8 x token_tiles, split-K as make_plan
   //! decides for it): every instantiation make_plan can pick, whatever M picks by default.
   std::vector<bf16> device_plan(int token_tiles) const {
@@ -356,6 +369,28 @@ BOOST_AUTO_TEST_CASE(folded_matches_host, *utf::label("gpu") * utf::precondition
   }
 }
 
+// The folded kernel under forced plans (the plans bench_gemm --folded-plans times): every width up
+// to the one M takes, one slice to a slice per K block (slices that end past K, a last CTA adding
+// up to 40 partials).
+BOOST_AUTO_TEST_CASE(folded_forced_plans_match_host, *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
+  const gemm_shape shapes[] = {{40, 200, 1280}, {128, 136, 416}};
+  std::uint64_t salt = 120;
+  for (const auto& s : shapes) {
+    auto rng = test::make_rng(salt++);
+    const gemm_operands op(s, weight_format::fp8_tile32, rng);
+    const auto want = op.reference(), mag = op.reference(true);
+    for (const int tokens : {16, 32, 64, 128}) {
+      if (tokens > kernels::gemm::detail::folded_first_tokens(s.m)) continue;
+      for (const int slices : {1, 3, 7, 40}) {
+        const std::string name = "folded M" + std::to_string(s.m) + " N" + std::to_string(s.n) + " K" +
+                                 std::to_string(s.k) + ", " + std::to_string(tokens) + " tokens a CTA, " +
+                                 std::to_string(slices) + " slices";
+        expect_close(op.device_folded_plan(tokens, slices), want, mag, name.c_str());
+      }
+    }
+  }
+}
+
 // Scale codes above 134 (whose bf16 multiplier 2^(s - 7) would overflow: two multiplies) and far
 // below 127, on both operands, and E4M3 subnormals and zeros of both signs: still exact products.
 BOOST_AUTO_TEST_CASE(folded_exact_at_extreme_scales, *utf::label("gpu") * utf::precondition(test::has_wgmma_device{})) {
@@ -397,6 +432,24 @@ BOOST_AUTO_TEST_CASE(folded_scratch_covers_every_plan) {
             ++checked;
           }
   BOOST_TEST(checked > 20000);
+}
+
+// make_folded_plan's options (bench_gemm's sweep): the tokens and slices asked for, slices capped at
+// one per K block and by the workspace's partials; widths past the tokens' first width refused.
+BOOST_AUTO_TEST_CASE(folded_plan_options_are_honoured) {
+  namespace g = kernels::gemm;
+  const g::gemm_shape s{64, 32768, 1280};
+  const auto p = g::detail::make_folded_plan(s, 132, ~std::size_t(0) / 8, {32, 3});
+  BOOST_TEST(p.tokens == 32);
+  BOOST_TEST(p.token_groups == 2u);
+  BOOST_TEST(p.slices == 3);
+  BOOST_TEST(p.kbps == 14);
+  BOOST_TEST(g::detail::make_folded_plan(s, 132, ~std::size_t(0) / 8, {64, 100}).slices == 40);
+  BOOST_TEST(g::detail::make_folded_plan(s, 132, std::size_t(2) * 64 * 32768, {64, 6}).slices == 2);
+  BOOST_TEST(g::detail::make_folded_plan(s, 132, ~std::size_t(0) / 8, {64, 1}).slices == 1);
+  BOOST_CHECK_THROW(g::detail::make_folded_plan(s, 132, 0, {128, 0}), dsv4::error);
+  BOOST_CHECK_THROW(g::detail::make_folded_plan(s, 132, 0, {48, 0}), dsv4::error);
+  BOOST_CHECK_THROW(g::detail::make_folded_plan(s, 132, 0, {0, -1}), dsv4::error);
 }
 
 // The shapes block_scaled_linear folds (host: the rule only): folded_min_tokens ..

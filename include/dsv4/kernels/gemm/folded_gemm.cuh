@@ -368,13 +368,27 @@ inline int folded_first_tokens(int m) {
   return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
 }
 
+//! `options` override make_folded_plan's choices (bench_gemm --folded-plans sweeps them; 0 keeps
+//! the default): tokens per CTA (16, 32, 64 or 128, at most folded_first_tokens(M)) and K slices
+//! (at most one per K block; the workspace's partials still cap them).
+struct folded_plan_options {
+  int tokens = 0;
+  int slices = 0;
+};
+
 //! Tokens per CTA: the smallest N that holds the GEMM's tokens (128 at most: more token groups).
 //! K is split until about three CTAs per SM stream weights, each slice at least folded_depth
 //! batches, the last CTA's reduction at most 128 partials per thread, and as far as the workspace
 //! holds the partials. Where those caps leave the grid short of that, fewer tokens per CTA (more
 //! token groups, which read the same weights mostly from L2) are taken first.
-inline folded_plan make_folded_plan(const gemm_shape& s, int sms, std::size_t partial_floats) {
+inline folded_plan make_folded_plan(const gemm_shape& s, int sms, std::size_t partial_floats,
+                                    const folded_plan_options& o = {}) {
   const int kb = s.k / 32;
+  if ((o.tokens != 0 && o.tokens != 16 && o.tokens != 32 && o.tokens != 64 && o.tokens != 128) ||
+      o.tokens > folded_first_tokens(std::max(1, s.m)) || o.slices < 0)
+    throw error("folded_gemm: plan options need tokens 0 (default), 16, 32, 64 or 128 up to " +
+                std::to_string(folded_first_tokens(std::max(1, s.m))) + " and slices >= 0, not " +
+                std::to_string(o.tokens) + " and " + std::to_string(o.slices));
   const long long target = 3LL * sms;
   const std::size_t per_slice = std::size_t(s.m) * std::size_t(s.n);
   auto plan_for = [&](int tokens) {
@@ -384,11 +398,15 @@ inline folded_plan make_folded_plan(const gemm_shape& s, int sms, std::size_t pa
     p.token_groups = unsigned((s.m + tokens - 1) / tokens);
     const long long tiles = (long long)p.row_groups * p.token_groups;
     long long slices = 1;
-    if (tiles < target && tiles <= (long long)gemm_workspace::max_tiles) {
-      slices =
-          std::min<long long>((target + tiles - 1) / tiles, std::max(1, kb / (folded_depth * folded_unroll)));
-      const long long tile_outputs = (long long)folded_rows_per_cta * std::min(s.m, tokens);
-      slices = std::min<long long>(slices, std::max<long long>(1, 128LL * 128 / tile_outputs));
+    if (tiles <= (long long)gemm_workspace::max_tiles) {
+      if (o.slices) {
+        slices = std::min(o.slices, std::max(1, kb));
+      } else if (tiles < target) {
+        slices = std::min<long long>((target + tiles - 1) / tiles,
+                                     std::max(1, kb / (folded_depth * folded_unroll)));
+        const long long tile_outputs = (long long)folded_rows_per_cta * std::min(s.m, tokens);
+        slices = std::min<long long>(slices, std::max<long long>(1, 128LL * 128 / tile_outputs));
+      }
     }
     if (per_slice)
       slices = std::min<long long>(slices, (long long)std::max<std::size_t>(1, partial_floats / per_slice));
@@ -396,6 +414,7 @@ inline folded_plan make_folded_plan(const gemm_shape& s, int sms, std::size_t pa
     p.slices = p.kbps ? (kb + p.kbps - 1) / p.kbps : 1;  // no empty slice
     return p;
   };
+  if (o.tokens) return plan_for(o.tokens);
   int tokens = folded_first_tokens(s.m);
   folded_plan p = plan_for(tokens);
   while (tokens > 16 && (long long)p.row_groups * p.token_groups * p.slices < target)
@@ -436,27 +455,25 @@ inline unsigned long long folded_gemm_calls() {
   return detail::folded_gemm_launches().load();
 }
 
-//! C = A W^T for an FP8 weight on the folded kernel (bf16 out); arguments and errors as
-//! block_scaled_gemm. The workspace holds the decoded activations (folded_scratch_bytes: too
-//! small is an error that names both sizes) and the split-K partials (too few: a narrower split).
-//! Two launches: the activations' decoding, then the GEMM, which requests its first weights
-//! while the decoding runs (runtime/pdl.cuh).
-inline void folded_gemm(const block_scaled_gemm_args& g, gemm_workspace& workspace,
-                        cudaStream_t stream = nullptr) {
-  if (auto why = detail::check_args(g, weight_format::fp8_tile32); !why.empty())
-    throw error("folded_gemm: " + why);
-  if (g.shape.m == 0 || g.shape.n == 0) return;
-  detail::require_wgmma("folded_gemm");
+namespace detail {
+
+//! folded_gemm's launches under plan `p` (make_folded_plan's, or bench_gemm's sweep of options).
+inline void launch_folded(const block_scaled_gemm_args& g, const folded_plan& p, gemm_workspace& workspace,
+                          cudaStream_t stream) {
   const std::size_t scratch = folded_scratch_bytes(g.shape);
-  if (workspace.folded_bytes() < scratch)
-    throw error("folded_gemm: the workspace holds " + std::to_string(workspace.folded_bytes()) +
-                " bytes of folded activations, M " + std::to_string(g.shape.m) + " x K " +
-                std::to_string(g.shape.k) + " needs " + std::to_string(scratch) +
-                " (gemm_workspace's folded_bytes, folded_bytes_for)");
-  const auto p = detail::make_folded_plan(g.shape, detail::sm_count(), workspace.partial_floats());
   if (std::size_t(p.token_groups) * std::size_t(p.tokens) * std::size_t(g.shape.k) * 2 > scratch)
     throw error("folded_gemm: internal: a plan of " + std::to_string(p.token_groups) + " x " +
                 std::to_string(p.tokens) + " tokens outgrows folded_scratch_bytes");
+  if (std::size_t(p.token_groups) * std::size_t(p.tokens) * std::size_t(g.shape.k) * 2 >
+      workspace.folded_bytes())
+    throw error("folded_gemm: a plan of " + std::to_string(p.token_groups) + " x " +
+                std::to_string(p.tokens) + " tokens outgrows the workspace's " +
+                std::to_string(workspace.folded_bytes()) + " bytes of folded activations");
+  if (p.slices > 1 &&
+      (std::size_t(p.slices) * std::size_t(g.shape.m) * std::size_t(g.shape.n) > workspace.partial_floats() ||
+       std::size_t(p.row_groups) * p.token_groups > gemm_workspace::max_tiles))
+    throw error("folded_gemm: internal: a plan of " + std::to_string(p.slices) +
+                " K slices outgrows the workspace's partials or counters");
   const long long runs = (long long)p.token_groups * p.tokens * (g.shape.k / 32) * 4;
   runtime::launch_programmatic(detail::fold_activations_kernel, dim3(unsigned((runs + 255) / 256)), dim3(256),
                                0, stream, g.a, g.a_s, g.shape.m, g.shape.k, p.tokens, runs,
@@ -503,7 +520,30 @@ inline void folded_gemm(const block_scaled_gemm_args& g, gemm_workspace& workspa
       break;
   }
   DSV4_CUDA_CHECK_LAUNCH();
-  detail::folded_gemm_launches().fetch_add(1);
+  folded_gemm_launches().fetch_add(1);
+}
+
+}  // namespace detail
+
+//! C = A W^T for an FP8 weight on the folded kernel (bf16 out); arguments and errors as
+//! block_scaled_gemm. The workspace holds the decoded activations (folded_scratch_bytes: too
+//! small is an error that names both sizes) and the split-K partials (too few: a narrower split).
+//! Two launches: the activations' decoding, then the GEMM, which requests its first weights
+//! while the decoding runs (runtime/pdl.cuh).
+inline void folded_gemm(const block_scaled_gemm_args& g, gemm_workspace& workspace,
+                        cudaStream_t stream = nullptr) {
+  if (auto why = detail::check_args(g, weight_format::fp8_tile32); !why.empty())
+    throw error("folded_gemm: " + why);
+  if (g.shape.m == 0 || g.shape.n == 0) return;
+  detail::require_wgmma("folded_gemm");
+  const std::size_t scratch = folded_scratch_bytes(g.shape);
+  if (workspace.folded_bytes() < scratch)
+    throw error("folded_gemm: the workspace holds " + std::to_string(workspace.folded_bytes()) +
+                " bytes of folded activations, M " + std::to_string(g.shape.m) + " x K " +
+                std::to_string(g.shape.k) + " needs " + std::to_string(scratch) +
+                " (gemm_workspace's folded_bytes, folded_bytes_for)");
+  detail::launch_folded(g, detail::make_folded_plan(g.shape, detail::sm_count(), workspace.partial_floats()),
+                        workspace, stream);
 }
 
 //! Process-wide: whether block_scaled_linear may take the folded kernel (the default; off: the
