@@ -266,18 +266,16 @@ BOOST_AUTO_TEST_CASE(fp4_weights_match_host, *utf::label("gpu") * utf::precondit
   check_shape({150, 330, 768}, weight_format::fp4_row32, 15);
 }
 
-// Two GEMMs of one input in one launch (block_scaled_gemm_pair: the shared expert's w1 and w3):
-// each matches the host, split K (the two GEMMs' partials and counters apart) and unsplit, and a
-// second run repeats the first bit for bit (the counters reset). (Not bit-equal to each GEMM run
-// alone: the pair's plan splits K for twice the rows.)
-void check_pair(gemm_shape s, weight_format wf, std::size_t partial_floats, std::uint64_t salt) {
+// Two GEMMs of one input in one launch (block_scaled_gemm_pair: the shared expert's w1 and w3;
+// the attention's wq_a and wkv, N2 other than N): each matches the host, split K (the two GEMMs'
+// partials and counters apart) and unsplit, and a second run repeats the first bit for bit (the
+// counters reset). (Not bit-equal to each GEMM run alone: the pair's plan splits K for both
+// weights' rows.)
+void check_pair(gemm_shape s, weight_format wf, std::size_t partial_floats, std::uint64_t salt, int n2 = 0) {
   auto rng = test::make_rng(salt);
   const gemm_operands op1(s, wf, rng);
-  gemm_operands op2 = op1;  // the same activations, other weights
-  {
-    const gemm_operands other(s, wf, rng);
-    op2.w = other.w, op2.w_s = other.w_s;
-  }
+  gemm_operands op2({s.m, n2 ? n2 : s.n, s.k}, wf, rng);  // other weights (and N) ...
+  op2.a = op1.a, op2.a_s = op1.a_s;                         // ... on the same activations
   const auto want1 = op1.reference(), mag1 = op1.reference(true), want2 = op2.reference(), mag2 = op2.reference(true);
   auto d1 = op1.upload(), d2 = op2.upload();
   auto g2 = d2.args();
@@ -290,13 +288,13 @@ void check_pair(gemm_shape s, weight_format wf, std::size_t partial_floats, std:
     first[run] = d1.c_after_sync(), second[run] = d2.c_after_sync();
   }
   const std::string name = std::string(wf == weight_format::fp8_tile32 ? "fp8" : "fp4") + " pair M" +
-                           std::to_string(s.m) + " N" + std::to_string(s.n) + " K" + std::to_string(s.k) +
-                           " partials " + std::to_string(partial_floats);
+                           std::to_string(s.m) + " N" + std::to_string(s.n) + " / " + std::to_string(op2.s.n) +
+                           " K" + std::to_string(s.k) + " partials " + std::to_string(partial_floats);
   expect_close(first[1], want1, mag1, (name + ", first").c_str());
   expect_close(second[1], want2, mag2, (name + ", second").c_str());
-  std::size_t differ = 0;
-  for (std::size_t i = 0; i < first[0].size(); ++i)
-    differ += first[0][i].bits != first[1][i].bits || second[0][i].bits != second[1][i].bits;
+  std::size_t differ = 0;  // (the two outputs' sizes differ where N does)
+  for (std::size_t i = 0; i < first[0].size(); ++i) differ += first[0][i].bits != first[1][i].bits;
+  for (std::size_t i = 0; i < second[0].size(); ++i) differ += second[0][i].bits != second[1][i].bits;
   BOOST_TEST(differ == 0u, name << ": a second run changed " << differ << " outputs");
 }
 
@@ -307,6 +305,12 @@ BOOST_AUTO_TEST_CASE(gemm_pairs_match_host, *utf::label("gpu") * utf::preconditi
   check_pair({40, 520, 2048}, weight_format::fp4_row32, roomy, 33);
   check_pair({3, 300, 768}, weight_format::fp8_tile32, 1, 34);         // no room for partials: unsplit
   check_pair({70, 128, 512}, weight_format::fp4_row32, roomy, 35);     // 8-token groups side by side
+  // Two widths (the attention's wq_a and wkv at V4.1 width: 1280 and 512 of 5120), split and not.
+  check_pair({1, 1280, 5120}, weight_format::fp8_tile32, roomy, 36, 512);
+  check_pair({24, 1280, 5120}, weight_format::fp8_tile32, roomy, 37, 512);
+  check_pair({5, 72, 1024}, weight_format::fp8_tile32, roomy, 38, 200);  // ragged both
+  check_pair({9, 200, 768}, weight_format::fp8_tile32, 1, 39, 72);       // unsplit
+  check_pair({3, 64, 512}, weight_format::fp4_row32, roomy, 40, 528);     // the second wider
 }
 
 BOOST_AUTO_TEST_CASE(exact_products_are_exact, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {

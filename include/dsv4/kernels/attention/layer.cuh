@@ -837,20 +837,24 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
   const int R = c.rows;
   const float* freqs = wr.ratio > 0 ? freqs_compressed_.data() : freqs_local_.data();
   const int pairs = s.rope_dim / 2;
+  auto gemm_args = [&](const fp8_weight& wt, const std::uint8_t* a, const std::uint8_t* as, bf16* y) {
+    return gemm::block_scaled_gemm_args{{R, wt.n, wt.k}, a, as, wt.codes.data(), wt.scales.data(), y};
+  };
   auto linear = [&](const fp8_weight& wt, const std::uint8_t* a, const std::uint8_t* as, bf16* y) {
-    gemm::block_scaled_linear({{R, wt.n, wt.k}, a, as, wt.codes.data(), wt.scales.data(), y}, gemm::weight_format::fp8_tile32,
-                              &*gemm_ws_, blas_, stream);
+    gemm::block_scaled_linear(gemm_args(wt, a, as, y), gemm::weight_format::fp8_tile32, &*gemm_ws_, blas_, stream);
   };
 
   // Queries and the window entries.
   numerics::quantize<numerics::fp8_act_format>({x, R, s.dim, s.dim, x_codes_.data(), s.dim, x_scales_.data(), s.dim / 32}, stream);
-  linear(w.wq_a, x_codes_.data(), x_scales_.data(), qr_.data());
+  // wq_a and wkv read the same input: one launch where both take the few-token kernel.
+  gemm::block_scaled_linear_pair(gemm_args(w.wq_a, x_codes_.data(), x_scales_.data(), qr_.data()),
+                                 gemm_args(w.wkv, x_codes_.data(), x_scales_.data(), kv_.data()),
+                                 gemm::weight_format::fp8_tile32, &*gemm_ws_, blas_, stream);
   norm::rmsnorm<bf16>({qr_.data(), s.q_lora, w.q_norm.data(), qr_.data(), s.q_lora, R, s.q_lora, s.norm_eps}, stream);
   numerics::quantize<numerics::fp8_act_format>({qr_.data(), R, s.q_lora, s.q_lora, qr_codes_.data(), s.q_lora, qr_scales_.data(), s.q_lora / 32},
                                                stream);
   linear(w.wq_b, qr_codes_.data(), qr_scales_.data(), q_.data());
   rope::apply_rope({q_.data(), c.positions, freqs, R, s.heads, HeadDim, pairs, false}, stream);
-  linear(w.wkv, x_codes_.data(), x_scales_.data(), kv_.data());
   auto& ring = rings_[std::size_t(layer)];
   compressor::entry_destination ring_dst;
   ring_dst.mode = compressor::entry_store::ring;

@@ -266,17 +266,18 @@ DSV4_KERNEL void __launch_bounds__(gemm_warps * 32)
   static_assert(gemm_warps % KSplit == 0, "KSplit must divide the warps of a CTA");
   constexpr int kRowsPerCta = gemm_warps / KSplit * RowTiles * 16, kToksPerCta = TokenTiles * 8;
   constexpr int kTileBytes = tile_code_bytes(WF);
+  // A pair of GEMMs in one launch (second_z > 0: the MoE's w1 and w3, the shared expert's, or the
+  // attention's wq_a and wkv, one input): row groups from second_z on compute the second one (its
+  // own N); split K, its partials follow the first's (slices x M x N1 later) and its counters are
+  // those of its own z.
+  unsigned z = blockIdx.z;
+  if (second_z != 0 && z >= second_z) {
+    if (partials) partials += (long long)slices * g.shape.m * g.shape.n;
+    g.w = g_second.w, g.w_s = g_second.w_s, g.c = g_second.c, g.shape.n = g_second.shape.n, z -= second_z;
+  }
   const int M = g.shape.m, N = g.shape.n, KB = g.shape.k / 32;
   const int row_tiles = (N + 15) / 16;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, quad = lane % 4;
-  // A pair of GEMMs in one launch (second_z > 0: the MoE's w1 and w3, or the shared expert's, one
-  // input): row groups from second_z on compute the second one; split K, its partials follow the
-  // first's (slices x M x N later) and its counters are those of its own z.
-  unsigned z = blockIdx.z;
-  if (second_z != 0 && z >= second_z) {
-    g.w = g_second.w, g.w_s = g_second.w_s, g.c = g_second.c, z -= second_z;
-    if (partials) partials += (long long)slices * M * N;
-  }
   const int rt_base = int(z * kRowsPerCta) / 16 + (warp / KSplit) * RowTiles;
   // Grouped (MoE): token group x is entry x of the tile list: one group's weights, a run of
   // rows of A and C (A's rows possibly through an index).
@@ -577,10 +578,14 @@ inline std::string check_args(const block_scaled_gemm_args& g, weight_format wf)
   return {};
 }
 
+//! `second`: a pair (block_scaled_gemm_pair), p.row_groups being the first GEMM's; the second's
+//! follow from its own N.
 template <weight_format WF>
 void launch(const block_scaled_gemm_args& g, const gemm_plan& p, gemm_workspace* ws, cudaStream_t stream,
             const block_scaled_gemm_args* second = nullptr) {
-  const dim3 grid(p.token_groups, unsigned(p.slices), second ? 2 * p.row_groups : p.row_groups);
+  const int rows_per_cta = gemm_warps / p.k_split * p.row_tiles * 16;
+  const unsigned second_groups = second ? unsigned((second->shape.n + rows_per_cta - 1) / rows_per_cta) : 0u;
+  const dim3 grid(p.token_groups, unsigned(p.slices), p.row_groups + second_groups);
   float* partials = ws ? ws->partials() : nullptr;
   unsigned* counters = ws ? ws->counters() : nullptr;
   auto go = [&](auto kernel) {
@@ -687,29 +692,34 @@ inline void block_scaled_gemm(const block_scaled_gemm_args& g, weight_format wf,
   DSV4_CUDA_CHECK_LAUNCH();
 }
 
-//! Two GEMMs of one input in one launch (the shared expert's w1 and w3): c1 = A W1^T, c2 = A W2^T,
-//! each bit for bit what block_scaled_gemm gives it alone with a plan for the pair (K is split
-//! for twice the rows; their partials share the workspace). Why: at decode each launch of a
-//! small GEMM costs its own latency (ncu, one token: 9.4 us each for the shared expert's pair).
-//! Where the workspace cannot hold the pair's split-K state, the two run one after the other.
+//! Two GEMMs of one input in one launch (the shared expert's w1 and w3; the attention's wq_a and
+//! wkv, whose N differ): c1 = A W1^T, c2 = A W2^T, each bit for bit what block_scaled_gemm gives it
+//! alone with a plan for the pair (K is split as for one GEMM of both weights' rows; their
+//! partials share the workspace). Why: at decode each launch of a small GEMM costs its own
+//! latency (ncu, one token: 9.4 us each for the shared expert's pair). Where the workspace cannot
+//! hold the pair's split-K state, the two run one after the other.
 inline void block_scaled_gemm_pair(const block_scaled_gemm_args& g1, const block_scaled_gemm_args& g2,
                                    weight_format wf, gemm_workspace* workspace = nullptr, cudaStream_t stream = nullptr) {
   if (auto why = detail::check_args(g1, wf); !why.empty()) throw error("block_scaled_gemm_pair (first): " + why);
   if (auto why = detail::check_args(g2, wf); !why.empty()) throw error("block_scaled_gemm_pair (second): " + why);
   const gemm_shape &a = g1.shape, &b = g2.shape;
-  if (a.m != b.m || a.n != b.n || a.k != b.k || g1.a != g2.a || g1.a_s != g2.a_s)
-    throw error("block_scaled_gemm_pair: the two GEMMs must have one shape and one input (M " + std::to_string(a.m) +
-                " / " + std::to_string(b.m) + ", N " + std::to_string(a.n) + " / " + std::to_string(b.n) + ", K " +
-                std::to_string(a.k) + " / " + std::to_string(b.k) + ")");
-  if (a.m == 0 || a.n == 0) return;
-  // Slices as for one GEMM of twice the rows (the same CTAs in flight, partials for both).
-  detail::gemm_plan p = detail::make_plan({a.m, 2 * a.n, a.k}, detail::sm_count(),
+  if (a.m != b.m || a.k != b.k || g1.a != g2.a || g1.a_s != g2.a_s)
+    throw error("block_scaled_gemm_pair: the two GEMMs must have one input (M " + std::to_string(a.m) + " / " +
+                std::to_string(b.m) + ", K " + std::to_string(a.k) + " / " + std::to_string(b.k) +
+                ", the same activation codes and scales)");
+  if (a.m == 0 || (a.n == 0 && b.n == 0)) return;
+  if (a.n == 0 || b.n == 0) {  // one GEMM left
+    block_scaled_gemm(a.n ? g1 : g2, wf, workspace, stream);
+    return;
+  }
+  // Slices as for one GEMM of both weights' rows (the same CTAs in flight, partials for both).
+  detail::gemm_plan p = detail::make_plan({a.m, a.n + b.n, a.k}, detail::sm_count(),
                                           workspace ? workspace->partial_floats() : 0);
   const int rows_per_cta = detail::gemm_warps / p.k_split * p.row_tiles * 16;
-  p.row_groups = unsigned((a.n + rows_per_cta - 1) / rows_per_cta);  // per GEMM; the grid has both
-  const bool fits = 2LL * p.row_groups <= 65535 &&
-                    (p.slices == 1 || (long long)p.token_groups * 2 * p.row_groups <=
-                                          (long long)gemm_workspace::max_tiles);
+  p.row_groups = unsigned((a.n + rows_per_cta - 1) / rows_per_cta);  // the first's; launch adds the second's
+  const long long groups = (long long)p.row_groups + (b.n + rows_per_cta - 1) / rows_per_cta;
+  const bool fits = groups <= 65535 &&
+                    (p.slices == 1 || (long long)p.token_groups * groups <= (long long)gemm_workspace::max_tiles);
   if (!fits) {
     block_scaled_gemm(g1, wf, workspace, stream);
     return block_scaled_gemm(g2, wf, workspace, stream);
