@@ -39,6 +39,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cstdint>
 #include <string>
 
@@ -207,13 +208,16 @@ DSV4_KERNEL void __launch_bounds__(128, 3)  // three CTAs an SM, as shared memor
   // Weights: each thread copies its own 16 bytes of each K block into its slot of the ring
   // (cp.async, one group per batch, zero-filled past the slice or the rows), folded_depth batches
   // ahead.
-  auto copy_weights = [&](int kb0) {
+  // A batch's ring slots: `slot` and slot + 1 (slot = (kb0 - kb_begin) % folded_weight_depth, even,
+  // computed once a batch: the refill folded_weight_depth blocks on takes the same two slots).
+  static_assert(folded_weight_depth % kU == 0, "a batch's slots are consecutive");
+  auto copy_weights = [&](int kb0, int slot) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int kb = kb0 + u;
       const bool go = tile_ok && kb < kb_end;
       const auto dst = static_cast<std::uint32_t>(
-          __cvta_generic_to_shared(sm.w[(kb - kb_begin) % folded_weight_depth][threadIdx.x]));
+          __cvta_generic_to_shared(sm.w[slot + u][threadIdx.x]));
       // (An L2::cache_hint operand here made the H200 fault: illegal instruction at the LDGSTS.)
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
                    "l"(w_tile + (long long)(go ? kb : 0) * kTileBytes), "r"(go ? 16 : 0)
@@ -243,7 +247,7 @@ DSV4_KERNEL void __launch_bounds__(128, 3)  // three CTAs an SM, as shared memor
   struct fragments {
     std::uint32_t a[kU][2][4];
   };
-  auto decode_weights = [&](int kb0, fragments& f) {
+  auto decode_weights = [&](int kb0, int slot, fragments& f) {
     std::uint32_t scale[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u) scale[u] = scales[kb0 + u - kb_begin];
@@ -253,19 +257,34 @@ DSV4_KERNEL void __launch_bounds__(128, 3)  // three CTAs an SM, as shared memor
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const uint4 code =
-          *reinterpret_cast<const uint4*>(sm.w[(kb0 + u - kb_begin) % folded_weight_depth][threadIdx.x]);
+          *reinterpret_cast<const uint4*>(sm.w[slot + u][threadIdx.x]);
       // Lane bytes: row g elements 8q .. 8q + 3, + 4 .., row g + 8 the same.
       const std::uint32_t words[4] = {code.x, code.y, code.z, code.w};
-      const std::uint32_t m = fold_multiplier(scale[u]);
 #pragma unroll
       for (int step = 0; step < 2; ++step) {
-        std::uint32_t p[4];
+        auto& p = f.a[u][step];
         e4m3x4_to_bf16_pairs(words[step], p[0], p[2]);      // row g: K (2q, 2q + 1), (8 + 2q, ..)
         e4m3x4_to_bf16_pairs(words[2 + step], p[1], p[3]);  // row g + 8
-#pragma unroll
-        for (int h = 0; h < 4; ++h)
-          f.a[u][step][h] = narrow ? bf16x2_mul(p[h], m) : fold_scale_wide(p[h], scale[u]);
       }
+    }
+    // Then the scales, under one branch for the whole batch: a branch per pair (the choice
+    // written inside the loop) split the decoding into 16 small blocks a batch in the PTX.
+    if (narrow) {
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const std::uint32_t m = fold_multiplier(scale[u]);
+#pragma unroll
+        for (int step = 0; step < 2; ++step)
+#pragma unroll
+          for (int h = 0; h < 4; ++h) f.a[u][step][h] = bf16x2_mul(f.a[u][step][h], m);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+#pragma unroll
+        for (int step = 0; step < 2; ++step)
+#pragma unroll
+          for (int h = 0; h < 4; ++h) f.a[u][step][h] = fold_scale_wide(f.a[u][step][h], scale[u]);
     }
   };
 
@@ -286,7 +305,8 @@ DSV4_KERNEL void __launch_bounds__(128, 3)  // three CTAs an SM, as shared memor
       if (kb0 + kC < kb_end) copy_chunk((chunk + 1) % folded_ring, kb0 + kC);
     }
     asm volatile("cp.async.wait_group %0;\n" ::"n"(folded_depth - 1) : "memory");
-    decode_weights(kb0, f);
+    const int wslot = step % folded_weight_depth;
+    decode_weights(kb0, wslot, f);
 #pragma unroll
     for (int u = 0; u < kU; ++u)
 #pragma unroll
@@ -311,7 +331,7 @@ DSV4_KERNEL void __launch_bounds__(128, 3)  // three CTAs an SM, as shared memor
     wgmma::commit_group();
     // The fragments were read from the ring slots before the wgmmas that use them were issued:
     // the slots can take the next copies.
-    copy_weights(kb0 + folded_weight_depth);
+    copy_weights(kb0 + folded_weight_depth, wslot);
     wgmma::wait_group<1>();
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) wgmma::fence_operand(acc[i]);
@@ -323,7 +343,7 @@ DSV4_KERNEL void __launch_bounds__(128, 3)  // three CTAs an SM, as shared memor
   }
   // The first weights and the slice's scales do not depend on the kernel before: requested
   // before waiting for it.
-  for (int d = 0; d < folded_depth; ++d) copy_weights(kb_begin + kU * d);
+  for (int d = 0; d < folded_depth; ++d) copy_weights(kb_begin + kU * d, kU * d);
   for (int i = lane; i < folded_scale_stride(kbps); i += 32)
     scales[i] = tile_ok && kb_begin + i < kb_end ? w_scale[kb_begin + i] : std::uint8_t(127);
   __syncthreads();  // the barriers' initialisation
@@ -378,9 +398,14 @@ struct folded_plan_options {
 
 //! Tokens per CTA: the smallest N that holds the GEMM's tokens (128 at most: more token groups).
 //! K is split until about three CTAs per SM stream weights, each slice at least folded_depth
-//! batches, the last CTA's reduction at most 128 partials per thread, and as far as the workspace
-//! holds the partials. Where those caps leave the grid short of that, fewer tokens per CTA (more
-//! token groups, which read the same weights mostly from L2) are taken first.
+//! batches, the last CTA's reduction at most 128 partials per thread, rounded down to a power of
+//! two, and as far as the workspace holds the partials. Where those caps leave the grid below
+//! three quarters of that, fewer tokens per CTA (more token groups, which read the same weights
+//! mostly from L2) are taken first. The rounding and the three quarters are measured (bench_gemm
+//! --folded-plans, thirty-seventh session, H100): wo_b (5120 x 8192) at 32 / 64 / 128 tokens ran
+//! fastest at 32 x 4, 64 x 4 and 64 x 2 (tokens x slices: 40.1 / 55.9 / 79.3 us) where the plan
+//! before took 32 x 5, 32 x 3 and 64 x 3 (46.8 / 67.5 / 91.3 us); wq_b's 512 tiles take no split
+//! (one slice was the fastest at every width: a split's partials cost more than its parallelism).
 inline folded_plan make_folded_plan(const gemm_shape& s, int sms, std::size_t partial_floats,
                                     const folded_plan_options& o = {}) {
   const int kb = s.k / 32;
@@ -406,6 +431,7 @@ inline folded_plan make_folded_plan(const gemm_shape& s, int sms, std::size_t pa
                                      std::max(1, kb / (folded_depth * folded_unroll)));
         const long long tile_outputs = (long long)folded_rows_per_cta * std::min(s.m, tokens);
         slices = std::min<long long>(slices, std::max<long long>(1, 128LL * 128 / tile_outputs));
+        slices = std::bit_floor(std::uint64_t(slices));  // a power of two (see the comment above)
       }
     }
     if (per_slice)
@@ -417,7 +443,7 @@ inline folded_plan make_folded_plan(const gemm_shape& s, int sms, std::size_t pa
   if (o.tokens) return plan_for(o.tokens);
   int tokens = folded_first_tokens(s.m);
   folded_plan p = plan_for(tokens);
-  while (tokens > 16 && (long long)p.row_groups * p.token_groups * p.slices < target)
+  while (tokens > 16 && (long long)p.row_groups * p.token_groups * p.slices < target * 3 / 4)
     p = plan_for(tokens /= 2);
   return p;
 }
