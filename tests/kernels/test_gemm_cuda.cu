@@ -462,13 +462,13 @@ BOOST_AUTO_TEST_CASE(folded_plan_options_are_honoured) {
 BOOST_AUTO_TEST_CASE(folded_shapes_follow_the_measured_range) {
   namespace g = kernels::gemm;
   const auto folds = [](int m, int n, int k) { return g::folded_shape({m, n, k}); };
-  for (const int m : {1, 16, 31, 129, 256}) BOOST_TEST(!folds(m, 32768, 1280), "wq_b at " << m);
-  for (const int m : {32, 64, 100, 128}) BOOST_TEST(folds(m, 32768, 1280), "wq_b at " << m);
-  for (const int m : {16, 31, 65, 128}) BOOST_TEST(!folds(m, 5120, 8192), "wo_b at " << m);
-  for (const int m : {32, 48, 64}) BOOST_TEST(folds(m, 5120, 8192), "wo_b at " << m);
+  for (const int m : {1, 8, 15, 257, 4096}) BOOST_TEST(!folds(m, 32768, 1280), "wq_b at " << m);
+  for (const int m : {16, 32, 64, 100, 128, 256}) BOOST_TEST(folds(m, 32768, 1280), "wq_b at " << m);
+  for (const int m : {1, 15, 129, 256}) BOOST_TEST(!folds(m, 5120, 8192), "wo_b at " << m);
+  for (const int m : {16, 32, 48, 64, 128}) BOOST_TEST(folds(m, 5120, 8192), "wo_b at " << m);
   for (const auto& [n, k] : std::initializer_list<std::pair<int, int>>{
            {1280, 5120}, {512, 5120}, {4096, 1280}, {2304, 5120}, {5120, 2304}})
-    for (const int m : {32, 64, 128}) BOOST_TEST(!folds(m, n, k), "N " << n << " K " << k << " at " << m);
+    for (const int m : {16, 32, 64, 128}) BOOST_TEST(!folds(m, n, k), "N " << n << " K " << k << " at " << m);
   BOOST_TEST(folds(64, 4096, 8192));   // exactly folded_min_elements
   BOOST_TEST(!folds(64, 4096, 8160));  // one K block short
 }
@@ -508,6 +508,8 @@ BOOST_AUTO_TEST_CASE(folded_path_routes_the_linear_layer, *utf::label("gpu") * u
   check(64, g::folded_min_rows, weight_format::fp4_row32, false);
   check(64, g::folded_min_rows, weight_format::fp8_tile32, true);
   check(40, 4096, weight_format::fp8_tile32, false, 8192);  // a large weight (folded_min_elements), K split
+  check(g::folded_large_max_tokens, 4096, weight_format::fp8_tile32, false, 8192);
+  check(g::folded_large_max_tokens + 1, 4096, weight_format::fp8_tile32, false, 8192);  // past its range
   // Without room for the folded activations the linear layer takes another path; folded_gemm
   // itself refuses, naming the sizes.
   auto rng = test::make_rng(99);

@@ -11,8 +11,8 @@
 //! fp32 rescaling after every 32-wide block is as costly as the MMA itself (measured:
 //! bench/bench_gemm.cu, docs/perf.md, docs/decisions.md).
 //!
-//! `block_scaled_linear` picks the path: FP8 weights at folded_min_tokens .. folded_max_tokens
-//! tokens on the folded wgmma kernel (folded_gemm.cuh) where the device runs it; otherwise the
+//! `block_scaled_linear` picks the path: FP8 weights of the shapes and token counts folded_shape
+//! takes on the folded wgmma kernel (folded_gemm.cuh) where the device runs it; otherwise the
 //! dequantize + cuBLAS path for `dequant_min_tokens` tokens or more when a cuBLAS handle and a
 //! large enough workspace are given, else the MMA kernel of block_scaled_gemm.cuh.
 

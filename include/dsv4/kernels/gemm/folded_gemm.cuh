@@ -56,20 +56,21 @@ namespace dsv4::kernels::gemm {
 //! Where block_scaled_linear gives FP8 GEMMs to this kernel (where it can run: wgmma_supported()):
 //! folded_min_tokens .. folded_max_tokens tokens for weights of at least folded_min_rows output
 //! features, and folded_min_tokens .. folded_large_max_tokens for any weight of at least
-//! folded_min_elements (N x K). Measured on the H200 (bench_gemm, docs/perf.md, 2026-12-03)
-//! against the mma.sync kernel below 64 tokens and the dequantize + cuBLAS path from 64: wq_b
-//! (32768 x 1280) at 32 / 64 / 128 tokens 32.5 / 38.8 / 50.3 us against 43.8 / 65.4 / 67.3. On an
-//! H100 (thirty-sixth session): wq_b 31.7 / 37.9 / 53.7 against 42.5 / 79.8 / 82.1; wo_b (5120 x
-//! 8192, its K split) 46.6 / 67.0 / 93.0 against 59.1 / 81.7 / 81.6, so it folds up to 64
-//! tokens; at 16 tokens both lose to mma.sync (30.2 against 23.9, 38.1 against 29.0). Smaller
-//! weights lose at every count (wq_a, wkv, the indexer's wq_b, the shared expert: 1.3-2x the
-//! other path's time), as do CTAs of two warpgroups and activation chunks requested further
-//! ahead (docs/decisions.md, thirty-sixth session).
-inline constexpr int folded_min_tokens = 32;
-inline constexpr int folded_max_tokens = 128;
+//! folded_min_elements (N x K). Measured on an H100 (bench_gemm, thirty-seventh session, 1656f41:
+//! the scales under one branch a batch) against the mma.sync kernel below 64 tokens and the
+//! dequantize + cuBLAS path from 64: wq_b (32768 x 1280) at 16 / 32 / 64 / 128 / 256 tokens
+//! 22.9 / 25.2 / 33.3 / 49.5 / 79.7 us against 24.5 / 44.2 / 79.7 / 81.3 / 87.2; wo_b (5120 x 8192,
+//! its K split) 27.4 / 34.7 / 50.4 / 68.4 against 30.4 / 60.7 / 82.1 / 81.2 up to 128 tokens, and
+//! 115.9 against 86.5 at 256. Smaller weights lose at most counts (wq_a, wkv, the indexer's wq_b,
+//! the shared expert's w2: 1.1-1.9x the other path's time; the shared expert's w1 wins 20.7 against
+//! 22.5 at 32 tokens alone, but runs as a pair with w3 there, one launch). CTAs of two warpgroups
+//! and activation chunks requested further ahead did not help (docs/decisions.md, thirty-sixth
+//! session).
+inline constexpr int folded_min_tokens = 16;
+inline constexpr int folded_max_tokens = 256;
 inline constexpr int folded_min_rows = 8192;
 inline constexpr long long folded_min_elements = 1LL << 25;
-inline constexpr int folded_large_max_tokens = 64;
+inline constexpr int folded_large_max_tokens = 128;
 
 namespace detail {
 
