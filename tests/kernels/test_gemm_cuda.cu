@@ -456,6 +456,26 @@ BOOST_AUTO_TEST_CASE(folded_plan_options_are_honoured) {
   BOOST_CHECK_THROW(g::detail::make_folded_plan(s, 132, 0, {0, -1}), dsv4::error);
 }
 
+// make_folded_plan's defaults on the V4.1 shapes it folds are the sweep's fastest plans
+// (bench_gemm --folded-plans on an H100, 132 SMs, thirty-seventh session): wq_b unsplit at its
+// first width, wo_b 32 x 4, 64 x 4 and 64 x 2 (tokens x slices) at 32, 64 and 128 tokens.
+BOOST_AUTO_TEST_CASE(folded_plans_follow_the_sweep) {
+  namespace g = kernels::gemm;
+  const std::size_t roomy = ~std::size_t(0) / 8;
+  auto plan = [&](int m, int n, int k) { return g::detail::make_folded_plan({m, n, k}, 132, roomy); };
+  for (const int m : {16, 32, 64, 128}) {
+    const auto p = plan(m, 32768, 1280);
+    BOOST_TEST(p.tokens == m, "wq_b at " << m);
+    BOOST_TEST(p.slices == 1, "wq_b at " << m);
+  }
+  const int want[][3] = {{32, 32, 4}, {64, 64, 4}, {128, 64, 2}};
+  for (const auto& [m, tokens, slices] : want) {
+    const auto p = plan(m, 5120, 8192);
+    BOOST_TEST(p.tokens == tokens, "wo_b at " << m);
+    BOOST_TEST(p.slices == slices, "wo_b at " << m);
+  }
+}
+
 // The shapes block_scaled_linear folds (host: the rule only): folded_min_tokens ..
 // folded_max_tokens tokens for folded_min_rows outputs and more, up to folded_large_max_tokens for
 // weights of folded_min_elements; V4.1's wq_b and wo_b in, its other FP8 linears out.
