@@ -3,8 +3,9 @@
 //! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N,N..]
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced]
 //!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
-//!                    [--no-folded] [--dspark] [--mhc-one-token-ctas N] [--mhc-small-groups N,M]
-//!                    [--config-json FILE] [--checkpoint-only] [--clone-contexts] [--json FILE]
+//!                    [--no-folded] [--no-fused-act-quant] [--ab-fused-act-quant] [--dspark]
+//!                    [--mhc-one-token-ctas N] [--mhc-small-groups N,M] [--config-json FILE]
+//!                    [--checkpoint-only] [--clone-contexts] [--json FILE]
 //!
 //! Default: the tiny variant (seconds). `--v41-width`: V4.1 Flash's widths and schedule with the
 //! routed experts cut to 16 (DSpark stages to 8) and small Engram tables, so that one H200 holds it
@@ -48,6 +49,10 @@
 //! `--gemm-max-tokens N` (with wgmma): up to N tokens (default 63) before that path.
 //! `--no-folded`: the wide FP8 linears of 32-128 tokens off the folded kernel (gemm/folded_gemm.cuh),
 //! on the paths before it (mma.sync, dequantize + cuBLAS from 64 tokens), to compare.
+//! `--no-fused-act-quant`: the norms that feed FP8 linears (the mHC boundaries, q_norm) leave the
+//! act_quant to a quantize launch of its own (numerics::set_fused_act_quant), to compare;
+//! `--ab-fused-act-quant`: each decode batch is also timed with it off, on and off again (rows
+//! decode-unfused / decode-fused), in the same process on the same sequences.
 //! `--dspark`: also the DSpark drafter on CUDA (model::device_dspark): one sequence at the decode
 //! context, then per round one backbone decode step with the capture of main_hidden and one draft
 //! block, timed apart (row `dspark-draft`: the block's drafts per second; its floor is the
@@ -141,6 +146,7 @@ struct options {
   int chunk = 0;                      // > 0: longer prompts as a prefill of `chunk` tokens + appended chunks
   bool dspark = false;                // also time the DSpark drafter on CUDA
   bool checkpoint_only = false;       // write the checkpoint to `checkpoint` and stop
+  bool ab_fused_act_quant = false;    // decode: each batch timed with the fused act_quant on and off, twice
   bool clone_contexts = false;        // decode batches: one prefill, the other sequences copies of it
 };
 
@@ -327,11 +333,23 @@ int run(FILE* jf, const options& opt) {
       const int context = decode_contexts[ci];
       const auto slots = decode_batch(batch, context);
       const auto tok = step_ids(batch);
-      const auto t = clock::now();
-      for (int i = 0; i < steps; ++i) dm.decode(slots, tok);
-      const double s = seconds_since(t) / steps;
+      auto time_steps = [&] {
+        const auto t = clock::now();
+        for (int i = 0; i < steps; ++i) dm.decode(slots, tok);
+        return seconds_since(t) / steps;
+      };
+      const double s = time_steps();
       if (ci == 0) decode_s.push_back(s);
       row("decode", context, batch, s, batch / s, traffic.decode_bytes(batch) / ceiling.copy_bps);
+      if (opt.ab_fused_act_quant) {  // off, on, off: the same sequences, alternating
+        for (const bool on : {false, true, false}) {
+          numerics::set_fused_act_quant(on);
+          const double t = time_steps();
+          row(on ? "decode-fused" : "decode-unfused", context, batch, t, batch / t,
+              traffic.decode_bytes(batch) / ceiling.copy_bps);
+        }
+        numerics::set_fused_act_quant(true);
+      }
       for (int sl : slots) dm.release_sequence(sl);
     }
   // The DSpark drafter: one sequence at the decode context (CED prompt: the capture then holds its
@@ -506,6 +524,10 @@ int main(int argc, char** argv) {
         kernels::mhc::set_small_token_groups(twos, fours);
       } else if (a == "--no-folded")
         kernels::gemm::set_folded_linears(false);
+      else if (a == "--no-fused-act-quant")
+        numerics::set_fused_act_quant(false);
+      else if (a == "--ab-fused-act-quant")
+        opt.ab_fused_act_quant = true;
       else if (a == "--gemm-max-tokens" && has_value)
         gemm_max_tokens = bench::int_list(a, argv[++i]);
       else {
@@ -514,7 +536,9 @@ int main(int argc, char** argv) {
             "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N,N..] "
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
-            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--dspark] [--mhc-one-token-ctas N] "
+            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--no-fused-act-quant] "
+            "[--ab-fused-act-quant] "
+            "[--dspark] [--mhc-one-token-ctas N] "
             "[--mhc-small-groups N,M] [--config-json FILE] "
             "[--checkpoint-only] [--clone-contexts] [--json FILE]\n");
         return 2;

@@ -969,4 +969,65 @@ BOOST_AUTO_TEST_CASE(rmsnorm_matches_host, *utf::label("gpu") * utf::preconditio
   for (const auto v : dy.download()) BOOST_TEST(v.bits == 0u);
 }
 
+// The act_quant beside the norm (rmsnorm_args::codes): y as the plain launch writes it, and codes
+// and scales byte for byte those of the host quantizer on that y (what numerics::quantize makes
+// of the stored rows), on shapes of the decode chain (q_lora 1280, dim 5120) and odd row counts.
+BOOST_AUTO_TEST_CASE(rmsnorm_with_act_quant_matches_the_quantizer,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  using act = numerics::fp8_act_format;
+  auto rng = test::make_rng(37);
+  for (const int dim : {5120, 1280, 512, 32}) {
+    for (const long long rows : {1LL, 3LL, 67LL}) {
+      std::normal_distribution<float> n(0.0f, 3.0f);
+      std::vector<bf16> x(std::size_t(rows) * dim), w(static_cast<std::size_t>(dim));
+      for (auto& v : x) v = bf16::from_float(n(rng) * std::exp2(float(int(rng() % 24)) - 12.0f));
+      for (auto& v : w) v = bf16::from_float(1.0f + n(rng) / 16);
+      if (rows > 1)
+        std::fill(x.begin() + dim, x.begin() + dim + 32, bf16::from_float(0.0f));  // an all-zero block
+      device_buffer<bf16> dx{std::span<const bf16>(x)}, dw{std::span<const bf16>(w)}, dy(x.size()),
+          dplain(x.size());
+      device_buffer<std::uint8_t> dc(x.size()), ds(x.size() / 32);
+      dy.fill_bytes(0xFF), dplain.fill_bytes(0xFF), dc.fill_bytes(0xFF), ds.fill_bytes(0xFF);
+      kernels::norm::rmsnorm_args<bf16> a{dx.data(), dim, dw.data(), dy.data(), dim, rows, dim, 1e-20f};
+      a.codes = dc.data(), a.codes_stride = dim, a.scales = ds.data(), a.scales_stride = dim / 32;
+      kernels::norm::rmsnorm<bf16>(a);
+      kernels::norm::rmsnorm<bf16>({dx.data(), dim, dw.data(), dplain.data(), dim, rows, dim, 1e-20f});
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto y = dy.download(), plain = dplain.download();
+      const auto codes = dc.download(), scales = ds.download();
+      std::size_t y_diff = 0, code_diff = 0, scale_diff = 0;
+      for (std::size_t i = 0; i < y.size(); ++i) y_diff += y[i].bits != plain[i].bits;
+      for (long long r = 0; r < rows; ++r) {
+        std::vector<std::uint8_t> want_c(static_cast<std::size_t>(dim)),
+            want_s(static_cast<std::size_t>(dim / 32));
+        numerics::quantize_vector<act>(std::span<const bf16>(y.data() + r * dim, std::size_t(dim)), want_c,
+                                       want_s);
+        for (int i = 0; i < dim; ++i) code_diff += codes[std::size_t(r * dim + i)] != want_c[std::size_t(i)];
+        for (int i = 0; i < dim / 32; ++i)
+          scale_diff += scales[std::size_t(r * (dim / 32) + i)] != want_s[std::size_t(i)];
+      }
+      BOOST_TEST_MESSAGE("rmsnorm + act_quant dim " << dim << " rows " << rows << ": y " << y_diff
+                                                    << ", codes " << code_diff << ", scales " << scale_diff
+                                                    << " differ");
+      BOOST_TEST(y_diff == 0u);
+      BOOST_TEST(code_diff == 0u);
+      BOOST_TEST(scale_diff == 0u);
+    }
+  }
+}
+
+// The act_quant's argument checks run on the host, before any launch.
+BOOST_AUTO_TEST_CASE(rmsnorm_act_quant_bad_arguments_are_errors) {
+  alignas(16) static bf16 buf[64] = {};
+  alignas(16) static std::uint8_t codes[64] = {}, scales[4] = {};
+  kernels::norm::rmsnorm_args<bf16> a{buf, 64, buf, buf, 64, 1, 64, 1e-20f};
+  a.codes = codes, a.codes_stride = 64;
+  BOOST_TEST(test::throws_with([&] { kernels::norm::rmsnorm<bf16>(a); }, "both codes and scales"));
+  a.scales = scales, a.scales_stride = 2;
+  a.dim = 48, a.x_stride = a.y_stride = 48;
+  BOOST_TEST(test::throws_with([&] { kernels::norm::rmsnorm<bf16>(a); }, "multiple of its block of 32"));
+  a.dim = 64, a.x_stride = a.y_stride = 64, a.codes_stride = 32;
+  BOOST_TEST(test::throws_with([&] { kernels::norm::rmsnorm<bf16>(a); }, "row stride of at least dim"));
+}
+
 BOOST_AUTO_TEST_SUITE_END()

@@ -11,6 +11,8 @@
 
 #include "dsv4/kernels/mhc/mhc_step.cuh"
 #include "dsv4/kernels/mhc/reference.hpp"
+#include "dsv4/numerics/minifloat.hpp"
+#include "dsv4/numerics/quantize.hpp"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "support/errors.hpp"
 #include "support/gpu.hpp"
@@ -71,6 +73,14 @@ void check_step(long long tokens, int dim, boundary kind, std::uint64_t salt) {
   }
   a.tokens = tokens;
   a.dim = dim;
+  // h's act_quant beside it (mhc_step_args::h_codes) on even salts where dim allows it, with the
+  // codes' f16 copy on every other one of those: the bytes numerics::quantize makes of h.
+  const bool quant = dim % 32 == 0 && salt % 2 == 0, quant_f16 = quant && salt % 4 == 0;
+  device_buffer<std::uint8_t> dcodes(f.size()), dscales(f.size() / 32 + 1);
+  device_buffer<std::uint16_t> df16(f.size());
+  if (quant) a.h_codes = dcodes.data(), a.h_scales = dscales.data();
+  if (quant_f16) a.h_codes_f16 = df16.data();
+  dcodes.fill_bytes(0xFF), dscales.fill_bytes(0xFF), df16.fill_bytes(0xFF);
   std::vector<bf16> runs_h[2];
   std::vector<float> runs_c[2];
   for (int run = 0; run < 2; ++run) {  // the second run must repeat the first (counters reset)
@@ -113,6 +123,27 @@ void check_step(long long tokens, int dim, boundary kind, std::uint64_t salt) {
       for (int i = 0; i < 16; ++i) cmp(gc[t * 16 + i], want.next.comb[i]);
     }
   }
+  std::size_t quant_diff = 0;
+  if (quant) {
+    const auto codes = dcodes.download(), scales = dscales.download();
+    const auto f16 = df16.download();
+    for (long long t = 0; t < tokens; ++t) {
+      std::vector<std::uint8_t> want_c(static_cast<std::size_t>(dim)),
+          want_s(static_cast<std::size_t>(dim / 32));
+      numerics::quantize_vector<numerics::fp8_act_format>(std::span<const bf16>(h).subspan(t * dim, dim),
+                                                          want_c, want_s);
+      for (int i = 0; i < dim; ++i) {
+        quant_diff += codes[std::size_t(t * dim + i)] != want_c[std::size_t(i)];
+        if (quant_f16)
+          quant_diff += f16[std::size_t(t * dim + i)] != numerics::e4m3_code_as_f16(want_c[std::size_t(i)]);
+      }
+      for (int i = 0; i < dim / 32; ++i)
+        quant_diff += scales[std::size_t(t * (dim / 32) + i)] != want_s[std::size_t(i)];
+    }
+    BOOST_TEST_MESSAGE("mhc_step tokens " << tokens << " dim " << dim << ": act_quant of h (f16 copy "
+                                          << quant_f16 << ") differs in " << quant_diff << " bytes");
+  }
+  BOOST_TEST(quant_diff == 0u);
   BOOST_TEST_MESSAGE("mhc_step tokens " << tokens << " dim " << dim << " kind " << int(kind) << ": Y differs in "
                                         << y_diff << ", h in " << h_diff << ", coefficients worst rel " << worst);
   BOOST_TEST(y_diff == 0u);
@@ -234,6 +265,15 @@ BOOST_AUTO_TEST_CASE(bad_arguments_are_errors, *utf::label("gpu") * utf::precond
   BOOST_TEST(test::throws_with([&] { mhc_step(a, ws); }, "null x"));
   a.tokens = 2;
   BOOST_TEST(test::throws_with([&] { mhc_step(a, ws); }, "workspace holds 1 tokens"));
+  a.tokens = 1;
+  alignas(16) static bf16 buf[1024] = {};
+  alignas(16) static float fbuf[16] = {};
+  alignas(16) static std::uint8_t codes[256] = {};
+  a.x = buf, a.pre = fbuf, a.norm_w = buf, a.h = buf;
+  a.h_codes = codes;
+  BOOST_TEST(test::throws_with([&] { mhc_step(a, ws); }, "both codes and scales"));
+  a.h_scales = codes, a.dim = 200;
+  BOOST_TEST(test::throws_with([&] { mhc_step(a, ws); }, "multiple of its block of 32"));
 }
 
 BOOST_AUTO_TEST_SUITE_END()

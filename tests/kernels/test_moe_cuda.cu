@@ -348,6 +348,24 @@ void check_moe(const moe_case& c, std::uint64_t salt, const moe_bounds& bounds =
     BOOST_TEST(differ == 0u, differ << " outputs of the graph-replayed layer differ from the direct call's");
     DSV4_CUDA_CHECK(cudaGraphExecDestroy(exec));
     DSV4_CUDA_CHECK(cudaGraphDestroy(graph));
+    // x's act_quant handed in (numerics::act_quant_view: what mhc_step writes beside h), with its
+    // f16 copy and without it (then the layer quantizes x itself where its grouped GEMMs read
+    // one): the same bits. The layer's own buffers are poisoned first, so a read of them shows.
+    device_buffer<std::uint8_t> xq(x.size()), xs(x.size() / 32);
+    device_buffer<std::uint16_t> xh(x.size());
+    numerics::quantize<numerics::fp8_act_format>(
+        {dx.data(), c.tokens, c.dim, c.dim, xq.data(), c.dim, xs.data(), c.dim / 32, xh.data(), c.dim});
+    for (const bool with_f16 : {true, false}) {
+      ws.xq.fill_bytes(0xFF), ws.xs.fill_bytes(0xFF), ws.xh.fill_bytes(0xFF), dy.fill_bytes(0xFF);
+      moe::moe_forward(dx.data(), c.tokens, c.images ? dimg.data() : nullptr, w, dy.data(), ws, nullptr,
+                       nullptr, c.host_sync, {}, {xq.data(), xs.data(), with_f16 ? xh.data() : nullptr});
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto y_given = dy.download();
+      std::size_t given_differ = 0;
+      for (std::size_t i = 0; i < y_given.size(); ++i) given_differ += y_given[i].bits != y_direct[i].bits;
+      BOOST_TEST(given_differ == 0u,
+                 given_differ << " outputs differ with x's act_quant given (f16 copy " << with_f16 << ")");
+    }
   }
   if (c.ranks > 0) check_expert_slices(c, dx.data(), c.images ? dimg.data() : nullptr, w, tiled, ws, dy, blas);
   if (blas) cublasDestroy(blas);

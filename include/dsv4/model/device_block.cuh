@@ -119,13 +119,15 @@ constexpr mhc_constants mhc_constants_of() {
 }
 
 //! One mHC boundary: Y = hc_post(F, X) (F null: Y = X), h = norm(hc_pre(Y, pre)), the next
-//! sublayer's mixes (fn null: none).
+//! sublayer's mixes (fn null: none), and optionally h's act_quant (mhc_step_args::h_codes).
 inline void mhc_boundary(const mhc_constants& k, long long rows, const bf16* x, const bf16* f,
                          const float* post, const float* comb, const float* pre, const bf16* norm_w, bf16* y,
                          bf16* h, const float* fn, const float* base, const float* scale, float* next_pre,
                          float* next_post, float* next_comb, kernels::mhc::mhc_workspace& ws,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, std::uint8_t* h_codes = nullptr,
+                         std::uint8_t* h_scales = nullptr, std::uint16_t* h_codes_f16 = nullptr) {
   kernels::mhc::mhc_step_args a;
+  a.h_codes = h_codes, a.h_scales = h_scales, a.h_codes_f16 = h_codes_f16;
   a.x = x, a.f = f, a.post = post, a.comb = comb, a.pre = pre, a.norm_w = norm_w, a.norm_eps = k.norm_eps;
   a.y = y, a.h = h, a.fn = fn, a.base = base, a.scale = scale, a.iters = k.iters;
   a.hc_eps = k.hc_eps, a.mix_norm_eps = k.norm_eps, a.next_pre = next_pre, a.next_post = next_post;

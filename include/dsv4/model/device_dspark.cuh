@@ -42,6 +42,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -589,6 +590,15 @@ class device_dspark {
                                        kernels::gemm::weight_format::fp8_tile32, &*gemm_ws_, m_.blas(),
                                        stream());
   }
+  //! x = rmsnorm(x) * w in place, rows of `dim`, and its act_quant (window_format) in one launch.
+  void norm_quantize(bf16* x, const bf16* w, long long rows, int dim, std::uint8_t* codes,
+                     std::uint8_t* scales) {
+    static_assert(std::is_same_v<window_format, numerics::fp8_act_format>,
+                  "device_dspark: the fused norm + act_quant writes fp8_act_format codes");
+    kernels::norm::rmsnorm_args<bf16> a{x, dim, w, x, dim, rows, dim, c.norm_eps};
+    a.codes = codes, a.codes_stride = dim, a.scales = scales, a.scales_stride = dim / 32;
+    kernels::norm::rmsnorm_quantized(a, stream());
+  }
   //! main_x = main_norm(main_proj(main_hidden)) of `rows` rows, then each stage's main_kv of them
   //! into its ring of `slot` at `pos` (rows <= window: no two rows share a slot).
   void write_rings(int slot, const bf16* main_hidden, long long rows, const std::int64_t* pos) {
@@ -596,10 +606,7 @@ class device_dspark {
     numerics::quantize<window_format>(
         {main_hidden, rows, K, K, mh_codes_.data(), K, mh_scales_.data(), K / 32}, stream());
     linear(main_proj_, rows, mh_codes_.data(), mh_scales_.data(), main_x_.data());
-    kernels::norm::rmsnorm<bf16>(
-        {main_x_.data(), c.dim, main_norm_.data(), main_x_.data(), c.dim, rows, c.dim, c.norm_eps}, stream());
-    numerics::quantize<window_format>(
-        {main_x_.data(), rows, c.dim, c.dim, x_codes_.data(), c.dim, x_scales_.data(), c.dim / 32}, stream());
+    norm_quantize(main_x_.data(), main_norm_.data(), rows, c.dim, x_codes_.data(), x_scales_.data());
     for (auto& st : stages_) {
       linear(st.wkv, rows, x_codes_.data(), x_scales_.data(), kv_.data());
       pack_window(st, rows, pos, ring_destination(st, slot));
@@ -630,11 +637,7 @@ class device_dspark {
     numerics::quantize<window_format>(
         {h_.data(), B, c.dim, c.dim, x_codes_.data(), c.dim, x_scales_.data(), c.dim / 32}, stream());
     linear(st.wq_a, B, x_codes_.data(), x_scales_.data(), qr_.data());
-    kernels::norm::rmsnorm<bf16>(
-        {qr_.data(), sh.q_lora, st.q_norm.data(), qr_.data(), sh.q_lora, B, sh.q_lora, c.norm_eps}, stream());
-    numerics::quantize<window_format>(
-        {qr_.data(), B, sh.q_lora, sh.q_lora, qr_codes_.data(), sh.q_lora, qr_scales_.data(), sh.q_lora / 32},
-        stream());
+    norm_quantize(qr_.data(), st.q_norm.data(), B, sh.q_lora, qr_codes_.data(), qr_scales_.data());
     linear(st.wq_b, B, qr_codes_.data(), qr_scales_.data(), q_.data());
     kernels::rope::apply_rope({q_.data(), draft_pos, freqs_.data(), B, sh.heads, head_dim, pairs, false},
                               stream());

@@ -280,6 +280,10 @@ class device_model {
     kernels::moe::moe_shape ms{c.moe.n_routed_experts, c.moe.n_activated_experts, c.dim, c.moe.moe_inter_dim,
                                c.moe.route_scale, c.moe.gate_temp, c.moe.swiglu_limit, c.moe.norm_topk_prob};
     moe_ws_.emplace(ms, lim.max_rows);
+    // h's act_quant, written by the boundaries beside h (boundary, act_of); its f16 copy for the
+    // MoE's call sizes that read one.
+    h_codes_ = device_buffer<std::uint8_t>(R * D), h_scales_ = device_buffer<std::uint8_t>(R * D / 32);
+    h_codes_f16_ = device_buffer<std::uint16_t>(std::size_t(moe_ws_->f16_tokens()) * D);
     kernels::gemm::detail::blas_check(cublasCreate(&blas_), "device_model: cublasCreate");
     // Once here: blas_call (dense.cuh) then never switches it (which would drop a set workspace).
     kernels::gemm::detail::blas_check(cublasSetStream(blas_, stream()), "device_model: cublasSetStream");
@@ -645,6 +649,8 @@ class device_model {
   std::vector<device_block> blocks_;
   std::vector<device_engram> engrams_;
   runtime::device_buffer<bf16> embed_, norm_, x_, y_, h_, sub_;
+  runtime::device_buffer<std::uint8_t> h_codes_, h_scales_;  //!< h's act_quant (boundary)
+  runtime::device_buffer<std::uint16_t> h_codes_f16_;
   runtime::device_buffer<bf16> head16_;  //!< the head when its values are bf16 (else head_, fp32)
   runtime::device_buffer<float> head_, hf_, logits_, logits_part_, entry_pre_, a_pre_, a_post_, a_comb_, f_pre_, f_post_, f_comb_;
   runtime::pinned_buffer<float> logits_host_;  //!< the logits' way back (an asynchronous copy needs pinned memory)
@@ -698,12 +704,30 @@ class device_model {
 
   //! One mHC boundary: Y = hc_post(F, X) (F null: Y = X), h = norm(hc_pre(Y, pre)), next mixes
   //! (fn null: none).
-  void boundary(long long rows, const bf16* x, const bf16* f, const float* post, const float* comb, const float* pre,
-                const bf16* norm_w, bf16* y, const float* fn, const float* base, const float* scale, float* next_pre,
-                float* next_post, float* next_comb) {
-    device_detail::mhc_boundary(device_detail::mhc_constants_of<Model>(), rows, x, f, post, comb, pre, norm_w, y, h_.data(), fn, base, scale, next_pre,
-                                next_post, next_comb, *mhc_ws_, stream());
+  //! `into` (the next sublayer's kind; numerics::fused_act_quant() on): the boundary also writes
+  //! h's act_quant into h_codes_ / h_scales_ (with the f16 copy the MoE's grouped GEMMs read, for
+  //! the MoE up to its f16 call size), which the sublayer then reads instead of quantizing h
+  //! itself (act_of).
+  enum class act_quant_for { none, attention, moe };
+  void boundary(long long rows, const bf16* x, const bf16* f, const float* post, const float* comb,
+                const float* pre, const bf16* norm_w, bf16* y, const float* fn, const float* base,
+                const float* scale, float* next_pre, float* next_post, float* next_comb,
+                act_quant_for into = act_quant_for::none) {
+    const bool q = into != act_quant_for::none && numerics::fused_act_quant();
+    const bool f16 = q && into == act_quant_for::moe && rows <= moe_ws_->f16_tokens();
+    device_detail::mhc_boundary(device_detail::mhc_constants_of<Model>(), rows, x, f, post, comb, pre, norm_w,
+                                y, h_.data(), fn, base, scale, next_pre, next_post, next_comb, *mhc_ws_,
+                                stream(), q ? h_codes_.data() : nullptr, q ? h_scales_.data() : nullptr,
+                                f16 ? h_codes_f16_.data() : nullptr);
+    h_act_rows_ = q ? rows : -1, h_act_f16_ = f16;
   }
+  //! h's act_quant from the last boundary, for a sublayer over `rows` rows (none if it wrote none).
+  numerics::act_quant_view act_of(long long rows) const {
+    if (h_act_rows_ != rows) return {};
+    return {h_codes_.data(), h_scales_.data(), h_act_f16_ ? h_codes_f16_.data() : nullptr};
+  }
+  long long h_act_rows_ = -1;
+  bool h_act_f16_ = false;
 
   // The forward in pieces (shared by run and prefill_ced). X_ / Y_ point at the streams entering
   // the next boundary and the spare buffer; engram_row0_ is the call row of the streams' first row.
@@ -798,11 +822,13 @@ class device_model {
       }
     }
     if (l == 0 || engram_slot >= 0) {
-      boundary(R, X_, nullptr, nullptr, nullptr, pre, b.attn_norm.data(), nullptr, b.attn_fn.data(), b.attn_base.data(),
-               b.attn_scale.data(), a_pre_.data(), a_post_.data(), a_comb_.data());
+      boundary(R, X_, nullptr, nullptr, nullptr, pre, b.attn_norm.data(), nullptr, b.attn_fn.data(),
+               b.attn_base.data(), b.attn_scale.data(), a_pre_.data(), a_post_.data(), a_comb_.data(),
+               act_quant_for::attention);
     } else {
-      boundary(R, X_, sub_.data(), f_post_.data(), f_comb_.data(), pre, b.attn_norm.data(), Y_, b.attn_fn.data(),
-               b.attn_base.data(), b.attn_scale.data(), a_pre_.data(), a_post_.data(), a_comb_.data());
+      boundary(R, X_, sub_.data(), f_post_.data(), f_comb_.data(), pre, b.attn_norm.data(), Y_,
+               b.attn_fn.data(), b.attn_base.data(), b.attn_scale.data(), a_pre_.data(), a_post_.data(),
+               a_comb_.data(), act_quant_for::attention);
       std::swap(X_, Y_);
     }
   }
@@ -811,21 +837,24 @@ class device_model {
   void finish_block(int l, long long R) {
     device_block& b = blocks_[std::size_t(l)];
     observe(l, "attn_in", h_.data(), R);
-    stack_->forward(l, h_.data(), sub_.data());
+    stack_->forward(l, h_.data(), sub_.data(), act_of(R));
     // RowParallelLinear wo_b: the ranks' bf16 partials summed in fp32, rounded once (hf_ is free
     // until the head).
     if (comm_) comm_->all_reduce_partials(sub_.data(), hf_.data(), sub_.data(), std::size_t(R) * c.dim, stream());
     observe(l, "attn_out", sub_.data(), R);
-    boundary(R, X_, sub_.data(), a_post_.data(), a_comb_.data(), a_pre_.data(), b.ffn_norm.data(), Y_, b.ffn_fn.data(),
-             b.ffn_base.data(), b.ffn_scale.data(), f_pre_.data(), f_post_.data(), f_comb_.data());
+    boundary(R, X_, sub_.data(), a_post_.data(), a_comb_.data(), a_pre_.data(), b.ffn_norm.data(), Y_,
+             b.ffn_fn.data(), b.ffn_base.data(), b.ffn_scale.data(), f_pre_.data(), f_post_.data(),
+             f_comb_.data(), act_quant_for::moe);
     std::swap(X_, Y_);
     const kernels::moe::moe_weights mw = b.moe();
     observe(l, "ffn_in", h_.data(), R);
     if (!comm_) {
-      kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_, stream(), blas_, moe_host_sync_);
+      kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_, stream(), blas_,
+                                moe_host_sync_, {}, act_of(R));
     } else {  // the rank's experts into fp32 (hf_), summed over the ranks, then the shared expert
       const kernels::moe::expert_slice slice{expert_first_, expert_count_, hf_.data()};
-      kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_, stream(), blas_, moe_host_sync_, slice);
+      kernels::moe::moe_forward(h_.data(), R, nullptr, mw, sub_.data(), *moe_ws_, stream(), blas_,
+                                moe_host_sync_, slice, act_of(R));
       comm_->all_reduce_sum(hf_.data(), std::size_t(R) * c.dim, stream());
       kernels::moe::moe_add_shared(hf_.data(), R, *moe_ws_, sub_.data(), stream());
     }
@@ -1072,6 +1101,7 @@ class device_model {
     try {
       stack_->begin_replay(slot, first, int(R), E);
       place();
+      h_act_rows_ = -1;  // place() moved or replaced h_'s rows: the last boundary's act_quant is stale
       capture(E, 0, R, true);
       finish_block(E, R);
       for (int l = E + 1; l < sched::num_layers; ++l) enter_block(l, R), capture(l, 0, R, true), finish_block(l, R);

@@ -10,6 +10,7 @@
 
 #include <cuda_runtime.h>  // provides cudaStream_t, uint2, uint4
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -41,6 +42,34 @@ struct quantize_args {
   std::uint16_t* codes_f16 = nullptr;
   long long codes_f16_row_stride = 0;
 };
+
+//! Rows already quantized as activations (fp8_act_format: E4M3 codes [rows, width], UE8M0 scales
+//! [rows, width / 32], contiguous rows), handed to a consumer that would otherwise quantize them
+//! itself; codes_f16 (optional) their values as f16 bits (quantize_args::codes_f16). All null:
+//! none given.
+struct act_quant_view {
+  const std::uint8_t* codes = nullptr;
+  const std::uint8_t* scales = nullptr;
+  const std::uint16_t* codes_f16 = nullptr;
+};
+
+namespace detail {
+inline std::atomic<bool>& fused_act_quant_on() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+}  // namespace detail
+//! Process-wide: whether the norms that feed FP8 linears write the act_quant of their output in
+//! the same launch (rmsnorm_args::codes through norm::rmsnorm_quantized, mhc_step_args::h_codes
+//! through device_model's boundaries: the default) or leave it to a quantize launch of its own,
+//! as before (for comparisons: bench_model --no-fused-act-quant). The bytes are the same either
+//! way. Read when a call is launched.
+inline void set_fused_act_quant(bool on) {
+  detail::fused_act_quant_on().store(on);
+}
+inline bool fused_act_quant() {
+  return detail::fused_act_quant_on().load();
+}
 
 struct dequantize_args {
   const std::uint8_t* codes = nullptr;

@@ -502,8 +502,11 @@ class attention_stack {
   }
 
   //! Layer `layer` over the call's rows: x [rows, dim] (device), out [rows, dim] (device), on the
-  //! stack's stream.
-  void forward(int layer, const bf16* x, bf16* out);
+  //! stack's stream. `x_act` (optional): x's act_quant (fp8_act_format, codes [rows, dim] and
+  //! scales [rows, dim / 32], both or neither) where the caller already has it, byte for byte what
+  //! numerics::quantize makes of x (mhc_step writes it beside h): the layer's own quantize of x
+  //! is then skipped.
+  void forward(int layer, const bf16* x, bf16* out, const numerics::act_quant_view& x_act = {});
 
   //! Abandons a call that failed part-way: its sequences' caches may hold part of the call, so
   //! they are marked unusable (every later call on them is an error) until released.
@@ -821,7 +824,8 @@ class attention_stack {
 };
 
 template <int HeadDim, int IndexDim>
-void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16* out) {
+void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16* out,
+                                                 const numerics::act_quant_view& x_act) {
   using namespace device_detail;
   const cudaStream_t stream = stream_;
   using schedule::attn_role;
@@ -830,6 +834,8 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
   if (call_->next_layer == int(wiring_.size())) throw error(where + "every layer of this call has run; end_call first");
   if (layer != call_->next_layer) throw error(where + "layers run in order; expected layer " + std::to_string(call_->next_layer));
   if (!x || !out) throw error(where + "null x or out");
+  if (bool(x_act.codes) != bool(x_act.scales))
+    throw error(where + "x's act_quant needs both codes and scales, or neither");
   call_state& c = *call_;
   const auto& s = shape_;
   const auto& wr = wiring_[std::size_t(layer)];
@@ -845,14 +851,20 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
   };
 
   // Queries and the window entries.
-  numerics::quantize<numerics::fp8_act_format>({x, R, s.dim, s.dim, x_codes_.data(), s.dim, x_scales_.data(), s.dim / 32}, stream);
+  const std::uint8_t* xc = x_act.codes ? x_act.codes : x_codes_.data();
+  const std::uint8_t* xs = x_act.codes ? x_act.scales : x_scales_.data();
+  if (!x_act.codes)
+    numerics::quantize<numerics::fp8_act_format>(
+        {x, R, s.dim, s.dim, x_codes_.data(), s.dim, x_scales_.data(), s.dim / 32}, stream);
   // wq_a and wkv read the same input: one launch where both take the few-token kernel.
-  gemm::block_scaled_linear_pair(gemm_args(w.wq_a, x_codes_.data(), x_scales_.data(), qr_.data()),
-                                 gemm_args(w.wkv, x_codes_.data(), x_scales_.data(), kv_.data()),
+  gemm::block_scaled_linear_pair(gemm_args(w.wq_a, xc, xs, qr_.data()), gemm_args(w.wkv, xc, xs, kv_.data()),
                                  gemm::weight_format::fp8_tile32, &*gemm_ws_, blas_, stream);
-  norm::rmsnorm<bf16>({qr_.data(), s.q_lora, w.q_norm.data(), qr_.data(), s.q_lora, R, s.q_lora, s.norm_eps}, stream);
-  numerics::quantize<numerics::fp8_act_format>({qr_.data(), R, s.q_lora, s.q_lora, qr_codes_.data(), s.q_lora, qr_scales_.data(), s.q_lora / 32},
-                                               stream);
+  // q_norm and the act_quant wq_b (and the indexer's wq_b) read, in one launch.
+  norm::rmsnorm_args<bf16> qn{qr_.data(), s.q_lora, w.q_norm.data(), qr_.data(),
+                              s.q_lora,   R,        s.q_lora,        s.norm_eps};
+  qn.codes = qr_codes_.data(), qn.codes_stride = s.q_lora, qn.scales = qr_scales_.data(),
+  qn.scales_stride = s.q_lora / 32;
+  norm::rmsnorm_quantized(qn, stream);
   linear(w.wq_b, qr_codes_.data(), qr_scales_.data(), q_.data());
   rope::apply_rope({q_.data(), c.positions, freqs, R, s.heads, HeadDim, pairs, false}, stream);
   auto& ring = rings_[std::size_t(layer)];

@@ -36,6 +36,7 @@
 #include "dsv4/kernels/bulk_copy.cuh"
 #include "dsv4/kernels/mhc/sinkhorn.cuh"
 #include "dsv4/numerics/bf16.hpp"
+#include "dsv4/numerics/quantize.cuh"
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "dsv4/runtime/device_info.cuh"
@@ -63,6 +64,14 @@ struct mhc_step_args {
   float* next_pre = nullptr;          //!< [tokens, 4]
   float* next_post = nullptr;         //!< [tokens, 4]
   float* next_comb = nullptr;         //!< [tokens, 4, 4]
+  //! Optional (codes and scales both or neither; dim a multiple of 32): h's act_quant (E4M3,
+  //! UE8M0 per 32), byte for byte what numerics::quantize<fp8_act_format> makes of the stored h,
+  //! so the next sublayer's FP8 linears skip their own quantize launch. codes [tokens, dim],
+  //! scales [tokens, dim / 32]; codes_f16 (optional) the codes' values as f16 bits [tokens, dim]
+  //! (quantize_args::codes_f16: the MoE's streamed expert GEMMs read them).
+  std::uint8_t* h_codes = nullptr;
+  std::uint8_t* h_scales = nullptr;
+  std::uint16_t* h_codes_f16 = nullptr;
   long long tokens = 0;
   int dim = 0;
 };
@@ -464,30 +473,46 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB <= 4   ? 1
     inv_rms_h[me] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_h, a.norm_eps)));
   }
   named_barrier(1, workers);
-  const int chunks = dim / 8;
+  // A thread takes chunks of 8 positions, `workers` apart. The bounds are tested per warp
+  // (`workers` and the warps' first `me` are multiples of 32), so every lane of a warp reaches the
+  // act_quant's shuffles together: with dim a multiple of 32 the quantizer's block of 32 is four
+  // adjacent lanes of one token. Lanes past the end pass zeros and write nothing.
+  const int chunks = dim / 8, n_chunks = toks * chunks, warp_first = me - lane;
   constexpr int kBatch = 8;  // chunks per thread whose loads are issued together
-  for (int idx0 = me; idx0 < toks * chunks; idx0 += kBatch * workers) {
+  for (int idx0 = warp_first; idx0 < n_chunks; idx0 += kBatch * workers) {
     uint4 raw[kBatch], wraw[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const int idx = idx0 + u * workers;
-      if (idx >= toks * chunks) break;
+      const int idx = idx0 + lane + u * workers;
+      if (idx >= n_chunks) break;
       const int t = idx / chunks, c = idx % chunks;
       raw[u] = __ldcg(reinterpret_cast<const uint4*>(a.h + (tok0 + t) * dim + c * 8));
       wraw[u] = *reinterpret_cast<const uint4*>(a.norm_w + c * 8);
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const int idx = idx0 + u * workers;
-      if (idx >= toks * chunks) break;
-      const int t = idx / chunks, c = idx % chunks;
-      float hv[8], wv8[8];
-      unpack8(raw[u], hv);
-      unpack8(wraw[u], wv8);
-      const float r = inv_rms_h[t];
+      if (idx0 + u * workers >= n_chunks) break;  // the whole warp
+      const int idx = idx0 + lane + u * workers;
+      const bool active = idx < n_chunks;
+      const int t = active ? idx / chunks : 0, c = active ? idx % chunks : 0;
+      float hv[8] = {}, wv8[8];
+      if (active) {
+        unpack8(raw[u], hv);
+        unpack8(wraw[u], wv8);
+        const float r = inv_rms_h[t];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) hv[e] = __fmul_rn(wv8[e], __fmul_rn(hv[e], r));
-      *reinterpret_cast<uint4*>(a.h + (tok0 + t) * dim + c * 8) = pack8(hv);
+        for (int e = 0; e < 8; ++e) hv[e] = __fmul_rn(wv8[e], __fmul_rn(hv[e], r));
+        *reinterpret_cast<uint4*>(a.h + (tok0 + t) * dim + c * 8) = pack8(hv);
+      }
+      if (a.h_codes) {  // the act_quant of the stored h (the same bf16 values)
+        numerics::bf16 v[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = numerics::bf16::from_float(hv[e]);
+        const long long row = tok0 + t;
+        numerics::detail::quantize_chunk8<numerics::fp8_act_format>(
+            v, active, a.h_codes + row * dim, a.h_scales + row * (dim / 32), c,
+            a.h_codes_f16 ? a.h_codes_f16 + row * dim : nullptr);
+      }
     }
   }
 }
@@ -579,6 +604,12 @@ inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t str
   if (a.f && (!a.post || !a.comb || !a.y)) throw error(where + "with F, post, comb and y are required");
   if (a.fn && (!a.base || !a.scale || !a.next_pre || !a.next_post || !a.next_comb || a.iters < 1))
     throw error(where + "with fn, base, scale, next_pre/post/comb and iters >= 1 are required");
+  if (bool(a.h_codes) != bool(a.h_scales) || (a.h_codes_f16 && !a.h_codes))
+    throw error(where + "h's act_quant needs both codes and scales (and codes_f16 only beside them)");
+  if (a.h_codes && a.dim % 32 != 0)
+    throw error(where + "h's act_quant needs dim a multiple of its block of 32");
+  if (reinterpret_cast<std::uintptr_t>(a.h_codes) % 8 || reinterpret_cast<std::uintptr_t>(a.h_codes_f16) % 16)
+    throw error(where + "h's act_quant codes must be 8-byte aligned, their f16 copy 16-byte aligned");
   for (const void* p : {(const void*)a.x, (const void*)a.f, (const void*)a.y, (const void*)a.h, (const void*)a.norm_w,
                         (const void*)a.fn})
     if (reinterpret_cast<std::uintptr_t>(p) % 16) throw error(where + "tensors must be 16-byte aligned");

@@ -708,7 +708,7 @@ inline void dense_expert_projection(const std::uint8_t* a, const std::uint8_t* a
 inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_image, const moe_weights& w,
                         bf16* y, moe_workspace& ws, cudaStream_t stream = nullptr,
                         cublasHandle_t blas = nullptr, bool allow_host_sync = true,
-                        const expert_slice& slice = {}) {
+                        const expert_slice& slice = {}, const numerics::act_quant_view& x_act = {}) {
   const moe_shape& s = ws.shape();
   const std::string where = "moe_forward (tokens " + std::to_string(tokens) + "): ";
   if (tokens < 0 || tokens > ws.max_tokens())
@@ -728,6 +728,8 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
       !w.s2 || !w.w1_s || !w.w3_s || !w.w2_s || !w.s1_s || !w.s3_s || !w.s2_s)
     throw error(where + "null input, output, weight or weight scale");
   if (is_image && !w.bias_vl) throw error(where + "image tokens are flagged but the layer has no bias_vl");
+  if (bool(x_act.codes) != bool(x_act.scales) || (x_act.codes_f16 && !x_act.codes))
+    throw error(where + "x's act_quant needs both codes and scales (and its f16 copy only beside them)");
   auto misaligned = [](const void* p, std::size_t a) { return reinterpret_cast<std::uintptr_t>(p) % a != 0; };
   if (misaligned(x, 16) || misaligned(w.gate, 16) || misaligned(y, 16) || misaligned(slice.routed, 16))
     throw error(where + "x, y, the routed sum and the gate weight must be 16-byte aligned");
@@ -743,10 +745,16 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
                      ws.gemm.dequant_elems() >= dense_dequant_elems(s, ws.max_tokens());
   // act_quant of x once, for the routed and the shared experts (and, up to f16_copy_max_tokens,
   // the codes as f16 for the grouped GEMMs' streamed kernel: block_scaled_gemm_args::a_f16).
+  // The caller's act_quant of x (x_act: mhc_step writes it beside h) stands in for this one where
+  // it holds all that the call reads (the f16 copy where the grouped GEMMs take it).
   const bool f16 = !dense && tokens <= ws.f16_tokens();
-  std::uint16_t* const xh = f16 ? ws.xh.data() : nullptr;
   std::uint16_t* const hh = f16 ? ws.hh.data() : nullptr;
-  detail::quantize_rows(x, tokens, s.dim, ws.xq.data(), ws.xs.data(), xh, stream);
+  const bool given = x_act.codes && (!f16 || x_act.codes_f16);
+  const std::uint8_t* const xq = given ? x_act.codes : ws.xq.data();
+  const std::uint8_t* const xs = given ? x_act.scales : ws.xs.data();
+  const std::uint16_t* const xh = !f16 ? nullptr : given ? x_act.codes_f16 : ws.xh.data();
+  if (!given)
+    detail::quantize_rows(x, tokens, s.dim, ws.xq.data(), ws.xs.data(), f16 ? ws.xh.data() : nullptr, stream);
   // 5. The shared expert (FP8), all tokens. It does not depend on the routing: at decode it runs
   // on the workspace's second stream, beside steps 1-4, whose first kernels (gate, route,
   // dispatch: ~24 us at one token, ncu) leave most SMs idle; joined before step 6. Where one of
@@ -757,8 +765,8 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
                              !gemm::takes_dequant_path({m, s.dim, s.inter}, &ws.gemm, blas);
   auto shared_expert = [&](cudaStream_t st) {
     // (w1 and w3 in one launch at decode: block_scaled_linear_pair.)
-    gemm::block_scaled_linear_pair({{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s1, w.s1_s, ws.sg.data()},
-                                   {{m, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.s3, w.s3_s, ws.su.data()},
+    gemm::block_scaled_linear_pair({{m, s.inter, s.dim}, xq, xs, w.s1, w.s1_s, ws.sg.data()},
+                                   {{m, s.inter, s.dim}, xq, xs, w.s3, w.s3_s, ws.su.data()},
                                    gemm::weight_format::fp8_tile32, &ws.gemm, blas, st);
     detail::swiglu_quantize(ws.sg.data(), ws.su.data(), tokens, s.inter, s.swiglu_limit, nullptr, nullptr,
                             ws.shq.data(), ws.shs.data(), nullptr, st);
@@ -822,16 +830,15 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   const int token_tiles = tile / 8;
   if (dense) {
     DSV4_CUDA_CHECK(cudaStreamSynchronize(stream));  // the row counts, for the per-expert launches
-    detail::dense_expert_projection(ws.xq.data(), ws.xs.data(), ws.row_token.data(), s.dim, w.w1, w.w1_s,
-                                    s.inter, ws.g.data(), first, count, ws, blas, stream);
-    detail::dense_expert_projection(ws.xq.data(), ws.xs.data(), ws.row_token.data(), s.dim, w.w3, w.w3_s,
-                                    s.inter, ws.u.data(), first, count, ws, blas, stream);
+    detail::dense_expert_projection(xq, xs, ws.row_token.data(), s.dim, w.w1, w.w1_s, s.inter, ws.g.data(),
+                                    first, count, ws, blas, stream);
+    detail::dense_expert_projection(xq, xs, ws.row_token.data(), s.dim, w.w3, w.w3_s, s.inter, ws.u.data(),
+                                    first, count, ws, blas, stream);
   } else {
-    const gemm::block_scaled_gemm_args up3{
-        {pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w3, w.w3_s, ws.u.data(), xh};
-    gemm::decode_grouped_gemm(
-        {{pairs, s.inter, s.dim}, ws.xq.data(), ws.xs.data(), w.w1, w.w1_s, ws.g.data(), xh}, groups,
-        gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream, &up3);  // w1 and w3 in one launch
+    const gemm::block_scaled_gemm_args up3{{pairs, s.inter, s.dim}, xq, xs, w.w3, w.w3_s, ws.u.data(), xh};
+    gemm::decode_grouped_gemm({{pairs, s.inter, s.dim}, xq, xs, w.w1, w.w1_s, ws.g.data(), xh}, groups,
+                              gemm::weight_format::fp4_row32, max_tiles, token_tiles, stream,
+                              &up3);  // w1 and w3 in one launch
   }
   detail::swiglu_quantize(ws.g.data(), ws.u.data(), pairs, s.inter, s.swiglu_limit, ws.sel_weight.data(),
                           ws.sorted_pair.data(), ws.hq.data(), ws.hs.data(), hh, stream);
