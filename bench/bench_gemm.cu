@@ -13,6 +13,8 @@
 //! five times the L2), so decode shapes stream from HBM as they do in a model; cuBLAS gets the
 //! same treatment with bf16 weights. Bytes = weight codes + scales + activations + output.
 //! Floor = max(2MNK / cuBLAS bf16 8192^3 rate, bytes / copy bandwidth), both measured here.
+//! wo_a at decode (1-16 tokens): cuBLAS bf16 on the reference's weight against the FP8 kernel on its
+//! FP8 form (output/wo_a_fp8.cuh), floor = the FP8 bytes / copy.
 //! RMSNorm (5120 wide) is listed with its bytes (read + write) against the copy ceiling.
 
 #include <cstdio>
@@ -23,10 +25,12 @@
 #include <vector>
 
 #include "bench_util.cuh"
+#include "dsv4/kernels/gemm/dense.cuh"
 #include "dsv4/kernels/gemm/dequant_gemm.cuh"
 #include "dsv4/kernels/gemm/folded_gemm.cuh"
 #include "dsv4/kernels/gemm/wgmma_gemm.cuh"
 #include "dsv4/kernels/norm/rmsnorm.cuh"
+#include "dsv4/kernels/output/wo_a_fp8.cuh"
 
 using namespace dsv4;
 using kernels::gemm::weight_format;
@@ -300,6 +304,41 @@ int main(int argc, char** argv) {
                        first ? "" : ",\n", L.name, fp8 ? "fp8" : "fp4", L.n, L.k, m, ms * 1e3, ms_wgmma * 1e3, ms_folded * 1e3, ms_dq * 1e3,
                        flops / (best * 1e-3) / 1e12, floor_s / (best * 1e-3), ms_cublas * 1e3);
         first = false;
+      }
+    }
+    // wo_a at decode (V4.1: 8 groups of 1024 outputs over 8 heads x 512): the grouped bf16 GEMM
+    // through cuBLAS on the weight as the reference holds it (67 MB) against the FP8 kernel on its
+    // FP8 form (output/wo_a_fp8.cuh: 33.5 MB), six weight copies each in rotation (past L2).
+    // Floor: the FP8 form's bytes / copy.
+    {
+      const int groups = 8, n = 1024, kg = 4096, copies = 6;
+      const std::size_t welems = std::size_t(groups) * n * kg;
+      std::vector<runtime::device_buffer<bf16>> wb;
+      std::vector<runtime::device_buffer<std::uint8_t>> wc, wsc;
+      for (int i = 0; i < copies; ++i) {
+        wb.emplace_back(welems), wc.emplace_back(welems), wsc.emplace_back(welems / 1024);
+        wb.back().fill_bytes(0x3c), wc.back().fill_bytes(0x38), wsc.back().fill_bytes(127);
+      }
+      runtime::device_buffer<bf16> x(std::size_t(16) * groups * kg), y(std::size_t(16) * groups * n);
+      x.fill_bytes(0x3f);
+      const double floor_us = double(welems) / ceil.copy_bps * 1e6;
+      std::printf("\n%-10s %5s %12s %9s %9s %9s %9s\n", "wo_a", "M", "cuBLAS bf16", "FP8 us", "floor us", "vs floor",
+                  "speedup");
+      for (const int m : {1, 2, 4, 8, 16}) {
+        int it = 0;
+        const double ms_b = bench::median_ms_per_call([&](cudaStream_t st) {
+          kernels::gemm::grouped_linear_bf16(h, x.data(), wb[std::size_t(it++ % copies)].data(), y.data(), m, groups, n, kg, st);
+        }, 2 * copies);
+        it = 0;
+        const double ms_f = bench::median_ms_per_call([&](cudaStream_t st) {
+          const int c = it++ % copies;
+          kernels::output::wo_a_fp8({x.data(), wc[std::size_t(c)].data(), wsc[std::size_t(c)].data(), y.data(), m, groups, n, kg}, st);
+        }, 2 * copies);
+        std::printf("%-10s %5d %12.1f %9.1f %9.1f %8.1f%% %8.2fx\n", "", m, ms_b * 1e3, ms_f * 1e3, floor_us,
+                    100 * floor_us / (ms_f * 1e3), ms_b / ms_f);
+        if (jf)
+          std::fprintf(jf, ",\n  {\"layer\": \"wo_a\", \"m\": %d, \"cublas_bf16_us\": %.2f, \"fp8_us\": %.2f, \"ratio\": %.4f}", m,
+                       ms_b * 1e3, ms_f * 1e3, floor_us / (ms_f * 1e3));
       }
     }
     cublasDestroy(h);

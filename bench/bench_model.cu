@@ -3,7 +3,7 @@
 //! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N,N..]
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced]
 //!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
-//!                    [--no-folded] [--no-fused-act-quant] [--ab-fused-act-quant] [--dspark]
+//!                    [--no-folded] [--no-fused-act-quant] [--no-wo-a-fp8] [--ab-decode] [--dspark]
 //!                    [--mhc-one-token-ctas N] [--mhc-small-groups N,M] [--config-json FILE]
 //!                    [--checkpoint-only] [--clone-contexts] [--json FILE]
 //!
@@ -50,9 +50,10 @@
 //! `--no-folded`: the wide FP8 linears of 32-128 tokens off the folded kernel (gemm/folded_gemm.cuh),
 //! on the paths before it (mma.sync, dequantize + cuBLAS from 64 tokens), to compare.
 //! `--no-fused-act-quant`: the norms that feed FP8 linears (the mHC boundaries, q_norm) leave the
-//! act_quant to a quantize launch of its own (numerics::set_fused_act_quant), to compare;
-//! `--ab-fused-act-quant`: each decode batch is also timed with it off, on and off again (rows
-//! decode-unfused / decode-fused), in the same process on the same sequences.
+//! act_quant to a quantize launch of its own (numerics::set_fused_act_quant); `--no-wo-a-fp8`:
+//! wo_a through cuBLAS bf16 at every size (output::set_wo_a_fp8), to compare. `--ab-decode`: each
+//! decode batch is also timed with neither, each alone and both, twice (rows decode-neither /
+//! -actquant / -woafp8 / -both), in the same process on the same sequences.
 //! `--dspark`: also the DSpark drafter on CUDA (model::device_dspark): one sequence at the decode
 //! context, then per round one backbone decode step with the capture of main_hidden and one draft
 //! block, timed apart (row `dspark-draft`: the block's drafts per second; its floor is the
@@ -146,7 +147,7 @@ struct options {
   int chunk = 0;                      // > 0: longer prompts as a prefill of `chunk` tokens + appended chunks
   bool dspark = false;                // also time the DSpark drafter on CUDA
   bool checkpoint_only = false;       // write the checkpoint to `checkpoint` and stop
-  bool ab_fused_act_quant = false;    // decode: each batch timed with the fused act_quant on and off, twice
+  bool ab_decode = false;             // decode: each batch also timed with the fused act_quant and FP8 wo_a on / off
   bool clone_contexts = false;        // decode batches: one prefill, the other sequences copies of it
 };
 
@@ -341,14 +342,16 @@ int run(FILE* jf, const options& opt) {
       const double s = time_steps();
       if (ci == 0) decode_s.push_back(s);
       row("decode", context, batch, s, batch / s, traffic.decode_bytes(batch) / ceiling.copy_bps);
-      if (opt.ab_fused_act_quant) {  // off, on, off: the same sequences, alternating
-        for (const bool on : {false, true, false}) {
-          numerics::set_fused_act_quant(on);
-          const double t = time_steps();
-          row(on ? "decode-fused" : "decode-unfused", context, batch, t, batch / t,
-              traffic.decode_bytes(batch) / ceiling.copy_bps);
-        }
-        numerics::set_fused_act_quant(true);
+      if (opt.ab_decode) {  // the same sequences, alternating: neither, each alone, both, twice
+        const bool aq0 = numerics::fused_act_quant(), woa0 = kernels::output::wo_a_fp8_enabled();
+        for (int round = 0; round < 2; ++round)
+          for (const int v : {0, 1, 2, 3}) {
+            numerics::set_fused_act_quant(v & 1), kernels::output::set_wo_a_fp8(v & 2);
+            const double t = time_steps();
+            const char* names[] = {"decode-neither", "decode-actquant", "decode-woafp8", "decode-both"};
+            row(names[v], context, batch, t, batch / t, traffic.decode_bytes(batch) / ceiling.copy_bps);
+          }
+        numerics::set_fused_act_quant(aq0), kernels::output::set_wo_a_fp8(woa0);
       }
       for (int sl : slots) dm.release_sequence(sl);
     }
@@ -526,8 +529,10 @@ int main(int argc, char** argv) {
         kernels::gemm::set_folded_linears(false);
       else if (a == "--no-fused-act-quant")
         numerics::set_fused_act_quant(false);
-      else if (a == "--ab-fused-act-quant")
-        opt.ab_fused_act_quant = true;
+      else if (a == "--no-wo-a-fp8")
+        kernels::output::set_wo_a_fp8(false);
+      else if (a == "--ab-decode")
+        opt.ab_decode = true;
       else if (a == "--gemm-max-tokens" && has_value)
         gemm_max_tokens = bench::int_list(a, argv[++i]);
       else {
@@ -537,7 +542,7 @@ int main(int argc, char** argv) {
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
             "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--no-fused-act-quant] "
-            "[--ab-fused-act-quant] "
+            "[--no-wo-a-fp8] [--ab-decode] "
             "[--dspark] [--mhc-one-token-ctas N] "
             "[--mhc-small-groups N,M] [--config-json FILE] "
             "[--checkpoint-only] [--clone-contexts] [--json FILE]\n");

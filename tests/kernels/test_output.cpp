@@ -2,10 +2,13 @@
 
 #include <boost/test/unit_test.hpp>
 
+#include <limits>
 #include <random>
 #include <vector>
 
 #include "dsv4/kernels/output/reference.hpp"
+#include "dsv4/kernels/output/wo_a_fp8.hpp"
+#include "dsv4/numerics/minifloat.hpp"
 #include "support/random.hpp"
 
 using namespace dsv4;
@@ -72,6 +75,56 @@ BOOST_AUTO_TEST_CASE(output_unrotates_at_the_query_position) {
     den += std::pow(double(at0[std::size_t(i)].to_float()), 2);
   }
   BOOST_TEST(std::sqrt(num / den) < 0.05);  // two bf16 roundings of the rotated channels and FP8 re-quantization
+}
+
+// wo_a's FP8 form (wo_a_fp8.hpp): the dequantized values of FP8 codes with 32 x 32 or 128 x 128
+// UE8M0 tiles (as the checkpoint holds them and attention_weights.hpp rounds their products to
+// bf16) come back exactly as codes times one scale per 32 x 32 tile, E4M3 subnormals and zeros
+// included; values with no such form give none.
+BOOST_AUTO_TEST_CASE(wo_a_fp8_form_is_exact_or_absent) {
+  auto rng = test::make_rng(121);
+  for (const int tile : {32, 128}) {
+    const int rows = 256, cols = 384;
+    std::vector<float> v(std::size_t(rows) * cols);
+    std::vector<std::uint8_t> scales(std::size_t(rows / tile) * (cols / tile));
+    for (auto& s : scales) s = std::uint8_t(100 + rng() % 40);
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c) {
+        std::uint8_t code = std::uint8_t(rng() % 0x7F) | std::uint8_t(rng() % 2 ? 0x80 : 0);  // never NaN
+        if (rng() % 16 == 0) code &= 0x87;                                                     // a subnormal or zero
+        const float scale = numerics::decode<numerics::ue8m0>(scales[std::size_t(r / tile) * (cols / tile) + c / tile]);
+        v[std::size_t(r) * cols + c] = numerics::round_to_bf16(numerics::mul_rn(numerics::decode<numerics::e4m3>(code), scale));
+      }
+    const auto f8 = output::exact_fp8_tiles(v, rows, cols);
+    BOOST_TEST_REQUIRE(f8.has_value());
+    std::size_t differ = 0;
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c) {
+        const std::size_t i = std::size_t(r) * cols + c;
+        const float scale = numerics::decode<numerics::ue8m0>(f8->scales[std::size_t(r / 32) * (cols / 32) + c / 32]);
+        differ += numerics::decode<numerics::e4m3>(f8->codes[i]) * scale != v[i];
+      }
+    BOOST_TEST(differ == 0u, differ << " values differ (tiles of " << tile << ")");
+  }
+  // An all-zero tile: scale 2^0, zero codes.
+  std::vector<float> z(32 * 32, 0.0f);
+  const auto fz = output::exact_fp8_tiles(z, 32, 32);
+  BOOST_TEST_REQUIRE(fz.has_value());
+  BOOST_TEST(fz->scales[0] == 127u);
+  // 1 + 2^-7 needs seven mantissa bits: no E4M3 form beside 448 in its tile.
+  std::vector<float> w(32 * 32, 1.0f);
+  w[5] = 1.0f + 0x1p-7f;
+  BOOST_TEST(!output::exact_fp8_tiles(w, 32, 32).has_value());
+  // A tile spanning more than E4M3's range (448 and 2^-10 * 448 / 448 ... below its smallest step).
+  w.assign(32 * 32, 448.0f);
+  w[7] = 0x1p-10f;
+  BOOST_TEST(!output::exact_fp8_tiles(w, 32, 32).has_value());
+  w[7] = 0x1p-9f;  // the smallest E4M3 subnormal at scale 2^0
+  BOOST_TEST(output::exact_fp8_tiles(w, 32, 32).has_value());
+  // Shapes that are not whole tiles, and non-finite values, have none.
+  BOOST_TEST(!output::exact_fp8_tiles(std::vector<float>(48 * 32, 1.0f), 48, 32).has_value());
+  w[9] = std::numeric_limits<float>::infinity();
+  BOOST_TEST(!output::exact_fp8_tiles(w, 32, 32).has_value());
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -178,6 +178,7 @@ class device_dspark {
       d.wkv = fp8_weight::upload(st.attn.wkv), d.wo_b = fp8_weight::upload(st.attn.wo_b);
       d.q_norm = upload_bf16(st.attn.q_norm), d.kv_norm = upload_bf16(st.attn.kv_norm),
       d.wo_a = upload_bf16(st.attn.wo_a);
+      d.wo_a_fp8 = kernels::attention::device_detail::wo_a_fp8_buffers::upload(st.attn.wo_a, st.attn.wo_b.k);
       d.sink = upload(st.attn.attn_sink);
       d.block = device_block::upload_from(st, c.dim);
       d.ring = runtime::device_buffer<std::uint8_t>(std::size_t(max_seqs) * W * window_layout::bytes);
@@ -528,6 +529,7 @@ class device_dspark {
   struct stage {
     kernels::attention::device_detail::fp8_weight wq_a, wq_b, wkv, wo_b;
     runtime::device_buffer<bf16> q_norm, kv_norm, wo_a;
+    kernels::attention::device_detail::wo_a_fp8_buffers wo_a_fp8;
     runtime::device_buffer<float> sink;
     device_detail::device_block block;
     runtime::device_buffer<std::uint8_t> ring;  //!< [max_seqs, window] FP8 window entries
@@ -662,7 +664,7 @@ class device_dspark {
     kernels::attention::sparse_attention<head_dim>(a, kv, stream(), &*attn_ws_);
     kernels::output::attention_output(o_.data(), draft_pos, B, freqs_.data(), sh.rope_dim, st.wo_a.data(),
                                       st.wo_b.codes.data(), st.wo_b.scales.data(), sub_.data(), *out_ws_,
-                                      m_.blas(), stream());
+                                      m_.blas(), stream(), st.wo_a_fp8.view());
   }
 };
 

@@ -3,7 +3,8 @@
 //! The attention output path on CUDA (spec §5 "Output"; host reference: reference.hpp):
 //! inverse RoPE of the last rope_dim channels of every head (in place, at each token's position),
 //! the block-diagonal bf16 projection by wo_a (o_groups groups of heads_per_group x head_dim ->
-//! o_lora), act_quant, and the FP8 projection by wo_b (groups x o_lora -> dim), bf16 out.
+//! o_lora; at decode from its FP8 form where it has one: wo_a_fp8.cuh), act_quant, and the FP8
+//! projection by wo_b (groups x o_lora -> dim), bf16 out.
 
 #include <cublas_v2.h>     // provides cublasHandle_t
 #include <cuda_runtime.h>  // provides cudaStream_t
@@ -15,11 +16,20 @@
 #include "dsv4/kernels/gemm/dense.cuh"
 #include "dsv4/kernels/gemm/dequant_gemm.cuh"
 #include "dsv4/kernels/output/reference.hpp"
+#include "dsv4/kernels/output/wo_a_fp8.cuh"
+#include "dsv4/kernels/output/wo_a_fp8.hpp"
 #include "dsv4/kernels/rope/rope.cuh"
 #include "dsv4/numerics/quantize.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
 
 namespace dsv4::kernels::output {
+
+//! wo_a's FP8 form on the device (codes [groups * o_lora, group width], scales per 32 x 32 tile);
+//! null: none (the bf16 path at every size).
+struct wo_a_fp8_weight {
+  const std::uint8_t* codes = nullptr;
+  const std::uint8_t* scales = nullptr;
+};
 
 //! Intermediates for up to `max_tokens` tokens.
 struct output_workspace {
@@ -37,11 +47,13 @@ struct output_workspace {
 
 //! out [T, dim] = wo_b(act_quant(wo_a(inverse_rope(o)))). `o` [T, heads * head_dim] is un-rotated
 //! in place. wo_a: bf16 [groups, o_lora, heads_per_group * head_dim]; wo_b: FP8 MMA tiles of
-//! [dim, groups * o_lora].
+//! [dim, groups * o_lora]. `wo_a_f8` (optional): wo_a's FP8 form (wo_a_fp8.hpp, exact_fp8_tiles),
+//! which calls of up to wo_a_fp8_max_tokens tokens read instead of the bf16 weight (the same
+//! products; wo_a_fp8.cuh).
 inline void attention_output(numerics::bf16* o, const std::int64_t* positions, long long tokens, const float* freqs,
                              int rope_dim, const numerics::bf16* wo_a, const std::uint8_t* wo_b,
                              const std::uint8_t* wo_b_scale, numerics::bf16* out, output_workspace& ws,
-                             cublasHandle_t blas, cudaStream_t stream = nullptr) {
+                             cublasHandle_t blas, cudaStream_t stream = nullptr, const wo_a_fp8_weight& wo_a_f8 = {}) {
   const output_shape& s = ws.shape;
   if (tokens < 0 || tokens > ws.max_tokens)
     throw error("attention_output: " + std::to_string(tokens) + " tokens, the workspace holds " +
@@ -62,8 +74,13 @@ inline void attention_output(numerics::bf16* o, const std::int64_t* positions, l
         !why.empty())
       throw error("attention_output: wo_b: " + why);
   }
+  const wo_a_fp8_args fa{o, wo_a_f8.codes, wo_a_f8.scales, ws.mid.data(), int(tokens), s.groups, s.o_lora, s.group_width()};
+  const bool fp8 = wo_a_f8.codes && wo_a_fp8_enabled() && wo_a_fp8_unsupported(fa).empty();
   rope::apply_rope({o, positions, freqs, tokens, s.heads, s.head_dim, rope_dim / 2, true}, stream);
-  gemm::grouped_linear_bf16(blas, o, wo_a, ws.mid.data(), int(tokens), s.groups, s.o_lora, s.group_width(), stream);
+  if (fp8)
+    wo_a_fp8(fa, stream);
+  else
+    gemm::grouped_linear_bf16(blas, o, wo_a, ws.mid.data(), int(tokens), s.groups, s.o_lora, s.group_width(), stream);
   const int k = s.groups * s.o_lora;
   numerics::quantize<numerics::fp8_act_format>({ws.mid.data(), tokens, k, k, ws.mid_codes.data(), k, ws.mid_scales.data(), k / 32},
                                                stream);
