@@ -211,7 +211,9 @@ int run(FILE* jf, const options& opt) {
   lim.max_seqs = *std::max_element(batches.begin(), batches.end()) + 2;
   const int longest = std::max(*std::max_element(prompt_lengths.begin(), prompt_lengths.end()), longest_context);
   lim.max_rows = opt.chunk > 0 ? std::min(longest, opt.chunk) : longest;
-  lim.max_tokens = std::max<long long>(longest, longest_context + steps + 1), lim.page_tokens = 256;
+  // (--ab-decode: eight more rounds of steps on the same sequences.)
+  const int step_rounds = opt.ab_decode ? 9 : 1;
+  lim.max_tokens = std::max<long long>(longest, longest_context + step_rounds * steps + 1), lim.page_tokens = 256;
   lim.ced_appends = opt.chunk > 0 && opt.chunk < longest;  // chunked CED prompts append in CED mode
   lim.engram_host_tables = opt.engram_host_tables;
   // --dspark: a speculative round of every sequence of the largest batch in one call, and room
