@@ -93,13 +93,19 @@ DSV4_HOST_DEVICE constexpr std::uint16_t e4m3_code_as_f16(std::uint8_t code) {
   return std::uint16_t(sign | (p + 6) << 10 | (m - (1u << p)) << (10 - p));
 }
 
+//! A UE8M0 code's value 2^(code - 127) straight from its bits: code 0 is the subnormal 2^-127,
+//! 255 is NaN. Branch-free on the device; the one definition the kernels' scale decoding uses.
+DSV4_HOST_DEVICE float ue8m0_value(std::uint32_t code) {
+  return bits_to_float(code == 0 ? 0x00400000u : code == 0xFFu ? 0x7fc00000u : code << 23);
+}
+
 //! Decode one code to fp32 (exact: every value of these encodings is an fp32 value).
 template <class T>
 DSV4_HOST_DEVICE float decode(std::uint8_t code) {
   static_assert(is_minifloat_v<T>, "decode<T>: T must be a numerics::minifloat");
   if constexpr (T::special == special_codes::unsigned_pow2) {
-    if (code == 0xFF) return bits_to_float(0x7fc00000u);
-    return exp2_int(int(code) - T::bias);
+    static_assert(T::bias == 127 && T::exp_bits == 8, "decode<T>: the unsigned power-of-two code is UE8M0");
+    return ue8m0_value(code);
   } else {
     constexpr unsigned man_mask = (1u << T::man_bits) - 1;
     constexpr unsigned exp_mask = (1u << T::exp_bits) - 1;

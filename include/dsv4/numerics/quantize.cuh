@@ -10,12 +10,12 @@
 
 #include <cuda_runtime.h>  // provides cudaStream_t, uint2, uint4
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 #include <type_traits>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/core/process_switch.hpp"
 #include "dsv4/numerics/fast_codec.cuh"
 #include "dsv4/numerics/formats.hpp"
 #include "dsv4/numerics/quantize.hpp"
@@ -54,10 +54,7 @@ struct act_quant_view {
 };
 
 namespace detail {
-inline std::atomic<bool>& fused_act_quant_on() {
-  static std::atomic<bool> on{true};
-  return on;
-}
+struct fused_act_quant_tag;
 }  // namespace detail
 //! Process-wide: whether the norms that feed FP8 linears write the act_quant of their output in
 //! the same launch (rmsnorm_args::codes through norm::rmsnorm_quantized, mhc_step_args::h_codes
@@ -65,10 +62,10 @@ inline std::atomic<bool>& fused_act_quant_on() {
 //! as before (for comparisons: bench_model --no-fused-act-quant). The bytes are the same either
 //! way. Read when a call is launched.
 inline void set_fused_act_quant(bool on) {
-  detail::fused_act_quant_on().store(on);
+  process_switch<detail::fused_act_quant_tag>::set(on);
 }
 inline bool fused_act_quant() {
-  return detail::fused_act_quant_on().load();
+  return process_switch<detail::fused_act_quant_tag>::on();
 }
 
 struct dequantize_args {

@@ -45,6 +45,7 @@
 #include "dsv4/kernels/gemm/weight_tiles.hpp"
 #include "dsv4/numerics/bf16.hpp"
 #include "dsv4/numerics/bits.hpp"
+#include "dsv4/numerics/minifloat.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "dsv4/runtime/device_info.cuh"
@@ -214,11 +215,7 @@ DSV4_DEVICE void fp4_lane_word_to_e4m3(std::uint32_t w, std::uint32_t& lo, std::
   hi = pack_halves(e[2], e[3]);
 }
 
-//! 2^(code - 127), NaN for 0xFF; branch-free (code 0 is the subnormal 2^-127).
-DSV4_DEVICE float ue8m0_value(std::uint32_t code) {
-  const std::uint32_t bits = code == 0 ? 0x00400000u : code == 0xFFu ? 0x7fc00000u : code << 23;
-  return __uint_as_float(bits);
-}
+using numerics::ue8m0_value;
 
 //! The end of a split-K CTA whose slice's fp32 partials are written: releases them, takes a ticket
 //! on the output tile's counter, and if it is the last slice to arrive sums the tile's partials

@@ -44,6 +44,7 @@
 #include <string>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/core/process_switch.hpp"
 #include "dsv4/kernels/bulk_copy.cuh"
 #include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
 #include "dsv4/kernels/gemm/wgmma_gemm.cuh"
@@ -81,10 +82,7 @@ inline constexpr int folded_unroll = 2;           // K blocks per batch of wgmma
 inline constexpr int folded_weight_depth = 12;    // K blocks of weights in flight per thread (cp.async)
 inline constexpr int folded_depth = folded_weight_depth / folded_unroll;  // batches of them
 
-inline std::atomic<bool>& folded_linears_on() {
-  static std::atomic<bool> on{true};
-  return on;
-}
+struct folded_linears_tag;
 inline std::atomic<unsigned long long>& folded_gemm_launches() {
   static std::atomic<unsigned long long> launches{0};
   return launches;
@@ -577,10 +575,10 @@ inline void folded_gemm(const block_scaled_gemm_args& g, gemm_workspace& workspa
 //! mma.sync kernel and the dequantize + cuBLAS path as before it, for comparisons such as
 //! bench_model --no-folded). Read when a linear layer is launched (or a graph captured).
 inline void set_folded_linears(bool on) {
-  detail::folded_linears_on().store(on);
+  process_switch<detail::folded_linears_tag>::set(on);
 }
 inline bool folded_linears() {
-  return detail::folded_linears_on().load();
+  return process_switch<detail::folded_linears_tag>::on();
 }
 
 //! Whether a weight of this shape folds at its token count (the measured range above).

@@ -78,7 +78,7 @@ inline void attention_output(numerics::bf16* o, const std::int64_t* positions, l
   const bool fp8 = wo_a_f8.codes && wo_a_fp8_enabled() && wo_a_fp8_unsupported(fa).empty();
   rope::apply_rope({o, positions, freqs, tokens, s.heads, s.head_dim, rope_dim / 2, true}, stream);
   if (fp8)
-    wo_a_fp8(fa, stream);
+    detail::launch_wo_a_fp8(fa, stream);  // fa checked above
   else
     gemm::grouped_linear_bf16(blas, o, wo_a, ws.mid.data(), int(tokens), s.groups, s.o_lora, s.group_width(), stream);
   const int k = s.groups * s.o_lora;

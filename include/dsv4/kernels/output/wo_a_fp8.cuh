@@ -22,13 +22,14 @@
 
 #include <cuda_runtime.h>  // provides cudaStream_t, uint4
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/core/process_switch.hpp"
 #include "dsv4/kernels/tensor_core.cuh"
 #include "dsv4/numerics/bf16.hpp"
+#include "dsv4/numerics/minifloat.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/pdl.cuh"
 
@@ -39,19 +40,16 @@ namespace dsv4::kernels::output {
 inline constexpr long long wo_a_fp8_max_tokens = 16;
 
 namespace detail {
-inline std::atomic<bool>& wo_a_fp8_on() {
-  static std::atomic<bool> on{true};
-  return on;
-}
+struct wo_a_fp8_tag;
 }  // namespace detail
 //! Process-wide: whether attention_output may read wo_a's FP8 form where it is given (the
 //! default), or keeps the bf16 path at every size (for comparisons: bench_model --ab-decode).
 //! Read when a call is launched.
 inline void set_wo_a_fp8(bool on) {
-  detail::wo_a_fp8_on().store(on);
+  process_switch<detail::wo_a_fp8_tag>::set(on);
 }
 inline bool wo_a_fp8_enabled() {
-  return detail::wo_a_fp8_on().load();
+  return process_switch<detail::wo_a_fp8_tag>::on();
 }
 
 struct wo_a_fp8_args {
@@ -99,10 +97,7 @@ DSV4_DEVICE std::uint32_t e4m3x2_scaled_bf16x2(std::uint32_t two, float scale) {
   return out;
 }
 
-//! UE8M0 code -> its fp32 value 2^(code - 127) (code 0: 2^-127, a subnormal; 255: NaN).
-DSV4_DEVICE float ue8m0_value(std::uint32_t code) {
-  return code == 0 ? __uint_as_float(0x00400000u) : code == 255 ? __uint_as_float(0x7fc00000u) : __uint_as_float(code << 23);
-}
+using numerics::ue8m0_value;
 
 template <int NT>  // token tiles of 8: 1 (up to 8 tokens) or 2 (up to 16)
 DSV4_KERNEL void __launch_bounds__(32 * wo_a_max_warps) wo_a_fp8_kernel(wo_a_fp8_args a, int parts) {
@@ -192,20 +187,27 @@ inline std::string wo_a_fp8_unsupported(const wo_a_fp8_args& a) {
   return {};
 }
 
+namespace detail {
+//! wo_a_fp8 for arguments the caller has already checked with wo_a_fp8_unsupported.
+inline void launch_wo_a_fp8(const wo_a_fp8_args& a, cudaStream_t stream) {
+  if (a.tokens == 0) return;
+  int parts = wo_a_max_warps;
+  while (parts > 1 && (a.k / wo_a_step) % parts) parts /= 2;  // whole 64-wide steps a warp
+  const dim3 grid(unsigned(1LL * a.groups * a.n / 16)), block(unsigned(32 * parts));
+  if (a.tokens <= 8)
+    runtime::launch_programmatic(wo_a_fp8_kernel<1>, grid, block, 0, stream, a, parts);
+  else
+    runtime::launch_programmatic(wo_a_fp8_kernel<2>, grid, block, 0, stream, a, parts);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+}  // namespace detail
+
 //! y[t, g n + i] = bf16(sum_j x[t, g k + j] * W[g n + i, j]) for every group g, W the bf16 values
 //! of `codes` times their tile's scale (see the file comment). Throws dsv4::error where
 //! wo_a_fp8_unsupported says why.
 inline void wo_a_fp8(const wo_a_fp8_args& a, cudaStream_t stream = nullptr) {
   if (const auto why = wo_a_fp8_unsupported(a); !why.empty()) throw error("wo_a_fp8: " + why);
-  if (a.tokens == 0) return;
-  int parts = detail::wo_a_max_warps;
-  while (parts > 1 && (a.k / detail::wo_a_step) % parts) parts /= 2;  // whole 64-wide steps a warp
-  const dim3 grid(unsigned(1LL * a.groups * a.n / 16)), block(unsigned(32 * parts));
-  if (a.tokens <= 8)
-    runtime::launch_programmatic(detail::wo_a_fp8_kernel<1>, grid, block, 0, stream, a, parts);
-  else
-    runtime::launch_programmatic(detail::wo_a_fp8_kernel<2>, grid, block, 0, stream, a, parts);
-  DSV4_CUDA_CHECK_LAUNCH();
+  detail::launch_wo_a_fp8(a, stream);
 }
 
 }  // namespace dsv4::kernels::output
