@@ -1,7 +1,7 @@
 //! \brief The whole model on CUDA (model::device_model): prefill tokens/s in exact and CED mode,
 //! decode tokens/s at several batch sizes, global-cache bytes per token actually allocated.
 //! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N,N..]
-//!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced]
+//!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--issue-time]
 //!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
 //!                    [--no-folded] [--no-fused-act-quant] [--no-wo-a-fp8] [--ab-decode] [--dspark]
 //!                    [--mhc-one-token-ctas N] [--mhc-small-groups N,M] [--config-json FILE]
@@ -54,6 +54,11 @@
 //! wo_a through cuBLAS bf16 at every size (output::set_wo_a_fp8), to compare. `--ab-decode`: each
 //! decode batch is also timed with neither, each alone and both, twice (rows decode-neither /
 //! -actquant / -woafp8 / -both), in the same process on the same sequences.
+//! `--issue-time`: each decode batch's steps again, each behind a 100 ms wait on the device's
+//! stream, so that the step's launches queue before the device reaches them: row decode-queued is
+//! the device's time for a step from the wait's end (events), printed with the host's time to
+//! issue the step (device_model::last_issue_seconds). A step that takes much longer in the plain
+//! row than queued is bound by the host's launches, which a captured graph would remove.
 //! `--dspark`: also the DSpark drafter on CUDA (model::device_dspark): one sequence at the decode
 //! context, then per round one backbone decode step with the capture of main_hidden and one draft
 //! block, timed apart (row `dspark-draft`: the block's drafts per second; its floor is the
@@ -67,6 +72,7 @@
 //! per sequence, with the rollback), printed against plain decoding. The drafter is untrained
 //! (random weights): where a trained one lands between the bounds is its acceptance rate.
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -94,6 +100,14 @@ using namespace dsv4;
 
 
 namespace {
+
+//! Holds the stream for `ns` nanoseconds of the device's clock (one thread): the launches issued
+//! behind it queue up, so the time from its end to the work's end is the device's alone.
+__global__ void wait_on_device(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); while (t - t0 < ns);
+}
 using bench_variants::v41_width;
 
 //! What one token costs in weights, from the checkpoint schema: the bytes a decode step must read
@@ -147,6 +161,7 @@ struct options {
   int chunk = 0;                      // > 0: longer prompts as a prefill of `chunk` tokens + appended chunks
   bool dspark = false;                // also time the DSpark drafter on CUDA
   bool checkpoint_only = false;       // write the checkpoint to `checkpoint` and stop
+  bool issue_time = false;            // decode: the host's issue time of a step, and the step's device time with its launches queued
   bool ab_decode = false;             // decode: each batch also timed with the fused act_quant and FP8 wo_a on / off
   bool clone_contexts = false;        // decode batches: one prefill, the other sequences copies of it
 };
@@ -212,7 +227,8 @@ int run(FILE* jf, const options& opt) {
   const int longest = std::max(*std::max_element(prompt_lengths.begin(), prompt_lengths.end()), longest_context);
   lim.max_rows = opt.chunk > 0 ? std::min(longest, opt.chunk) : longest;
   // (--ab-decode: eight more rounds of steps on the same sequences.)
-  const int step_rounds = opt.ab_decode ? 9 : 1;
+  // (--issue-time: one more.)
+  const int step_rounds = 1 + (opt.ab_decode ? 8 : 0) + (opt.issue_time ? 1 : 0);
   lim.max_tokens = std::max<long long>(longest, longest_context + step_rounds * steps + 1), lim.page_tokens = 256;
   lim.ced_appends = opt.chunk > 0 && opt.chunk < longest;  // chunked CED prompts append in CED mode
   lim.engram_host_tables = opt.engram_host_tables;
@@ -344,6 +360,32 @@ int run(FILE* jf, const options& opt) {
       const double s = time_steps();
       if (ci == 0) decode_s.push_back(s);
       row("decode", context, batch, s, batch / s, traffic.decode_bytes(batch) / ceiling.copy_bps);
+      if (opt.issue_time) {  // the same steps behind a wait on the device, so that every launch queues first
+        constexpr unsigned long long wait_ns = 100'000'000;
+        cudaEvent_t began, ended;
+        DSV4_CUDA_CHECK(cudaEventCreate(&began)), DSV4_CUDA_CHECK(cudaEventCreate(&ended));
+        std::vector<double> issue, queued;
+        for (int i = 0; i < steps; ++i) {
+          wait_on_device<<<1, 1, 0, dm.stream()>>>(wait_ns);
+          DSV4_CUDA_CHECK(cudaEventRecord(began, dm.stream()));
+          dm.decode(slots, tok);
+          issue.push_back(dm.last_issue_seconds());
+          DSV4_CUDA_CHECK(cudaEventRecord(ended, dm.stream()));
+          DSV4_CUDA_CHECK(cudaEventSynchronize(ended));
+          float ms = 0;
+          DSV4_CUDA_CHECK(cudaEventElapsedTime(&ms, began, ended));
+          queued.push_back(ms / 1e3);
+        }
+        DSV4_CUDA_CHECK(cudaEventDestroy(began)), DSV4_CUDA_CHECK(cudaEventDestroy(ended));
+        std::sort(issue.begin(), issue.end()), std::sort(queued.begin(), queued.end());
+        const double issue_s = issue[issue.size() / 2], queued_s = queued[queued.size() / 2];
+        row("decode-queued", context, batch, queued_s, batch / queued_s, traffic.decode_bytes(batch) / ceiling.copy_bps);
+        std::printf("           (the host issues a step in %.2f ms%s; behind a wait, its launches queued, the device "
+                    "takes %.2f ms of the %.2f ms step)
+",
+                    issue_s * 1e3, issue_s * 1e9 > double(wait_ns) ? ", longer than the wait: the queue drained" : "",
+                    queued_s * 1e3, s * 1e3);
+      }
       if (opt.ab_decode) {  // the same sequences, alternating: neither, each alone, both, twice
         const bool aq0 = numerics::fused_act_quant(), woa0 = kernels::output::wo_a_fp8_enabled();
         for (int round = 0; round < 2; ++round)
@@ -535,6 +577,8 @@ int main(int argc, char** argv) {
         kernels::output::set_wo_a_fp8(false);
       else if (a == "--ab-decode")
         opt.ab_decode = true;
+      else if (a == "--issue-time")
+        opt.issue_time = true;
       else if (a == "--gemm-max-tokens" && has_value)
         gemm_max_tokens = bench::int_list(a, argv[++i]);
       else {
@@ -544,7 +588,7 @@ int main(int argc, char** argv) {
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
             "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--no-fused-act-quant] "
-            "[--no-wo-a-fp8] [--ab-decode] "
+            "[--no-wo-a-fp8] [--ab-decode] [--issue-time] "
             "[--dspark] [--mhc-one-token-ctas N] "
             "[--mhc-small-groups N,M] [--config-json FILE] "
             "[--checkpoint-only] [--clone-contexts] [--json FILE]\n");

@@ -44,6 +44,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -337,6 +338,10 @@ class device_model {
   }
   //! The stream all of the model's work runs on.
   cudaStream_t stream() const { return stream_.get(); }
+  //! Host seconds the last call took from its begin_* until every launch of its forward was
+  //! issued (before its wait for the device). Against the call's wall time it says whether a
+  //! step is bound by the host's launches (bench_model --issue-time).
+  double last_issue_seconds() const { return last_issue_s_; }
   //! This model's rank and world size (0 and 1 without collectives).
   int rank() const { return comm_ ? comm_->rank() : 0; }
   int world() const { return comm_ ? comm_->size() : 1; }
@@ -656,6 +661,8 @@ class device_model {
   runtime::pinned_buffer<float> logits_host_;  //!< the logits' way back (an asynchronous copy needs pinned memory)
   bool logits_stay_ = false;                   //!< decode_on_device: exit_logits copies nothing back
   long long logit_rows_ready_ = 0;             //!< rows of logits_ the last call left (sample)
+  std::chrono::steady_clock::time_point call_began_{};  //!< when the last begin_* started
+  double last_issue_s_ = 0;                     //!< last_issue_seconds()
   std::optional<kernels::sampling::device_sampler> sampler_;
   //! limits::ced_appends: per sequence slot, the first decoder layer's input of its last `window`
   //! positions ([slot, position mod window] rows), and the current call's row maps into it.
@@ -694,6 +701,7 @@ class device_model {
   void begin_call() {
     check_idle();
     logit_rows_ready_ = 0;
+    call_began_ = std::chrono::steady_clock::now();
   }
   void check_ids(std::span<const std::int32_t> ids) const {
     if (ids.empty()) throw error("device_model: no tokens");
@@ -944,6 +952,7 @@ class device_model {
       comm_->all_gather(logits_part_.data(), std::size_t(rows) * std::size_t(vocab_part_), logits_.data(), stream());
     }
     logit_rows_ready_ = rows;
+    last_issue_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - call_began_).count();
     if (logits_stay_) return {};  // decode_on_device: sample() reads them there
     DSV4_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), n * sizeof(float), cudaMemcpyDeviceToHost, stream()));
     DSV4_CUDA_CHECK(cudaStreamSynchronize(stream()));  // the call's one wait for the device
