@@ -381,8 +381,7 @@ int run(FILE* jf, const options& opt) {
         const double issue_s = issue[issue.size() / 2], queued_s = queued[queued.size() / 2];
         row("decode-queued", context, batch, queued_s, batch / queued_s, traffic.decode_bytes(batch) / ceiling.copy_bps);
         std::printf("           (the host issues a step in %.2f ms%s; behind a wait, its launches queued, the device "
-                    "takes %.2f ms of the %.2f ms step)
-",
+                    "takes %.2f ms of the %.2f ms step)\n",
                     issue_s * 1e3, issue_s * 1e9 > double(wait_ns) ? ", longer than the wait: the queue drained" : "",
                     queued_s * 1e3, s * 1e3);
       }
