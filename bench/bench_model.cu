@@ -365,10 +365,14 @@ int run(FILE* jf, const options& opt) {
         cudaEvent_t began, ended;
         DSV4_CUDA_CHECK(cudaEventCreate(&began)), DSV4_CUDA_CHECK(cudaEventCreate(&ended));
         std::vector<double> issue, queued;
+        runtime::launch_counts per_step{};
         for (int i = 0; i < steps; ++i) {
           wait_on_device<<<1, 1, 0, dm.stream()>>>(wait_ns);
           DSV4_CUDA_CHECK(cudaEventRecord(began, dm.stream()));
+          const auto before = runtime::thread_launch_counts();
           dm.decode(slots, tok);
+          per_step = {runtime::thread_launch_counts().kernels - before.kernels,
+                      runtime::thread_launch_counts().blas_calls - before.blas_calls};
           issue.push_back(dm.last_issue_seconds());
           DSV4_CUDA_CHECK(cudaEventRecord(ended, dm.stream()));
           DSV4_CUDA_CHECK(cudaEventSynchronize(ended));
@@ -380,10 +384,10 @@ int run(FILE* jf, const options& opt) {
         std::sort(issue.begin(), issue.end()), std::sort(queued.begin(), queued.end());
         const double issue_s = issue[issue.size() / 2], queued_s = queued[queued.size() / 2];
         row("decode-queued", context, batch, queued_s, batch / queued_s, traffic.decode_bytes(batch) / ceiling.copy_bps);
-        std::printf("           (the host issues a step in %.2f ms%s; behind a wait, its launches queued, the device "
-                    "takes %.2f ms of the %.2f ms step)\n",
-                    issue_s * 1e3, issue_s * 1e9 > double(wait_ns) ? ", longer than the wait: the queue drained" : "",
-                    queued_s * 1e3, s * 1e3);
+        std::printf("           (the host issues a step, %llu kernel launches and %llu cuBLAS calls, in %.2f ms%s; behind "
+                    "a wait, its launches queued, the device takes %.2f ms of the %.2f ms step)\n",
+                    per_step.kernels, per_step.blas_calls, issue_s * 1e3,
+                    issue_s * 1e9 > double(wait_ns) ? ", longer than the wait: the queue drained" : "", queued_s * 1e3, s * 1e3);
       }
       if (opt.ab_decode) {  // the same sequences, alternating: neither, each alone, both, twice
         const bool aq0 = numerics::fused_act_quant(), woa0 = kernels::output::wo_a_fp8_enabled();

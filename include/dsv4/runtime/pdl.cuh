@@ -65,6 +65,18 @@ inline constexpr bool pdl_enabled = [] {
 #endif
 }();
 
+//! Launches issued by this thread so far: our kernels (launch_ex, and count_launch() beside the
+//! few plain <<<>>> launches) and cuBLAS call scopes (gemm::detail::blas_call). bench_model reads
+//! the difference over a decode step: what a step costs the host in launches.
+struct launch_counts {
+  unsigned long long kernels = 0, blas_calls = 0;
+};
+inline launch_counts& thread_launch_counts() {
+  thread_local launch_counts counts;
+  return counts;
+}
+inline void count_launch() { ++thread_launch_counts().kernels; }
+
 //! Launches `kernel` with cudaLaunchKernelEx, programmatically where pdl_enabled, and with the
 //! cooperative attribute when `cooperative` (runtime/grid_barrier.cuh). Returns the launch's
 //! error, already cleared from the runtime's last-error state.
@@ -88,6 +100,7 @@ cudaError_t launch_ex(bool cooperative, void (*kernel)(Params...), dim3 grid, di
   }
   config.attrs = attribute;
   config.numAttrs = count;
+  count_launch();
   const cudaError_t launched = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   if (launched != cudaSuccess) (void)cudaGetLastError();  // reported by the caller, not by the next launch's check
   return launched;

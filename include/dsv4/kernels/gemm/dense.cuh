@@ -15,6 +15,7 @@
 
 #include "dsv4/core/error.hpp"
 #include "dsv4/numerics/bf16.hpp"
+#include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::kernels::gemm {
 
@@ -28,6 +29,7 @@ class blas_call {
  public:
   blas_call(cublasHandle_t h, cudaStream_t stream, cublasMath_t mode) : h_(h) {
     if (!h) throw error("cuBLAS call without a handle");
+    ++runtime::thread_launch_counts().blas_calls;
     blas_check(cublasGetMathMode(h, &saved_), "cublasGetMathMode");
     // cublasSetStream also resets the handle's workspace to cuBLAS's default pool (documented),
     // dropping one the caller set with cublasSetWorkspace: only switch when the stream differs.

@@ -32,6 +32,7 @@
 #include "dsv4/kernels/gemm/wgmma_gemm.cuh"
 #include "dsv4/numerics/fast_codec.cuh"
 #include "dsv4/numerics/minifloat.hpp"
+#include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::kernels::gemm {
 
@@ -157,6 +158,7 @@ inline void dequantize_activation_rows(const std::uint8_t* codes, const std::uin
                                        long long row0, long long rows, int k, numerics::bf16* out, cudaStream_t stream) {
   const long long threads = rows * (k / 8);
   if (threads == 0) return;
+  runtime::count_launch();
   dequantize_activations_kernel<<<unsigned((threads + 255) / 256), 256, 0, stream>>>(codes, scales, row_index, row0, rows, k,
                                                                                      out);
   DSV4_CUDA_CHECK_LAUNCH();
@@ -168,6 +170,7 @@ inline void dequantize_weight(weight_format wf, const std::uint8_t* codes, const
   const long long threads = (long long)((n + 15) / 16) * (k / 32) * 32;
   if (threads == 0) return;
   const unsigned blocks = unsigned((threads + 255) / 256);
+  runtime::count_launch();
   if (wf == weight_format::fp8_tile32)
     dequantize_weight_kernel<weight_format::fp8_tile32><<<blocks, 256, 0, stream>>>(codes, scales, n, k, out);
   else

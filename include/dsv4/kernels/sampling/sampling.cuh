@@ -44,6 +44,7 @@
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "dsv4/runtime/pinned_buffer.cuh"
+#include "dsv4/runtime/pdl.cuh"
 
 namespace dsv4::kernels::sampling {
 
@@ -381,6 +382,7 @@ class device_sampler {
     }
     DSV4_CUDA_CHECK(cudaMemcpyAsync(requests_.data(), requests_host_.data(),
                                     std::size_t(rows) * sizeof(row_request), cudaMemcpyHostToDevice, stream));
+    runtime::count_launch();
     detail::sample_kernel<<<rows, detail::sampler_threads, 0, stream>>>(logits, vocab, requests_.data(),
                                                                         results_.data(), exps_.data());
     DSV4_CUDA_CHECK_LAUNCH();
