@@ -106,7 +106,9 @@ namespace {
 __global__ void wait_on_device(unsigned long long ns) {
   unsigned long long t0, t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); while (t - t0 < ns);
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
 }
 using bench_variants::v41_width;
 
@@ -161,7 +163,7 @@ struct options {
   int chunk = 0;                      // > 0: longer prompts as a prefill of `chunk` tokens + appended chunks
   bool dspark = false;                // also time the DSpark drafter on CUDA
   bool checkpoint_only = false;       // write the checkpoint to `checkpoint` and stop
-  bool issue_time = false;            // decode: the host's issue time of a step, and the step's device time with its launches queued
+  bool issue_time = false;            // decode: a step's host issue time, and its device time queued
   bool ab_decode = false;             // decode: each batch also timed with the fused act_quant and FP8 wo_a on / off
   bool clone_contexts = false;        // decode batches: one prefill, the other sequences copies of it
 };
@@ -363,7 +365,8 @@ int run(FILE* jf, const options& opt) {
       if (opt.issue_time) {  // the same steps behind a wait on the device, so that every launch queues first
         constexpr unsigned long long wait_ns = 100'000'000;
         cudaEvent_t began, ended;
-        DSV4_CUDA_CHECK(cudaEventCreate(&began)), DSV4_CUDA_CHECK(cudaEventCreate(&ended));
+        DSV4_CUDA_CHECK(cudaEventCreate(&began));
+        DSV4_CUDA_CHECK(cudaEventCreate(&ended));
         std::vector<double> issue, queued;
         runtime::launch_counts per_step{};
         for (int i = 0; i < steps; ++i) {
@@ -380,14 +383,18 @@ int run(FILE* jf, const options& opt) {
           DSV4_CUDA_CHECK(cudaEventElapsedTime(&ms, began, ended));
           queued.push_back(ms / 1e3);
         }
-        DSV4_CUDA_CHECK(cudaEventDestroy(began)), DSV4_CUDA_CHECK(cudaEventDestroy(ended));
+        DSV4_CUDA_CHECK(cudaEventDestroy(began));
+        DSV4_CUDA_CHECK(cudaEventDestroy(ended));
         std::sort(issue.begin(), issue.end()), std::sort(queued.begin(), queued.end());
         const double issue_s = issue[issue.size() / 2], queued_s = queued[queued.size() / 2];
-        row("decode-queued", context, batch, queued_s, batch / queued_s, traffic.decode_bytes(batch) / ceiling.copy_bps);
-        std::printf("           (the host issues a step, %llu kernel launches and %llu cuBLAS calls, in %.2f ms%s; behind "
-                    "a wait, its launches queued, the device takes %.2f ms of the %.2f ms step)\n",
-                    per_step.kernels, per_step.blas_calls, issue_s * 1e3,
-                    issue_s * 1e9 > double(wait_ns) ? ", longer than the wait: the queue drained" : "", queued_s * 1e3, s * 1e3);
+        row("decode-queued", context, batch, queued_s, batch / queued_s,
+            traffic.decode_bytes(batch) / ceiling.copy_bps);
+        const char* drained =
+            issue_s * 1e9 > double(wait_ns) ? ", longer than the wait: the queue drained" : "";
+        std::printf(
+            "           (the host issues a step, %llu kernel launches and %llu cuBLAS calls, in %.2f ms%s;\n"
+            "            behind a wait, its launches queued, the device takes %.2f ms of the %.2f ms step)\n",
+            per_step.kernels, per_step.blas_calls, issue_s * 1e3, drained, queued_s * 1e3, s * 1e3);
       }
       if (opt.ab_decode) {  // the same sequences, alternating: neither, each alone, both, twice
         const bool aq0 = numerics::fused_act_quant(), woa0 = kernels::output::wo_a_fp8_enabled();

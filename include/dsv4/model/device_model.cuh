@@ -662,7 +662,7 @@ class device_model {
   bool logits_stay_ = false;                   //!< decode_on_device: exit_logits copies nothing back
   long long logit_rows_ready_ = 0;             //!< rows of logits_ the last call left (sample)
   std::chrono::steady_clock::time_point call_began_{};  //!< when the last begin_* started
-  double last_issue_s_ = 0;                     //!< last_issue_seconds()
+  double last_issue_s_ = 0;                             //!< last_issue_seconds()
   std::optional<kernels::sampling::device_sampler> sampler_;
   //! limits::ced_appends: per sequence slot, the first decoder layer's input of its last `window`
   //! positions ([slot, position mod window] rows), and the current call's row maps into it.

@@ -75,7 +75,9 @@ inline launch_counts& thread_launch_counts() {
   thread_local launch_counts counts;
   return counts;
 }
-inline void count_launch() { ++thread_launch_counts().kernels; }
+inline void count_launch() {
+  ++thread_launch_counts().kernels;
+}
 
 //! Launches `kernel` with cudaLaunchKernelEx, programmatically where pdl_enabled, and with the
 //! cooperative attribute when `cooperative` (runtime/grid_barrier.cuh). Returns the launch's

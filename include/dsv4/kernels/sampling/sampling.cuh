@@ -43,8 +43,8 @@
 #include "dsv4/kernels/sampling/reference.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
-#include "dsv4/runtime/pinned_buffer.cuh"
 #include "dsv4/runtime/pdl.cuh"
+#include "dsv4/runtime/pinned_buffer.cuh"
 
 namespace dsv4::kernels::sampling {
 
