@@ -58,7 +58,10 @@
 //! stream, so that the step's launches queue before the device reaches them: row decode-queued is
 //! the device's time for a step from the wait's end (events), printed with the host's time to
 //! issue the step (device_model::last_issue_seconds). A step that takes much longer in the plain
-//! row than queued is bound by the host's launches, which a captured graph would remove.
+//! row than queued is bound by the host's launches, which a captured graph would remove. Then
+//! the launch logs (runtime/launch_log.hpp) of the last two of those steps are compared: every
+//! launch whose grid, shared memory or argument bytes changed from one step to the next is
+//! printed (what a graph captured from one step could not replay unchanged).
 //! `--dspark`: also the DSpark drafter on CUDA (model::device_dspark): one sequence at the decode
 //! context, then per round one backbone decode step with the capture of main_hidden and one draft
 //! block, timed apart (row `dspark-draft`: the block's drafts per second; its floor is the
@@ -369,13 +372,17 @@ int run(FILE* jf, const options& opt) {
         DSV4_CUDA_CHECK(cudaEventCreate(&ended));
         std::vector<double> issue, queued;
         runtime::launch_counts per_step{};
+        std::vector<runtime::launch_record> last_logs[2];  // the last two steps' launches
         for (int i = 0; i < steps; ++i) {
           wait_on_device<<<1, 1, 0, dm.stream()>>>(wait_ns);
           DSV4_CUDA_CHECK(cudaEventRecord(began, dm.stream()));
           const auto before = runtime::thread_launch_counts();
+          std::optional<runtime::launch_log> log;
+          if (i + 2 >= steps) log.emplace();
           dm.decode(slots, tok);
           per_step = {runtime::thread_launch_counts().kernels - before.kernels,
                       runtime::thread_launch_counts().blas_calls - before.blas_calls};
+          if (log) last_logs[(i + 2 - steps) & 1] = log->records();
           issue.push_back(dm.last_issue_seconds());
           DSV4_CUDA_CHECK(cudaEventRecord(ended, dm.stream()));
           DSV4_CUDA_CHECK(cudaEventSynchronize(ended));
@@ -395,6 +402,15 @@ int run(FILE* jf, const options& opt) {
             "           (the host issues a step, %llu kernel launches and %llu cuBLAS calls, in %.2f ms%s;\n"
             "            behind a wait, its launches queued, the device takes %.2f ms of the %.2f ms step)\n",
             per_step.kernels, per_step.blas_calls, issue_s * 1e3, drained, queued_s * 1e3, s * 1e3);
+        // What a graph captured from one step would replay wrongly on the next: every launch
+        // whose shape or arguments changed between the last two steps (docs/decode-graph.md).
+        const auto changed = runtime::compare_launch_logs(
+            last_logs[0], last_logs[1],
+            [](const runtime::launch_record& r) { return runtime::launch_name(r); }, 40);
+        std::printf("           launch log of the last two steps (%zu / %zu launches): %s\n",
+                    last_logs[0].size(), last_logs[1].size(),
+                    changed.empty() ? "identical (a graph of one step replays the next)" : "");
+        for (const std::string& line : changed) std::printf("             %s\n", line.c_str());
       }
       if (opt.ab_decode) {  // the same sequences, alternating: neither, each alone, both, twice
         const bool aq0 = numerics::fused_act_quant(), woa0 = kernels::output::wo_a_fp8_enabled();

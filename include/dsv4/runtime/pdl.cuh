@@ -21,10 +21,15 @@
 
 #include <cuda_runtime.h>
 
+#include <cxxabi.h>
+
+#include <cstdlib>
+#include <string>
 #include <utility>
 
 #include "dsv4/config.hpp"
 #include "dsv4/runtime/cuda_check.cuh"
+#include "dsv4/runtime/launch_log.hpp"
 
 namespace dsv4::runtime {
 
@@ -65,19 +70,17 @@ inline constexpr bool pdl_enabled = [] {
 #endif
 }();
 
-//! Launches issued by this thread so far: our kernels (launch_ex, and count_launch() beside the
-//! few plain <<<>>> launches) and cuBLAS call scopes (gemm::detail::blas_call). bench_model reads
-//! the difference over a decode step: what a step costs the host in launches.
-struct launch_counts {
-  unsigned long long kernels = 0, blas_calls = 0;
-};
-inline launch_counts& thread_launch_counts() {
-  thread_local launch_counts counts;
-  return counts;
-}
-inline void count_launch() {
+namespace detail {
+//! Counts the launch and, where a launch_log is installed on this thread, records it.
+template <class... Params, class... Args>
+void note_launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes,
+                 const Args&... args) {
   ++thread_launch_counts().kernels;
+  if (launch_log* log = launch_log::installed())
+    log->add_kernel(reinterpret_cast<const void*>(kernel), grid.x, grid.y, grid.z, block.x, block.y, block.z,
+                    smem_bytes, static_cast<Params>(args)...);
 }
+}  // namespace detail
 
 //! Launches `kernel` with cudaLaunchKernelEx, programmatically where pdl_enabled, and with the
 //! cooperative attribute when `cooperative` (runtime/grid_barrier.cuh). Returns the launch's
@@ -102,7 +105,7 @@ cudaError_t launch_ex(bool cooperative, void (*kernel)(Params...), dim3 grid, di
   }
   config.attrs = attribute;
   config.numAttrs = count;
-  count_launch();
+  detail::note_launch(kernel, grid, block, smem_bytes, args...);
   const cudaError_t launched = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   if (launched != cudaSuccess) (void)cudaGetLastError();  // reported by the caller, not by the next launch's check
   return launched;
@@ -113,6 +116,34 @@ template <class... Params, class... Args>
 void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes,
                          cudaStream_t stream, Args&&... args) {
   DSV4_CUDA_CHECK(launch_ex(false, kernel, grid, block, smem_bytes, stream, std::forward<Args>(args)...));
+}
+
+//! Launches `kernel` the ordinary way (no programmatic overlap: for kernels that do not call
+//! `wait_for_previous_grid()`), counted and recorded like every other launch.
+template <class... Params, class... Args>
+void launch_plain(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes,
+                  cudaStream_t stream, Args&&... args) {
+  detail::note_launch(kernel, grid, block, smem_bytes, args...);
+  kernel<<<grid, block, smem_bytes, stream>>>(std::forward<Args>(args)...);
+  DSV4_CUDA_CHECK_LAUNCH();
+}
+
+//! A readable name for a recorded launch: the kernel's demangled symbol (up to `max_chars`), or
+//! "cuBLAS " and the call site's label.
+inline std::string launch_name(const launch_record& r, std::size_t max_chars = 120) {
+  if (r.what == launch_record::kind::blas)
+    return std::string("cuBLAS ") + static_cast<const char*>(r.function);
+  const char* symbol = nullptr;
+  if (cudaFuncGetName(&symbol, r.function) != cudaSuccess || !symbol) {
+    (void)cudaGetLastError();
+    return "kernel (no name)";
+  }
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(symbol, nullptr, nullptr, &status);
+  std::string name = status == 0 && demangled ? demangled : symbol;
+  std::free(demangled);
+  if (name.size() > max_chars) name = name.substr(0, max_chars) + "...";
+  return name;
 }
 
 }  // namespace dsv4::runtime

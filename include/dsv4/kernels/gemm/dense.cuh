@@ -47,6 +47,15 @@ class blas_call {
   cublasMath_t saved_{};
 };
 
+//! Records one cuBLAS GEMM where a runtime::launch_log is installed on this thread (its shape and
+//! operands: what a captured graph would replay).
+template <class... Pointers>
+void note_blas(const char* entry, long long m, long long n, long long k, long long batch,
+               const Pointers*... operands) {
+  if (runtime::launch_log* log = runtime::launch_log::installed())
+    log->add_blas(entry, m, n, k, batch, operands...);
+}
+
 inline constexpr cublasMath_t bf16_math = cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
 
 inline void check_dims(const char* what, long long m, long long n, long long k) {
@@ -64,6 +73,7 @@ inline void bf16_operands_gemm(const char* what, cublasHandle_t blas, const nume
   if (m == 0 || n == 0) return;
   if (!x || !w || !y) throw error(std::string(what) + ": null pointer argument");
   const blas_call call(blas, stream, bf16_math);
+  note_blas(what, m, n, k, 1, x, w, y);
   const float one = 1.0f, zero = 0.0f;
   blas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, x, CUDA_R_16BF, k, &zero, y,
                           out_type, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
@@ -96,6 +106,7 @@ inline void grouped_linear_bf16(cublasHandle_t blas, const numerics::bf16* x, co
   if (m == 0 || n == 0) return;
   if (!x || !w || !y) throw error("grouped_linear_bf16: null pointer argument");
   const detail::blas_call call(blas, stream, detail::bf16_math);
+  detail::note_blas("grouped_linear_bf16", m, n, k, groups, x, w, y);
   const float one = 1.0f, zero = 0.0f;
   // Column-major per group: C_g^T [n, m] (ld groups * n, stride n) = W_g [n, k] (op T of a
   // k x n column-major block, stride n * k) times X_g^T [k, m] (ld groups * k, stride k).
@@ -112,6 +123,7 @@ inline void linear_fp32(cublasHandle_t blas, const float* x, const float* w, flo
   if (m == 0 || n == 0) return;
   if (!x || !w || !y) throw error("linear_fp32: null pointer argument");
   const detail::blas_call call(blas, stream, CUBLAS_PEDANTIC_MATH);
+  detail::note_blas("linear_fp32", m, n, k, 1, x, w, y);
   const float one = 1.0f, zero = 0.0f;
   detail::blas_check(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, k, x, k, &zero, y, n),
                      "linear_fp32: cublasSgemm");

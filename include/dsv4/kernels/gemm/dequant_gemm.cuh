@@ -158,10 +158,8 @@ inline void dequantize_activation_rows(const std::uint8_t* codes, const std::uin
                                        long long row0, long long rows, int k, numerics::bf16* out, cudaStream_t stream) {
   const long long threads = rows * (k / 8);
   if (threads == 0) return;
-  runtime::count_launch();
-  dequantize_activations_kernel<<<unsigned((threads + 255) / 256), 256, 0, stream>>>(codes, scales, row_index, row0, rows, k,
-                                                                                     out);
-  DSV4_CUDA_CHECK_LAUNCH();
+  runtime::launch_plain(dequantize_activations_kernel, dim3(unsigned((threads + 255) / 256)), dim3(256), 0,
+                        stream, codes, scales, row_index, row0, rows, k, out);
 }
 
 //! A row-major bf16 [n, k] copy of an MMA-tile weight.
@@ -170,12 +168,9 @@ inline void dequantize_weight(weight_format wf, const std::uint8_t* codes, const
   const long long threads = (long long)((n + 15) / 16) * (k / 32) * 32;
   if (threads == 0) return;
   const unsigned blocks = unsigned((threads + 255) / 256);
-  runtime::count_launch();
-  if (wf == weight_format::fp8_tile32)
-    dequantize_weight_kernel<weight_format::fp8_tile32><<<blocks, 256, 0, stream>>>(codes, scales, n, k, out);
-  else
-    dequantize_weight_kernel<weight_format::fp4_row32><<<blocks, 256, 0, stream>>>(codes, scales, n, k, out);
-  DSV4_CUDA_CHECK_LAUNCH();
+  runtime::launch_plain(wf == weight_format::fp8_tile32 ? dequantize_weight_kernel<weight_format::fp8_tile32>
+                                                        : dequantize_weight_kernel<weight_format::fp4_row32>,
+                        dim3(blocks), dim3(256), 0, stream, codes, scales, n, k, out);
 }
 
 //! Row-major C[m, n] = A[m, k] W[n, k]^T, bf16 in and out, fp32 accumulation (cuBLAS; the caller
@@ -183,6 +178,7 @@ inline void dequantize_weight(weight_format wf, const std::uint8_t* codes, const
 //! a block of columns of a wider C otherwise).
 inline void bf16_gemm_nt(cublasHandle_t blas, const numerics::bf16* a, const numerics::bf16* w, numerics::bf16* c, int m,
                          int n, int k, const char* what, int ldc = 0) {
+  note_blas(what, m, n, k, 1, a, w, c);
   const float one = 1.0f, zero = 0.0f;
   // Row-major C[M, N] = A[M, K] W[N, K]^T is column-major C^T = W A^T.
   blas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, a, CUDA_R_16BF, k, &zero, c,

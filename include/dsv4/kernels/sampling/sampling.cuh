@@ -382,10 +382,8 @@ class device_sampler {
     }
     DSV4_CUDA_CHECK(cudaMemcpyAsync(requests_.data(), requests_host_.data(),
                                     std::size_t(rows) * sizeof(row_request), cudaMemcpyHostToDevice, stream));
-    runtime::count_launch();
-    detail::sample_kernel<<<rows, detail::sampler_threads, 0, stream>>>(logits, vocab, requests_.data(),
-                                                                        results_.data(), exps_.data());
-    DSV4_CUDA_CHECK_LAUNCH();
+    runtime::launch_plain(detail::sample_kernel, dim3(unsigned(rows)), dim3(detail::sampler_threads), 0,
+                          stream, logits, vocab, requests_.data(), results_.data(), exps_.data());
     DSV4_CUDA_CHECK(cudaMemcpyAsync(results_host_.data(), results_.data(),
                                     std::size_t(rows) * sizeof(detail::row_result), cudaMemcpyDeviceToHost,
                                     stream));
