@@ -2,6 +2,7 @@
 //! decode tokens/s at several batch sizes, global-cache bytes per token actually allocated.
 //! Usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N,N..]
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--issue-time]
+//!                    [--decode-graphs]
 //!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
 //!                    [--no-folded] [--no-fused-act-quant] [--no-wo-a-fp8] [--ab-decode] [--dspark]
 //!                    [--mhc-one-token-ctas N] [--mhc-small-groups N,M] [--config-json FILE]
@@ -62,6 +63,9 @@
 //! the launch logs (runtime/launch_log.hpp) of the last two of those steps are compared: every
 //! launch whose grid, shared memory or argument bytes changed from one step to the next is
 //! printed (what a graph captured from one step could not replay unchanged).
+//! `--decode-graphs`: each decode batch's steps again through captured graphs
+//! (device_model::set_decode_graphs): one round that warms up and captures, then row
+//! decode-graphs, with the segments replayed, captured, diverged and plain.
 //! `--dspark`: also the DSpark drafter on CUDA (model::device_dspark): one sequence at the decode
 //! context, then per round one backbone decode step with the capture of main_hidden and one draft
 //! block, timed apart (row `dspark-draft`: the block's drafts per second; its floor is the
@@ -168,6 +172,7 @@ struct options {
   bool checkpoint_only = false;       // write the checkpoint to `checkpoint` and stop
   bool issue_time = false;            // decode: a step's host issue time, and its device time queued
   bool ab_decode = false;             // decode: each batch also timed with the fused act_quant and FP8 wo_a on / off
+  bool decode_graphs = false;         // decode: each batch also timed through captured graphs
   bool clone_contexts = false;        // decode batches: one prefill, the other sequences copies of it
 };
 
@@ -233,7 +238,9 @@ int run(FILE* jf, const options& opt) {
   lim.max_rows = opt.chunk > 0 ? std::min(longest, opt.chunk) : longest;
   // (--ab-decode: eight more rounds of steps on the same sequences.)
   // (--issue-time: one more.)
-  const int step_rounds = 1 + (opt.ab_decode ? 8 : 0) + (opt.issue_time ? 1 : 0);
+  // (--decode-graphs: two more, the first capturing.)
+  const int step_rounds =
+      1 + (opt.ab_decode ? 8 : 0) + (opt.issue_time ? 1 : 0) + (opt.decode_graphs ? 2 : 0);
   lim.max_tokens = std::max<long long>(longest, longest_context + step_rounds * steps + 1), lim.page_tokens = 256;
   lim.ced_appends = opt.chunk > 0 && opt.chunk < longest;  // chunked CED prompts append in CED mode
   lim.engram_host_tables = opt.engram_host_tables;
@@ -411,6 +418,17 @@ int run(FILE* jf, const options& opt) {
                     last_logs[0].size(), last_logs[1].size(),
                     changed.empty() ? "identical (a graph of one step replays the next)" : "");
         for (const std::string& line : changed) std::printf("             %s\n", line.c_str());
+      }
+      if (opt.decode_graphs) {  // the same sequences through captured graphs (warm-up and capture first)
+        dm.set_decode_graphs(true);
+        (void)time_steps();
+        const double g = time_steps();
+        const auto n = dm.decode_graph_counts();
+        dm.set_decode_graphs(false);
+        row("decode-graphs", context, batch, g, batch / g, traffic.decode_bytes(batch) / ceiling.copy_bps);
+        std::printf(
+            "           (segments over %d steps: %lld replayed, %lld captured, %lld diverged, %lld plain)\n",
+            2 * steps, n.replayed, n.captured, n.diverged, n.eager);
       }
       if (opt.ab_decode) {  // the same sequences, alternating: neither, each alone, both, twice
         const bool aq0 = numerics::fused_act_quant(), woa0 = kernels::output::wo_a_fp8_enabled();
@@ -605,6 +623,8 @@ int main(int argc, char** argv) {
         opt.ab_decode = true;
       else if (a == "--issue-time")
         opt.issue_time = true;
+      else if (a == "--decode-graphs")
+        opt.decode_graphs = true;
       else if (a == "--gemm-max-tokens" && has_value)
         gemm_max_tokens = bench::int_list(a, argv[++i]);
       else {
@@ -614,7 +634,7 @@ int main(int argc, char** argv) {
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
             "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--no-fused-act-quant] "
-            "[--no-wo-a-fp8] [--ab-decode] [--issue-time] "
+            "[--no-wo-a-fp8] [--ab-decode] [--issue-time] [--decode-graphs] "
             "[--dspark] [--mhc-one-token-ctas N] "
             "[--mhc-small-groups N,M] [--config-json FILE] "
             "[--checkpoint-only] [--clone-contexts] [--json FILE]\n");

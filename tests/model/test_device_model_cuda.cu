@@ -683,4 +683,57 @@ BOOST_AUTO_TEST_CASE(layer_by_layer_prefill, *utf::label("gpu") * utf::precondit
   BOOST_TEST_MESSAGE("logits: worst " << ls.worst << ", cosine " << ls.min_cosine);
 }
 
+// Decode steps through captured graphs (set_decode_graphs, runtime/segment_graph.cuh) give the
+// plain steps' logits bit for bit: a model with graphs beside one without, on the same checkpoint,
+// prompts and teacher-forced tokens. Three sequences (past the window and the pool with a
+// ratio-2 group left half full, inside the pool, shorter than the window), decode batches of 3
+// and 1 interleaved (two keys), every step's widths changing (the attention cores stay plain);
+// halfway the fused act_quant is switched off (a process switch: the launches the graphs hold
+// are no longer the host's, so each segment diverges once, is issued from its records and
+// captured again). With Engram tables in device and in host memory (the host fetch's wait
+// splits the segments).
+BOOST_AUTO_TEST_CASE(decode_graphs_replay_plain_steps_bit_for_bit,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  const auto hm = load_tiny("device_model_graphs", 61);
+  const bool fused0 = numerics::fused_act_quant();
+  for (const bool host_tables : {false, true}) {
+    BOOST_TEST_CONTEXT((host_tables ? "Engram tables in host memory" : "Engram tables in device memory")) {
+      auto lim = tiny_limits(3, 96, 192);
+      lim.engram_host_tables = host_tables;
+      model::device_model<tiny> plain(hm, lim), graphed(hm, lim);
+      graphed.set_decode_graphs(true);
+      BOOST_TEST(graphed.decode_graphs());
+      auto rng = test::make_rng(113);
+      std::vector<int> ps, gs;
+      for (const int n : {83, 40, 5}) {
+        const auto prompt = tiny_ids(rng, n);
+        ps.push_back(plain.add_sequence()), gs.push_back(graphed.add_sequence());
+        (void)plain.prefill(ps.back(), prompt), (void)graphed.prefill(gs.back(), prompt);
+      }
+      int differing = 0;
+      for (int step = 0; step < 24; ++step) {
+        if (step == 12) numerics::set_fused_act_quant(!fused0);
+        const bool one = step % 4 == 3;  // every fourth step: the first sequence alone
+        const std::vector<int> p_slots = one ? std::vector<int>{ps[0]} : ps,
+                               g_slots = one ? std::vector<int>{gs[0]} : gs;
+        const auto ids = tiny_ids(rng, int(p_slots.size()));
+        const auto a = plain.decode(p_slots, ids), b = graphed.decode(g_slots, ids);
+        BOOST_TEST_REQUIRE(a.size() == b.size());
+        differing += std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) != 0;
+      }
+      numerics::set_fused_act_quant(fused0);
+      BOOST_TEST(differing == 0, differing << " of 24 steps' logits differ from the plain model's");
+      const auto n = graphed.decode_graph_counts();
+      BOOST_TEST_MESSAGE("decode graphs: " << n.replayed << " segments replayed, " << n.captured
+                                           << " captured, " << n.diverged << " diverged, " << n.eager
+                                           << " plain");
+      BOOST_TEST(n.captured > 0);
+      BOOST_TEST(n.replayed > 2 * n.captured,
+                 "too few replays: the segments' launches change from step to step");
+      BOOST_TEST(n.diverged > 0, "the switched act_quant left every graph valid");
+      BOOST_TEST(plain.decode_graph_counts().replayed == 0);
+    }
+  }
+}
+
 BOOST_AUTO_TEST_SUITE_END()

@@ -4,6 +4,7 @@
 #include <boost/test/unit_test.hpp>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -48,8 +49,8 @@ BOOST_AUTO_TEST_CASE(records_shape_and_argument_bytes_while_installed) {
   {
     launch_log log;
     BOOST_TEST(launch_log::installed() == &log);
-    log.add_kernel(fn(kernel_a), 3, 2, 1, 128, 1, 1, 4096, static_cast<const float*>(buffer), 7, 9LL);
-    log.add_blas("gemm", 1, 2048, 512, 1, buffer, buffer + 1, buffer + 2);
+    log.kernel(fn(kernel_a), 3, 2, 1, 128, 1, 1, 4096, nullptr, 0, static_cast<const float*>(buffer), 7, 9LL);
+    log.blas("gemm", 1, 2048, 512, 1, nullptr, {buffer, buffer + 1, buffer + 2}, {});
     BOOST_REQUIRE(log.records().size() == 2u);
     const launch_record& k = log.records()[0];
     BOOST_TEST(k.shape[0] == 3u);
@@ -70,7 +71,7 @@ BOOST_AUTO_TEST_CASE(logs_nest_and_the_inner_one_records) {
   {
     launch_log inner;
     BOOST_TEST(launch_log::installed() == &inner);
-    inner.add_kernel(fn(kernel_a), 1, 1, 1, 32, 1, 1, 0);
+    inner.kernel(fn(kernel_a), 1, 1, 1, 32, 1, 1, 0, nullptr, 0);
   }
   BOOST_TEST(launch_log::installed() == &outer);
   BOOST_TEST(outer.records().empty());
@@ -80,8 +81,8 @@ BOOST_AUTO_TEST_CASE(equal_steps_compare_equal) {
   float w[2] = {};
   launch_log x, y;
   for (launch_log* l : {&x, &y}) {
-    l->add_kernel(fn(kernel_a), 8, 1, 1, 256, 1, 1, 1024, params{w, 4, 64});
-    l->add_blas("gemm", 4, 64, 32, 1, w, w + 1);
+    l->kernel(fn(kernel_a), 8, 1, 1, 256, 1, 1, 1024, nullptr, 0, params{w, 4, 64});
+    l->blas("gemm", 4, 64, 32, 1, nullptr, {w, w + 1}, {});
   }
   BOOST_TEST(diff(x, y).empty());
 }
@@ -89,10 +90,10 @@ BOOST_AUTO_TEST_CASE(equal_steps_compare_equal) {
 BOOST_AUTO_TEST_CASE(each_kind_of_difference_is_named) {
   float w[2] = {};
   launch_log x, y;
-  x.add_kernel(fn(kernel_a), 8, 1, 1, 256, 1, 1, 1024, params{w, 4, 64});
-  y.add_kernel(fn(kernel_a), 9, 1, 1, 256, 1, 1, 2048, params{w, 4, 65});  // grid, smem, argument
-  x.add_blas("gemm", 4, 64, 32, 1, w, w + 1);
-  y.add_blas("gemm", 5, 64, 32, 1, w, w + 1);  // m
+  x.kernel(fn(kernel_a), 8, 1, 1, 256, 1, 1, 1024, nullptr, 0, params{w, 4, 64});
+  y.kernel(fn(kernel_a), 9, 1, 1, 256, 1, 1, 2048, nullptr, 0, params{w, 4, 65});  // grid, smem, argument
+  x.blas("gemm", 4, 64, 32, 1, nullptr, {w, w + 1}, {});
+  y.blas("gemm", 5, 64, 32, 1, nullptr, {w, w + 1}, {});  // m
   const auto lines = diff(x, y);
   BOOST_TEST(mentions(lines, "launch 0 (a): grid.x 8 vs 9"));
   BOOST_TEST(mentions(lines, "launch 0 (a): smem 1024 vs 2048"));
@@ -105,9 +106,9 @@ BOOST_AUTO_TEST_CASE(each_kind_of_difference_is_named) {
 
 BOOST_AUTO_TEST_CASE(a_different_launch_sequence_stops_the_comparison) {
   launch_log x, y;
-  x.add_kernel(fn(kernel_a), 1, 1, 1, 32, 1, 1, 0);
-  x.add_kernel(fn(kernel_a), 1, 1, 1, 32, 1, 1, 0);
-  y.add_kernel(fn(kernel_b), 2, 1, 1, 32, 1, 1, 0);
+  x.kernel(fn(kernel_a), 1, 1, 1, 32, 1, 1, 0, nullptr, 0);
+  x.kernel(fn(kernel_a), 1, 1, 1, 32, 1, 1, 0, nullptr, 0);
+  y.kernel(fn(kernel_b), 2, 1, 1, 32, 1, 1, 0, nullptr, 0);
   const auto lines = diff(x, y);
   BOOST_TEST(mentions(lines, "launch count differs: 2 vs 1"));
   BOOST_TEST(mentions(lines, "launch 0 (a): a different function (b)"));
@@ -117,12 +118,79 @@ BOOST_AUTO_TEST_CASE(a_different_launch_sequence_stops_the_comparison) {
 BOOST_AUTO_TEST_CASE(long_differences_are_cut_with_a_count) {
   launch_log x, y;
   for (unsigned i = 0; i < 10; ++i) {
-    x.add_kernel(fn(kernel_a), i + 1, 1, 1, 32, 1, 1, 0);
-    y.add_kernel(fn(kernel_a), i + 2, 1, 1, 32, 1, 1, 0);
+    x.kernel(fn(kernel_a), i + 1, 1, 1, 32, 1, 1, 0, nullptr, 0);
+    y.kernel(fn(kernel_a), i + 2, 1, 1, 32, 1, 1, 0, nullptr, 0);
   }
   const auto lines = diff(x, y, 3);
   BOOST_REQUIRE(lines.size() == 4u);
   BOOST_TEST(lines.back() == "... 7 more");
+}
+
+BOOST_AUTO_TEST_CASE(recording_keeps_launches_live_and_the_gemm_closure) {
+  float w[2] = {};
+  void* reissued_on = nullptr;
+  launch_log log;
+  BOOST_TEST(!log.kernel(fn(kernel_a), 1, 1, 1, 32, 1, 1, 0, nullptr, launch_record::programmatic, 5));
+  BOOST_TEST(!log.blas("gemm", 1, 2, 3, 1, w, {w}, [&](void* s) { reissued_on = s; }));
+  BOOST_REQUIRE(log.records().size() == 2u);
+  BOOST_TEST(log.records()[0].flags == launch_record::programmatic);
+  BOOST_TEST(log.records()[0].param_sizes == std::vector<std::uint16_t>{sizeof(int)});
+  BOOST_REQUIRE(bool(log.records()[1].reissue));
+  log.records()[1].reissue(w + 1);
+  BOOST_TEST(reissued_on == static_cast<void*>(w + 1));
+}
+
+namespace {
+float step_buffer[2] = {};
+// Three launches as a step issues them: `changed` alters the second one's argument.
+void issue_step(launch_log& log, bool changed, bool skip_last = false) {
+  float* w = step_buffer;
+  BOOST_TEST(log.kernel(fn(kernel_a), 4, 1, 1, 128, 1, 1, 0, nullptr, 0, params{w, 1, 2}));
+  BOOST_TEST(log.kernel(fn(kernel_b), 4, 1, 1, 128, 1, 1, 0, nullptr, 0, params{w, changed ? 3 : 1, 2}));
+  if (!skip_last) BOOST_TEST(log.blas("gemm", 1, 2, 3, 1, nullptr, {w}, [](void*) {}));
+}
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(checking_skips_matching_launches) {
+  launch_log captured;
+  {
+    launch_log rec;
+    float* w = step_buffer;
+    (void)rec.kernel(fn(kernel_a), 4, 1, 1, 128, 1, 1, 0, nullptr, 0, params{w, 1, 2});
+    (void)rec.kernel(fn(kernel_b), 4, 1, 1, 128, 1, 1, 0, nullptr, 0, params{w, 1, 2});
+    (void)rec.blas("gemm", 1, 2, 3, 1, nullptr, {w}, [](void*) {});
+    const std::vector<launch_record> expected = rec.take_records();
+    launch_log check(expected);
+    issue_step(check, false);
+    BOOST_TEST(check.finish());
+    BOOST_TEST(check.matched() == 3u);
+    BOOST_TEST(check.records().empty());
+  }
+}
+
+BOOST_AUTO_TEST_CASE(checking_records_from_the_first_difference) {
+  float* w = step_buffer;
+  launch_log rec;
+  (void)rec.kernel(fn(kernel_a), 4, 1, 1, 128, 1, 1, 0, nullptr, 0, params{w, 1, 2});
+  (void)rec.kernel(fn(kernel_b), 4, 1, 1, 128, 1, 1, 0, nullptr, 0, params{w, 1, 2});
+  (void)rec.blas("gemm", 1, 2, 3, 1, nullptr, {w}, [](void*) {});
+  const std::vector<launch_record> expected = rec.take_records();
+  {
+    launch_log check(expected);
+    issue_step(check, true);  // every launch still skipped: the owner issues them
+    BOOST_TEST(!check.finish());
+    BOOST_TEST(check.matched() == 1u);
+    BOOST_REQUIRE(check.records().size() == 2u);  // the changed launch and the one after it
+    BOOST_TEST(check.records()[0].function == fn(kernel_b));
+    BOOST_TEST(bool(check.records()[1].reissue));
+  }
+  {
+    launch_log check(expected);
+    issue_step(check, false, true);  // one launch fewer than captured
+    BOOST_TEST(!check.finish());
+    BOOST_TEST(check.matched() == 2u);
+    BOOST_TEST(check.records().empty());
+  }
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -71,6 +71,7 @@
 #include "dsv4/runtime/device_buffer.cuh"
 #include "dsv4/runtime/pdl.cuh"
 #include "dsv4/runtime/pinned_buffer.cuh"
+#include "dsv4/runtime/segment_graph.cuh"
 #include "dsv4/runtime/stream.cuh"
 #include "dsv4/runtime/upload_arena.cuh"
 
@@ -355,6 +356,24 @@ class device_model {
   //! Calls `observe` with each block's intermediates (block_reference.hpp's stages), copied to the
   //! host after a device synchronization: for parity work only, it serializes the forward.
   void set_observer(layer_observer observe) { observe_ = std::move(observe); }
+
+  //! Decode steps through captured CUDA graphs (runtime/segment_graph.cuh): per batch size, after
+  //! one plain step, the stretches of a step whose launches depend only on the batch size (all
+  //! but each layer's global branch and attention core) are captured once and then replayed by
+  //! one graph launch each, while the host checks that it would have issued exactly the captured
+  //! launches (otherwise it issues them itself). Results are those of plain steps, bit for bit.
+  //! Not on a tensor-parallel rank, not with an observer (both keep plain steps).
+  void set_decode_graphs(bool on) {
+    check_idle();
+    if (on && !segments_) segments_.emplace(stream());
+    if (!on) segments_.reset();
+    stack_->set_segments(nullptr);
+  }
+  bool decode_graphs() const { return segments_.has_value(); }
+  //! Segments replayed, captured, diverged and plain so far (set_decode_graphs).
+  runtime::segment_graphs::counts decode_graph_counts() const {
+    return segments_ ? segments_->stats() : runtime::segment_graphs::counts{};
+  }
 
   //! From the next call on, keeps DSpark's input (spec §13 main_hidden: the mean of the four
   //! streams entering each target layer, [rows, targets * dim] bf16) in device memory: for a
@@ -651,6 +670,7 @@ class device_model {
   int expert_first_ = 0, expert_count_ = 0;        //!< the routed experts held
   runtime::owned_stream stream_;  // before everything that uses it, so it is destroyed after them
   std::optional<stack_t> stack_;
+  std::optional<runtime::segment_graphs> segments_;  //!< set_decode_graphs
   std::vector<device_block> blocks_;
   std::vector<device_engram> engrams_;
   runtime::device_buffer<bf16> embed_, norm_, x_, y_, h_, sub_;
@@ -820,9 +840,12 @@ class device_model {
     if (engram_slot >= 0) {
       auto& e = engrams_[std::size_t(engram_slot)];
       if (e.fetch) {  // the pack of this call's rows, indexed like the hash ids it replaces
+        // (The wait joins a host thread and an event of this call: outside any captured segment.)
+        if (segments_) segments_->end_segment();
         e.fetch->wait(stream());
         engram::engram_forward(X_, e.fetch->ids() + engram_row0_ * e.view.columns, nullptr, R, e.fetch->view(e.view), *e.ws,
                                blas_, stream());
+        if (segments_) segments_->begin_segment();
       } else {
         engram::gathered_row_sum sum;
         if (comm_) sum = [this](bf16* v, std::size_t n, cudaStream_t st) { comm_->all_reduce_sum(v, n, st); };
@@ -951,6 +974,7 @@ class device_model {
       head_gemm(h_.data() + first * D, rows, logits_part_.data(), int(vocab_part_));
       comm_->all_gather(logits_part_.data(), std::size_t(rows) * std::size_t(vocab_part_), logits_.data(), stream());
     }
+    if (segments_) segments_->end_step();  // (no step in progress: nothing; the copy below is no launch)
     logit_rows_ready_ = rows;
     last_issue_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - call_began_).count();
     if (logits_stay_) return {};  // decode_on_device: sample() reads them there
@@ -972,6 +996,9 @@ class device_model {
     try {
       start(p.slots, p.ids, p.tokens, p.decode);
       main_hidden_rows_ = 0;
+      const bool graphs = segments_ && p.decode && !observe_ && !comm_;
+      stack_->set_segments(graphs ? &*segments_ : nullptr);
+      if (graphs) segments_->begin_step(R), segments_->begin_segment();
       for (int l = 0; l < sched::num_layers; ++l) {
         enter_block(l, R);
         capture(l, 0, R, p.one_sequence);
@@ -982,6 +1009,7 @@ class device_model {
       stack_->end_call();
       return out;
     } catch (...) {
+      if (segments_) segments_->abandon();
       fail_call();
       throw;
     }

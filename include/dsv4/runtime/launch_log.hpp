@@ -1,33 +1,43 @@
 #pragma once
 //! \file
-//! What a thread launches on the GPU, counted always and recorded on request.
+//! What a thread launches on the GPU: counted always, recorded or checked on request.
 //!
-//! Counts: every kernel launch (runtime::launch_ex and launch_plain, pdl.cuh) and cuBLAS call
-//! (gemm::detail::blas_call) adds one to the thread's `launch_counts`; bench_model reads the
+//! Counts: every kernel launch (runtime::launch_ex and launch_plain, pdl.cuh) and cuBLAS GEMM
+//! (gemm::detail::issue_blas) adds one to the thread's `launch_counts`; bench_model reads the
 //! difference over a decode step (what a step costs the host in launches).
 //!
-//! Records: while a `launch_log` is installed on the thread (a scope), every launch also appends
-//! its shape and argument bytes: for a kernel the function, grid, block, dynamic shared memory
-//! and each parameter's bytes by value; for a cuBLAS GEMM its entry point, m / n / k and operand
-//! pointers. A captured CUDA graph replays exactly these values, so two eager decode steps of one
-//! batch size whose logs differ name every launch a graph could not replay unchanged
-//! (docs/decode-graph.md, validation step 1). `compare_launch_logs` lists those differences.
-//!
+//! A `launch_log` installed on the thread (a scope) works in one of two modes:
+//! - **recording**: every launch appends its shape and argument bytes (a kernel's function, grid,
+//!   block, dynamic shared memory, stream, launch attributes and each parameter's bytes by value;
+//!   a cuBLAS GEMM's entry point, m / n / k / batch, operand pointers and a closure that issues
+//!   it again) and is issued as usual. A captured CUDA graph replays exactly these values, so two
+//!   eager decode steps whose logs differ name every launch a graph could not replay unchanged
+//!   (`compare_launch_logs`, docs/decode-graph.md); and a record holds enough to issue its launch
+//!   again (runtime/segment_graph.cuh).
+//! - **checking** against an expected log (the launches a graph was captured from): every launch
+//!   is *skipped* (the caller does not issue it) and compared with the next expected record;
+//!   from the first difference on, the launches are recorded instead. At the end, `finish` says
+//!   whether all matched (then the graph issues them); otherwise the owner issues the matched
+//!   expected records and then the recorded ones, in the order the host made them.
+
 //! Parameters are recorded as their object bytes: a structure parameter with padding may differ
-//! in its padding bytes between two otherwise equal launches. The comparison reports byte
-//! offsets, so such a false difference is easy to tell (and to remove, by value-initializing the
-//! structure) where it appears.
+//! in its padding bytes between two otherwise equal launches. Such a false difference costs a
+//! graph its replay (the divergence path is exact either way), and the comparison's byte offsets
+//! show where it is (value-initialize the structure to remove it).
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace dsv4::runtime {
 
-//! Launches issued by this thread so far.
+//! Launches issued by this thread so far (kernels, and cuBLAS GEMMs).
 struct launch_counts {
   unsigned long long kernels = 0, blas_calls = 0;
 };
@@ -38,58 +48,105 @@ inline launch_counts& thread_launch_counts() {
 
 //! One recorded launch. `function` is the kernel's address, or for a cuBLAS call the name of
 //! its entry point (a string literal's address). `shape` holds grid x, y, z, block x, y, z and
-//! the dynamic shared memory for a kernel; m, n, k (and the batch count, or 1) for cuBLAS.
+//! the dynamic shared memory for a kernel; m, n, k and the batch count (or the output's leading
+//! dimension, where the call has no batch) for cuBLAS.
 struct launch_record {
   enum class kind : std::uint8_t { kernel, blas };
+  //! Launch attributes of a kernel (pdl.cuh's launch_ex).
+  enum flag : std::uint8_t { programmatic = 1, cooperative = 2 };
   kind what = kind::kernel;
+  std::uint8_t flags = 0;
   const void* function = nullptr;
+  const void* stream = nullptr;  //!< the cudaStream_t it went to
   std::uint64_t shape[7] = {};
-  std::vector<unsigned char> arguments;  // parameters (kernel) or operand pointers (cuBLAS), packed
+  std::vector<unsigned char> arguments;    //!< parameters (kernel) or operand pointers (cuBLAS), packed
+  std::vector<std::uint16_t> param_sizes;  //!< kernel: each parameter's bytes, in order
+  std::function<void(void*)> reissue;      //!< cuBLAS: issues the call again on a cudaStream_t
+
+  //! Equal launches: the same function, shape, stream, attributes and argument bytes.
+  bool same_launch(const launch_record& o) const {
+    return what == o.what && flags == o.flags && function == o.function && stream == o.stream &&
+           std::memcmp(shape, o.shape, sizeof shape) == 0 && arguments == o.arguments;
+  }
 };
 
-//! Records this thread's launches while alive; restores the log installed before it (if any).
+//! Records or checks this thread's launches while alive; restores the log installed before it.
 class launch_log {
  public:
+  //! Recording.
   launch_log() : previous_(current()) { current() = this; }
+  //! Checking against `expected`, which must outlive the log.
+  explicit launch_log(const std::vector<launch_record>& expected)
+      : expected_(&expected), previous_(current()) {
+    current() = this;
+  }
   ~launch_log() { current() = previous_; }
   launch_log(const launch_log&) = delete;
   launch_log& operator=(const launch_log&) = delete;
 
+  //! Recording: every launch; checking: the launches from the first difference on.
   const std::vector<launch_record>& records() const { return records_; }
+  std::vector<launch_record> take_records() { return std::move(records_); }
   void clear() { records_.clear(); }
+  //! Checking: the expected launches that matched before the first difference (all of them if
+  //! there was none).
+  std::size_t matched() const { return matched_; }
 
   //! The log installed on this thread, or null.
   static launch_log* installed() { return current(); }
 
+  //! A kernel launch. Returns true when the caller must skip it (checking).
   template <class... Params>
-  void add_kernel(const void* function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                  unsigned bz, std::size_t smem, const Params&... params) {
-    launch_record& r = records_.emplace_back();
-    r.what = launch_record::kind::kernel;
-    r.function = function;
+  bool kernel(const void* function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+              unsigned bz, std::size_t smem, const void* stream, std::uint8_t flags,
+              const Params&... params) {
+    launch_record& r = scratch_;
+    r.what = launch_record::kind::kernel, r.flags = flags, r.function = function, r.stream = stream;
     const std::uint64_t shape[7] = {gx, gy, gz, bx, by, bz, smem};
     std::memcpy(r.shape, shape, sizeof shape);
-    (append(r.arguments, params), ...);
+    r.arguments.clear(), r.param_sizes.clear();
+    (append(r, params), ...);
+    return take({});
   }
 
-  template <class... Pointers>
-  void add_blas(const char* entry, long long m, long long n, long long k, long long batch,
-                const Pointers*... operands) {
-    launch_record& r = records_.emplace_back();
-    r.what = launch_record::kind::blas;
-    r.function = entry;
-    r.shape[0] = std::uint64_t(m), r.shape[1] = std::uint64_t(n), r.shape[2] = std::uint64_t(k);
-    r.shape[3] = std::uint64_t(batch);
-    (append(r.arguments, static_cast<const void*>(operands)), ...);
+  //! A cuBLAS GEMM; `reissue(stream)` issues it on a stream (kept in the record). Returns true
+  //! when the caller must skip it (checking).
+  bool blas(const char* entry, long long m, long long n, long long k, long long batch, const void* stream,
+            std::initializer_list<const void*> operands, std::function<void(void*)> reissue) {
+    launch_record& r = scratch_;
+    r.what = launch_record::kind::blas, r.flags = 0, r.function = entry, r.stream = stream;
+    const std::uint64_t shape[7] = {
+        std::uint64_t(m), std::uint64_t(n), std::uint64_t(k), std::uint64_t(batch), 0, 0, 0};
+    std::memcpy(r.shape, shape, sizeof shape);
+    r.arguments.clear(), r.param_sizes.clear();
+    for (const void* p : operands) append(r, p);
+    return take(std::move(reissue));
   }
+
+  //! Checking: whether every expected launch was matched, in order, and nothing else launched.
+  bool finish() const { return expected_ && !diverged_ && matched_ == expected_->size(); }
 
  private:
   template <class T>
-  static void append(std::vector<unsigned char>& out, const T& value) {
+  static void append(launch_record& r, const T& value) {
     static_assert(std::is_trivially_copyable_v<T>,
                   "a kernel parameter must be trivially copyable to be recorded");
+    static_assert(sizeof(T) <= 0xffff, "a kernel parameter of more than 64 KiB");
     const auto* bytes = reinterpret_cast<const unsigned char*>(&value);
-    out.insert(out.end(), bytes, bytes + sizeof(T));
+    r.arguments.insert(r.arguments.end(), bytes, bytes + sizeof(T));
+    r.param_sizes.push_back(std::uint16_t(sizeof(T)));
+  }
+  bool take(std::function<void(void*)> reissue) {
+    if (expected_ && !diverged_) {
+      if (matched_ < expected_->size() && scratch_.same_launch((*expected_)[matched_])) {
+        ++matched_;
+        return true;
+      }
+      diverged_ = true;
+    }
+    launch_record& r = records_.emplace_back(scratch_);
+    r.reissue = std::move(reissue);
+    return expected_ != nullptr;
   }
   static launch_log*& current() {
     thread_local launch_log* log = nullptr;
@@ -97,6 +154,10 @@ class launch_log {
   }
 
   std::vector<launch_record> records_;
+  launch_record scratch_;
+  const std::vector<launch_record>* expected_ = nullptr;
+  std::size_t matched_ = 0;
+  bool diverged_ = false;
   launch_log* previous_;
 };
 
@@ -116,7 +177,7 @@ std::vector<std::string> compare_launch_logs(const std::vector<launch_record>& a
     note("launch count differs: " + std::to_string(a.size()) + " vs " + std::to_string(b.size()));
   static constexpr const char* shape_field[2][7] = {
       {"grid.x", "grid.y", "grid.z", "block.x", "block.y", "block.z", "smem"},
-      {"m", "n", "k", "batch", "-", "-", "-"}};
+      {"m", "n", "k", "batch or ldc", "-", "-", "-"}};
   const std::size_t n = a.size() < b.size() ? a.size() : b.size();
   for (std::size_t i = 0; i < n; ++i) {
     const launch_record& x = a[i];
@@ -130,6 +191,7 @@ std::vector<std::string> compare_launch_logs(const std::vector<launch_record>& a
       if (x.shape[f] != y.shape[f])
         note(where + ": " + shape_field[int(x.what)][f] + " " + std::to_string(x.shape[f]) + " vs " +
              std::to_string(y.shape[f]));
+    if (x.stream != y.stream || x.flags != y.flags) note(where + ": a different stream or launch attributes");
     if (x.arguments != y.arguments) {
       std::size_t at = 0;
       while (at < x.arguments.size() && at < y.arguments.size() && x.arguments[at] == y.arguments[at]) ++at;

@@ -23,6 +23,7 @@
 
 #include <cxxabi.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <utility>
@@ -71,14 +72,16 @@ inline constexpr bool pdl_enabled = [] {
 }();
 
 namespace detail {
-//! Counts the launch and, where a launch_log is installed on this thread, records it.
+//! Counts the launch and, where a launch_log is installed on this thread, records or checks it.
+//! Returns true when the launch must be skipped (a checking log matched it: a graph issues it).
 template <class... Params, class... Args>
-void note_launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes,
-                 const Args&... args) {
+bool note_launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes,
+                 cudaStream_t stream, std::uint8_t flags, const Args&... args) {
   ++thread_launch_counts().kernels;
-  if (launch_log* log = launch_log::installed())
-    log->add_kernel(reinterpret_cast<const void*>(kernel), grid.x, grid.y, grid.z, block.x, block.y, block.z,
-                    smem_bytes, static_cast<Params>(args)...);
+  launch_log* log = launch_log::installed();
+  return log &&
+         log->kernel(reinterpret_cast<const void*>(kernel), grid.x, grid.y, grid.z, block.x, block.y, block.z,
+                     smem_bytes, static_cast<const void*>(stream), flags, static_cast<Params>(args)...);
 }
 }  // namespace detail
 
@@ -105,7 +108,9 @@ cudaError_t launch_ex(bool cooperative, void (*kernel)(Params...), dim3 grid, di
   }
   config.attrs = attribute;
   config.numAttrs = count;
-  detail::note_launch(kernel, grid, block, smem_bytes, args...);
+  const std::uint8_t flags = std::uint8_t((pdl_enabled ? launch_record::programmatic : 0) |
+                                          (cooperative ? launch_record::cooperative : 0));
+  if (detail::note_launch(kernel, grid, block, smem_bytes, stream, flags, args...)) return cudaSuccess;
   const cudaError_t launched = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   if (launched != cudaSuccess) (void)cudaGetLastError();  // reported by the caller, not by the next launch's check
   return launched;
@@ -123,7 +128,7 @@ void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, std::
 template <class... Params, class... Args>
 void launch_plain(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes,
                   cudaStream_t stream, Args&&... args) {
-  detail::note_launch(kernel, grid, block, smem_bytes, args...);
+  if (detail::note_launch(kernel, grid, block, smem_bytes, stream, 0, args...)) return;
   kernel<<<grid, block, smem_bytes, stream>>>(std::forward<Args>(args)...);
   DSV4_CUDA_CHECK_LAUNCH();
 }

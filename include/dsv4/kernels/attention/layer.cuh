@@ -56,8 +56,8 @@
 #include "dsv4/kernels/attention/layer_reference.hpp"
 #include "dsv4/kernels/attention/sparse_attention.cuh"
 #include "dsv4/kernels/compressor/compressor.cuh"
-#include "dsv4/kernels/gemm/dequant_gemm.cuh"
 #include "dsv4/kernels/gemm/dense.cuh"
+#include "dsv4/kernels/gemm/dequant_gemm.cuh"
 #include "dsv4/kernels/gemm/weight_tiles.hpp"
 #include "dsv4/kernels/indexer/indexer.cuh"
 #include "dsv4/kernels/norm/rmsnorm.cuh"
@@ -68,6 +68,7 @@
 #include "dsv4/numerics/quantize.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "dsv4/runtime/pdl.cuh"
+#include "dsv4/runtime/segment_graph.cuh"
 #include "dsv4/runtime/upload_arena.cuh"
 
 namespace dsv4::kernels::attention {
@@ -422,6 +423,10 @@ class attention_stack {
   //! whole model on one rank.
   using index_score_sum = std::function<void(bf16* scores, std::size_t n, cudaStream_t stream)>;
   void set_index_score_sum(index_score_sum f) { sum_scores_ = std::move(f); }
+  //! The caller's captured decode segments (runtime/segment_graph.cuh), or null: forward ends the
+  //! segment in progress before the part of a layer whose launches follow the sequences' lengths
+  //! (the global branch, the index list, sparse attention) and begins the next after it.
+  void set_segments(runtime::segment_graphs* segments) { segments_ = segments; }
   //! The stream every call's work runs on.
   cudaStream_t stream() const { return stream_; }
   cache::cache_usage usage() const { return alloc_->usage(); }
@@ -603,6 +608,7 @@ class attention_stack {
   std::vector<int> slot_seq_;
   std::vector<long long> lengths_;
   std::vector<int> ced_pending_;  //!< per slot: the layer a CED replay must start at, or -1
+  runtime::segment_graphs* segments_ = nullptr;  //!< set_segments
   runtime::device_buffer<float> freqs_local_, freqs_compressed_;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t blas_ = nullptr;
@@ -918,7 +924,9 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
   const int window_width = own_rows ? std::min(R, s.window) : s.window;
   const int operand_rows = own_rows ? R : c.append ? s.window + c.chunk_width : s.window;
 
-  // Global branch.
+  // Global branch. From here to the output projection the launches follow the sequences'
+  // lengths (widths, top-k, candidate counts, the split of the attention): never in a segment.
+  if (segments_) segments_->end_segment();
   int topk_width = 0;
   if (wr.ratio > 0) {
     const bool owner = wr.role == attn_role::full, source = owner || wr.role == attn_role::reindex;
@@ -1021,6 +1029,7 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
     kv.window = win;
     sparse_attention<HeadDim>(sa, kv, stream, &*attn_ws_);
   }
+  if (segments_) segments_->begin_segment();
   output::attention_output(o_.data(), c.positions, R, freqs, s.rope_dim, w.wo_a.data(), w.wo_b.codes.data(),
                            w.wo_b.scales.data(), out, *out_ws_, blas_, stream, w.wo_a_fp8.view());
   ++c.next_layer;

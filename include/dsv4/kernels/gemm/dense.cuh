@@ -11,6 +11,7 @@
 #include <cublas_v2.h>     // provides cublasGemmEx, cublasGemmStridedBatchedEx, cublasSgemm
 #include <cuda_runtime.h>  // provides cudaStream_t
 
+#include <initializer_list>
 #include <string>
 
 #include "dsv4/core/error.hpp"
@@ -29,7 +30,6 @@ class blas_call {
  public:
   blas_call(cublasHandle_t h, cudaStream_t stream, cublasMath_t mode) : h_(h) {
     if (!h) throw error("cuBLAS call without a handle");
-    ++runtime::thread_launch_counts().blas_calls;
     blas_check(cublasGetMathMode(h, &saved_), "cublasGetMathMode");
     // cublasSetStream also resets the handle's workspace to cuBLAS's default pool (documented),
     // dropping one the caller set with cublasSetWorkspace: only switch when the stream differs.
@@ -47,13 +47,19 @@ class blas_call {
   cublasMath_t saved_{};
 };
 
-//! Records one cuBLAS GEMM where a runtime::launch_log is installed on this thread (its shape and
-//! operands: what a captured graph would replay).
-template <class... Pointers>
-void note_blas(const char* entry, long long m, long long n, long long k, long long batch,
-               const Pointers*... operands) {
+//! Issues one cuBLAS GEMM on `stream` through the thread's launch log (runtime/launch_log.hpp),
+//! which records it with its shape and operands (what a captured graph would replay) or,
+//! checking, skips it (a graph or the log's owner issues it). `gemm(s)` issues the call on stream
+//! s and sets up its own blas_call: a log may issue it again, later, on another stream.
+template <class Issue>
+void issue_blas(const char* entry, long long m, long long n, long long k, long long batch,
+                std::initializer_list<const void*> operands, cudaStream_t stream, Issue&& gemm) {
+  ++runtime::thread_launch_counts().blas_calls;
   if (runtime::launch_log* log = runtime::launch_log::installed())
-    log->add_blas(entry, m, n, k, batch, operands...);
+    if (log->blas(entry, m, n, k, batch, static_cast<const void*>(stream), operands,
+                  [gemm](void* s) { gemm(static_cast<cudaStream_t>(s)); }))
+      return;
+  gemm(stream);
 }
 
 inline constexpr cublasMath_t bf16_math = cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
@@ -72,12 +78,13 @@ inline void bf16_operands_gemm(const char* what, cublasHandle_t blas, const nume
   check_dims(what, m, n, k);
   if (m == 0 || n == 0) return;
   if (!x || !w || !y) throw error(std::string(what) + ": null pointer argument");
-  const blas_call call(blas, stream, bf16_math);
-  note_blas(what, m, n, k, 1, x, w, y);
-  const float one = 1.0f, zero = 0.0f;
-  blas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, x, CUDA_R_16BF, k, &zero, y,
-                          out_type, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-             (std::string(what) + ": cublasGemmEx").c_str());
+  issue_blas(what, m, n, k, 1, {x, w, y}, stream, [=](cudaStream_t s) {
+    const blas_call call(blas, s, bf16_math);
+    const float one = 1.0f, zero = 0.0f;
+    blas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, x, CUDA_R_16BF,
+                            k, &zero, y, out_type, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               (std::string(what) + ": cublasGemmEx").c_str());
+  });
 }
 }  // namespace detail
 
@@ -105,15 +112,17 @@ inline void grouped_linear_bf16(cublasHandle_t blas, const numerics::bf16* x, co
   if (groups <= 0) throw error("grouped_linear_bf16: groups must be positive");
   if (m == 0 || n == 0) return;
   if (!x || !w || !y) throw error("grouped_linear_bf16: null pointer argument");
-  const detail::blas_call call(blas, stream, detail::bf16_math);
-  detail::note_blas("grouped_linear_bf16", m, n, k, groups, x, w, y);
-  const float one = 1.0f, zero = 0.0f;
-  // Column-major per group: C_g^T [n, m] (ld groups * n, stride n) = W_g [n, k] (op T of a
-  // k x n column-major block, stride n * k) times X_g^T [k, m] (ld groups * k, stride k).
-  detail::blas_check(cublasGemmStridedBatchedEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k,
-                                                (long long)n * k, x, CUDA_R_16BF, groups * k, k, &zero, y, CUDA_R_16BF,
-                                                groups * n, n, groups, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                     "grouped_linear_bf16: cublasGemmStridedBatchedEx");
+  detail::issue_blas("grouped_linear_bf16", m, n, k, groups, {x, w, y}, stream, [=](cudaStream_t s) {
+    const detail::blas_call call(blas, s, detail::bf16_math);
+    const float one = 1.0f, zero = 0.0f;
+    // Column-major per group: C_g^T [n, m] (ld groups * n, stride n) = W_g [n, k] (op T of a
+    // k x n column-major block, stride n * k) times X_g^T [k, m] (ld groups * k, stride k).
+    detail::blas_check(
+        cublasGemmStridedBatchedEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k,
+                                   (long long)n * k, x, CUDA_R_16BF, groups * k, k, &zero, y, CUDA_R_16BF,
+                                   groups * n, n, groups, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "grouped_linear_bf16: cublasGemmStridedBatchedEx");
+  });
 }
 
 //! y[M, N] = x[M, K] w[N, K]^T in true fp32 (pedantic math: no TF32, no reduced precision).
@@ -122,11 +131,12 @@ inline void linear_fp32(cublasHandle_t blas, const float* x, const float* w, flo
   detail::check_dims("linear_fp32", m, n, k);
   if (m == 0 || n == 0) return;
   if (!x || !w || !y) throw error("linear_fp32: null pointer argument");
-  const detail::blas_call call(blas, stream, CUBLAS_PEDANTIC_MATH);
-  detail::note_blas("linear_fp32", m, n, k, 1, x, w, y);
-  const float one = 1.0f, zero = 0.0f;
-  detail::blas_check(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, k, x, k, &zero, y, n),
-                     "linear_fp32: cublasSgemm");
+  detail::issue_blas("linear_fp32", m, n, k, 1, {x, w, y}, stream, [=](cudaStream_t s) {
+    const detail::blas_call call(blas, s, CUBLAS_PEDANTIC_MATH);
+    const float one = 1.0f, zero = 0.0f;
+    detail::blas_check(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, k, x, k, &zero, y, n),
+                       "linear_fp32: cublasSgemm");
+  });
 }
 
 }  // namespace dsv4::kernels::gemm

@@ -178,12 +178,19 @@ inline void dequantize_weight(weight_format wf, const std::uint8_t* codes, const
 //! a block of columns of a wider C otherwise).
 inline void bf16_gemm_nt(cublasHandle_t blas, const numerics::bf16* a, const numerics::bf16* w, numerics::bf16* c, int m,
                          int n, int k, const char* what, int ldc = 0) {
-  note_blas(what, m, n, k, 1, a, w, c);
-  const float one = 1.0f, zero = 0.0f;
-  // Row-major C[M, N] = A[M, K] W[N, K]^T is column-major C^T = W A^T.
-  blas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, a, CUDA_R_16BF, k, &zero, c,
-                          CUDA_R_16BF, ldc > 0 ? ldc : n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-             what);
+  // The handle's stream (set by the caller's blas_call) goes into the closure, which sets the
+  // math mode itself: a launch log may issue it again outside the caller's scope.
+  cudaStream_t stream = nullptr;
+  blas_check(cublasGetStream(blas, &stream), "cublasGetStream");
+  issue_blas(what, m, n, k, ldc, {a, w, c}, stream, [=](cudaStream_t s) {
+    const blas_call call(blas, s, bf16_math);
+    const float one = 1.0f, zero = 0.0f;
+    // Row-major C[M, N] = A[M, K] W[N, K]^T is column-major C^T = W A^T.
+    blas_check(
+        cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, a, CUDA_R_16BF, k,
+                     &zero, c, CUDA_R_16BF, ldc > 0 ? ldc : n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        what);
+  });
 }
 
 }  // namespace detail
