@@ -96,9 +96,8 @@ class segment_graphs {
   explicit segment_graphs(cudaStream_t stream) : stream_(stream) {}
   ~segment_graphs() {
     if (mode_ == mode::capture) abandon();
-    for (auto& [key, k] : keys_)
-      for (auto& s : k.segments)
-        if (s.exec) cudaGraphExecDestroy(s.exec);
+    cudaStreamSynchronize(stream_);  // a launched graph may still run
+    destroy_all();
   }
   segment_graphs(const segment_graphs&) = delete;
   segment_graphs& operator=(const segment_graphs&) = delete;
@@ -149,6 +148,8 @@ class segment_graphs {
       // graph's records), and capture the segment again next step.
       for (std::size_t i = 0; i < matched; ++i) reissue_launch(s.log[i], stream_);
       for (const launch_record& r : rest) reissue_launch(r, stream_);
+      // (An earlier step's launch of the graph may still run: a rare wait, then the graph goes.)
+      DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
       DSV4_CUDA_CHECK(cudaGraphExecDestroy(s.exec));
       s.exec = nullptr, s.log.clear();
       ++s.divergences, ++counts_.diverged;
@@ -195,10 +196,8 @@ class segment_graphs {
   //! Drops every graph (the launches they hold would no longer be what the host issues: weights
   //! or buffers moved, a process switch flipped; the check would catch it too, at a cost).
   void clear() {
-    for (auto& [key, k] : keys_)
-      for (auto& s : k.segments)
-        if (s.exec) cudaGraphExecDestroy(s.exec);
-    keys_.clear();
+    DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));  // a launched graph may still run
+    destroy_all();
   }
   const counts& stats() const { return counts_; }
   cudaStream_t stream() const { return stream_; }
@@ -215,6 +214,14 @@ class segment_graphs {
     std::vector<segment> segments;
     long long steps = 0;
   };
+
+  void destroy_all() {
+    for (auto& [key, k] : keys_)
+      for (auto& s : k.segments)
+        if (s.exec) cudaGraphExecDestroy(s.exec);
+    keys_.clear();
+    keyed_ = nullptr;
+  }
 
   cudaStream_t stream_;
   std::map<long long, keyed> keys_;
