@@ -20,10 +20,10 @@
 //!   whether all matched (then the graph issues them); otherwise the owner issues the matched
 //!   expected records and then the recorded ones, in the order the host made them.
 
-//! Parameters are recorded as their object bytes: a structure parameter with padding may differ
-//! in its padding bytes between two otherwise equal launches. Such a false difference costs a
-//! graph its replay (the divergence path is exact either way), and the comparison's byte offsets
-//! show where it is (value-initialize the structure to remove it).
+//! Parameters are recorded as their object bytes with any padding cleared (where the compiler
+//! has __builtin_clear_padding: GCC 11+, Clang 16+; elsewhere a structure's padding may hold what
+//! the stack held, and two equal launches may then differ: the comparison's byte offsets show
+//! where, and a graph loses its replay, never its correctness).
 
 #include <cstddef>
 #include <cstdint>
@@ -132,7 +132,13 @@ class launch_log {
     static_assert(std::is_trivially_copyable_v<T>,
                   "a kernel parameter must be trivially copyable to be recorded");
     static_assert(sizeof(T) <= 0xffff, "a kernel parameter of more than 64 KiB");
-    const auto* bytes = reinterpret_cast<const unsigned char*>(&value);
+    T copy = value;
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_clear_padding)
+    __builtin_clear_padding(&copy);  // a structure's padding holds whatever the stack held
+#endif
+#endif
+    const auto* bytes = reinterpret_cast<const unsigned char*>(&copy);
     r.arguments.insert(r.arguments.end(), bytes, bytes + sizeof(T));
     r.param_sizes.push_back(std::uint16_t(sizeof(T)));
   }
