@@ -289,6 +289,9 @@ class device_model {
     kernels::gemm::detail::blas_check(cublasCreate(&blas_), "device_model: cublasCreate");
     // Once here: blas_call (dense.cuh) then never switches it (which would drop a set workspace).
     kernels::gemm::detail::blas_check(cublasSetStream(blas_, stream()), "device_model: cublasSetStream");
+    blas_workspace_ = device_buffer<std::uint8_t>(kernels::gemm::detail::owned_workspace_bytes);
+    kernels::gemm::detail::blas_check(cublasSetWorkspace(blas_, blas_workspace_.data(), blas_workspace_.size()),
+                                      "device_model: cublasSetWorkspace");
     histories_.assign(std::size_t(lim.max_seqs), {});
     // The weights above went up by legacy-stream copies (device_buffer), which the non-blocking
     // stream is not ordered after.
@@ -694,6 +697,7 @@ class device_model {
   std::optional<kernels::mhc::mhc_workspace> mhc_ws_;
   std::optional<kernels::moe::moe_workspace> moe_ws_;
   cublasHandle_t blas_ = nullptr;
+  runtime::device_buffer<std::uint8_t> blas_workspace_;  //!< blas_'s own (gemm::detail::owned_workspace_bytes)
   bool moe_host_sync_ = false;  //!< the MoE may synchronize (prefill / append calls, not decode; start())
   //! A call begun (begin_*) and not yet finished.
   struct pending_call {
@@ -996,7 +1000,9 @@ class device_model {
     try {
       start(p.slots, p.ids, p.tokens, p.decode);
       main_hidden_rows_ = 0;
-      const bool graphs = segments_ && p.decode && !observe_ && !comm_;
+      // (A batch whose MoE dispatch sorts with CUB stays plain: its launches bypass the log.)
+      const bool graphs = segments_ && p.decode && !observe_ && !comm_ &&
+                          kernels::moe::dispatch_in_one_launch(moe_ws_->shape(), R);
       stack_->set_segments(graphs ? &*segments_ : nullptr);
       if (graphs) segments_->begin_step(R), segments_->begin_segment();
       for (int l = 0; l < sched::num_layers; ++l) {
@@ -1006,10 +1012,12 @@ class device_model {
         finish_block(l, R);
       }
       auto out = exit_logits(R, p.one_sequence && !p.all_rows);
+      stack_->set_segments(nullptr);
       stack_->end_call();
       return out;
     } catch (...) {
       if (segments_) segments_->abandon();
+      stack_->set_segments(nullptr);
       fail_call();
       throw;
     }

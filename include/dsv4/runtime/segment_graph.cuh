@@ -169,9 +169,9 @@ class segment_graphs {
       s.divergences = max_divergences, ++counts_.eager;
       return;
     }
-    DSV4_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
-    s.exec = exec, s.log = std::move(records);
+    s.exec = exec, s.log = std::move(records);  // (kept before the launch, which may throw)
     ++counts_.captured;
+    DSV4_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
   }
   //! The step ends (after its last segment).
   void end_step() {

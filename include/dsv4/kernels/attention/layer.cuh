@@ -275,6 +275,9 @@ class attention_stack {
     gemm::detail::blas_check(cublasCreate(&blas_), "attention_stack: cublasCreate");
     // Once here rather than per call: blas_call (dense.cuh) then finds the stream already set.
     gemm::detail::blas_check(cublasSetStream(blas_, stream_), "attention_stack: cublasSetStream");
+    blas_workspace_ = runtime::device_buffer<std::uint8_t>(gemm::detail::owned_workspace_bytes);
+    gemm::detail::blas_check(cublasSetWorkspace(blas_, blas_workspace_.data(), blas_workspace_.size()),
+                             "attention_stack: cublasSetWorkspace");
     // The weights and caches above were written by legacy-stream copies (device_buffer), which a
     // non-blocking stream is not ordered after.
     DSV4_CUDA_CHECK(cudaDeviceSynchronize());
@@ -612,6 +615,7 @@ class attention_stack {
   runtime::device_buffer<float> freqs_local_, freqs_compressed_;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t blas_ = nullptr;
+  runtime::device_buffer<std::uint8_t> blas_workspace_;  //!< blas_'s own (gemm::detail::owned_workspace_bytes)
   std::optional<call_state> call_;
   runtime::upload_arena meta_;  //!< the call metadata (call_state's device pointers point here)
 

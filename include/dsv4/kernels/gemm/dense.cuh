@@ -11,6 +11,7 @@
 #include <cublas_v2.h>     // provides cublasGemmEx, cublasGemmStridedBatchedEx, cublasSgemm
 #include <cuda_runtime.h>  // provides cudaStream_t
 
+#include <cstddef>
 #include <initializer_list>
 #include <string>
 
@@ -61,6 +62,12 @@ void issue_blas(const char* entry, long long m, long long n, long long k, long l
       return;
   gemm(stream);
 }
+
+//! Bytes of the workspace a long-lived handle owns (cublasSetWorkspace, set once beside its
+//! stream): cuBLAS then allocates nothing inside a captured graph (runtime/segment_graph.cuh),
+//! and captured and plain calls see the same workspace, hence choose the same algorithms. 32 MiB:
+//! what cuBLAS documents as enough for Hopper.
+inline constexpr std::size_t owned_workspace_bytes = std::size_t(32) << 20;
 
 inline constexpr cublasMath_t bf16_math = cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
 

@@ -696,6 +696,14 @@ inline void dense_expert_projection(const std::uint8_t* a, const std::uint8_t* a
 
 }  // namespace detail
 
+//! Whether a moe_forward over `tokens` tokens without the host sync (a decode call) dispatches
+//! in one launch: then it issues only kernel launches (runtime::launch_ex) and cuBLAS GEMMs
+//! (issue_blas), as a captured decode segment needs (runtime/segment_graph.cuh); larger calls
+//! sort with CUB, whose launches no launch_log sees.
+inline bool dispatch_in_one_launch(const moe_shape& s, long long tokens) {
+  return tokens * s.k <= detail::dispatch_max_pairs;
+}
+
 //! y = MoE(x) for `tokens` tokens (x: the bf16 ffn_norm output). `is_image` (optional, one byte
 //! per token) picks bias_vl for image-span tokens. With a cuBLAS handle (`blas`), the shared
 //! expert takes the dequantize + cuBLAS path from gemm::dequant_min_tokens tokens, and, when
