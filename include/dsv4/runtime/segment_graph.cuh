@@ -15,8 +15,8 @@
 //!   is skipped and compared with the captured ones (runtime/launch_log.hpp). If all match, one
 //!   cudaGraphLaunch issues them; if any differs (a scalar, grid or pointer that changed), the
 //!   step issues the segment's launches itself, from the records, in the host's order, on the
-//!   caller's stream, and the segment is captured again next step (after two such divergences it
-//!   stays uncaptured for that key). A graph therefore never replays a launch the host did not
+//!   caller's stream, and the segment is captured again next step (after two such divergences
+//!   with no replay between them it stays uncaptured for that key). A graph therefore never replays a launch the host did not
 //!   make this step: the check is exact (argument bytes), and the fallback is the eager launches.
 //!
 //! What a segment may hold: kernel launches through runtime::launch_ex / launch_plain and cuBLAS
@@ -142,6 +142,7 @@ class segment_graphs {
       if (same) {
         DSV4_CUDA_CHECK(cudaGraphLaunch(s.exec, stream_));
         ++counts_.replayed;
+        s.divergences = 0;  // (only divergences in a row give a segment up)
         return;
       }
       // The host's launches differ from the graph's: issue them (the matched part from the

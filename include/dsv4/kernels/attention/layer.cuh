@@ -428,7 +428,8 @@ class attention_stack {
   void set_index_score_sum(index_score_sum f) { sum_scores_ = std::move(f); }
   //! The caller's captured decode segments (runtime/segment_graph.cuh), or null: forward ends the
   //! segment in progress before the part of a layer whose launches follow the sequences' lengths
-  //! (the global branch, the index list, sparse attention) and begins the next after it.
+  //! (the global branch, the index list, sparse attention) and begins the next after it; inside
+  //! the global branch, the indexer's queries and weights (rows only) are a segment of their own.
   void set_segments(runtime::segment_graphs* segments) { segments_ = segments; }
   //! The stream every call's work runs on.
   cudaStream_t stream() const { return stream_; }
@@ -942,6 +943,8 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
       c.topk_width = int(std::min<long long>(s.topk, width));
       if (width > 0) {
         const int ih = s.index_heads;
+        // The indexer's queries and weights depend only on the rows: a segment of their own.
+        if (segments_) segments_->begin_segment();
         linear(w.idx_wq_b, qr_codes_.data(), qr_scales_.data(), iq_.data());
         rope::apply_rope({iq_.data(), c.positions, freqs, R, ih, IndexDim, pairs, false}, stream);
         const int qn = ih * IndexDim;
@@ -951,6 +954,7 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
         runtime::launch_programmatic(scale_bf16_kernel, dim3(blocks_for(1LL * R * ih)), dim3(256), 0, stream, wp_.data(),
                                      1LL * R * ih, 0x1p-6f);
         DSV4_CUDA_CHECK_LAUNCH();
+        if (segments_) segments_->end_segment();
         indexer::index_scan_args scan;
         scan.q = iq_.data(), scan.w = wp_.data();
         scan.keys = pool_.data() + region.key_offset, scan.key_stride = key_stride;
