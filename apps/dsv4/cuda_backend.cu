@@ -173,11 +173,12 @@ cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cl
   } choice(request.wgmma_gemms);
   model::device_model<models::tiny> dm(m, lim);
   const int slot = dm.add_sequence();
+  if (request.decode_graphs) dm.set_decode_graphs(true);
 
   cli::generation g;
   g.device = std::string("CUDA backend on ") + prop.name +
              (request.engram_host_tables ? ", Engram tables in host memory" : "") +
-             (request.wgmma_gemms ? ", wgmma GEMMs" : "");
+             (request.wgmma_gemms ? ", wgmma GEMMs" : "") + (request.decode_graphs ? ", decode graphs" : "");
   if (request.dspark) {  // the prefill, then speculative rounds until n_new tokens (or a cancel)
     model::device_dspark<models::tiny> dd(dm, *request.dspark, lim.max_seqs);
     model::speculative_batch<models::tiny> drafts(dm, dd);

@@ -49,7 +49,7 @@ inline void usage(std::ostream& os) {
         "  run [--config tiny] [--checkpoint PATH] [--prompt IDS] [--tokens N]\n"
         "      [--temperature T] [--top-k K] [--top-p P] [--seed S] [--prefill exact|ced]\n"
         "      [--speculative off|dspark] [--backend host|cuda] [--engram-tables device|host]\n"
-        "      [--gemm mma|wgmma]\n"
+        "      [--gemm mma|wgmma] [--decode-graphs off|on]\n"
         "                       generate N tokens (default 8) after a prompt of comma-separated\n"
         "                       token ids (default 1,2,...,8) and print them with the prefill and\n"
         "                       decode throughput; without --checkpoint the built-in tiny model\n"
@@ -60,7 +60,10 @@ inline void usage(std::ostream& os) {
         "                       checkpoint, and each call's rows are fetched to the GPU (the\n"
         "                       layout for V4.1's ~100 GB tables); --gemm wgmma runs its\n"
         "                       few-token GEMMs on Hopper's wgmma instead of mma.sync (not yet\n"
-        "                       the default: see docs/perf.md). Both run the tiny variant\n"
+        "                       the default: see docs/perf.md); --decode-graphs on replays the\n"
+        "                       decode steps' fixed launches as captured CUDA graphs, checked\n"
+        "                       launch by launch (the same tokens; not yet the default: not yet\n"
+        "                       measured). These run the tiny variant\n"
         "                       only (V4.1's weights need a multi-GPU or offloaded build, issues 5\n"
         "                       and 7). --prefill ced runs\n"
         "                       the encoder over the prompt and the decoder over its last window\n"
@@ -361,8 +364,9 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
     }
     if (cmd == "run") {
       const auto o =
-          detail::parse(args, cmd, {"config", "checkpoint", "prompt", "tokens", "temperature", "top-k", "top-p", "seed", "prefill",
-                                    "speculative", "backend", "engram-tables", "gemm"});
+          detail::parse(args, cmd,
+                        {"config", "checkpoint", "prompt", "tokens", "temperature", "top-k", "top-p", "seed",
+                         "prefill", "speculative", "backend", "engram-tables", "gemm", "decode-graphs"});
       const std::string prefill_mode = o.named.count("prefill") ? o.named.at("prefill") : "exact";
       if (prefill_mode != "exact" && prefill_mode != "ced")
         throw error("run: --prefill must be 'exact' or 'ced', got '" + prefill_mode + "'");
@@ -383,6 +387,11 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       const std::string gemm = o.named.count("gemm") ? o.named.at("gemm") : "mma";
       if (gemm != "mma" && gemm != "wgmma") throw error("run: --gemm must be 'mma' or 'wgmma', got '" + gemm + "'");
       if (gemm == "wgmma" && backend != "cuda") throw error("run: --gemm applies to --backend cuda (the host backend has no GPU GEMMs)");
+      const std::string graphs = o.named.count("decode-graphs") ? o.named.at("decode-graphs") : "off";
+      if (graphs != "off" && graphs != "on")
+        throw error("run: --decode-graphs must be 'off' or 'on', got '" + graphs + "'");
+      if (graphs == "on" && backend != "cuda")
+        throw error("run: --decode-graphs applies to --backend cuda (the host backend launches nothing)");
       if (!o.positional.empty()) throw error("run: unexpected argument '" + o.positional[0] + "'");
       const std::string config = detail::host_config(cmd, o);
       using tiny = models::tiny;
@@ -410,6 +419,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       req.prompt = prompt, req.n_new = n_new, req.sampling = sp, req.ced = prefill_mode == "ced";
       req.engram_host_tables = engram_tables == "host";
       req.wgmma_gemms = gemm == "wgmma";
+      req.decode_graphs = graphs == "on";
       std::optional<model::dspark_weights> drafter;
       if (speculative == "dspark") {
         drafter.emplace(model::dspark_weights_of<tiny>(ck));

@@ -88,6 +88,10 @@ BOOST_AUTO_TEST_CASE(run_rejects_what_it_cannot_do) {
   BOOST_TEST((r.code == 2 && has(r.err, "--gemm applies to --backend cuda")));
   r = run({"run", "--gemm", "tcgen05"});
   BOOST_TEST((r.code == 2 && has(r.err, "--gemm must be 'mma' or 'wgmma', got 'tcgen05'")));
+  r = run({"run", "--decode-graphs", "on"});
+  BOOST_TEST((r.code == 2 && has(r.err, "--decode-graphs applies to --backend cuda")));
+  r = run({"run", "--decode-graphs", "yes"});
+  BOOST_TEST((r.code == 2 && has(r.err, "--decode-graphs must be 'off' or 'on', got 'yes'")));
 }
 
 // The backend plumbing of `run`: a registered backend gets the loaded model, the prompt, the

@@ -43,6 +43,7 @@ struct run_request {
   bool ced = false;                           //!< --prefill ced
   bool engram_host_tables = false;            //!< --engram-tables host: the tables stay in host memory
   bool wgmma_gemms = false;                   //!< --gemm wgmma: few-token GEMMs on wgmma (CUDA backend)
+  bool decode_graphs = false;                 //!< --decode-graphs on: captured decode segments (CUDA backend)
   //! --speculative dspark: draft with these weights (null: plain decoding); the tokens are the
   //! same, the counts land in generation::speculative.
   const model::dspark_weights* dspark = nullptr;
