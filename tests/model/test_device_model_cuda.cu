@@ -695,7 +695,11 @@ BOOST_AUTO_TEST_CASE(layer_by_layer_prefill, *utf::label("gpu") * utf::precondit
 BOOST_AUTO_TEST_CASE(decode_graphs_replay_plain_steps_bit_for_bit,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   const auto hm = load_tiny("device_model_graphs", 61);
-  const bool fused0 = numerics::fused_act_quant();
+  struct restore_switch {  // the process-wide switch back as found, whatever a check does
+    bool on = numerics::fused_act_quant();
+    ~restore_switch() { numerics::set_fused_act_quant(on); }
+  } fused;
+  const bool fused0 = fused.on;
   for (const bool host_tables : {false, true}) {
     BOOST_TEST_CONTEXT((host_tables ? "Engram tables in host memory" : "Engram tables in device memory")) {
       auto lim = tiny_limits(3, 96, 192);
