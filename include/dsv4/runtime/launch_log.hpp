@@ -87,7 +87,6 @@ class launch_log {
   //! Recording: every launch; checking: the launches from the first difference on.
   const std::vector<launch_record>& records() const { return records_; }
   std::vector<launch_record> take_records() { return std::move(records_); }
-  void clear() { records_.clear(); }
   //! Checking: the expected launches that matched before the first difference (all of them if
   //! there was none).
   std::size_t matched() const { return matched_; }
