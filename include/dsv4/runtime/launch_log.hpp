@@ -56,7 +56,6 @@ class launch_log {
   launch_log& operator=(const launch_log&) = delete;
 
   const std::vector<launch_record>& records() const { return records_; }
-  void clear() { records_.clear(); }
 
   //! The log installed on this thread, or null.
   static launch_log* installed() { return current(); }
