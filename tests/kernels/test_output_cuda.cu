@@ -203,8 +203,9 @@ BOOST_AUTO_TEST_CASE(attention_output_matches_host, *utf::label("gpu") * utf::pr
           mid_exact += got_v == want;
           if (std::isnan(got_v) || std::fabs(got_v - want) > std::fabs(want) * 0x1p-7 + mag * 0x1p-20) ++mid_bad;
         }
-      BOOST_TEST_MESSAGE("  FP8 wo_a output (batches of " << mode << " steps): " << mid_exact << " of " << mid.size()
-                                                            << " equal to the rounded double sum");
+      BOOST_TEST_MESSAGE("  FP8 wo_a output (batches of " << mode << " steps): " << mid_exact << " of "
+                                                          << mid.size()
+                                                          << " equal to the rounded double sum");
       BOOST_TEST(mid_bad == 0u);
     }
   }

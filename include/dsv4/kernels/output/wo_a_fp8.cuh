@@ -62,7 +62,7 @@ struct wo_a_fp8_args {
 };
 
 namespace detail {
-inline constexpr int wo_a_step = 64;      // K positions per warp step (16 per lane quad)
+inline constexpr int wo_a_step = 64;  // K positions per warp step (16 per lane quad)
 // K parts of a CTA: 4 warps of 128 threads, so that V4.1's 512 CTAs (8192 rows / 16) are all
 // resident at once (75 registers: six CTAs an SM) instead of 1.3 waves of 256-thread CTAs.
 inline constexpr int wo_a_max_warps = 4;
