@@ -144,7 +144,10 @@ BOOST_AUTO_TEST_CASE(attention_output_matches_host, *utf::label("gpu") * utf::pr
     device_buffer<std::int64_t> d_pos{std::span<const std::int64_t>(positions)};
     device_buffer<float> d_freqs{std::span<const float>(freqs)};
     output::output_workspace ws(s, c.tokens);
-    for (const bool fp8 : {false, true}) {
+    // bf16, then FP8 with batches of 6 (the default), 4 and 8 steps (output::set_wo_a_fp8_batch).
+    for (const int mode : {0, 6, 4, 8}) {
+      const bool fp8 = mode > 0;
+      output::set_wo_a_fp8_batch(fp8 ? mode : 6);
       const bool takes_fp8 = fp8 && c.tokens <= output::wo_a_fp8_max_tokens;
       DSV4_CUDA_CHECK(cudaMemcpy(d_o.data(), o.data(), o.size() * sizeof(bf16), cudaMemcpyHostToDevice));  // un-rotated in place
       // cuBLAS writes wo_a's output with Hopper bulk (TMA) stores, which compute-sanitizer initcheck
@@ -200,10 +203,14 @@ BOOST_AUTO_TEST_CASE(attention_output_matches_host, *utf::label("gpu") * utf::pr
           mid_exact += got_v == want;
           if (std::isnan(got_v) || std::fabs(got_v - want) > std::fabs(want) * 0x1p-7 + mag * 0x1p-20) ++mid_bad;
         }
-      BOOST_TEST_MESSAGE("  FP8 wo_a output: " << mid_exact << " of " << mid.size() << " equal to the rounded double sum");
+      BOOST_TEST_MESSAGE("  FP8 wo_a output (batches of " << mode << " steps): " << mid_exact << " of "
+                                                          << mid.size()
+                                                          << " equal to the rounded double sum");
       BOOST_TEST(mid_bad == 0u);
     }
   }
+  output::set_wo_a_fp8_batch(6);
+  BOOST_TEST(test::throws_with([] { output::set_wo_a_fp8_batch(5); }, "4, 6 or 8 steps, not 5"));
 }
 
 // The FP8 wo_a kernel refuses what it cannot take (the caller keeps the bf16 path there).

@@ -22,6 +22,7 @@
 
 #include <cuda_runtime.h>  // provides cudaStream_t, uint4
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -61,8 +62,7 @@ struct wo_a_fp8_args {
 };
 
 namespace detail {
-inline constexpr int wo_a_step = 64;      // K positions per warp step (16 per lane quad)
-inline constexpr int wo_a_batch = 4;      // steps whose weight loads are issued together
+inline constexpr int wo_a_step = 64;  // K positions per warp step (16 per lane quad)
 // K parts of a CTA: 4 warps of 128 threads, so that V4.1's 512 CTAs (8192 rows / 16) are all
 // resident at once (75 registers: six CTAs an SM) instead of 1.3 waves of 256-thread CTAs.
 inline constexpr int wo_a_max_warps = 4;
@@ -99,8 +99,10 @@ DSV4_DEVICE std::uint32_t e4m3x2_scaled_bf16x2(std::uint32_t two, float scale) {
 
 using numerics::ue8m0_value;
 
-template <int NT>  // token tiles of 8: 1 (up to 8 tokens) or 2 (up to 16)
-DSV4_KERNEL void __launch_bounds__(32 * wo_a_max_warps) wo_a_fp8_kernel(wo_a_fp8_args a, int parts) {
+// NT: token tiles of 8, 1 (up to 8 tokens) or 2 (up to 16); kBatch: steps a batch. Four CTAs an SM
+// (at most 128 registers) hold V4.1's 512 CTAs at once.
+template <int NT, int kBatch>
+DSV4_KERNEL void __launch_bounds__(32 * wo_a_max_warps, 4) wo_a_fp8_kernel(wo_a_fp8_args a, int parts) {
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
   const int row0 = int(blockIdx.x) * 16, group = row0 / a.n;
   const int part = a.k / parts, k0 = warp * part, steps = part / wo_a_step;
@@ -112,21 +114,34 @@ DSV4_KERNEL void __launch_bounds__(32 * wo_a_max_warps) wo_a_fp8_kernel(wo_a_fp8
   const numerics::bf16* xg = a.x + (long long)group * a.k + k0 + 16 * q;
 
   float acc[NT][4] = {};
-  uint4 w[wo_a_batch][2];
-  auto load_batch = [&](int s0) {
+  // A batch of steps: every load of it (weights, their scales, the activations) is issued before
+  // its first product, so each warp waits on memory once a batch.
+  for (int s0 = 0; s0 < steps; s0 += kBatch) {
+    uint4 w[kBatch][2];
+    std::uint32_t sc[kBatch];
 #pragma unroll
-    for (int u = 0; u < wo_a_batch; ++u)
-      if (s0 + u < steps) w[u][0] = load_stream(wa + (s0 + u) * wo_a_step), w[u][1] = load_stream(wb + (s0 + u) * wo_a_step);
-  };
-  load_batch(0);
-  runtime::start_after_previous_grid();  // x comes from the kernel before (the inverse RoPE)
-  for (int s0 = 0; s0 < steps; s0 += wo_a_batch) {
-    if (s0 > 0) load_batch(s0);
+    for (int u = 0; u < kBatch; ++u)
+      if (s0 + u < steps) {
+        const int s = s0 + u;
+        w[u][0] = load_stream(wa + s * wo_a_step), w[u][1] = load_stream(wb + s * wo_a_step);
+        sc[u] = srow[(k0 + s * wo_a_step + 16 * q) / 32];
+      }
+    if (s0 == 0) runtime::start_after_previous_grid();  // x comes from the kernel before (the inverse RoPE)
+    uint4 xv[kBatch][NT][2];
 #pragma unroll
-    for (int u = 0; u < wo_a_batch; ++u) {
-      const int s = s0 + u;
-      if (s >= steps) break;
-      const float scale = ue8m0_value(srow[(k0 + s * wo_a_step + 16 * q) / 32]);
+    for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        xv[u][t][0] = xv[u][t][1] = make_uint4(0, 0, 0, 0);
+        if (s0 + u < steps && t * 8 + g < a.tokens) {
+          const uint4* xp = reinterpret_cast<const uint4*>(xg + (t * 8 + g) * k_total + (s0 + u) * wo_a_step);
+          xv[u][t][0] = xp[0], xv[u][t][1] = xp[1];
+        }
+      }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (s0 + u >= steps) continue;
+      const float scale = ue8m0_value(sc[u]);
       // This lane's 16 K positions of rows g and g + 8 as bf16 pairs: pair p = positions 2p, 2p + 1.
       std::uint32_t ra[8], rb[8];
       const std::uint32_t va[4] = {w[u][0].x, w[u][0].y, w[u][0].z, w[u][0].w};
@@ -138,13 +153,8 @@ DSV4_KERNEL void __launch_bounds__(32 * wo_a_max_warps) wo_a_fp8_kernel(wo_a_fp8
       }
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
-        const int token = t * 8 + g;
-        uint4 x0 = make_uint4(0, 0, 0, 0), x1 = x0;
-        if (token < a.tokens) {
-          const uint4* xp = reinterpret_cast<const uint4*>(xg + token * k_total + s * wo_a_step);
-          x0 = xp[0], x1 = xp[1];
-        }
-        const std::uint32_t xb[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        const std::uint32_t xb[8] = {xv[u][t][0].x, xv[u][t][0].y, xv[u][t][0].z, xv[u][t][0].w,
+                                     xv[u][t][1].x, xv[u][t][1].y, xv[u][t][1].z, xv[u][t][1].w};
         // Product j takes positions 4j .. 4j + 3 of the lane's 16: logical columns 2q, 2q + 1 are
         // positions 4j, 4j + 1 (pair 2j), columns 2q + 8, 2q + 9 positions 4j + 2, 4j + 3 (pair 2j + 1),
         // for the weights (A) and the activations (B) alike.
@@ -171,7 +181,21 @@ DSV4_KERNEL void __launch_bounds__(32 * wo_a_max_warps) wo_a_fp8_kernel(wo_a_fp8
     if (token < a.tokens) a.y[(long long)token * a.groups * a.n + row] = numerics::bf16::from_float(sum);
   }
 }
+//! Steps a batch at up to 8 tokens: 6 (the default: 127 registers, no spills), 4, or 8 (spills);
+//! bench_gemm times each (set_wo_a_fp8_batch).
+inline std::atomic<int>& wo_a_fp8_batch() {
+  static std::atomic<int> steps{6};
+  return steps;
+}
 }  // namespace detail
+
+//! Process-wide, for benchmarks: the FP8 wo_a kernel's steps a batch at up to 8 tokens (4, 6 or
+//! 8; see detail::wo_a_fp8_batch). Anything else is an error.
+inline void set_wo_a_fp8_batch(int steps) {
+  if (steps != 4 && steps != 6 && steps != 8)
+    throw error("wo_a_fp8: a batch is 4, 6 or 8 steps, not " + std::to_string(steps));
+  detail::wo_a_fp8_batch().store(steps);
+}
 
 //! Empty when wo_a_fp8(a) can run, else why not (shapes the kernel does not take: the caller
 //! then keeps the bf16 path).
@@ -194,10 +218,16 @@ inline void launch_wo_a_fp8(const wo_a_fp8_args& a, cudaStream_t stream) {
   int parts = wo_a_max_warps;
   while (parts > 1 && (a.k / wo_a_step) % parts) parts /= 2;  // whole 64-wide steps a warp
   const dim3 grid(unsigned(1LL * a.groups * a.n / 16)), block(unsigned(32 * parts));
-  if (a.tokens <= 8)
-    runtime::launch_programmatic(wo_a_fp8_kernel<1>, grid, block, 0, stream, a, parts);
+  const int batch = wo_a_fp8_batch().load();
+  auto go = [&](auto kernel) { runtime::launch_programmatic(kernel, grid, block, 0, stream, a, parts); };
+  if (a.tokens > 8)
+    go(wo_a_fp8_kernel<2, 4>);
+  else if (batch == 4)
+    go(wo_a_fp8_kernel<1, 4>);
+  else if (batch == 8)
+    go(wo_a_fp8_kernel<1, 8>);
   else
-    runtime::launch_programmatic(wo_a_fp8_kernel<2>, grid, block, 0, stream, a, parts);
+    go(wo_a_fp8_kernel<1, 6>);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 }  // namespace detail
