@@ -4,7 +4,7 @@
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--issue-time]
 //!                    [--decode-graphs]
 //!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
-//!                    [--no-folded] [--no-fused-act-quant] [--no-wo-a-fp8] [--ab-decode] [--dspark]
+//!                    [--no-folded] [--fused-act-quant] [--no-wo-a-fp8] [--ab-decode] [--dspark]
 //!                    [--mhc-one-token-ctas N] [--mhc-small-groups N,M] [--config-json FILE]
 //!                    [--checkpoint-only] [--clone-contexts] [--json FILE]
 //!
@@ -50,8 +50,8 @@
 //! `--gemm-max-tokens N` (with wgmma): up to N tokens (default 63) before that path.
 //! `--no-folded`: the wide FP8 linears of 32-128 tokens off the folded kernel (gemm/folded_gemm.cuh),
 //! on the paths before it (mma.sync, dequantize + cuBLAS from 64 tokens), to compare.
-//! `--no-fused-act-quant`: the norms that feed FP8 linears (the mHC boundaries, q_norm) leave the
-//! act_quant to a quantize launch of its own (numerics::set_fused_act_quant); `--no-wo-a-fp8`:
+//! `--fused-act-quant`: the norms that feed FP8 linears (the mHC boundaries, q_norm) write the
+//! act_quant in the same launch (numerics::set_fused_act_quant; off by default); `--no-wo-a-fp8`:
 //! wo_a through cuBLAS bf16 at every size (output::set_wo_a_fp8), to compare. `--ab-decode`: each
 //! decode batch is also timed with neither, each alone and both, twice (rows decode-neither /
 //! -actquant / -woafp8 / -both), in the same process on the same sequences.
@@ -615,8 +615,8 @@ int main(int argc, char** argv) {
         kernels::mhc::set_small_token_groups(twos, fours);
       } else if (a == "--no-folded")
         kernels::gemm::set_folded_linears(false);
-      else if (a == "--no-fused-act-quant")
-        numerics::set_fused_act_quant(false);
+      else if (a == "--fused-act-quant")
+        numerics::set_fused_act_quant(true);
       else if (a == "--no-wo-a-fp8")
         kernels::output::set_wo_a_fp8(false);
       else if (a == "--ab-decode")
@@ -633,7 +633,7 @@ int main(int argc, char** argv) {
             "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N,N..] "
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
-            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--no-fused-act-quant] "
+            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--fused-act-quant] "
             "[--no-wo-a-fp8] [--ab-decode] [--issue-time] [--decode-graphs] "
             "[--dspark] [--mhc-one-token-ctas N] "
             "[--mhc-small-groups N,M] [--config-json FILE] "

@@ -42,11 +42,13 @@ class device_engine final : public cli::sequence_engine {
  public:
   device_engine(const model::host_model<models::tiny>& m, const cli::engine_limits& el,
                 const cudaDeviceProp& prop, const model::dspark_weights* drafter)
-      : device_(std::string("CUDA backend on ") + prop.name + (drafter ? ", DSpark drafts on the GPU" : "")),
+      : device_(std::string("CUDA backend on ") + prop.name + (drafter ? ", DSpark drafts on the GPU" : "") +
+                (el.decode_graphs ? ", decode graphs" : "")),
         dm_(m, limits_of(el, drafter)),
         capacity_(el.max_sequences),
         draft_block_(drafter ? drafter->block : 0),
         session_tokens_(el.sequence_tokens()) {
+    if (el.decode_graphs) dm_.set_decode_graphs(true);  // (each batch size its own graphs)
     if (drafter) {
       dd_.emplace(dm_, *drafter, el.max_sequences);
       drafts_.emplace(dm_, *dd_);

@@ -60,10 +60,10 @@ inline void usage(std::ostream& os) {
         "                       checkpoint, and each call's rows are fetched to the GPU (the\n"
         "                       layout for V4.1's ~100 GB tables); --gemm wgmma runs its\n"
         "                       few-token GEMMs on Hopper's wgmma instead of mma.sync (not yet\n"
-        "                       the default: see docs/perf.md); --decode-graphs on replays the\n"
+        "                       the default: see docs/perf.md); the CUDA backend replays the\n"
         "                       decode steps' fixed launches as captured CUDA graphs, checked\n"
-        "                       launch by launch (the same tokens; not yet the default: not yet\n"
-        "                       measured). These run the tiny variant\n"
+        "                       launch by launch (the same tokens; --decode-graphs off issues\n"
+        "                       every launch from the host). These run the tiny variant\n"
         "                       only (V4.1's weights need a multi-GPU or offloaded build, issues 5\n"
         "                       and 7). --prefill ced runs\n"
         "                       the encoder over the prompt and the decoder over its last window\n"
@@ -75,6 +75,7 @@ inline void usage(std::ostream& os) {
         "  serve [--config tiny] [--checkpoint PATH] [--host ADDR] [--port N] [--backend host|cuda]\n"
         "        [--max-tokens N] [--max-prompt-tokens N] [--max-requests N] [--max-batch N]\n"
         "        [--max-queued N] [--speculative off|dspark] [--max-session-tokens N]\n"
+        "        [--decode-graphs off|on]\n"
         "                       an HTTP/1.1 JSON server over the model (default 127.0.0.1:8080;\n"
         "                       --port 0 picks a free port and prints it): GET /health, GET\n"
         "                       /v1/model, POST /v1/generate {\"prompt\": [ids], \"max_tokens\": N,\n"
@@ -95,7 +96,9 @@ inline void usage(std::ostream& os) {
         "                       closes one; idle sessions are evicted (least recently used) when\n"
         "                       a new request needs the room; --max-session-tokens N caps a\n"
         "                       conversation (default: --max-prompt-tokens + --max-tokens; the\n"
-        "                       CUDA backend's cache pool grows with the larger of the two)\n"
+        "                       CUDA backend's cache pool grows with the larger of the two);\n"
+        "                       the CUDA backend decodes through captured graphs, as `run` does\n"
+        "                       (--decode-graphs off: every launch from the host)\n"
         "  logits --checkpoint PATH [--config tiny] --prompt IDS [--decode IDS] --out FILE\n"
         "         [--index-keys ownership|upstream]\n"
         "                       exact prefill of the prompt, then the decode ids fed one at a\n"
@@ -175,6 +178,17 @@ inline std::string host_config(const std::string& cmd, const options& o) {
                 "'s weights do not fit one GPU (the multi-GPU model and Engram tables in host memory are issues 7 and 5)");
   }
   return config;
+}
+//! --decode-graphs off|on of `run` and `serve`: on by default with the CUDA backend (the same
+//! tokens as plain steps, bit for bit; a decode step 1-5% faster at V4.1 width, 1.5x on tiny:
+//! docs/perf.md), refused with the host backend, which launches nothing.
+inline bool decode_graphs_option(const std::string& cmd, const options& o, const std::string& backend) {
+  if (!o.named.count("decode-graphs")) return backend == "cuda";
+  const std::string v = o.named.at("decode-graphs");
+  if (v != "off" && v != "on") throw error(cmd + ": --decode-graphs must be 'off' or 'on', got '" + v + "'");
+  if (v == "on" && backend != "cuda")
+    throw error(cmd + ": --decode-graphs applies to --backend cuda (the host backend launches nothing)");
+  return v == "on";
 }
 //! The tiny model's checkpoint: the file or folder at `path`, or (empty path) the built-in random
 //! weights from seed 42; validated against the schema, with load progress on `err`.
@@ -282,8 +296,8 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
     if (cmd == "serve") {
       const auto o = detail::parse(args, cmd,
                                    {"config", "checkpoint", "host", "port", "backend", "max-requests",
-                                    "max-tokens", "max-prompt-tokens", "max-batch", "max-queued", "speculative",
-                                    "max-session-tokens"});
+                                    "max-tokens", "max-prompt-tokens", "max-batch", "max-queued",
+                                    "speculative", "max-session-tokens", "decode-graphs"});
       if (!o.positional.empty()) throw error("serve: unexpected argument '" + o.positional[0] + "'");
       const std::string config = detail::host_config(cmd, o);
       const std::string backend = o.named.count("backend") ? o.named.at("backend") : "host";
@@ -291,6 +305,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
         throw error("serve: --backend must be 'host' or 'cuda', got '" + backend + "'");
       if (backend == "cuda" && !extra.cuda)
         throw error("serve: this dsv4 was built without CUDA (no nvcc at configure time); use --backend host");
+      const bool graphs = detail::decode_graphs_option(cmd, o, backend);
       const std::string speculative = o.named.count("speculative") ? o.named.at("speculative") : "off";
       if (speculative != "off" && speculative != "dspark")
         throw error("serve: --speculative must be 'off' or 'dspark', got '" + speculative + "'");
@@ -340,14 +355,23 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       // (so /health and the 503s of a full queue are answered while every request thread is busy).
       std::optional<batch_scheduler> scheduler;
       if (max_batch > 1) {
-        const engine_limits el{int(max_batch), limits.max_prompt_tokens, limits.max_new_tokens, max_session_tokens};
+        const engine_limits el{int(max_batch), limits.max_prompt_tokens, limits.max_new_tokens,
+                               max_session_tokens, graphs};
         scheduler.emplace(backend == "cuda" ? extra.cuda_engine(m, el, drafts) : std::make_unique<host_engine>(m, el, drafts),
                           batch_scheduler::options{int(max_queued)});
       }
       const serve::generation_service service =
           scheduler ? serve::generation_service(*scheduler, backend, limits)
                     : serve::generation_service(
-                          m, backend == "cuda" ? extra.cuda : generate_fn(host_generate), backend, limits, drafts);
+                          m,
+                          backend == "cuda"
+                              ? generate_fn([g = extra.cuda, graphs](
+                                                const model::host_model<models::tiny>& hm, run_request r) {
+                                  r.decode_graphs = graphs;
+                                  return g(hm, r);
+                                })
+                              : generate_fn(host_generate),
+                          backend, limits, drafts);
       http::server srv(
           host, int(port), [&](const http::request& r) { return service(r); }, std::size_t(1) << 20, 10,
           scheduler ? int(max_batch + max_queued + 4) : 1);
@@ -387,11 +411,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       const std::string gemm = o.named.count("gemm") ? o.named.at("gemm") : "mma";
       if (gemm != "mma" && gemm != "wgmma") throw error("run: --gemm must be 'mma' or 'wgmma', got '" + gemm + "'");
       if (gemm == "wgmma" && backend != "cuda") throw error("run: --gemm applies to --backend cuda (the host backend has no GPU GEMMs)");
-      const std::string graphs = o.named.count("decode-graphs") ? o.named.at("decode-graphs") : "off";
-      if (graphs != "off" && graphs != "on")
-        throw error("run: --decode-graphs must be 'off' or 'on', got '" + graphs + "'");
-      if (graphs == "on" && backend != "cuda")
-        throw error("run: --decode-graphs applies to --backend cuda (the host backend launches nothing)");
+      const bool graphs = detail::decode_graphs_option(cmd, o, backend);
       if (!o.positional.empty()) throw error("run: unexpected argument '" + o.positional[0] + "'");
       const std::string config = detail::host_config(cmd, o);
       using tiny = models::tiny;
@@ -419,7 +439,7 @@ inline int run(const std::vector<std::string>& args, std::ostream& out, std::ost
       req.prompt = prompt, req.n_new = n_new, req.sampling = sp, req.ced = prefill_mode == "ced";
       req.engram_host_tables = engram_tables == "host";
       req.wgmma_gemms = gemm == "wgmma";
-      req.decode_graphs = graphs == "on";
+      req.decode_graphs = graphs;
       std::optional<model::dspark_weights> drafter;
       if (speculative == "dspark") {
         drafter.emplace(model::dspark_weights_of<tiny>(ck));

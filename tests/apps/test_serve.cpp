@@ -185,6 +185,10 @@ BOOST_AUTO_TEST_CASE(serve_command_rejects_bad_options_before_loading) {
   BOOST_TEST((code == 2 && has(err, "--max-session-tokens must be in 1..8192")), err);
   std::tie(code, err) = run({"serve", "--speculative", "medusa"});
   BOOST_TEST((code == 2 && has(err, "--speculative must be 'off' or 'dspark', got 'medusa'")), err);
+  std::tie(code, err) = run({"serve", "--decode-graphs", "on"});
+  BOOST_TEST((code == 2 && has(err, "serve: --decode-graphs applies to --backend cuda")), err);
+  std::tie(code, err) = run({"serve", "--decode-graphs", "maybe"});
+  BOOST_TEST((code == 2 && has(err, "serve: --decode-graphs must be 'off' or 'on', got 'maybe'")), err);
 }
 
 // Half a request and then silence: the server answers 408 when its (here 1 s) timeout ends.

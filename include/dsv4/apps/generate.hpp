@@ -43,7 +43,7 @@ struct run_request {
   bool ced = false;                           //!< --prefill ced
   bool engram_host_tables = false;            //!< --engram-tables host: the tables stay in host memory
   bool wgmma_gemms = false;                   //!< --gemm wgmma: few-token GEMMs on wgmma (CUDA backend)
-  bool decode_graphs = false;                 //!< --decode-graphs on: captured decode segments (CUDA backend)
+  bool decode_graphs = false;  //!< captured decode segments (CUDA backend; `run`'s default there)
   //! --speculative dspark: draft with these weights (null: plain decoding); the tokens are the
   //! same, the counts land in generation::speculative.
   const model::dspark_weights* dspark = nullptr;
@@ -124,6 +124,8 @@ struct engine_limits {
   //! The most tokens one sequence holds over a session's turns (0: max_prompt_tokens + max_new_tokens).
   long long max_sequence_tokens = 0;
   long long sequence_tokens() const { return max_sequence_tokens > 0 ? max_sequence_tokens : max_prompt_tokens + max_new_tokens; }
+  //! Decode steps through captured graphs where the backend has them (run_request::decode_graphs).
+  bool decode_graphs = false;
 };
 //! The model, the limits, and the drafter's weights (null: plain decoding), which must outlive the engine.
 using engine_fn = std::function<std::unique_ptr<sequence_engine>(

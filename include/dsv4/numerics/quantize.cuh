@@ -58,14 +58,15 @@ struct fused_act_quant_tag;
 }  // namespace detail
 //! Process-wide: whether the norms that feed FP8 linears write the act_quant of their output in
 //! the same launch (rmsnorm_args::codes through norm::rmsnorm_quantized, mhc_step_args::h_codes
-//! through device_model's boundaries: the default) or leave it to a quantize launch of its own,
-//! as before (for comparisons: bench_model --no-fused-act-quant). The bytes are the same either
-//! way. Read when a call is launched.
+//! through device_model's boundaries) or leave it to a quantize launch of its own (the default).
+//! The bytes are the same either way. Off by default: on an H100 at V4.1 width the fused form
+//! made a decode step 7-8% slower (bench_model --ab-decode, docs/perf.md, forty-first session);
+//! kept for comparisons (bench_model --fused-act-quant). Read when a call is launched.
 inline void set_fused_act_quant(bool on) {
-  process_switch<detail::fused_act_quant_tag>::set(on);
+  process_switch<detail::fused_act_quant_tag, false>::set(on);
 }
 inline bool fused_act_quant() {
-  return process_switch<detail::fused_act_quant_tag>::on();
+  return process_switch<detail::fused_act_quant_tag, false>::on();
 }
 
 struct dequantize_args {

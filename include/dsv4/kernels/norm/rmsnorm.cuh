@@ -151,8 +151,8 @@ void rmsnorm(const rmsnorm_args<Weight>& a, cudaStream_t stream = nullptr) {
 }
 
 //! rmsnorm with its act_quant (a.codes and a.scales required): one launch where
-//! numerics::fused_act_quant() (the default), else the norm and then numerics::quantize, as before
-//! the fused form. The same bytes either way.
+//! numerics::fused_act_quant(), else (the default) the norm and then numerics::quantize. The same
+//! bytes either way.
 inline void rmsnorm_quantized(const rmsnorm_args<numerics::bf16>& a, cudaStream_t stream = nullptr) {
   if (!a.codes || !a.scales) throw error("rmsnorm_quantized: needs the act_quant's codes and scales");
   if (numerics::fused_act_quant()) return rmsnorm<numerics::bf16>(a, stream);
