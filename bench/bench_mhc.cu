@@ -8,6 +8,10 @@
 //! Bytes = per token (X 4d + F d + Y 4d + h d) x 2 bytes (the article's (2n+2)d single pass)
 //! plus the 24 x 4d fp32 projection weight once per launch. Times per call of back-to-back calls
 //! replayed as a CUDA graph; ratio to the copy ceiling measured in the same run.
+//! Then the decode shapes (1 to 16 tokens, one token a CTA) with the projection weight read from L2
+//! (one weight, as above) and from HBM (48 copies in rotation, 96 MB: a model's boundaries read
+//! theirs a step apart), each with the weight's slice bulk-copied into shared memory and loaded
+//! into registers (set_decode_weights_in_registers).
 
 #include <algorithm>
 #include <cstdio>
@@ -76,6 +80,49 @@ int main(int argc, char** argv) {
       set_prefill_token_group(8);
       set_one_token_ctas_up_to(detail::default_one_token_ctas);
       set_small_token_groups(detail::default_twos_up_to, detail::default_fours_up_to);
+    }
+    // The decode shapes: the projection weight from L2 and from HBM, by each load path.
+    constexpr int copies = 48;
+    std::vector<runtime::device_buffer<float>> fns;
+    for (int c = 0; c < copies; ++c) {
+      fns.emplace_back(std::size_t(24) * 4 * dim);
+      fns.back().fill_bytes(0);
+    }
+    std::printf("\ndecode weights: one token a CTA, us a call\n%8s %12s %12s %12s %12s\n", "tokens",
+                "shared L2", "shared HBM", "registers L2", "registers HBM");
+    for (long long tokens : {1LL, 2LL, 8LL, 16LL}) {
+      runtime::device_buffer<bf16> x(std::size_t(tokens) * 4 * dim), f(std::size_t(tokens) * dim),
+          y(x.size()), h(f.size());
+      x.fill_bytes(0x3e);
+      f.fill_bytes(0x3e);
+      runtime::device_buffer<float> pre(std::size_t(tokens) * 4), post(pre.size()),
+          comb(std::size_t(tokens) * 16), npre(pre.size()), npost(pre.size()), ncomb(comb.size());
+      pre.fill_bytes(0x3e), post.fill_bytes(0x3e), comb.fill_bytes(0x3e);
+      mhc_workspace ws(tokens, dim);
+      mhc_step_args a;
+      a.x = x.data(), a.f = f.data(), a.post = post.data(), a.comb = comb.data(), a.pre = pre.data();
+      a.norm_w = w.data(), a.y = y.data(), a.h = h.data();
+      a.base = base.data(), a.scale = scale.data();
+      a.next_pre = npre.data(), a.next_post = npost.data(), a.next_comb = ncomb.data();
+      a.tokens = tokens, a.dim = dim;
+      double us[4];
+      for (int v = 0; v < 4; ++v) {
+        set_decode_weights_in_registers(v >= 2);
+        const bool hbm = v % 2 == 1;
+        int it = 0;
+        const double ms = bench::median_ms_per_call(
+            [&](cudaStream_t st) {
+              a.fn = hbm ? fns[std::size_t(it++ % copies)].data() : fn.data();
+              mhc_step(a, ws, st);
+            },
+            hbm ? 2 * copies : 20);
+        us[v] = ms * 1e3;
+        if (jf)
+          std::fprintf(jf, ",\n  {\"tokens\": %lld, \"decode_weights\": \"%s %s\", \"us\": %.2f}", tokens,
+                       v >= 2 ? "registers" : "shared", hbm ? "hbm" : "l2", us[v]);
+      }
+      set_decode_weights_in_registers(false);
+      std::printf("%8lld %12.1f %12.1f %12.1f %12.1f\n", tokens, us[0], us[1], us[2], us[3]);
     }
     if (jf) {
       std::fprintf(jf, "\n]}\n");

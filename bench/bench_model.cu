@@ -4,7 +4,7 @@
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--issue-time]
 //!                    [--decode-graphs]
 //!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
-//!                    [--no-folded] [--fused-act-quant] [--no-wo-a-fp8] [--ab-decode] [--dspark]
+//!                    [--no-folded] [--fused-act-quant] [--no-wo-a-fp8] [--ab-decode] [--ab-mhc] [--dspark]
 //!                    [--mhc-one-token-ctas N] [--mhc-small-groups N,M] [--config-json FILE]
 //!                    [--checkpoint-only] [--clone-contexts] [--json FILE]
 //!
@@ -54,7 +54,10 @@
 //! act_quant in the same launch (numerics::set_fused_act_quant; off by default); `--no-wo-a-fp8`:
 //! wo_a through cuBLAS bf16 at every size (output::set_wo_a_fp8), to compare. `--ab-decode`: each
 //! decode batch is also timed with neither, each alone and both, twice (rows decode-neither /
-//! -actquant / -woafp8 / -both), in the same process on the same sequences.
+//! -actquant / -woafp8 / -both), in the same process on the same sequences. `--ab-mhc`: each decode
+//! batch also timed with the mHC boundaries' projection rows bulk-copied into shared memory and
+//! loaded into registers (kernels::mhc::set_decode_weights_in_registers), alternating, twice (rows
+//! decode-mhc-shared / decode-mhc-regs).
 //! `--issue-time`: each decode batch's steps again, each behind a 100 ms wait on the device's
 //! stream, so that the step's launches queue before the device reaches them: row decode-queued is
 //! the device's time for a step from the wait's end (events), printed with the host's time to
@@ -172,6 +175,8 @@ struct options {
   bool checkpoint_only = false;       // write the checkpoint to `checkpoint` and stop
   bool issue_time = false;            // decode: a step's host issue time, and its device time queued
   bool ab_decode = false;             // decode: each batch also timed with the fused act_quant and FP8 wo_a on / off
+  bool ab_mhc =
+      false;  // decode: each batch also timed with the mHC projection rows in shared memory / registers
   bool decode_graphs = false;         // decode: each batch also timed through captured graphs
   bool clone_contexts = false;        // decode batches: one prefill, the other sequences copies of it
 };
@@ -236,11 +241,11 @@ int run(FILE* jf, const options& opt) {
   lim.max_seqs = *std::max_element(batches.begin(), batches.end()) + 2;
   const int longest = std::max(*std::max_element(prompt_lengths.begin(), prompt_lengths.end()), longest_context);
   lim.max_rows = opt.chunk > 0 ? std::min(longest, opt.chunk) : longest;
-  // (--ab-decode: eight more rounds of steps on the same sequences.)
+  // (--ab-decode: eight more rounds of steps on the same sequences; --ab-mhc: four more.)
   // (--issue-time: one more.)
   // (--decode-graphs: two more, the first capturing.)
-  const int step_rounds =
-      1 + (opt.ab_decode ? 8 : 0) + (opt.issue_time ? 1 : 0) + (opt.decode_graphs ? 2 : 0);
+  const int step_rounds = 1 + (opt.ab_decode ? 8 : 0) + (opt.ab_mhc ? 4 : 0) + (opt.issue_time ? 1 : 0) +
+                          (opt.decode_graphs ? 2 : 0);
   lim.max_tokens = std::max<long long>(longest, longest_context + step_rounds * steps + 1), lim.page_tokens = 256;
   lim.ced_appends = opt.chunk > 0 && opt.chunk < longest;  // chunked CED prompts append in CED mode
   lim.engram_host_tables = opt.engram_host_tables;
@@ -441,6 +446,17 @@ int run(FILE* jf, const options& opt) {
           }
         numerics::set_fused_act_quant(aq0), kernels::output::set_wo_a_fp8(woa0);
       }
+      if (opt.ab_mhc) {  // the same sequences, alternating: projection rows in shared memory, in registers
+        const bool regs0 = kernels::mhc::decode_weights_in_registers();
+        for (int round = 0; round < 2; ++round)
+          for (const bool regs : {false, true}) {
+            kernels::mhc::set_decode_weights_in_registers(regs);
+            const double t = time_steps();
+            row(regs ? "decode-mhc-regs" : "decode-mhc-shared", context, batch, t, batch / t,
+                traffic.decode_bytes(batch) / ceiling.copy_bps);
+          }
+        kernels::mhc::set_decode_weights_in_registers(regs0);
+      }
       for (int sl : slots) dm.release_sequence(sl);
     }
   // The DSpark drafter: one sequence at the decode context (CED prompt: the capture then holds its
@@ -621,6 +637,8 @@ int main(int argc, char** argv) {
         kernels::output::set_wo_a_fp8(false);
       else if (a == "--ab-decode")
         opt.ab_decode = true;
+      else if (a == "--ab-mhc")
+        opt.ab_mhc = true;
       else if (a == "--issue-time")
         opt.issue_time = true;
       else if (a == "--decode-graphs")
@@ -634,7 +652,7 @@ int main(int argc, char** argv) {
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
             "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--fused-act-quant] "
-            "[--no-wo-a-fp8] [--ab-decode] [--issue-time] [--decode-graphs] "
+            "[--no-wo-a-fp8] [--ab-decode] [--ab-mhc] [--issue-time] [--decode-graphs] "
             "[--dspark] [--mhc-one-token-ctas N] "
             "[--mhc-small-groups N,M] [--config-json FILE] "
             "[--checkpoint-only] [--clone-contexts] [--json FILE]\n");

@@ -177,6 +177,26 @@ BOOST_AUTO_TEST_CASE(fused_step_matches_host, *utf::label("gpu") * utf::precondi
   check_step(97, 5120, boundary::entry, 26);
 }
 
+// One token a CTA with the projection rows loaded into registers before the programmatic wait
+// (set_decode_weights_in_registers) instead of bulk-copied into shared memory: the same bounds,
+// at full and partial slices, inside the model, at its entry and at its exit (no projection).
+BOOST_AUTO_TEST_CASE(decode_weights_in_registers_match_host,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  struct restore {
+    ~restore() { set_decode_weights_in_registers(false); }
+  } r;
+  BOOST_TEST(!decode_weights_in_registers());
+  set_decode_weights_in_registers(true);
+  BOOST_TEST(decode_weights_in_registers());
+  check_step(1, 5120, boundary::inside, 31);
+  check_step(16, 5120, boundary::inside, 32);
+  check_step(5, 5120, boundary::entry, 33);
+  check_step(4, 5120, boundary::exit, 34);
+  check_step(3, 200, boundary::inside, 35);
+  check_step(7, 328, boundary::inside, 36);
+  check_step(17, 328, boundary::inside, 37);  // (above 16 tokens: the small groups, unchanged)
+}
+
 // The prefill variant with 16 tokens a CTA (set_prefill_token_group): two phase-1 items a thread,
 // two tokens a Sinkhorn warp, two rounds; the same bits as the 8-token groups' (Y, h) and the same bounds.
 BOOST_AUTO_TEST_CASE(sixteen_token_groups_match_host,

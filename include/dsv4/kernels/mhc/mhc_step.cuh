@@ -33,6 +33,7 @@
 #include <type_traits>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/core/process_switch.hpp"
 #include "dsv4/kernels/bulk_copy.cuh"
 #include "dsv4/kernels/mhc/sinkhorn.cuh"
 #include "dsv4/numerics/bf16.hpp"
@@ -177,7 +178,11 @@ DSV4_DEVICE void named_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-template <int TB>
+//! TB: tokens a CTA. kWeightsEarly (one token a CTA only): each warp loads its projection rows'
+//! slice straight into registers before the programmatic wait (24 16-byte loads a lane, every one
+//! in flight at once) instead of one thread's 96 bulk copies into shared memory
+//! (set_decode_weights_in_registers).
+template <int TB, bool kWeightsEarly = false>
 DSV4_KERNEL void __launch_bounds__(mhc_threads, TB <= 4   ? 1
                                                 : TB == 8 ? 4
                                                           : 3)
@@ -200,7 +205,9 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB <= 4   ? 1
   // memory by bulk copies (below); in groups of 8 or 16 it is loaded into registers after phase 1
   // (the load is shared by the group's tokens there, and 48 KB of shared memory a CTA would cost
   // occupancy at prefill).
-  constexpr bool kWeightsInShared = TB <= 4 && DSV4_BULK_COPY_PASS;
+  static_assert(!kWeightsEarly || TB == 1,
+                "mhc_step: the projection rows in registers are for one token a CTA");
+  constexpr bool kWeightsInShared = TB <= 4 && DSV4_BULK_COPY_PASS && !kWeightsEarly;
   const int dim = a.dim, splits = (dim + S - 1) / S, split = blockIdx.x;
   const long long group = blockIdx.y, tok0 = group * TB;
   const int toks = a.tokens - tok0 < TB ? int(a.tokens - tok0) : TB;
@@ -219,9 +226,29 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB <= 4   ? 1
 
   // The slice of the projection weight is a weight, which no kernel writes, so at decode it is
   // requested before the wait and arrives while the kernel before this one finishes (pdl.cuh):
-  // 96 bulk copies (24 rows x 4 streams, 128 positions each) issued by one thread, no registers.
-  // Positions past `dim` in the last slice are not copied, and phase 2 does not read them.
+  // 96 bulk copies (24 rows x 4 streams, 128 positions each) issued by one thread, no registers;
+  // or (kWeightsEarly) phase 2's own register loads, issued here. Positions past `dim` in the last
+  // slice are not read, and phase 2 does not use them.
+  // Lane l takes positions 4l..4l+3 of each stream's slice (16-byte accesses, conflict-free).
+  static_assert(S == 32 * 4, "mhc_step: a slice row is one float4 per lane");
+  float4 wv[kRows][hc];
+  auto load_weight_rows = [&] {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int i = 0; i < hc; ++i) {
+        const int row = warp + kWarps * r, dd = 4 * lane;
+        if (dd >= valid)
+          wv[r][i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        else if constexpr (kWeightsInShared)
+          wv[r][i] = *reinterpret_cast<const float4*>(dynamic_smem + (row * hc + i) * S + dd);
+        else
+          wv[r][i] = __ldg(reinterpret_cast<const float4*>(a.fn + (long long)row * 4 * dim +
+                                                           (long long)i * dim + d_base + dd));
+      }
+  };
   if (has_next) {
+    if constexpr (kWeightsEarly) load_weight_rows();
     if constexpr (kWeightsInShared) {
       if (threadIdx.x == 0) {
         bulk_copy::init(&weight_bar, 1);
@@ -318,23 +345,8 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB <= 4   ? 1
   // each row for every token of the group. (At decode, the barrier's initialization is ordered
   // before this wait by phase 1's __syncthreads.)
   if (has_next) {
-    // Lane l takes positions 4l..4l+3 of each stream's slice (16-byte accesses, conflict-free).
-    static_assert(S == 32 * 4, "mhc_step: a slice row is one float4 per lane");
-    float4 wv[kRows][hc];
     if constexpr (kWeightsInShared) bulk_copy::wait(&weight_bar, 0);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int i = 0; i < hc; ++i) {
-        const int row = warp + kWarps * r, dd = 4 * lane;
-        if (dd >= valid)
-          wv[r][i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        else if constexpr (kWeightsInShared)
-          wv[r][i] = *reinterpret_cast<const float4*>(dynamic_smem + (row * hc + i) * S + dd);
-        else
-          wv[r][i] = __ldg(reinterpret_cast<const float4*>(a.fn + (long long)row * 4 * dim +
-                                                           (long long)i * dim + d_base + dd));
-      }
+    if constexpr (!kWeightsEarly) load_weight_rows();
       // A lane's 16 products are summed in fp32 (as precise as the reference's own fp32 GEMM;
       // double here would cost a conversion per product, the kernel's bottleneck at prefill),
       // the lanes' sums then in double by a fixed tree. The loops run the warp's rows side by side
@@ -517,6 +529,8 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB <= 4   ? 1
   }
 }
 
+struct decode_weights_in_registers_tag;
+
 inline std::atomic<int>& prefill_token_group() {
   static std::atomic<int> tokens{8};
   return tokens;
@@ -557,6 +571,20 @@ inline void set_one_token_ctas_up_to(int tokens) {
 }
 inline int one_token_ctas_up_to() {
   return detail::one_token_ctas_up_to().load();
+}
+
+//! Process-wide: how the one-token-a-CTA variant (decode) gets its slice of the 24 x 4d projection
+//! weight: 96 bulk copies into shared memory issued by one thread (off, the default), or each
+//! warp's 24 16-byte loads a lane straight into the registers phase 2 uses, all issued before the
+//! programmatic wait (on). Both read the weight before the wait; they differ in how many requests
+//! are in flight at once, which matters where the weight comes from HBM (every boundary of a
+//! model's step: its 2 MB were last read a step ago). The same results either way. bench_mhc
+//! times both with the weight in L2 and from HBM.
+inline void set_decode_weights_in_registers(bool on) {
+  process_switch<detail::decode_weights_in_registers_tag, false>::set(on);
+}
+inline bool decode_weights_in_registers() {
+  return process_switch<detail::decode_weights_in_registers_tag, false>::on();
 }
 
 //! Process-wide: how many tokens one CTA takes above one_token_ctas_up_to() tokens a call
@@ -619,7 +647,7 @@ inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t str
   const int smem_decode = a.fn ? mhc_workspace::weight_slice_bytes : mhc_workspace::stage_bytes;
   // The shared-memory opt-in is per device and per kernel copy (kernels have internal linkage),
   // so it is made here, beside the launch, once per device and variant.
-  static runtime::per_device_ints ready[5] = {};
+  static runtime::per_device_ints ready[6] = {};
   auto go = [&](auto kernel, int variant, long long groups, int smem) {
     if (groups > 65535) throw error(where + "too many tokens for one launch");
     runtime::cached_per_device(ready[variant], [&](int) {
@@ -632,7 +660,10 @@ inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t str
   };
   // One token per CTA at decode (more CTAs), small groups of 2 or 4 where set, groups of 8 or 16
   // when there are many tokens (the weight is then read once per group).
-  if (a.tokens <= one_token_ctas_up_to())
+  if (a.tokens <= one_token_ctas_up_to() &&
+      decode_weights_in_registers())  // (no weight slice in shared memory)
+    go(detail::mhc_step_kernel<1, true>, 5, a.tokens, mhc_workspace::stage_bytes);
+  else if (a.tokens <= one_token_ctas_up_to())
     go(detail::mhc_step_kernel<1>, 0, a.tokens, smem_decode);
   else if (a.tokens <= twos_up_to())
     go(detail::mhc_step_kernel<2>, 3, (a.tokens + 1) / 2, smem_decode);
