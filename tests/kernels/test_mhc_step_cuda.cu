@@ -177,17 +177,18 @@ BOOST_AUTO_TEST_CASE(fused_step_matches_host, *utf::label("gpu") * utf::precondi
   check_step(97, 5120, boundary::entry, 26);
 }
 
-// One token a CTA with the projection rows loaded into registers before the programmatic wait
-// (set_decode_weights_in_registers) instead of bulk-copied into shared memory: the same bounds,
-// at full and partial slices, inside the model, at its entry and at its exit (no projection).
-BOOST_AUTO_TEST_CASE(decode_weights_in_registers_match_host,
+// One token a CTA with the projection rows bulk-copied into shared memory
+// (set_decode_weights_in_registers(false)) instead of loaded into registers before the programmatic
+// wait (the default, which the cases above run): the same bounds, at full and partial slices,
+// inside the model, at its entry and at its exit (no projection).
+BOOST_AUTO_TEST_CASE(decode_weights_in_shared_memory_match_host,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   struct restore {
-    ~restore() { set_decode_weights_in_registers(false); }
+    ~restore() { set_decode_weights_in_registers(true); }
   } r;
-  BOOST_TEST(!decode_weights_in_registers());
-  set_decode_weights_in_registers(true);
   BOOST_TEST(decode_weights_in_registers());
+  set_decode_weights_in_registers(false);
+  BOOST_TEST(!decode_weights_in_registers());
   check_step(1, 5120, boundary::inside, 31);
   check_step(16, 5120, boundary::inside, 32);
   check_step(5, 5120, boundary::entry, 33);

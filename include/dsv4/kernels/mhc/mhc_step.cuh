@@ -19,7 +19,8 @@
 //! has an order fixed by the shape, so results do not depend on arrival order.
 //!
 //! Decode latency (docs/decisions.md, "mhc_step at decode"): the weight slice is requested before
-//! the programmatic wait by bulk copies into shared memory, phase 1 gives each of the 128 threads
+//! the programmatic wait (straight into registers, or by bulk copies into shared memory:
+//! set_decode_weights_in_registers), phase 1 gives each of the 128 threads
 //! one position, the warps' 6 projection rows run side by side, and the last CTA loads the
 //! partials in one round trip. What is left at one token (~7 us a step on the H200) is mostly
 //! the Sinkhorn split's 39 dependent normalizations (~2.8 us) and the hand-off to the last CTA.
@@ -574,17 +575,18 @@ inline int one_token_ctas_up_to() {
 }
 
 //! Process-wide: how the one-token-a-CTA variant (decode) gets its slice of the 24 x 4d projection
-//! weight: 96 bulk copies into shared memory issued by one thread (off, the default), or each
-//! warp's 24 16-byte loads a lane straight into the registers phase 2 uses, all issued before the
-//! programmatic wait (on). Both read the weight before the wait; they differ in how many requests
-//! are in flight at once, which matters where the weight comes from HBM (every boundary of a
-//! model's step: its 2 MB were last read a step ago). The same results either way. bench_mhc
-//! times both with the weight in L2 and from HBM.
+//! weight: each warp's 24 16-byte loads a lane straight into the registers phase 2 uses, all
+//! issued before the programmatic wait (on, the default), or 96 bulk copies into shared memory
+//! issued by one thread (off, the earlier form). The same results either way. On an H100
+//! (forty-first session, docs/perf.md) bench_mhc took 7.8 / 9.7 / 13.4 us at 1 / 8 / 16 tokens
+//! with the registers against 8.1 / 10.5-10.9 / 16.9 with the bulk copies (alike with the weight
+//! in L2 and from HBM), and a V4.1-width decode step 10.2 ms against 10.4 at batch 1
+//! (bench_model --ab-mhc).
 inline void set_decode_weights_in_registers(bool on) {
-  process_switch<detail::decode_weights_in_registers_tag, false>::set(on);
+  process_switch<detail::decode_weights_in_registers_tag, true>::set(on);
 }
 inline bool decode_weights_in_registers() {
-  return process_switch<detail::decode_weights_in_registers_tag, false>::on();
+  return process_switch<detail::decode_weights_in_registers_tag, true>::on();
 }
 
 //! Process-wide: how many tokens one CTA takes above one_token_ctas_up_to() tokens a call
