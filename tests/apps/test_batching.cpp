@@ -22,6 +22,7 @@
 #include "dsv4/apps/batching.hpp"
 #include "dsv4/apps/serve.hpp"
 #include "dsv4/cli.hpp"
+#include "support/builtin_tiny.hpp"
 #include "support/errors.hpp"
 
 using namespace dsv4;
@@ -29,21 +30,12 @@ using namespace std::chrono_literals;
 
 namespace {
 
-const model::host_model<models::tiny>& tiny() {
-  static const auto m = [] {
-    std::ostringstream quiet;
-    io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
-    return model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
-  }();
-  return m;
-}
-
 //! A host engine whose start() waits for `gate` the first time (so the test can queue requests
 //! behind it), which counts its steps' sizes and can be told to fail a step.
 class gated_engine final : public cli::sequence_engine {
  public:
   gated_engine(int capacity, std::shared_future<void> gate)
-      : inner_(tiny(), {capacity, 64, 64}), gate_(std::move(gate)) {}
+      : inner_(test::builtin_tiny(), {capacity, 64, 64}), gate_(std::move(gate)) {}
   std::string device() const override { return "gated host engine"; }
   int capacity() const override { return inner_.capacity(); }
   long long max_sequence_tokens() const override { return inner_.max_sequence_tokens(); }
@@ -145,7 +137,7 @@ BOOST_AUTO_TEST_CASE(requests_that_arrive_together_are_decoded_together) {
   g.release();
   for (int i = 0; i < n; ++i) {
     const cli::generation g = got[std::size_t(i)].get();
-    const cli::generation want = cli::host_generate(tiny(), set.requests[std::size_t(i)]);
+    const cli::generation want = cli::host_generate(test::builtin_tiny(), set.requests[std::size_t(i)]);
     BOOST_TEST(g.tokens == want.tokens, "request " << i);
     BOOST_TEST(!g.cancelled);
     BOOST_TEST(g.device == "gated host engine");
@@ -175,15 +167,15 @@ BOOST_AUTO_TEST_CASE(requests_join_and_leave_at_any_step) {
   wait_until([&] { return s.stats().steps >= 3; });
   const cli::generation late = s.submit(set.requests[2]);  // joins mid-way
   leave = true;
-  BOOST_TEST(late.tokens == cli::host_generate(tiny(), set.requests[2]).tokens);
+  BOOST_TEST(late.tokens == cli::host_generate(test::builtin_tiny(), set.requests[2]).tokens);
   const cli::generation c = cancelled.get();
   BOOST_TEST(c.cancelled);
   BOOST_TEST(c.tokens.size() < 14u);
   cli::run_request uncancelled = set.requests[1];
   uncancelled.cancelled = {};
-  const auto full = cli::host_generate(tiny(), uncancelled).tokens;
+  const auto full = cli::host_generate(test::builtin_tiny(), uncancelled).tokens;
   BOOST_TEST(std::equal(c.tokens.begin(), c.tokens.end(), full.begin()));  // a prefix of the full run
-  BOOST_TEST(long_one.get().tokens == cli::host_generate(tiny(), set.requests[0]).tokens);
+  BOOST_TEST(long_one.get().tokens == cli::host_generate(test::builtin_tiny(), set.requests[0]).tokens);
   BOOST_TEST(s.stats().largest_batch == 3);  // the late request ran beside the other two
 }
 
@@ -215,11 +207,12 @@ BOOST_AUTO_TEST_CASE(a_full_queue_refuses_and_a_failed_step_fails_only_its_reque
   // The two queued behind it were admitted after the failed step, together, and run.
   for (int i = 1; i <= 2; ++i)
     BOOST_TEST(got[std::size_t(i)].get().tokens ==
-               cli::host_generate(tiny(), set.requests[std::size_t(i)]).tokens);
+               cli::host_generate(test::builtin_tiny(), set.requests[std::size_t(i)]).tokens);
   cli::run_request bad = set.requests[4];
   bad.on_token = [](std::int32_t) { throw error("a client callback that throws"); };
   BOOST_TEST(test::throws_with([&] { s.submit(bad); }, "a client callback that throws"));
-  BOOST_TEST(s.submit(set.requests[3]).tokens == cli::host_generate(tiny(), set.requests[3]).tokens);
+  BOOST_TEST(s.submit(set.requests[3]).tokens ==
+             cli::host_generate(test::builtin_tiny(), set.requests[3]).tokens);
   BOOST_TEST(e.releases.load() == e.starts.load());
 }
 
@@ -317,7 +310,7 @@ BOOST_AUTO_TEST_CASE(steps_may_give_several_tokens) {
   set.requests[0].n_new = 8, set.requests[1].n_new = 4, set.requests[2].n_new = 1;
   auto engine = std::make_unique<ahead_engine>();
   ahead_engine& e = *engine;
-  for (const auto& r : set.requests) e.answers.push_back(cli::host_generate(tiny(), r).tokens);
+  for (const auto& r : set.requests) e.answers.push_back(cli::host_generate(test::builtin_tiny(), r).tokens);
   e.given.assign(8, 0);
   cli::batch_scheduler s(std::move(engine));
   std::vector<std::int32_t> streamed;
@@ -338,7 +331,7 @@ BOOST_AUTO_TEST_CASE(steps_may_give_several_tokens) {
   e.extra = 1;  // 3 tokens for a sequence that wants 2
   cli::run_request three = set.requests[1];
   three.n_new = 3;
-  e.answers.push_back(cli::host_generate(tiny(), three).tokens);
+  e.answers.push_back(cli::host_generate(test::builtin_tiny(), three).tokens);
   BOOST_TEST(test::throws_with([&] { s.submit(three); }, "the engine returned 3 tokens for a sequence that wants 2"));
   e.extra = -1;
   e.answers.push_back(e.answers.back());
@@ -352,7 +345,8 @@ BOOST_AUTO_TEST_CASE(a_drafting_engine_gives_plain_decodings_tokens) {
   std::ostringstream quiet;
   io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
   const model::dspark_weights w = model::dspark_weights_of<models::tiny>(ck);
-  cli::batch_scheduler s(std::make_unique<cli::host_engine>(tiny(), cli::engine_limits{3, 64, 64}, &w));
+  cli::batch_scheduler s(
+      std::make_unique<cli::host_engine>(test::builtin_tiny(), cli::engine_limits{3, 64, 64}, &w));
   BOOST_TEST(s.draft_block() == w.block);
   request_set set(5);
   for (auto& r : set.requests) r.n_new += 4;  // several rounds each
@@ -363,8 +357,8 @@ BOOST_AUTO_TEST_CASE(a_drafting_engine_gives_plain_decodings_tokens) {
     const cli::generation g = got[i].get();
     cli::run_request drafted = set.requests[i];
     drafted.dspark = &w;
-    const cli::generation alone = cli::host_generate(tiny(), drafted);
-    BOOST_TEST(g.tokens == cli::host_generate(tiny(), set.requests[i]).tokens, "request " << i);
+    const cli::generation alone = cli::host_generate(test::builtin_tiny(), drafted);
+    BOOST_TEST(g.tokens == cli::host_generate(test::builtin_tiny(), set.requests[i]).tokens, "request " << i);
     BOOST_TEST(alone.tokens == g.tokens, "request " << i);
     BOOST_TEST(g.draft_block == w.block);
     BOOST_TEST(g.speculative.rounds == alone.speculative.rounds);
@@ -391,15 +385,18 @@ std::vector<std::int32_t> by_hand(const std::vector<std::int32_t>& p1, long long
   auto draws = [&](std::vector<float> logits, long long n, std::vector<std::int32_t>& out) {
     for (long long i = 0; i < n; ++i) {
       out.push_back(kernels::sampling::sample_reference(logits, sp, 0, std::uint64_t(seq.length)));
-      if (i + 1 < n) logits = model::forward(tiny(), seq, std::span<const std::int32_t>(&out.back(), 1));
+      if (i + 1 < n)
+        logits = model::forward(test::builtin_tiny(), seq, std::span<const std::int32_t>(&out.back(), 1));
     }
   };
   std::vector<std::int32_t> first, second;
-  draws(model::forward(tiny(), seq, p1), n1, first);
+  draws(model::forward(test::builtin_tiny(), seq, p1), n1, first);
   std::vector<std::int32_t> chunk;
   if (!first.empty()) chunk.push_back(first.back());
   chunk.insert(chunk.end(), p2.begin(), p2.end());
-  draws(ced2 ? model::forward_ced(tiny(), seq, chunk) : model::forward(tiny(), seq, chunk), n2, second);
+  draws(ced2 ? model::forward_ced(test::builtin_tiny(), seq, chunk)
+             : model::forward(test::builtin_tiny(), seq, chunk),
+        n2, second);
   return second;
 }
 
@@ -433,7 +430,9 @@ BOOST_AUTO_TEST_CASE(sessions_append_turns_to_one_sequence) {
   whole.insert(whole.end(), p2.begin(), p2.end());
   cli::run_request fresh = t1;
   fresh.prompt = whole, fresh.n_new = 4, fresh.session.clear();
-  BOOST_TEST(g2.tokens == cli::host_generate(tiny(), fresh).tokens);  // the append = the prefill, bit for bit
+  BOOST_TEST(
+      g2.tokens ==
+      cli::host_generate(test::builtin_tiny(), fresh).tokens);  // the append = the prefill, bit for bit
   BOOST_TEST(g2.tokens == by_hand(p1, 5, p2, 4, false, t1.sampling));
   // A CED turn, and a turn of no tokens (its prompt fed, nothing drawn), then one more.
   cli::run_request c1 = t1;
@@ -453,7 +452,7 @@ BOOST_AUTO_TEST_CASE(sessions_append_turns_to_one_sequence) {
   whole2.insert(whole2.end(), p1.begin(), p1.end());
   fresh.prompt = whole2, fresh.n_new = 2;
   const cli::generation g4 = s.submit(after);
-  BOOST_TEST(g4.tokens == cli::host_generate(tiny(), fresh).tokens);
+  BOOST_TEST(g4.tokens == cli::host_generate(test::builtin_tiny(), fresh).tokens);
   BOOST_TEST(g4.session_tokens == 25);
   BOOST_TEST(s.sessions() == 2u);
   // Refusals, each naming the session.
@@ -498,7 +497,7 @@ BOOST_AUTO_TEST_CASE(sessions_append_turns_to_one_sequence) {
   const int releases_before = e.releases.load();
   cli::run_request plain = t1;
   plain.session.clear();
-  BOOST_TEST(s.submit(plain).tokens == cli::host_generate(tiny(), plain).tokens);
+  BOOST_TEST(s.submit(plain).tokens == cli::host_generate(test::builtin_tiny(), plain).tokens);
   BOOST_TEST(s.stats().sessions_evicted == 1);
   BOOST_TEST(e.releases.load() == releases_before + 2);  // "ced", then the plain request's own
   cli::run_request ced_again = c2;
@@ -527,7 +526,8 @@ BOOST_AUTO_TEST_CASE(drafting_sessions_give_a_fresh_drafted_requests_tokens_and_
   std::ostringstream quiet;
   io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
   const model::dspark_weights w = model::dspark_weights_of<models::tiny>(ck);
-  cli::batch_scheduler s(std::make_unique<cli::host_engine>(tiny(), cli::engine_limits{2, 64, 64}, &w));
+  cli::batch_scheduler s(
+      std::make_unique<cli::host_engine>(test::builtin_tiny(), cli::engine_limits{2, 64, 64}, &w));
   BOOST_TEST(s.sessions_possible());
   const std::vector<std::int32_t> p1{3, 14}, p2{65, 35, 89}, p3{79, 32, 38, 46};
   std::vector<std::int32_t> conversation;
@@ -539,7 +539,7 @@ BOOST_AUTO_TEST_CASE(drafting_sessions_give_a_fresh_drafted_requests_tokens_and_
     conversation.insert(conversation.end(), prompt.begin(), prompt.end());
     cli::run_request fresh = r;
     fresh.prompt = conversation, fresh.session.clear(), fresh.continue_session = false, fresh.ced = false, fresh.dspark = &w;
-    const cli::generation alone = cli::host_generate(tiny(), fresh);
+    const cli::generation alone = cli::host_generate(test::builtin_tiny(), fresh);
     BOOST_TEST(g.tokens == alone.tokens, what);
     BOOST_TEST(g.speculative.rounds == alone.speculative.rounds, what);
     BOOST_TEST(g.speculative.drafted == alone.speculative.drafted, what);

@@ -12,21 +12,13 @@
 
 #include "../../apps/dsv4/cuda_backend.hpp"
 #include "dsv4/cli.hpp"
+#include "support/builtin_tiny.hpp"
 #include "support/gpu.hpp"
 
 using namespace dsv4;
 namespace utf = boost::unit_test;
 
 namespace {
-
-const model::host_model<models::tiny>& tiny() {
-  static const auto m = [] {
-    std::ostringstream quiet;
-    io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
-    return model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
-  }();
-  return m;
-}
 
 //! Every token an engine gives three sequences: they start one after another, step in changing
 //! subsets (all three, the first two, the last alone, ...) for 20 steps, then the second takes a
@@ -73,9 +65,9 @@ BOOST_AUTO_TEST_SUITE(cuda_engine)
 BOOST_AUTO_TEST_CASE(decode_graphs_draw_the_plain_steps_tokens,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   cli::engine_limits el{4, 64, 64, 0, false};
-  const auto plain = apps::cuda_engine(tiny(), el);
+  const auto plain = apps::cuda_engine(test::builtin_tiny(), el);
   el.decode_graphs = true;
-  const auto graphed = apps::cuda_engine(tiny(), el);
+  const auto graphed = apps::cuda_engine(test::builtin_tiny(), el);
   BOOST_TEST(plain->device().find("decode graphs") == std::string::npos, plain->device());
   BOOST_TEST(graphed->device().find(", decode graphs") != std::string::npos, graphed->device());
   const auto a = drive(*plain);

@@ -16,6 +16,7 @@
 
 #include "dsv4/apps/serve.hpp"
 #include "dsv4/cli.hpp"
+#include "support/builtin_tiny.hpp"
 
 using namespace dsv4;
 using http::parse_request;
@@ -103,9 +104,7 @@ BOOST_AUTO_TEST_CASE(parser_reads_requests_and_names_what_is_wrong) {
 // The service over a socket: health, model, a generation equal to the host backend's, and the
 // errors a client can make, each with a message that names the problem.
 BOOST_AUTO_TEST_CASE(server_answers_over_a_socket) {
-  std::ostringstream quiet;
-  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
-  const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  const auto& m = test::builtin_tiny();
   const serve::generation_service service(m, cli::host_generate, "host", {.max_new_tokens = 8, .max_prompt_tokens = 6});
   http::server srv("127.0.0.1", 0, [&](const http::request& r) { return service(r); }, 4096);
   BOOST_REQUIRE(srv.port() > 0);
@@ -233,9 +232,7 @@ BOOST_AUTO_TEST_CASE(a_trickling_client_gets_408_at_the_deadline) {
 // next decode step: the backend sees run_request::cancelled turn true and returns early, and the
 // server is free for the next request at once (here a stand-in backend that would draw for 20 s).
 BOOST_AUTO_TEST_CASE(a_client_that_leaves_stops_its_generation) {
-  std::ostringstream quiet;
-  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
-  const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  const auto& m = test::builtin_tiny();
   std::atomic<int> steps{0};
   std::atomic<bool> saw_stop{false};
   const cli::generate_fn slow = [&](const model::host_model<models::tiny>&, const cli::run_request& r) {
@@ -294,9 +291,7 @@ BOOST_AUTO_TEST_CASE(a_client_that_leaves_stops_its_generation) {
 // The host backend stops before the decode step after which it was asked to: the tokens drawn by
 // then are those of the uncancelled run.
 BOOST_AUTO_TEST_CASE(host_generation_stops_when_asked) {
-  std::ostringstream quiet;
-  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
-  const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  const auto& m = test::builtin_tiny();
   const std::vector<std::int32_t> prompt{3, 4, 5};
   kernels::sampling::sampling_params sp;
   sp.seed = 5;
@@ -316,9 +311,7 @@ BOOST_AUTO_TEST_CASE(host_generation_stops_when_asked) {
 // Several clients at once over a batching service (apps/batching.hpp): every answer holds the
 // tokens host_generate draws for its request, whatever else was decoded beside it.
 BOOST_AUTO_TEST_CASE(concurrent_clients_get_their_own_tokens) {
-  std::ostringstream quiet;
-  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
-  const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  const auto& m = test::builtin_tiny();
   cli::batch_scheduler scheduler(std::make_unique<cli::host_engine>(m, cli::engine_limits{4, 8, 8}));
   const serve::generation_service service(scheduler, "host", {.max_new_tokens = 8, .max_prompt_tokens = 8});
   constexpr int clients = 5;
@@ -353,9 +346,7 @@ BOOST_AUTO_TEST_CASE(concurrent_clients_get_their_own_tokens) {
 // "stream": true: a chunked text/event-stream with one event per token as it is drawn, then the
 // whole answer in a "done" event; over the one-at-a-time service and over the batching one.
 BOOST_AUTO_TEST_CASE(streamed_answers_send_each_token_as_it_is_drawn) {
-  std::ostringstream quiet;
-  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
-  const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  const auto& m = test::builtin_tiny();
   const std::vector<std::int32_t> prompt{4, 9};
   cli::run_request req;
   req.prompt = prompt, req.n_new = 4, req.sampling.seed = 3;
@@ -481,9 +472,7 @@ BOOST_AUTO_TEST_CASE(drafted_answers_carry_the_drafts_counts) {
 // answers say how many tokens the session holds; DELETE closes it; every misuse is a 4xx that
 // names the session or field. The one-at-a-time service (--max-batch 1) refuses sessions.
 BOOST_AUTO_TEST_CASE(sessions_continue_a_conversation) {
-  std::ostringstream quiet;
-  io::checkpoint ck = cli::detail::open_tiny_checkpoint("", quiet);
-  const auto m = model::host_model<models::tiny>::load(ck, cli::detail::tiny_token_map());
+  const auto& m = test::builtin_tiny();
   cli::batch_scheduler scheduler(std::make_unique<cli::host_engine>(m, cli::engine_limits{2, 16, 8, 30}));
   const serve::generation_service service(scheduler, "host", {.max_new_tokens = 8, .max_prompt_tokens = 16});
   constexpr int requests = 14;
