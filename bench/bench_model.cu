@@ -4,7 +4,8 @@
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--issue-time]
 //!                    [--decode-graphs]
 //!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
-//!                    [--no-folded] [--fused-act-quant] [--no-wo-a-fp8] [--ab-decode] [--ab-mhc] [--dspark]
+//!                    [--no-folded] [--fused-act-quant] [--no-wo-a-fp8] [--ab-act-quant] [--ab-mhc]
+//!                    [--dspark]
 //!                    [--mhc-one-token-ctas N] [--mhc-small-groups N,M] [--config-json FILE]
 //!                    [--checkpoint-only] [--clone-contexts] [--json FILE]
 //!
@@ -52,9 +53,10 @@
 //! on the paths before it (mma.sync, dequantize + cuBLAS from 64 tokens), to compare.
 //! `--fused-act-quant`: the norms that feed FP8 linears (the mHC boundaries, q_norm) write the
 //! act_quant in the same launch (numerics::set_fused_act_quant; off by default); `--no-wo-a-fp8`:
-//! wo_a through cuBLAS bf16 at every size (output::set_wo_a_fp8), to compare. `--ab-decode`: each
-//! decode batch is also timed with neither, each alone and both, twice (rows decode-neither /
-//! -actquant / -woafp8 / -both), in the same process on the same sequences. `--ab-mhc`: each decode
+//! wo_a through cuBLAS bf16 at every size (output::set_wo_a_fp8), to compare. `--ab-act-quant`:
+//! each decode batch is also timed with the act_quant fused at no site, in the plain norms only,
+//! in the mHC boundaries only and at both, twice (rows decode-aq-none / -norms / -boundaries /
+//! -both), in the same process on the same sequences. `--ab-mhc`: each decode
 //! batch also timed with the mHC boundaries' projection rows bulk-copied into shared memory and
 //! loaded into registers (kernels::mhc::set_decode_weights_in_registers), alternating, twice (rows
 //! decode-mhc-shared / decode-mhc-regs).
@@ -174,7 +176,8 @@ struct options {
   bool dspark = false;                // also time the DSpark drafter on CUDA
   bool checkpoint_only = false;       // write the checkpoint to `checkpoint` and stop
   bool issue_time = false;            // decode: a step's host issue time, and its device time queued
-  bool ab_decode = false;             // decode: each batch also timed with the fused act_quant and FP8 wo_a on / off
+  bool ab_act_quant =
+      false;  // decode: each batch also timed with the act_quant fused at each site / both / neither
   bool ab_mhc =
       false;  // decode: each batch also timed with the mHC projection rows in shared memory / registers
   bool decode_graphs = false;         // decode: each batch also timed through captured graphs
@@ -241,10 +244,10 @@ int run(FILE* jf, const options& opt) {
   lim.max_seqs = *std::max_element(batches.begin(), batches.end()) + 2;
   const int longest = std::max(*std::max_element(prompt_lengths.begin(), prompt_lengths.end()), longest_context);
   lim.max_rows = opt.chunk > 0 ? std::min(longest, opt.chunk) : longest;
-  // (--ab-decode: eight more rounds of steps on the same sequences; --ab-mhc: four more.)
+  // (--ab-act-quant: eight more rounds of steps on the same sequences; --ab-mhc: four more.)
   // (--issue-time: one more.)
   // (--decode-graphs: two more, the first capturing.)
-  const int step_rounds = 1 + (opt.ab_decode ? 8 : 0) + (opt.ab_mhc ? 4 : 0) + (opt.issue_time ? 1 : 0) +
+  const int step_rounds = 1 + (opt.ab_act_quant ? 8 : 0) + (opt.ab_mhc ? 4 : 0) + (opt.issue_time ? 1 : 0) +
                           (opt.decode_graphs ? 2 : 0);
   lim.max_tokens = std::max<long long>(longest, longest_context + step_rounds * steps + 1), lim.page_tokens = 256;
   lim.ced_appends = opt.chunk > 0 && opt.chunk < longest;  // chunked CED prompts append in CED mode
@@ -435,16 +438,21 @@ int run(FILE* jf, const options& opt) {
             "           (segments over %d steps: %lld replayed, %lld captured, %lld diverged, %lld plain)\n",
             2 * steps, n.replayed, n.captured, n.diverged, n.eager);
       }
-      if (opt.ab_decode) {  // the same sequences, alternating: neither, each alone, both, twice
-        const bool aq0 = numerics::fused_act_quant(), woa0 = kernels::output::wo_a_fp8_enabled();
+      if (opt.ab_act_quant) {  // the same sequences, alternating: no site fused, each alone, both, twice
+        using numerics::act_quant_site;
+        const bool norms0 = numerics::fused_act_quant(act_quant_site::norms),
+                   boundaries0 = numerics::fused_act_quant(act_quant_site::boundaries);
         for (int round = 0; round < 2; ++round)
           for (const int v : {0, 1, 2, 3}) {
-            numerics::set_fused_act_quant(v & 1), kernels::output::set_wo_a_fp8(v & 2);
+            numerics::set_fused_act_quant(act_quant_site::norms, v & 1);
+            numerics::set_fused_act_quant(act_quant_site::boundaries, v & 2);
             const double t = time_steps();
-            const char* names[] = {"decode-neither", "decode-actquant", "decode-woafp8", "decode-both"};
+            const char* names[] = {"decode-aq-none", "decode-aq-norms", "decode-aq-boundaries",
+                                   "decode-aq-both"};
             row(names[v], context, batch, t, batch / t, traffic.decode_bytes(batch) / ceiling.copy_bps);
           }
-        numerics::set_fused_act_quant(aq0), kernels::output::set_wo_a_fp8(woa0);
+        numerics::set_fused_act_quant(act_quant_site::norms, norms0);
+        numerics::set_fused_act_quant(act_quant_site::boundaries, boundaries0);
       }
       if (opt.ab_mhc) {  // the same sequences, alternating: projection rows in shared memory, in registers
         const bool regs0 = kernels::mhc::decode_weights_in_registers();
@@ -635,8 +643,8 @@ int main(int argc, char** argv) {
         numerics::set_fused_act_quant(true);
       else if (a == "--no-wo-a-fp8")
         kernels::output::set_wo_a_fp8(false);
-      else if (a == "--ab-decode")
-        opt.ab_decode = true;
+      else if (a == "--ab-act-quant")
+        opt.ab_act_quant = true;
       else if (a == "--ab-mhc")
         opt.ab_mhc = true;
       else if (a == "--issue-time")
@@ -652,7 +660,7 @@ int main(int argc, char** argv) {
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
             "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--fused-act-quant] "
-            "[--no-wo-a-fp8] [--ab-decode] [--ab-mhc] [--issue-time] [--decode-graphs] "
+            "[--no-wo-a-fp8] [--ab-act-quant] [--ab-mhc] [--issue-time] [--decode-graphs] "
             "[--dspark] [--mhc-one-token-ctas N] "
             "[--mhc-small-groups N,M] [--config-json FILE] "
             "[--checkpoint-only] [--clone-contexts] [--json FILE]\n");

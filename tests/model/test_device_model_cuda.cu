@@ -695,11 +695,15 @@ BOOST_AUTO_TEST_CASE(layer_by_layer_prefill, *utf::label("gpu") * utf::precondit
 BOOST_AUTO_TEST_CASE(decode_graphs_replay_plain_steps_bit_for_bit,
                      *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   const auto hm = load_tiny("device_model_graphs", 61);
-  struct restore_switch {  // the process-wide switch back as found, whatever a check does
-    bool on = numerics::fused_act_quant();
-    ~restore_switch() { numerics::set_fused_act_quant(on); }
+  struct restore_switch {  // the process-wide switches back as found, whatever a check does
+    bool norms = numerics::fused_act_quant(numerics::act_quant_site::norms),
+         boundaries = numerics::fused_act_quant(numerics::act_quant_site::boundaries);
+    ~restore_switch() {
+      numerics::set_fused_act_quant(numerics::act_quant_site::norms, norms);
+      numerics::set_fused_act_quant(numerics::act_quant_site::boundaries, boundaries);
+    }
   } fused;
-  const bool fused0 = fused.on;
+  const bool fused0 = fused.boundaries;
   for (const bool host_tables : {false, true}) {
     BOOST_TEST_CONTEXT((host_tables ? "Engram tables in host memory" : "Engram tables in device memory")) {
       auto lim = tiny_limits(3, 96, 192);

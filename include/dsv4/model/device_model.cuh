@@ -736,16 +736,17 @@ class device_model {
 
   //! One mHC boundary: Y = hc_post(F, X) (F null: Y = X), h = norm(hc_pre(Y, pre)), next mixes
   //! (fn null: none).
-  //! `into` (the next sublayer's kind; numerics::fused_act_quant() on): the boundary also writes
-  //! h's act_quant into h_codes_ / h_scales_ (with the f16 copy the MoE's grouped GEMMs read, for
-  //! the MoE up to its f16 call size), which the sublayer then reads instead of quantizing h
-  //! itself (act_of).
+  //! `into` (the next sublayer's kind; numerics::fused_act_quant(act_quant_site::boundaries) on): the
+  //! boundary also writes h's act_quant into h_codes_ / h_scales_ (with the f16 copy the MoE's grouped GEMMs
+  //! read, for the MoE up to its f16 call size), which the sublayer then reads instead of quantizing h itself
+  //! (act_of).
   enum class act_quant_for { none, attention, moe };
   void boundary(long long rows, const bf16* x, const bf16* f, const float* post, const float* comb,
                 const float* pre, const bf16* norm_w, bf16* y, const float* fn, const float* base,
                 const float* scale, float* next_pre, float* next_post, float* next_comb,
                 act_quant_for into = act_quant_for::none) {
-    const bool q = into != act_quant_for::none && numerics::fused_act_quant();
+    const bool q =
+        into != act_quant_for::none && numerics::fused_act_quant(numerics::act_quant_site::boundaries);
     const bool f16 = q && into == act_quant_for::moe && rows <= moe_ws_->f16_tokens();
     device_detail::mhc_boundary(device_detail::mhc_constants_of<Model>(), rows, x, f, post, comb, pre, norm_w,
                                 y, h_.data(), fn, base, scale, next_pre, next_post, next_comb, *mhc_ws_,

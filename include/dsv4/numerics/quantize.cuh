@@ -53,20 +53,34 @@ struct act_quant_view {
   const std::uint16_t* codes_f16 = nullptr;
 };
 
+//! Where a norm that feeds FP8 linears can write the act_quant of its output in its own launch:
+//! the plain RMSNorms (q_norm: rmsnorm_args::codes through norm::rmsnorm_quantized) and the mHC
+//! boundaries (mhc_step_args::h_codes through device_model's boundaries).
+enum class act_quant_site { norms, boundaries };
 namespace detail {
-struct fused_act_quant_tag;
+struct fused_act_quant_norms_tag;
+struct fused_act_quant_boundaries_tag;
 }  // namespace detail
-//! Process-wide: whether the norms that feed FP8 linears write the act_quant of their output in
-//! the same launch (rmsnorm_args::codes through norm::rmsnorm_quantized, mhc_step_args::h_codes
-//! through device_model's boundaries) or leave it to a quantize launch of its own (the default).
-//! The bytes are the same either way. Off by default: on an H100 at V4.1 width the fused form
-//! made a decode step 7-8% slower (bench_model --ab-decode, docs/perf.md, forty-first session);
-//! kept for comparisons (bench_model --fused-act-quant). Read when a call is launched.
-inline void set_fused_act_quant(bool on) {
-  process_switch<detail::fused_act_quant_tag, false>::set(on);
+//! Process-wide, per site: whether the norm writes the act_quant in the same launch or leaves it
+//! to a quantize launch of its own (the default at both). The bytes are the same either way. Off by
+//! default: on an H100 at V4.1 width the fused form at both sites made a decode step 7-10% slower
+//! (bench_model --ab-decode, docs/perf.md, forty-first session: an mHC boundary's act_quant runs
+//! in its one last CTA, on the step's critical chain); bench_model --ab-act-quant times each site
+//! alone. Read when a call is launched.
+inline void set_fused_act_quant(act_quant_site site, bool on) {
+  if (site == act_quant_site::norms)
+    process_switch<detail::fused_act_quant_norms_tag, false>::set(on);
+  else
+    process_switch<detail::fused_act_quant_boundaries_tag, false>::set(on);
 }
-inline bool fused_act_quant() {
-  return process_switch<detail::fused_act_quant_tag, false>::on();
+inline bool fused_act_quant(act_quant_site site) {
+  return site == act_quant_site::norms ? process_switch<detail::fused_act_quant_norms_tag, false>::on()
+                                       : process_switch<detail::fused_act_quant_boundaries_tag, false>::on();
+}
+//! Both sites at once (bench_model --fused-act-quant).
+inline void set_fused_act_quant(bool on) {
+  set_fused_act_quant(act_quant_site::norms, on);
+  set_fused_act_quant(act_quant_site::boundaries, on);
 }
 
 struct dequantize_args {

@@ -151,11 +151,11 @@ void rmsnorm(const rmsnorm_args<Weight>& a, cudaStream_t stream = nullptr) {
 }
 
 //! rmsnorm with its act_quant (a.codes and a.scales required): one launch where
-//! numerics::fused_act_quant(), else (the default) the norm and then numerics::quantize. The same
-//! bytes either way.
+//! numerics::fused_act_quant(act_quant_site::norms), else (the default) the norm and then numerics::quantize.
+//! The same bytes either way.
 inline void rmsnorm_quantized(const rmsnorm_args<numerics::bf16>& a, cudaStream_t stream = nullptr) {
   if (!a.codes || !a.scales) throw error("rmsnorm_quantized: needs the act_quant's codes and scales");
-  if (numerics::fused_act_quant()) return rmsnorm<numerics::bf16>(a, stream);
+  if (numerics::fused_act_quant(numerics::act_quant_site::norms)) return rmsnorm<numerics::bf16>(a, stream);
   rmsnorm_args<numerics::bf16> plain = a;
   plain.codes = plain.scales = nullptr, plain.codes_stride = plain.scales_stride = 0;
   rmsnorm<numerics::bf16>(plain, stream);
