@@ -25,6 +25,38 @@ using namespace dsv4;
 using namespace dsv4::kernels::mhc;
 using numerics::bf16;
 
+namespace {
+//! One boundary call's inputs and outputs for `tokens` tokens of width `dim` (the shared weights,
+//! base, scale and norm weight from the caller), and its workspace.
+struct boundary_call {
+  runtime::device_buffer<bf16> x, f, y, h;
+  runtime::device_buffer<float> pre, post, comb, npre, npost, ncomb;
+  mhc_workspace ws;
+  mhc_step_args a;
+  boundary_call(long long tokens, int dim, const float* fn, const float* base, const float* scale,
+                const bf16* w)
+      : x(std::size_t(tokens) * 4 * dim),
+        f(std::size_t(tokens) * dim),
+        y(x.size()),
+        h(f.size()),
+        pre(std::size_t(tokens) * 4),
+        post(pre.size()),
+        comb(std::size_t(tokens) * 16),
+        npre(pre.size()),
+        npost(pre.size()),
+        ncomb(comb.size()),
+        ws(tokens, dim) {
+    x.fill_bytes(0x3e), f.fill_bytes(0x3e);
+    pre.fill_bytes(0x3e), post.fill_bytes(0x3e), comb.fill_bytes(0x3e);
+    a.x = x.data(), a.f = f.data(), a.post = post.data(), a.comb = comb.data(), a.pre = pre.data();
+    a.norm_w = w, a.y = y.data(), a.h = h.data();
+    a.fn = fn, a.base = base, a.scale = scale;
+    a.next_pre = npre.data(), a.next_post = npost.data(), a.next_comb = ncomb.data();
+    a.tokens = tokens, a.dim = dim;
+  }
+};
+}  // namespace
+
 int main(int argc, char** argv) {
   std::string json;
   if (!bench::parse_json_option(argc, argv, "bench_mhc", json)) return 2;
@@ -43,20 +75,9 @@ int main(int argc, char** argv) {
     w.fill_bytes(0x3f);
     bool first = true;
     for (long long tokens : {1LL, 4LL, 8LL, 12LL, 16LL, 24LL, 32LL, 48LL, 64LL, 96LL, 128LL, 512LL, 4096LL}) {
-      runtime::device_buffer<bf16> x(std::size_t(tokens) * 4 * dim), f(std::size_t(tokens) * dim), y(x.size()),
-          h(f.size());
-      x.fill_bytes(0x3e);
-      f.fill_bytes(0x3e);
-      runtime::device_buffer<float> pre(std::size_t(tokens) * 4), post(pre.size()), comb(std::size_t(tokens) * 16),
-          npre(pre.size()), npost(pre.size()), ncomb(comb.size());
-      pre.fill_bytes(0x3e), post.fill_bytes(0x3e), comb.fill_bytes(0x3e);
-      mhc_workspace ws(tokens, dim);
-      mhc_step_args a;
-      a.x = x.data(), a.f = f.data(), a.post = post.data(), a.comb = comb.data(), a.pre = pre.data();
-      a.norm_w = w.data(), a.y = y.data(), a.h = h.data();
-      a.fn = fn.data(), a.base = base.data(), a.scale = scale.data();
-      a.next_pre = npre.data(), a.next_post = npost.data(), a.next_comb = ncomb.data();
-      a.tokens = tokens, a.dim = dim;
+      boundary_call call(tokens, dim, fn.data(), base.data(), scale.data(), w.data());
+      auto& a = call.a;
+      auto& ws = call.ws;
       // Every shape from 2 to 128 tokens: one token a CTA (set_one_token_ctas_up_to), the small
       // groups (set_small_token_groups) and the prefill groups (set_prefill_token_group); above,
       // the prefill groups.
@@ -90,21 +111,9 @@ int main(int argc, char** argv) {
     }
     std::printf("\ndecode weights: one token a CTA, us a call\n%8s %12s %12s %12s %12s\n", "tokens",
                 "shared L2", "shared HBM", "registers L2", "registers HBM");
+    const bool registers0 = decode_weights_in_registers();
     for (long long tokens : {1LL, 2LL, 8LL, 16LL}) {
-      runtime::device_buffer<bf16> x(std::size_t(tokens) * 4 * dim), f(std::size_t(tokens) * dim),
-          y(x.size()), h(f.size());
-      x.fill_bytes(0x3e);
-      f.fill_bytes(0x3e);
-      runtime::device_buffer<float> pre(std::size_t(tokens) * 4), post(pre.size()),
-          comb(std::size_t(tokens) * 16), npre(pre.size()), npost(pre.size()), ncomb(comb.size());
-      pre.fill_bytes(0x3e), post.fill_bytes(0x3e), comb.fill_bytes(0x3e);
-      mhc_workspace ws(tokens, dim);
-      mhc_step_args a;
-      a.x = x.data(), a.f = f.data(), a.post = post.data(), a.comb = comb.data(), a.pre = pre.data();
-      a.norm_w = w.data(), a.y = y.data(), a.h = h.data();
-      a.base = base.data(), a.scale = scale.data();
-      a.next_pre = npre.data(), a.next_post = npost.data(), a.next_comb = ncomb.data();
-      a.tokens = tokens, a.dim = dim;
+      boundary_call call(tokens, dim, fn.data(), base.data(), scale.data(), w.data());
       double us[4];
       for (int v = 0; v < 4; ++v) {
         set_decode_weights_in_registers(v >= 2);
@@ -112,8 +121,8 @@ int main(int argc, char** argv) {
         int it = 0;
         const double ms = bench::median_ms_per_call(
             [&](cudaStream_t st) {
-              a.fn = hbm ? fns[std::size_t(it++ % copies)].data() : fn.data();
-              mhc_step(a, ws, st);
+              call.a.fn = hbm ? fns[std::size_t(it++ % copies)].data() : fn.data();
+              mhc_step(call.a, call.ws, st);
             },
             hbm ? 2 * copies : 20);
         us[v] = ms * 1e3;
@@ -121,7 +130,7 @@ int main(int argc, char** argv) {
           std::fprintf(jf, ",\n  {\"tokens\": %lld, \"decode_weights\": \"%s %s\", \"us\": %.2f}", tokens,
                        v >= 2 ? "registers" : "shared", hbm ? "hbm" : "l2", us[v]);
       }
-      set_decode_weights_in_registers(false);
+      set_decode_weights_in_registers(registers0);
       std::printf("%8lld %12.1f %12.1f %12.1f %12.1f\n", tokens, us[0], us[1], us[2], us[3]);
     }
     if (jf) {

@@ -176,10 +176,8 @@ struct options {
   bool dspark = false;                // also time the DSpark drafter on CUDA
   bool checkpoint_only = false;       // write the checkpoint to `checkpoint` and stop
   bool issue_time = false;            // decode: a step's host issue time, and its device time queued
-  bool ab_act_quant =
-      false;  // decode: each batch also timed with the act_quant fused at each site / both / neither
-  bool ab_mhc =
-      false;  // decode: each batch also timed with the mHC projection rows in shared memory / registers
+  bool ab_act_quant = false;          // decode: also the act_quant fused at neither / each / both sites
+  bool ab_mhc = false;                // decode: also the mHC projection rows in shared memory / registers
   bool decode_graphs = false;         // decode: each batch also timed through captured graphs
   bool clone_contexts = false;        // decode batches: one prefill, the other sequences copies of it
 };

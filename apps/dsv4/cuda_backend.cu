@@ -42,15 +42,17 @@ class device_engine final : public cli::sequence_engine {
  public:
   device_engine(const model::host_model<models::tiny>& m, const cli::engine_limits& el,
                 const cudaDeviceProp& prop, const model::dspark_weights* drafter)
-      : device_(std::string("CUDA backend on ") + prop.name + (drafter ? ", DSpark drafts on the GPU" : "") +
-                (el.decode_graphs && !drafter ? ", decode graphs" : "")),
+      : device_(std::string("CUDA backend on ") + prop.name + (drafter ? ", DSpark drafts on the GPU" : "")),
         dm_(m, limits_of(el, drafter)),
         capacity_(el.max_sequences),
         draft_block_(drafter ? drafter->block : 0),
         session_tokens_(el.sequence_tokens()) {
     // Each batch size its own graphs; with a drafter every step is a verification round (no
     // decode step), so none are made.
-    if (el.decode_graphs && !drafter) dm_.set_decode_graphs(true);
+    if (el.decode_graphs && !drafter) {
+      dm_.set_decode_graphs(true);
+      device_ += ", decode graphs";
+    }
     if (drafter) {
       dd_.emplace(dm_, *drafter, el.max_sequences);
       drafts_.emplace(dm_, *dd_);
@@ -178,13 +180,12 @@ cli::generation cuda_generate(const model::host_model<models::tiny>& m, const cl
   model::device_model<models::tiny> dm(m, lim);
   const int slot = dm.add_sequence();
   // (DSpark rounds are verifications, not decode steps: no graphs to make.)
-  const bool graphs = request.decode_graphs && !request.dspark;
-  if (graphs) dm.set_decode_graphs(true);
+  if (request.decode_graphs && !request.dspark) dm.set_decode_graphs(true);
 
   cli::generation g;
   g.device = std::string("CUDA backend on ") + prop.name +
              (request.engram_host_tables ? ", Engram tables in host memory" : "") +
-             (request.wgmma_gemms ? ", wgmma GEMMs" : "") + (graphs ? ", decode graphs" : "");
+             (request.wgmma_gemms ? ", wgmma GEMMs" : "") + (dm.decode_graphs() ? ", decode graphs" : "");
   if (request.dspark) {  // the prefill, then speculative rounds until n_new tokens (or a cancel)
     model::device_dspark<models::tiny> dd(dm, *request.dspark, lim.max_seqs);
     model::speculative_batch<models::tiny> drafts(dm, dd);

@@ -16,8 +16,9 @@
 //!   cudaGraphLaunch issues them; if any differs (a scalar, grid or pointer that changed), the
 //!   step issues the segment's launches itself, from the records, in the host's order, on the
 //!   caller's stream, and the segment is captured again next step (after two such divergences
-//!   with no replay between them it stays uncaptured for that key). A graph therefore never replays a launch the host did not
-//!   make this step: the check is exact (argument bytes), and the fallback is the eager launches.
+//!   with no replay between them it stays uncaptured for that key). A graph therefore never
+//!   replays a launch the host did not make this step: the check is exact (argument bytes), and
+//!   the fallback is the eager launches.
 //!
 //! What a segment may hold: kernel launches through runtime::launch_ex / launch_plain and cuBLAS
 //! GEMMs through gemm::detail::issue_blas (the log sees them), event fork / join with side streams

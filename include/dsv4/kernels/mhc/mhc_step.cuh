@@ -202,10 +202,11 @@ DSV4_KERNEL void __launch_bounds__(mhc_threads, TB <= 4   ? 1
   constexpr int kRounds = TB * kItems / mhc_threads;  // items per thread
   static_assert(kRounds * mhc_threads == TB * kItems, "mhc_step: whole rounds of phase-1 items");
   constexpr int G = kItems < 32 ? kItems : 32, kGroups = kItems / G;  // lane groups per token
-  // At decode and in groups of up to 4 tokens the projection weight's slice comes through shared
-  // memory by bulk copies (below); in groups of 8 or 16 it is loaded into registers after phase 1
-  // (the load is shared by the group's tokens there, and 48 KB of shared memory a CTA would cost
-  // occupancy at prefill).
+  // At decode (kWeightsEarly, the default) each warp's rows of the projection weight's slice are
+  // loaded into registers before the programmatic wait; otherwise at decode and in groups of up to
+  // 4 tokens the slice comes through shared memory by bulk copies (below); in groups of 8 or 16 it
+  // is loaded into registers after phase 1 (the load is shared by the group's tokens there, and
+  // 48 KB of shared memory a CTA would cost occupancy at prefill).
   static_assert(!kWeightsEarly || TB == 1,
                 "mhc_step: the projection rows in registers are for one token a CTA");
   constexpr bool kWeightsInShared = TB <= 4 && DSV4_BULK_COPY_PASS && !kWeightsEarly;
@@ -662,12 +663,12 @@ inline void mhc_step(const mhc_step_args& a, mhc_workspace& ws, cudaStream_t str
   };
   // One token per CTA at decode (more CTAs), small groups of 2 or 4 where set, groups of 8 or 16
   // when there are many tokens (the weight is then read once per group).
-  if (a.tokens <= one_token_ctas_up_to() &&
-      decode_weights_in_registers())  // (no weight slice in shared memory)
-    go(detail::mhc_step_kernel<1, true>, 5, a.tokens, mhc_workspace::stage_bytes);
-  else if (a.tokens <= one_token_ctas_up_to())
-    go(detail::mhc_step_kernel<1>, 0, a.tokens, smem_decode);
-  else if (a.tokens <= twos_up_to())
+  if (a.tokens <= one_token_ctas_up_to()) {
+    if (decode_weights_in_registers())  // (no weight slice in shared memory: the last CTA's stage only)
+      go(detail::mhc_step_kernel<1, true>, 5, a.tokens, mhc_workspace::stage_bytes);
+    else
+      go(detail::mhc_step_kernel<1>, 0, a.tokens, smem_decode);
+  } else if (a.tokens <= twos_up_to())
     go(detail::mhc_step_kernel<2>, 3, (a.tokens + 1) / 2, smem_decode);
   else if (a.tokens <= fours_up_to())
     go(detail::mhc_step_kernel<4>, 4, (a.tokens + 3) / 4, smem_decode);
