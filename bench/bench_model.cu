@@ -4,7 +4,7 @@
 //!                    [--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--issue-time]
 //!                    [--decode-graphs]
 //!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
-//!                    [--no-folded] [--fused-act-quant] [--no-wo-a-fp8] [--ab-act-quant] [--ab-mhc]
+//!                    [--no-folded] [--[no-]fused-act-quant] [--no-wo-a-fp8] [--ab-act-quant] [--ab-mhc]
 //!                    [--dspark]
 //!                    [--mhc-one-token-ctas N] [--mhc-small-groups N,M] [--config-json FILE]
 //!                    [--checkpoint-only] [--clone-contexts] [--json FILE]
@@ -52,7 +52,8 @@
 //! `--no-folded`: the wide FP8 linears of 32-128 tokens off the folded kernel (gemm/folded_gemm.cuh),
 //! on the paths before it (mma.sync, dequantize + cuBLAS from 64 tokens), to compare.
 //! `--fused-act-quant`: the norms that feed FP8 linears (the mHC boundaries, q_norm) write the
-//! act_quant in the same launch (numerics::set_fused_act_quant; off by default); `--no-wo-a-fp8`:
+//! act_quant in the same launch (numerics::set_fused_act_quant; by default only q_norm does);
+//! `--no-fused-act-quant`: neither does; `--no-wo-a-fp8`:
 //! wo_a through cuBLAS bf16 at every size (output::set_wo_a_fp8), to compare. `--ab-act-quant`:
 //! each decode batch is also timed with the act_quant fused at no site, in the plain norms only,
 //! in the mHC boundaries only and at both, twice (rows decode-aq-none / -norms / -boundaries /
@@ -639,6 +640,8 @@ int main(int argc, char** argv) {
         kernels::gemm::set_folded_linears(false);
       else if (a == "--fused-act-quant")
         numerics::set_fused_act_quant(true);
+      else if (a == "--no-fused-act-quant")
+        numerics::set_fused_act_quant(false);
       else if (a == "--no-wo-a-fp8")
         kernels::output::set_wo_a_fp8(false);
       else if (a == "--ab-act-quant")
@@ -657,7 +660,7 @@ int main(int argc, char** argv) {
             "usage: bench_model [--v41-width] [--prompts N,N..] [--batches B,B..] [--decode-context N,N..] "
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
-            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--fused-act-quant] "
+            "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--[no-]fused-act-quant] "
             "[--no-wo-a-fp8] [--ab-act-quant] [--ab-mhc] [--issue-time] [--decode-graphs] "
             "[--dspark] [--mhc-one-token-ctas N] "
             "[--mhc-small-groups N,M] [--config-json FILE] "

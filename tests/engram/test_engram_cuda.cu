@@ -117,7 +117,12 @@ void check_forward(const engram::engram_weights& w, const device_weights& dev, l
                                    << exact << " of " << total << " stream values bit-equal");
   BOOST_TEST(passthrough_bad == 0u);
   BOOST_TEST(far == 0u);
-  BOOST_TEST(exact * 100 >= total * 99);
+  // Most values are bit-equal; how many is up to cuBLAS's choice of summation order for the wkv
+  // GEMM, which differs by GPU: 99.97% at V4.1 widths on the H200 (twenty-second session), 98.7-98.8%
+  // on the H100 (forty-second session, where a bound of 99% failed one run in four). The bound
+  // above (one ulp of each rounding) is what says the values are right; this one catches a
+  // systematic difference (a wrong gate or scale moves nearly every value).
+  BOOST_TEST(exact * 100 >= total * 95);
 }
 
 //! One set of weights, a forward per token count (the gate kernel's grid is tokens x streams).

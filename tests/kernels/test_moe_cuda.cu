@@ -469,6 +469,32 @@ void check_gate_logits(int experts, int dim, long long tokens, float gate_temp, 
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   const auto got = dlogits.download();
 
+  // The same launch with the act_quant of x (moe_forward's decode form): the same logits, and the
+  // bytes of numerics::quantize's own launch (codes, scales, f16 copy), poisoned first.
+  {
+    const std::size_t n = std::size_t(tokens) * dim, ns = n / 32;
+    device_buffer<std::uint8_t> codes(n), scales(ns), want_codes(n), want_scales(ns);
+    device_buffer<std::uint16_t> f16(n), want_f16(n);
+    for (auto* b : {&codes, &scales, &want_codes, &want_scales}) b->fill_bytes(0xA5);
+    f16.fill_bytes(0xA5), want_f16.fill_bytes(0x5A);
+    device_buffer<float> logits_q(std::size_t(tokens) * experts);
+    logits_q.fill_bytes(0x7F);
+    moe::detail::gate_logits(dx.data(), tokens, dim, dw.data(), experts, gate_temp, logits_q.data(), nullptr,
+                             {codes.data(), scales.data(), f16.data()});
+    numerics::quantize<numerics::fp8_act_format>({dx.data(), tokens, dim, dim, want_codes.data(), dim,
+                                                  want_scales.data(), dim / 32, want_f16.data(), dim});
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto lq = logits_q.download();
+    BOOST_TEST(std::memcmp(lq.data(), got.data(), lq.size() * sizeof(float)) == 0,
+               "the logits change when the launch also quantizes x");
+    BOOST_TEST((codes.download() == want_codes.download()),
+               "act_quant codes differ from numerics::quantize's");
+    BOOST_TEST((scales.download() == want_scales.download()),
+               "act_quant scales differ from numerics::quantize's");
+    BOOST_TEST((f16.download() == want_f16.download()),
+               "the codes' f16 copy differs from numerics::quantize's");
+  }
+
   std::size_t order_bad = 0, nan_bad = 0, far = 0, equal_sequential = 0, finite = 0;
   for (long long t = 0; t < tokens; ++t)
     for (int e = 0; e < experts; ++e) {
@@ -562,8 +588,9 @@ void check_dispatch(int experts, int k, int tokens, int first, int count, int ti
     b->fill_bytes(0xFF);  // -1 everywhere
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   moe::detail::dispatch_kernel<<<1, moe::max_experts>>>(
-      d_sel.data(), pairs, k, first, count, tile, sorted_expert.data(), sorted_pair.data(), row_token.data(),
-      pair_row.data(), tile_group.data(), tile_row0.data(), tile_rows.data(), tile_count.data());
+      d_sel.data(), pairs, k, first, count, tile,
+      {sorted_expert.data(), sorted_pair.data(), row_token.data(), pair_row.data(), tile_group.data(),
+       tile_row0.data(), tile_rows.data(), tile_count.data()});
   DSV4_CUDA_CHECK(cudaGetLastError());
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   const std::string what = std::to_string(experts) + " experts, k " + std::to_string(k) + ", " +
@@ -661,6 +688,99 @@ void check_route_kernels(int experts, int k, int tokens, bool images, std::uint6
   BOOST_TEST(differ == 0u, differ << " of " << n << " slots differ between the route kernels (experts " << experts
                                    << ", k " << k << ", tokens " << tokens << ")");
   BOOST_TEST(bad_slots == 0u, bad_slots << " slots or tokens with a missing, repeated or out-of-range expert");
+}
+
+// Routing and dispatch in one launch (moe::detail::route_dispatch_kernel, decode of a token or two)
+// against the two launches it replaces (route_cta_kernel, then dispatch_kernel): every output bit
+// for bit, with the route kernels' hard logits (ties, NaN, +-inf), image tokens, an expert slice.
+void check_route_dispatch(int experts, int k, int tokens, int first, int count, int tile,
+                          std::uint64_t salt) {
+  auto rng = test::make_rng(salt);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::uniform_int_distribution<int> special(0, 49);
+  std::vector<float> logits(std::size_t(tokens) * experts), bias(static_cast<std::size_t>(experts)),
+      bias_vl(bias.size());
+  for (float& v : logits) {
+    const int c = special(rng);
+    v = c == 0 ? NAN : c == 1 ? INFINITY : c == 2 ? -INFINITY : c < 20 ? 2.0f : normal(rng);
+  }
+  for (std::size_t e = 0; e < bias.size(); ++e) bias[e] = 0.01f * float(e % 7), bias_vl[e] = -bias[e];
+  std::vector<std::uint8_t> is_image(std::size_t(tokens), 0);
+  is_image.back() = tokens > 1;
+  device_buffer<float> d_logits{std::span<const float>(logits)}, d_bias{std::span<const float>(bias)},
+      d_bias_vl{std::span<const float>(bias_vl)};
+  device_buffer<std::uint8_t> d_image{std::span<const std::uint8_t>(is_image)};
+  const moe::moe_shape s{experts, k, 256, 64};
+  const std::size_t pairs = std::size_t(tokens) * k, tiles = pairs + std::size_t(count) + 8;
+  struct outputs {
+    device_buffer<int> sel, pair, sorted_expert, sorted_pair, row_token, pair_row, tile_group, tile_row0,
+        tile_rows, tile_count;
+    device_buffer<float> weight;
+    outputs(std::size_t p, std::size_t t)
+        : sel(p),
+          pair(p),
+          sorted_expert(p),
+          sorted_pair(p),
+          row_token(p),
+          pair_row(p),
+          tile_group(t),
+          tile_row0(t),
+          tile_rows(t),
+          tile_count(1),
+          weight(p) {
+      for (auto* b : {&sel, &pair, &sorted_expert, &sorted_pair, &row_token, &pair_row, &tile_group,
+                      &tile_row0, &tile_rows, &tile_count})
+        b->fill_bytes(0xFF);
+      weight.fill_bytes(0xFF);
+    }
+    moe::detail::dispatch_outputs view() {
+      return {sorted_expert.data(), sorted_pair.data(), row_token.data(), pair_row.data(),
+              tile_group.data(),    tile_row0.data(),   tile_rows.data(), tile_count.data()};
+    }
+  };
+  outputs two(pairs, tiles), one(pairs, tiles);
+  moe::detail::route(d_logits.data(), tokens, s, d_bias.data(), d_bias_vl.data(), d_image.data(),
+                     two.sel.data(), two.weight.data(), two.pair.data(), nullptr,
+                     moe::detail::route_impl::per_cta);
+  moe::detail::dispatch_kernel<<<1, moe::max_experts>>>(two.sel.data(), int(pairs), k, first, count, tile,
+                                                        two.view());
+  DSV4_CUDA_CHECK(cudaGetLastError());
+  moe::detail::route_dispatch_kernel<<<1, moe::max_experts>>>(
+      d_logits.data(), tokens, s, d_bias.data(), d_bias_vl.data(), d_image.data(), one.sel.data(),
+      one.weight.data(), one.pair.data(), first, count, tile, one.view());
+  DSV4_CUDA_CHECK(cudaGetLastError());
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::string what = std::to_string(experts) + " experts, k " + std::to_string(k) + ", " +
+                           std::to_string(tokens) + " tokens, slice [" + std::to_string(first) + ", " +
+                           std::to_string(first + count) + ")";
+  for (auto [a, b] : {std::pair{&one.sel, &two.sel},
+                      {&one.pair, &two.pair},
+                      {&one.sorted_expert, &two.sorted_expert},
+                      {&one.sorted_pair, &two.sorted_pair},
+                      {&one.row_token, &two.row_token},
+                      {&one.pair_row, &two.pair_row},
+                      {&one.tile_group, &two.tile_group},
+                      {&one.tile_row0, &two.tile_row0},
+                      {&one.tile_rows, &two.tile_rows},
+                      {&one.tile_count, &two.tile_count}})
+    BOOST_TEST((a->download() == b->download()), what);
+  const auto w1 = one.weight.download(), w2 = two.weight.download();
+  BOOST_TEST(std::memcmp(w1.data(), w2.data(), w1.size() * sizeof(float)) == 0,
+             what << ": route weights differ");
+  BOOST_TEST((one.tile_count.download()[0] > 0 || first > 0), what << ": no tile");
+}
+
+BOOST_AUTO_TEST_CASE(route_and_dispatch_in_one_launch,
+                     *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  static_assert(moe::detail::route_in_dispatch_max_tokens >= 1,
+                "moe_forward routes one token in the dispatch launch");
+  check_route_dispatch(384, 6, 1, 0, 384, 8, 70);
+  check_route_dispatch(384, 6, 2, 0, 384, 8, 71);
+  check_route_dispatch(16, 6, 2, 0, 16, 8, 72);
+  check_route_dispatch(128, 3, 1, 0, 128, 8, 73);
+  check_route_dispatch(384, 6, 2, 96, 96, 8, 74);  // an expert slice
+  check_route_dispatch(17, 4, 5, 0, 17, 8, 75);    // more tokens than moe_forward sends it; an odd count
+  check_route_dispatch(512, 16, 2, 0, 512, 8, 76);
 }
 
 BOOST_AUTO_TEST_CASE(route_kernels_agree, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {

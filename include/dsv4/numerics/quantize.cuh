@@ -62,19 +62,20 @@ struct fused_act_quant_norms_tag;
 struct fused_act_quant_boundaries_tag;
 }  // namespace detail
 //! Process-wide, per site: whether the norm writes the act_quant in the same launch or leaves it
-//! to a quantize launch of its own (the default at both). The bytes are the same either way. Off by
-//! default: on an H100 at V4.1 width the fused form at both sites made a decode step 7-10% slower
-//! (bench_model --ab-decode, docs/perf.md, forty-first session: an mHC boundary's act_quant runs
-//! in its one last CTA, on the step's critical chain); bench_model --ab-act-quant times each site
-//! alone. Read when a call is launched.
+//! to a quantize launch of its own. The bytes are the same either way. Measured per site on an
+//! H100 at V4.1 width (bench_model --ab-act-quant, docs/perf.md, forty-second session): fused at
+//! the plain norms a decode step is 0.7-0.9% faster at batch 1 and 0.3-0.8% at batch 8 (one
+//! launch fewer a layer), within the noise at 64: on by default; fused at the mHC boundaries it
+//! is 7-10% slower at every batch (the boundary's act_quant runs in its one last CTA, on the
+//! step's critical chain): off by default. Read when a call is launched.
 inline void set_fused_act_quant(act_quant_site site, bool on) {
   if (site == act_quant_site::norms)
-    process_switch<detail::fused_act_quant_norms_tag, false>::set(on);
+    process_switch<detail::fused_act_quant_norms_tag, true>::set(on);
   else
     process_switch<detail::fused_act_quant_boundaries_tag, false>::set(on);
 }
 inline bool fused_act_quant(act_quant_site site) {
-  return site == act_quant_site::norms ? process_switch<detail::fused_act_quant_norms_tag, false>::on()
+  return site == act_quant_site::norms ? process_switch<detail::fused_act_quant_norms_tag, true>::on()
                                        : process_switch<detail::fused_act_quant_boundaries_tag, false>::on();
 }
 //! Both sites at once (bench_model --fused-act-quant).

@@ -23,6 +23,7 @@
 
 #include <cxxabi.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -54,6 +55,22 @@ DSV4_DEVICE void allow_dependent_launch() {
 DSV4_DEVICE void start_after_previous_grid() {
   wait_for_previous_grid();
   allow_dependent_launch();
+}
+
+//! Asks L2 for the 128-byte lines of [p, p + bytes), spread over the CTA's threads (a 1-D block),
+//! without waiting for them. For a kernel's weights before wait_for_previous_grid(): between two
+//! decode steps gigabytes of weights pass through L2, so a small weight (a norm's row, a rope table)
+//! is a DRAM round trip again at every step; asked for while the kernel before still runs, its
+//! loads after the wait find it in L2. Only for memory that no kernel writes during the step.
+DSV4_DEVICE void prefetch_l2(const void* p, std::size_t bytes) {
+#if defined(__CUDA_ARCH__)
+  const std::uintptr_t begin = reinterpret_cast<std::uintptr_t>(p), end = begin + bytes;
+  for (std::uintptr_t line = (begin & ~std::uintptr_t(127)) + 128 * std::uintptr_t(threadIdx.x); line < end;
+       line += 128 * std::uintptr_t(blockDim.x))
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line));
+#else
+  (void)p, (void)bytes;
+#endif
 }
 
 //! Whether launches may be programmatic: every architecture this translation unit is compiled

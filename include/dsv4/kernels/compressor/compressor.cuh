@@ -236,6 +236,9 @@ struct pack_args {
 namespace detail {
 template <class F, int Dim, class Weight>
 DSV4_KERNEL void __launch_bounds__(warps_per_cta * 32) pack_kernel(pack_args<Weight> a) {
+  // The norm's row and the rope table (no kernel writes them), asked for while the kernel before runs.
+  if (a.norm) runtime::prefetch_l2(a.norm, sizeof(Weight) * std::size_t(Dim));
+  runtime::prefetch_l2(a.freqs, sizeof(float) * std::size_t(a.rope_pairs));
   runtime::start_after_previous_grid();
   using layout = numerics::packed_vector<F, Dim>;
   using Elem = typename F::element;

@@ -230,16 +230,28 @@ inline constexpr int gate_smem_budget = 96 * 1024;
 //! group's x rows into shared memory with asynchronous copies, all in flight at once, and the
 //! chains then read shared memory. The gate row is staged once for all the groups a CTA walks
 //! (grid y stops at 65535 groups).
+//! With `q` (its codes and scales set), the same launch writes the act_quant of x (E4M3, UE8M0 per
+//! 32; the f16 copy too where q.codes_f16 is set) from the staged rows: the warps of all the
+//! group's CTAs take a 32-chunk slice each, so the work is spread over the grid and no quantize
+//! launch of its own stands between the layer's input and its routing. The bytes are those of
+//! numerics::quantize (the same per-thread step, quantize_chunk8).
+struct gate_act_quant {
+  std::uint8_t* codes = nullptr;       //!< [tokens, dim]
+  std::uint8_t* scales = nullptr;      //!< [tokens, dim / 32]
+  std::uint16_t* codes_f16 = nullptr;  //!< [tokens, dim] or null
+};
 DSV4_KERNEL void __launch_bounds__(gate_threads)
     gate_logits_kernel(const bf16* x, long long tokens, int dim, const bf16* w, int experts, int per_cta,
-                       float gate_temp, float* logits) {
-  runtime::start_after_previous_grid();
+                       float gate_temp, float* logits, gate_act_quant q) {
   extern __shared__ uint4 staged[];  // [1 + per_cta][dim / 8]: the gate row, then the group's x rows
   const int e = blockIdx.x, chunks = dim / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // The gate row (a weight: no kernel writes it) is asked for before the wait, while the kernel
+  // before still runs; the first group's commit covers it.
   const uint4* row = reinterpret_cast<const uint4*>(w + (long long)e * dim);
   for (int c = threadIdx.x; c < chunks; c += gate_threads)
     __pipeline_memcpy_async(staged + c, row + c, sizeof(uint4));
+  runtime::start_after_previous_grid();
   for (long long t0 = (long long)blockIdx.y * per_cta; t0 < tokens; t0 += (long long)gridDim.y * per_cta) {
     const int n = int(min((long long)per_cta, tokens - t0));
     const uint4* xr = reinterpret_cast<const uint4*>(x + t0 * dim);  // the group's n rows, contiguous
@@ -263,6 +275,22 @@ DSV4_KERNEL void __launch_bounds__(gate_threads)
       for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
       if (lane == 0) logits[(t0 + warp) * experts + e] = __fdiv_rn(float(acc), gate_temp);
     }
+    if (q.codes) {  // this warp's slices of the group's n * chunks chunks; every lane of a warp takes part
+      const int warps = int(gridDim.x) * (gate_threads / 32);
+      for (int c0 = (e * (gate_threads / 32) + warp) * 32; c0 < n * chunks; c0 += warps * 32) {
+        const int c = c0 + lane;
+        const bool active = c < n * chunks;
+        const uint4 raw = active ? xs[c] : make_uint4(0, 0, 0, 0);
+        const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+        bf16 v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = bf16::from_bits(std::uint16_t(words[i / 2] >> (16 * (i % 2))));
+        const long long t = t0 + c / chunks;
+        numerics::detail::quantize_chunk8<numerics::fp8_act_format>(
+            v, active, q.codes + t * dim, q.scales + t * (dim / 32), c % chunks,
+            q.codes_f16 ? q.codes_f16 + t * dim : nullptr);
+      }
+    }
     __syncthreads();  // the next group's rows overwrite these
   }
 }
@@ -270,7 +298,10 @@ DSV4_KERNEL void __launch_bounds__(gate_threads)
 //! Launches gate_logits_kernel: experts x ceil(tokens / per_cta) CTAs (384 at one token for the
 //! backbone), per_cta = min(8, tokens) or fewer where the staged rows would not fit the budget.
 inline void gate_logits(const bf16* x, long long tokens, int dim, const bf16* w, int experts, float gate_temp,
-                        float* logits, cudaStream_t stream) {
+                        float* logits, cudaStream_t stream, const gate_act_quant& q = {}) {
+  if (q.codes && (!q.scales || dim % 32 != 0))
+    throw error("moe gate logits: the act_quant of x needs its scales and dim a multiple of 32 (dim " +
+                std::to_string(dim) + ")");
   const long long row_bytes = (long long)dim * sizeof(bf16);
   const int per_cta =
       int(std::min<long long>({tokens, gate_tokens_per_cta, gate_smem_budget / row_bytes - 1}));
@@ -284,7 +315,7 @@ inline void gate_logits(const bf16* x, long long tokens, int dim, const bf16* w,
         cudaFuncSetAttribute(gate_logits_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(unsigned(experts), unsigned(std::min<long long>((tokens + per_cta - 1) / per_cta, 65535)));
   runtime::launch_programmatic(gate_logits_kernel, grid, dim3(gate_threads), std::size_t(smem), stream, x,
-                               tokens, dim, w, experts, per_cta, gate_temp, logits);
+                               tokens, dim, w, experts, per_cta, gate_temp, logits, q);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 
@@ -366,20 +397,19 @@ DSV4_KERNEL void __launch_bounds__(256)
 //! Calls of up to this many tokens (decode) route with one CTA per token (route_cta_kernel).
 inline constexpr long long route_cta_max_tokens = 32;
 
-//! One CTA per token (few tokens: decode), a thread per expert: the same slots as route_kernel.
-//! Why: route_kernel's single warp per token is a chain of dependent steps (k rounds of a 16-step
-//! maximum and five shuffles), about 2,000 instructions at 12 to 14 cycles each (ncu: 14.2 us for
-//! one token, the longest kernel of the MoE layer after its GEMMs). Here each expert's rank is
-//! the count of larger keys (keys are distinct), in parallel over the experts, and the slots are
-//! the experts of rank < k: the same choice and order as k rounds of taking the maximum.
-DSV4_KERNEL void __launch_bounds__(max_experts)
-    route_cta_kernel(const float* logits, moe_shape s, const float* bias, const float* bias_vl,
-                     const std::uint8_t* is_image, int* sel_expert, float* sel_weight, int* pair_index) {
+//! The slots of token t, computed by one CTA of max_experts threads, a thread per expert: the same
+//! slots as route_kernel. Why: route_kernel's single warp per token is a chain of dependent steps
+//! (k rounds of a 16-step maximum and five shuffles), about 2,000 instructions at 12 to 14 cycles
+//! each (ncu: 14.2 us for one token, the longest kernel of the MoE layer after its GEMMs). Here
+//! each expert's rank is the count of larger keys (keys are distinct), in parallel over the
+//! experts, and the slots are the experts of rank < k: the same choice and order as k rounds of
+//! taking the maximum. A CTA that routes several tokens in turn separates them by a barrier.
+DSV4_DEVICE void route_token_in_cta(long long t, const float* logits, const moe_shape& s, const float* bias,
+                                    const float* bias_vl, const std::uint8_t* is_image, int* sel_expert,
+                                    float* sel_weight, int* pair_index) {
   __shared__ __align__(16) unsigned long long keys[max_experts];
   __shared__ int slot_expert[max_top_k];
   __shared__ float slot_score[max_top_k];
-  runtime::start_after_previous_grid();
-  const long long t = blockIdx.x;
   const int e = threadIdx.x;
   const float* b = is_image && bias_vl && is_image[t] ? bias_vl : bias;
   const route_entry r = e < s.experts ? route_entry_of(logits + t * s.experts, b, e) : route_entry{0.0f, 0ull};
@@ -401,6 +431,14 @@ DSV4_KERNEL void __launch_bounds__(max_experts)
     for (int j = 0; j < s.k; ++j) sum = __fadd_rn(sum, slot_score[j]);
     write_route_slot(t, e, s, slot_expert[e], slot_score[e], sum, sel_expert, sel_weight, pair_index);
   }
+}
+
+//! One CTA per token (few tokens: decode): route_token_in_cta.
+DSV4_KERNEL void __launch_bounds__(max_experts)
+    route_cta_kernel(const float* logits, moe_shape s, const float* bias, const float* bias_vl,
+                     const std::uint8_t* is_image, int* sel_expert, float* sel_weight, int* pair_index) {
+  runtime::start_after_previous_grid();
+  route_token_in_cta(blockIdx.x, logits, s, bias, bias_vl, is_image, sel_expert, sel_weight, pair_index);
 }
 
 //! Which route kernel runs (tests compare them; `automatic`: by token count).
@@ -470,16 +508,26 @@ DSV4_KERNEL void rows_kernel(const int* sorted_pair, int pairs, int k, int* row_
 //! tile list and the row maps (three launches): every decode batch up to 85 tokens at k = 6.
 inline constexpr int dispatch_max_pairs = max_experts;
 
-//! The dispatch of a small call in one CTA of max_experts threads: the pairs' stable order by
+//! What a dispatch writes (moe_workspace's buffers): the pairs' order by expert, the row maps and
+//! the tile list of the grouped GEMMs.
+struct dispatch_outputs {
+  int* sorted_expert = nullptr;  //!< [pairs] the expert of each sorted row
+  int* sorted_pair = nullptr;    //!< [pairs] the pair of each sorted row
+  int* row_token = nullptr;      //!< [pairs] the token of each sorted row
+  int* pair_row = nullptr;       //!< [pairs] the sorted row of each pair
+  int* tile_group = nullptr;     //!< [tiles] the expert of each tile, within the slice
+  int* tile_row0 = nullptr;      //!< [tiles] each tile's first sorted row
+  int* tile_rows = nullptr;      //!< [tiles] each tile's rows
+  int* tile_count = nullptr;     //!< [1] the number of tiles
+};
+
+//! The dispatch of a small call by one CTA of max_experts threads: the pairs' stable order by
 //! expert (a pair's sorted row is its expert's first row, a scan of the per-expert counts, plus
 //! the number of earlier pairs with the same expert: the order of the stable radix sort), the
 //! row maps of rows_kernel and the tile list of tile_list_kernel, the same values as those
 //! three. Needs pairs <= dispatch_max_pairs and experts <= max_experts (every expert id below it).
-DSV4_KERNEL void __launch_bounds__(max_experts)
-    dispatch_kernel(const int* sel_expert, int pairs, int k, int first, int count, int tile, int* sorted_expert,
-                    int* sorted_pair, int* row_token, int* pair_row, int* tile_group, int* tile_row0, int* tile_rows,
-                    int* tile_count) {
-  runtime::start_after_previous_grid();
+DSV4_DEVICE void dispatch_in_cta(const int* sel_expert, int pairs, int k, int first, int count, int tile,
+                                 const dispatch_outputs& out) {
   using scan = cub::BlockScan<int, max_experts>;
   __shared__ typename scan::TempStorage temp;
   __shared__ int expert_of[dispatch_max_pairs], rows_of[max_experts], begin_of[max_experts];
@@ -497,10 +545,10 @@ DSV4_KERNEL void __launch_bounds__(max_experts)
     const int e = expert_of[tid];
     int r = begin_of[e];
     for (int q = 0; q < tid; ++q) r += expert_of[q] == e;
-    sorted_expert[r] = e;
-    sorted_pair[r] = tid;
-    row_token[r] = tid / k;
-    pair_row[tid] = r;
+    out.sorted_expert[r] = e;
+    out.sorted_pair[r] = tid;
+    out.row_token[r] = tid / k;
+    out.pair_row[tid] = r;
   }
   // Tiles of the slice's experts [first, first + count), in expert order.
   const int rows = tid < count ? rows_of[first + tid] : 0, row0 = tid < count ? begin_of[first + tid] : 0;
@@ -509,11 +557,40 @@ DSV4_KERNEL void __launch_bounds__(max_experts)
   __syncthreads();  // temp is reused
   scan(temp).ExclusiveSum(tiles, at, total);
   for (int i = 0; i < tiles; ++i) {
-    tile_group[at + i] = tid;
-    tile_row0[at + i] = row0 + i * tile;
-    tile_rows[at + i] = min(tile, rows - i * tile);
+    out.tile_group[at + i] = tid;
+    out.tile_row0[at + i] = row0 + i * tile;
+    out.tile_rows[at + i] = min(tile, rows - i * tile);
   }
-  if (tid == 0) *tile_count = total;
+  if (tid == 0) *out.tile_count = total;
+}
+
+DSV4_KERNEL void __launch_bounds__(max_experts)
+    dispatch_kernel(const int* sel_expert, int pairs, int k, int first, int count, int tile,
+                    dispatch_outputs out) {
+  runtime::start_after_previous_grid();
+  dispatch_in_cta(sel_expert, pairs, k, first, count, tile, out);
+}
+
+//! Calls of up to this many tokens route and dispatch in one CTA (route_dispatch_kernel): one
+//! launch boundary fewer a layer, where a launch boundary costs a decode step about 2.5 us (one
+//! launch fewer a layer made a V4.1-width step 0.1 ms faster at batch 1, docs/perf.md, forty-second
+//! session) and one more token's routing in the same CTA about 1.6 us at 384 experts (its rank
+//! count: 192 key-pair loads a thread).
+inline constexpr long long route_in_dispatch_max_tokens = 2;
+
+//! route_cta_kernel's slots for each of the call's tokens in turn, then dispatch_in_cta: one
+//! launch for routing and dispatch of a call of a token or two (the values of the two launches).
+DSV4_KERNEL void __launch_bounds__(max_experts)
+    route_dispatch_kernel(const float* logits, int tokens, moe_shape s, const float* bias,
+                          const float* bias_vl, const std::uint8_t* is_image, int* sel_expert,
+                          float* sel_weight, int* pair_index, int first, int count, int tile,
+                          dispatch_outputs out) {
+  runtime::start_after_previous_grid();
+  for (int t = 0; t < tokens; ++t) {
+    route_token_in_cta(t, logits, s, bias, bias_vl, is_image, sel_expert, sel_weight, pair_index);
+    __syncthreads();  // the next token's keys overwrite these; the slots are written for the dispatch
+  }
+  dispatch_in_cta(sel_expert, tokens * s.k, s.k, first, count, tile, out);
 }
 
 //! weight * (silu(min(g, L)) * clamp(u, -L, L)) in fp32, the value SwiGLU rounds to bf16.
@@ -633,12 +710,6 @@ DSV4_KERNEL void add_shared_kernel(const float* routed, const bf16* shared_out, 
   runtime::start_after_previous_grid();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) y[i] = bf16::from_float(__fadd_rn(routed[i], shared_out[i].to_float()));
-}
-
-inline void quantize_rows(const bf16* x, long long rows, int channels, std::uint8_t* codes,
-                          std::uint8_t* scales, std::uint16_t* codes_f16, cudaStream_t stream) {
-  numerics::quantize<numerics::fp8_act_format>(
-      {x, rows, channels, channels, codes, channels, scales, channels / 32, codes_f16, channels}, stream);
 }
 
 //! offsets[e] = the first sorted row whose expert is >= e, for e = 0 .. experts (a binary search
@@ -761,11 +832,15 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   const std::uint8_t* const xq = given ? x_act.codes : ws.xq.data();
   const std::uint8_t* const xs = given ? x_act.scales : ws.xs.data();
   const std::uint16_t* const xh = !f16 ? nullptr : given ? x_act.codes_f16 : ws.xh.data();
-  if (!given)
-    detail::quantize_rows(x, tokens, s.dim, ws.xq.data(), ws.xs.data(), f16 ? ws.xh.data() : nullptr, stream);
+  // 1. Gate logits, with the act_quant of x where the caller gave none (the gate's launch stages
+  // x anyway: gate_act_quant).
+  detail::gate_logits(x, tokens, s.dim, w.gate, s.experts, s.gate_temp, ws.logits.data(), stream,
+                      given
+                          ? detail::gate_act_quant{}
+                          : detail::gate_act_quant{ws.xq.data(), ws.xs.data(), f16 ? ws.xh.data() : nullptr});
   // 5. The shared expert (FP8), all tokens. It does not depend on the routing: at decode it runs
-  // on the workspace's second stream, beside steps 1-4, whose first kernels (gate, route,
-  // dispatch: ~24 us at one token, ncu) leave most SMs idle; joined before step 6. Where one of
+  // on the workspace's second stream, beside steps 2-4, whose first kernels (route and dispatch,
+  // then the grouped GEMMs' ramp) leave most SMs idle; joined before step 6. Where one of
   // its GEMMs would take the dequantize + cuBLAS path (gemm::takes_dequant_path) it stays on
   // `stream`: that path's scratch and cuBLAS handle are the routed experts' too.
   const int m = int(tokens);
@@ -786,24 +861,30 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
     shared_expert(ws.shared_stream.get());
   }
 
-  // 1-2. Routing.
-  detail::gate_logits(x, tokens, s.dim, w.gate, s.experts, s.gate_temp, ws.logits.data(), stream);
-  detail::route(ws.logits.data(), tokens, s, w.bias, w.bias_vl, is_image, ws.sel_expert.data(), ws.sel_weight.data(),
-                ws.pair_index.data(), stream);
-  // 3. Dispatch: stable sort by expert, tile list, row maps.
+  // 2-3. Routing, then the dispatch: stable sort by expert, tile list, row maps.
   // Rows per tile: 8, or 16 where the experts average 8 rows or more. 32-row tiles (the grouped
   // kernels take them) were measured no faster: bench_model's 16-expert V4.1 at batch 64 (24 rows
   // an expert) 47.6 ms a step against 46.4 with 16 (docs/decisions.md, "MoE tiles of 32 rows").
   const int tile = pairs / s.experts >= 8 ? 16 : 8;
   const bool small = !dense && pairs <= detail::dispatch_max_pairs;
-  if (small) {  // decode: all of it in one launch
+  const detail::dispatch_outputs dispatched{
+      ws.sorted_expert.data(), ws.sorted_pair.data(), ws.row_token.data(), ws.pair_row.data(),
+      ws.tile_group.data(),    ws.tile_row0.data(),   ws.tile_rows.data(), ws.tile_count.data()};
+  if (small && tokens <= detail::route_in_dispatch_max_tokens) {  // decode of a token or two: one launch
+    runtime::launch_programmatic(detail::route_dispatch_kernel, dim3(1), dim3(max_experts), 0, stream,
+                                 ws.logits.data(), int(tokens), s, w.bias, w.bias_vl, is_image,
+                                 ws.sel_expert.data(), ws.sel_weight.data(), ws.pair_index.data(), first,
+                                 count, tile, dispatched);
+    DSV4_CUDA_CHECK_LAUNCH();
+  } else if (small) {  // decode: the routing, then all of the dispatch in one launch
+    detail::route(ws.logits.data(), tokens, s, w.bias, w.bias_vl, is_image, ws.sel_expert.data(),
+                  ws.sel_weight.data(), ws.pair_index.data(), stream);
     runtime::launch_programmatic(detail::dispatch_kernel, dim3(1), dim3(max_experts), 0, stream,
-                                 ws.sel_expert.data(), pairs, s.k, first, count, tile, ws.sorted_expert.data(),
-                                 ws.sorted_pair.data(), ws.row_token.data(), ws.pair_row.data(),
-                                 ws.tile_group.data(), ws.tile_row0.data(), ws.tile_rows.data(),
-                                 ws.tile_count.data());
+                                 ws.sel_expert.data(), pairs, s.k, first, count, tile, dispatched);
     DSV4_CUDA_CHECK_LAUNCH();
   } else {
+    detail::route(ws.logits.data(), tokens, s, w.bias, w.bias_vl, is_image, ws.sel_expert.data(),
+                  ws.sel_weight.data(), ws.pair_index.data(), stream);
     std::size_t temp_bytes = ws.sort_temp.size();
     DSV4_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws.sort_temp.data(), temp_bytes, ws.sel_expert.data(),
                                                     ws.sorted_expert.data(), ws.pair_index.data(),

@@ -57,6 +57,7 @@ DSV4_DEVICE float weight_value(const Weight* w, int i) {
 
 template <class Weight>
 DSV4_KERNEL void __launch_bounds__(rmsnorm_threads) rmsnorm_kernel(rmsnorm_args<Weight> a) {
+  runtime::prefetch_l2(a.w, sizeof(Weight) * std::size_t(a.dim));  // the weight row: no kernel writes it
   runtime::start_after_previous_grid();
   __shared__ double partial[rmsnorm_threads / 32];
   __shared__ float inv_rms;
@@ -151,7 +152,7 @@ void rmsnorm(const rmsnorm_args<Weight>& a, cudaStream_t stream = nullptr) {
 }
 
 //! rmsnorm with its act_quant (a.codes and a.scales required): one launch where
-//! numerics::fused_act_quant(act_quant_site::norms), else (the default) the norm and then numerics::quantize.
+//! numerics::fused_act_quant(act_quant_site::norms) (the default), else the norm and then numerics::quantize.
 //! The same bytes either way.
 inline void rmsnorm_quantized(const rmsnorm_args<numerics::bf16>& a, cudaStream_t stream = nullptr) {
   if (!a.codes || !a.scales) throw error("rmsnorm_quantized: needs the act_quant's codes and scales");

@@ -28,14 +28,16 @@ struct rope_args {
 
 namespace detail {
 DSV4_KERNEL void rope_kernel(rope_args a) {
-  runtime::start_after_previous_grid();
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long total = a.n_positions * a.vectors_per_position * a.pairs;
-  if (t >= total) return;
   const long long v = t / a.pairs;
   const int k = int(t % a.pairs);
+  // The frequency (a table no kernel writes) is read before the wait, off the step's chain.
+  const float freq = t < total ? a.freqs[k] : 0.0f;
+  runtime::start_after_previous_grid();
+  if (t >= total) return;
   const float pos = float(a.positions[v / a.vectors_per_position]);
-  const float theta = __fmul_rn(pos, a.freqs[k]);
+  const float theta = __fmul_rn(pos, freq);
   float s, c;
   sincosf(theta, &s, &c);
   numerics::bf16* r = a.x + v * a.dim + (a.dim - 2 * a.pairs);
