@@ -121,6 +121,19 @@ BOOST_AUTO_TEST_CASE(wo_a_fp8_form_is_exact_or_absent) {
   BOOST_TEST(!output::exact_fp8_tiles(w, 32, 32).has_value());
   w[7] = 0x1p-9f;  // the smallest E4M3 subnormal at scale 2^0
   BOOST_TEST(output::exact_fp8_tiles(w, 32, 32).has_value());
+  // The bottom of the scale's range: every E4M3 value times 2^-127 (scale code 0), down to fp32
+  // subnormals (2^-136), comes back exactly.
+  std::vector<float> low(32 * 32);
+  for (std::size_t i = 0; i < low.size(); ++i)
+    low[i] =
+        std::ldexp(numerics::decode<numerics::e4m3>(std::uint8_t(i % 0x7F)), -127) * (i % 2 ? -1.0f : 1.0f);
+  const auto fl = output::exact_fp8_tiles(low, 32, 32);
+  BOOST_TEST_REQUIRE(fl.has_value());
+  BOOST_TEST(fl->scales[0] == 0u);
+  std::size_t low_differ = 0;
+  for (std::size_t i = 0; i < low.size(); ++i)
+    low_differ += std::ldexp(numerics::decode<numerics::e4m3>(fl->codes[i]), -127) != low[i];
+  BOOST_TEST(low_differ == 0u, low_differ << " values at scale 2^-127 differ");
   // Shapes that are not whole tiles, and non-finite values, have none.
   BOOST_TEST(!output::exact_fp8_tiles(std::vector<float>(48 * 32, 1.0f), 48, 32).has_value());
   w[9] = std::numeric_limits<float>::infinity();

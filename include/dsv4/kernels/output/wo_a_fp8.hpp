@@ -73,10 +73,13 @@ inline std::optional<fp8_tiles> exact_fp8_tiles(std::span<const float> values, i
       }
       if (e < -127 || e > 127) return std::nullopt;
       out.scales[std::size_t(tr) * std::size_t(tiles_c) + std::size_t(tc)] = std::uint8_t(e + 127);
+      // 2^-e as a float (a subnormal for e = 127): v * 2^-e is IEEE's correctly rounded product,
+      // the value std::ldexp(v, -e) returns, at a multiply a value instead of a library call.
+      const float inv_scale = std::bit_cast<float>(e == 127 ? 0x00400000u : std::uint32_t(127 - e) << 23);
       for (int r = tr * T; r < tr * T + T; ++r)
         for (int c = tc * T; c < tc * T + T; ++c) {
           const std::size_t i = std::size_t(r) * std::size_t(cols) + std::size_t(c);
-          const float v = values[i], x = std::ldexp(v, -e);  // exact unless it leaves fp32's normals
+          const float v = values[i], x = v * inv_scale;  // exact unless it leaves fp32's normals
           const int code = detail::exact_e4m3_code(x);
           if (code < 0 || (x == 0.0f && v != 0.0f)) return std::nullopt;
           out.codes[i] = std::uint8_t(code);
