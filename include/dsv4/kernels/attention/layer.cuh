@@ -114,9 +114,39 @@ struct index_list_args {
   bool prefill = false;               //!< prefill: operand = the call's rows; decode: the ring
   bool append = false;                //!< appended chunks: the ring, then the chunk's rows
   const std::int32_t* row_first = nullptr;  //!< append: [rows] the call row of each row's chunk start
+  //! The queries' RoPE, done by this launch's blocks from `list_blocks` on (one launch fewer a
+  //! layer than a rope launch of its own: the queries are read only by the attention after it).
+  rope::rope_args q_rope;
+  unsigned list_blocks = 0;  //!< blocks of the index lists; then the rope's, then the window pack's
+  unsigned rope_blocks = 0;
+  //! A decode step's window entries (kv_norm, RoPE, FP8 into the ring), packed by the blocks past
+  //! the rope's, a warp per row (compressor::detail::pack_row; no rows: none): one more launch
+  //! fewer a layer. The ring is read only by the attention after this launch.
+  compressor::pack_args<bf16> window_pack;
 };
-DSV4_KERNEL void index_list_kernel(index_list_args a) {
+inline constexpr int index_list_threads = 256;
+
+template <class WindowFormat, int HeadDim>
+DSV4_KERNEL void __launch_bounds__(index_list_threads) index_list_kernel(index_list_args a) {
+  const bool packs = blockIdx.x >= a.list_blocks + a.rope_blocks;
+  if (packs) {  // the norm's row and the rope table (no kernel writes them), asked for before the wait
+    runtime::prefetch_l2(a.window_pack.norm, sizeof(bf16) * std::size_t(HeadDim));
+    runtime::prefetch_l2(a.window_pack.freqs, sizeof(float) * std::size_t(a.window_pack.rope_pairs));
+  }
   runtime::start_after_previous_grid();
+  if (packs) {  // the window pack: a warp per row
+    const long long i =
+        static_cast<long long>(blockIdx.x - a.list_blocks - a.rope_blocks) * (index_list_threads / 32) +
+        threadIdx.x / 32;
+    if (i < a.window_pack.rows) compressor::detail::pack_row<WindowFormat, HeadDim, bf16>(a.window_pack, i);
+    return;
+  }
+  if (blockIdx.x >= a.list_blocks) {
+    const long long p = static_cast<long long>(blockIdx.x - a.list_blocks) * blockDim.x + threadIdx.x;
+    if (p < rope::pairs_of(a.q_rope))
+      rope::detail::rotate_pair_at(a.q_rope, p, a.q_rope.freqs[p % a.q_rope.pairs]);
+    return;
+  }
   const int width = a.window_width + a.topk_width;
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= static_cast<long long>(a.rows) * width) return;
@@ -900,7 +930,7 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
   qn.scales_stride = s.q_lora / 32;
   norm::rmsnorm_quantized(qn, stream);
   linear(w.wq_b, qr_codes_.data(), qr_scales_.data(), q_.data());
-  rope::apply_rope({q_.data(), c.positions, freqs, R, s.heads, HeadDim, pairs, false}, stream);
+  // (The queries' RoPE runs in the index lists' launch, below.)
   auto& ring = rings_[std::size_t(layer)];
   compressor::entry_destination ring_dst;
   ring_dst.mode = compressor::entry_store::ring;
@@ -924,8 +954,15 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
   const int ring_first = c.slots.size() > 1 ? 0 : std::max(0, R - s.window);
   if (own_rows || c.append) pack_window(0, R, rows_dst, nullptr);
   if (own_rows) pack_window(ring_first, R - ring_first, ring_dst, c.row_slot);
-  else if (!c.append) pack_window(0, R, ring_dst, c.row_slot);  // decode: straight into the ring
-  // (an appended chunk enters the ring after the attention, which still reads the old slots)
+  // Decode: straight into the ring, in the index lists' launch below (nothing before it reads the
+  // ring). An appended chunk enters the ring after the attention, which still reads the old slots.
+  compressor::pack_args<bf16> decode_pack;
+  if (!own_rows && !c.append) {
+    decode_pack = {kv_.data(), HeadDim, R,     w.kv_norm.data(), s.norm_eps, c.positions,
+                   c.row_slot, freqs,   pairs, ring_dst};
+    if (const std::string why = compressor::can_pack<window_format, HeadDim>(decode_pack); !why.empty())
+      throw error(where + "the window entries: " + why);
+  }
   const int window_width = own_rows ? std::min(R, s.window) : s.window;
   const int operand_rows = own_rows ? R : c.append ? s.window + c.chunk_width : s.window;
 
@@ -995,9 +1032,18 @@ void attention_stack<HeadDim, IndexDim>::forward(int layer, const bf16* x, bf16*
 
   // Index lists, attention, output.
   const int width = window_width + topk_width;
-  index_list_args il{idx_.data(), topk_.data(), c.positions, R, window_width, topk_width, s.window, own_rows,
-                     c.append, c.row_first};
-  runtime::launch_programmatic(index_list_kernel, dim3(blocks_for(1LL * R * width)), dim3(256), 0, stream, il);
+  index_list_args il;
+  il.idx = idx_.data(), il.topk = topk_.data(), il.positions = c.positions, il.rows = R;
+  il.window_width = window_width, il.topk_width = topk_width, il.window = s.window;
+  il.prefill = own_rows, il.append = c.append, il.row_first = c.row_first;
+  il.q_rope = {q_.data(), c.positions, freqs, R, s.heads, HeadDim, pairs, false};
+  il.list_blocks = blocks_for(1LL * R * width, index_list_threads);
+  il.rope_blocks = blocks_for(rope::pairs_of(il.q_rope), index_list_threads);
+  il.window_pack = decode_pack;
+  const unsigned pack_blocks = blocks_for(decode_pack.rows, index_list_threads / 32);
+  runtime::launch_programmatic(index_list_kernel<window_format, HeadDim>,
+                               dim3(il.list_blocks + il.rope_blocks + pack_blocks), dim3(index_list_threads),
+                               0, stream, il);
   DSV4_CUDA_CHECK_LAUNCH();
   sparse_attention_args sa;
   sa.q = q_.data(), sa.idx = idx_.data(), sa.sink = w.attn_sink.data(), sa.out = o_.data();

@@ -234,19 +234,16 @@ struct pack_args {
 };
 
 namespace detail {
+//! Packs row i of `a` (i < a.rows), by one whole warp: every lane calls it with the same i.
+//! pack_kernel runs it a warp per row; other launches may run it for their share of rows (the
+//! attention layer's index-list launch packs a decode step's window entries).
 template <class F, int Dim, class Weight>
-DSV4_KERNEL void __launch_bounds__(warps_per_cta * 32) pack_kernel(pack_args<Weight> a) {
-  // The norm's row and the rope table (no kernel writes them), asked for while the kernel before runs.
-  if (a.norm) runtime::prefetch_l2(a.norm, sizeof(Weight) * std::size_t(Dim));
-  runtime::prefetch_l2(a.freqs, sizeof(float) * std::size_t(a.rope_pairs));
-  runtime::start_after_previous_grid();
+DSV4_DEVICE void pack_row(const pack_args<Weight>& a, long long i) {
   using layout = numerics::packed_vector<F, Dim>;
   using Elem = typename F::element;
   constexpr int E = Dim / 32;
   constexpr int B = F::block_size;
   const int lane = threadIdx.x % 32;
-  const long long i = static_cast<long long>(blockIdx.x) * warps_per_cta + threadIdx.x / 32;
-  if (i >= a.rows) return;  // whole warps leave together
   const int c0 = lane * E;
   const bf16* x = a.x + i * a.x_stride + c0;
   float v[E];
@@ -297,6 +294,16 @@ DSV4_KERNEL void __launch_bounds__(warps_per_cta * 32) pack_kernel(pack_args<Wei
     static_assert(E % 2 == 0, "pack_entries: FP4 codes need an even number of channels per lane");
     for (int e = 0; e < E; e += 2) entry[(c0 + e) / 2] = std::uint8_t(codes[e] | (codes[e + 1] << 4));
   }
+}
+
+template <class F, int Dim, class Weight>
+DSV4_KERNEL void __launch_bounds__(warps_per_cta * 32) pack_kernel(pack_args<Weight> a) {
+  // The norm's row and the rope table (no kernel writes them), asked for while the kernel before runs.
+  if (a.norm) runtime::prefetch_l2(a.norm, sizeof(Weight) * std::size_t(Dim));
+  runtime::prefetch_l2(a.freqs, sizeof(float) * std::size_t(a.rope_pairs));
+  runtime::start_after_previous_grid();
+  const long long i = static_cast<long long>(blockIdx.x) * warps_per_cta + threadIdx.x / 32;
+  if (i < a.rows) pack_row<F, Dim, Weight>(a, i);  // whole warps together
 }
 }  // namespace detail
 
