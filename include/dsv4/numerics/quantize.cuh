@@ -187,6 +187,13 @@ DSV4_DEVICE void quantize_chunk8(const bf16 (&v)[quant_elems_per_thread], bool a
   if (chunk % kLanes == 0) scales_row[chunk / kLanes] = sc;
 }
 
+//! The eight bf16 values of a 16-byte load (element 2i in the low half of word i).
+DSV4_DEVICE void bf16x8_of(const uint4& raw, bf16 (&v)[quant_elems_per_thread]) {
+  static_assert(quant_elems_per_thread == 8, "bf16x8_of: eight values a thread");
+  const std::uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  for (int i = 0; i < 8; ++i) v[i] = bf16::from_bits(std::uint16_t(words[i / 2] >> (16 * (i % 2))));
+}
+
 template <class F>
 DSV4_KERNEL void quantize_kernel(quantize_args a) {
   // Wait for the producer of x first, then let the GEMM that consumes the codes start streaming
@@ -201,9 +208,8 @@ DSV4_KERNEL void quantize_kernel(quantize_args a) {
 
   uint4 raw = make_uint4(0, 0, 0, 0);
   if (active) raw = *reinterpret_cast<const uint4*>(a.x + row * a.x_row_stride + chunk * kElems);
-  const std::uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
   bf16 v[kElems];
-  for (int i = 0; i < kElems; ++i) v[i] = bf16::from_bits(std::uint16_t(words[i / 2] >> (16 * (i % 2))));
+  bf16x8_of(raw, v);
   quantize_chunk8<F>(v, active, a.codes + row * a.codes_row_stride, a.scales + row * a.scales_row_stride, chunk,
                      a.codes_f16 ? a.codes_f16 + row * a.codes_f16_row_stride : nullptr);
 }

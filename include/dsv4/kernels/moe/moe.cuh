@@ -280,11 +280,8 @@ DSV4_KERNEL void __launch_bounds__(gate_threads)
       for (int c0 = (e * (gate_threads / 32) + warp) * 32; c0 < n * chunks; c0 += warps * 32) {
         const int c = c0 + lane;
         const bool active = c < n * chunks;
-        const uint4 raw = active ? xs[c] : make_uint4(0, 0, 0, 0);
-        const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
         bf16 v[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = bf16::from_bits(std::uint16_t(words[i / 2] >> (16 * (i % 2))));
+        numerics::detail::bf16x8_of(active ? xs[c] : make_uint4(0, 0, 0, 0), v);
         const long long t = t0 + c / chunks;
         numerics::detail::quantize_chunk8<numerics::fp8_act_format>(
             v, active, q.codes + t * dim, q.scales + t * (dim / 32), c % chunks,
@@ -870,21 +867,22 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   const detail::dispatch_outputs dispatched{
       ws.sorted_expert.data(), ws.sorted_pair.data(), ws.row_token.data(), ws.pair_row.data(),
       ws.tile_group.data(),    ws.tile_row0.data(),   ws.tile_rows.data(), ws.tile_count.data()};
-  if (small && tokens <= detail::route_in_dispatch_max_tokens) {  // decode of a token or two: one launch
+  const bool routed_in_dispatch = small && tokens <= detail::route_in_dispatch_max_tokens;
+  if (routed_in_dispatch) {  // decode of a token or two: one launch
     runtime::launch_programmatic(detail::route_dispatch_kernel, dim3(1), dim3(max_experts), 0, stream,
                                  ws.logits.data(), int(tokens), s, w.bias, w.bias_vl, is_image,
                                  ws.sel_expert.data(), ws.sel_weight.data(), ws.pair_index.data(), first,
                                  count, tile, dispatched);
     DSV4_CUDA_CHECK_LAUNCH();
-  } else if (small) {  // decode: the routing, then all of the dispatch in one launch
-    detail::route(ws.logits.data(), tokens, s, w.bias, w.bias_vl, is_image, ws.sel_expert.data(),
-                  ws.sel_weight.data(), ws.pair_index.data(), stream);
-    runtime::launch_programmatic(detail::dispatch_kernel, dim3(1), dim3(max_experts), 0, stream,
-                                 ws.sel_expert.data(), pairs, s.k, first, count, tile, dispatched);
-    DSV4_CUDA_CHECK_LAUNCH();
   } else {
     detail::route(ws.logits.data(), tokens, s, w.bias, w.bias_vl, is_image, ws.sel_expert.data(),
                   ws.sel_weight.data(), ws.pair_index.data(), stream);
+  }
+  if (small && !routed_in_dispatch) {  // decode: all of the dispatch in one launch
+    runtime::launch_programmatic(detail::dispatch_kernel, dim3(1), dim3(max_experts), 0, stream,
+                                 ws.sel_expert.data(), pairs, s.k, first, count, tile, dispatched);
+    DSV4_CUDA_CHECK_LAUNCH();
+  } else if (!small) {
     std::size_t temp_bytes = ws.sort_temp.size();
     DSV4_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws.sort_temp.data(), temp_bytes, ws.sel_expert.data(),
                                                     ws.sorted_expert.data(), ws.pair_index.data(),
