@@ -33,9 +33,7 @@ device_buffer<T> upload(const std::vector<T>& v) {
   return upload(std::span<const T>(v));
 }
 inline device_buffer<bf16> upload_bf16(const std::vector<float>& v) {
-  std::vector<bf16> b(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) b[i] = bf16::from_float(v[i]);
-  return upload(b);
+  return upload(numerics::to_bf16(v));
 }
 
 //! Whether every value of `v` is a bf16 value (NaN included). The CUDA MoE gate and the bf16
@@ -69,31 +67,44 @@ struct device_block {
   device_buffer<float> attn_fn, attn_base, attn_scale, ffn_fn, ffn_base, ffn_scale, bias;
   device_buffer<std::uint8_t> w1[2], w3[2], w2[2], s1[2], s3[2], s2[2];  //!< codes, scales (MMA tiles)
 
-  //! Uploads `b` (its routed experts as held: a tensor-parallel rank's slice or all of them).
-  static device_block upload_from(const block_weights& b, int dim) {
+  //! A block's weights converted on the host, ready to copy (no device work: convert runs on
+  //! runtime::prepare_ahead's workers).
+  struct host_form {
+    std::vector<bf16> attn_norm, ffn_norm, gate;
+    tiled_stack w1, w3, w2, s1, s3, s2;
+  };
+  static host_form convert(const block_weights& b, int dim) {
     namespace gm = kernels::gemm;
+    host_form h;
+    h.attn_norm = numerics::to_bf16(b.attn_norm), h.ffn_norm = numerics::to_bf16(b.ffn_norm),
+    h.gate = numerics::to_bf16(b.gate.weight);
+    for (const auto& e : b.experts) {
+      h.w1.add(gm::weight_format::fp4_row32, b.inter, dim, e.w1, e.w1_s);
+      h.w3.add(gm::weight_format::fp4_row32, b.inter, dim, e.w3, e.w3_s);
+      h.w2.add(gm::weight_format::fp4_row32, dim, b.inter, e.w2, e.w2_s);
+    }
+    h.s1.add(gm::weight_format::fp8_tile32, b.inter, dim, b.shared.w1, b.shared.w1_s);
+    h.s3.add(gm::weight_format::fp8_tile32, b.inter, dim, b.shared.w3, b.shared.w3_s);
+    h.s2.add(gm::weight_format::fp8_tile32, dim, b.inter, b.shared.w2, b.shared.w2_s);
+    return h;
+  }
+  //! `h` (convert(b, dim)) and b's fp32 tensors on the device.
+  static device_block to_device(const host_form& h, const block_weights& b) {
     device_block d;
-    d.attn_norm = upload_bf16(b.attn_norm), d.ffn_norm = upload_bf16(b.ffn_norm);
+    d.attn_norm = upload(h.attn_norm), d.ffn_norm = upload(h.ffn_norm), d.gate = upload(h.gate);
     d.attn_fn = upload(b.attn_mix.fn), d.attn_base = upload(b.attn_mix.base),
     d.attn_scale = upload(b.attn_mix.scale);
     d.ffn_fn = upload(b.ffn_mix.fn), d.ffn_base = upload(b.ffn_mix.base),
     d.ffn_scale = upload(b.ffn_mix.scale);
-    d.gate = upload_bf16(b.gate.weight), d.bias = upload(b.gate.bias);
-    tiled_stack w1, w3, w2, s1, s3, s2;
-    for (const auto& e : b.experts) {
-      w1.add(gm::weight_format::fp4_row32, b.inter, dim, e.w1, e.w1_s);
-      w3.add(gm::weight_format::fp4_row32, b.inter, dim, e.w3, e.w3_s);
-      w2.add(gm::weight_format::fp4_row32, dim, b.inter, e.w2, e.w2_s);
-    }
-    s1.add(gm::weight_format::fp8_tile32, b.inter, dim, b.shared.w1, b.shared.w1_s);
-    s3.add(gm::weight_format::fp8_tile32, b.inter, dim, b.shared.w3, b.shared.w3_s);
-    s2.add(gm::weight_format::fp8_tile32, dim, b.inter, b.shared.w2, b.shared.w2_s);
+    d.bias = upload(b.gate.bias);
     auto put = [](device_buffer<std::uint8_t>(&dst)[2], const tiled_stack& src) {
       dst[0] = upload(src.codes), dst[1] = upload(src.scales);
     };
-    put(d.w1, w1), put(d.w3, w3), put(d.w2, w2), put(d.s1, s1), put(d.s3, s3), put(d.s2, s2);
+    put(d.w1, h.w1), put(d.w3, h.w3), put(d.w2, h.w2), put(d.s1, h.s1), put(d.s3, h.s3), put(d.s2, h.s2);
     return d;
   }
+  //! Uploads `b` (its routed experts as held: a tensor-parallel rank's slice or all of them).
+  static device_block upload_from(const block_weights& b, int dim) { return to_device(convert(b, dim), b); }
 
   //! The MoE kernels' view of these weights.
   kernels::moe::moe_weights moe() const {

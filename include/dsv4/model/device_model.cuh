@@ -71,6 +71,7 @@
 #include "dsv4/runtime/device_buffer.cuh"
 #include "dsv4/runtime/pdl.cuh"
 #include "dsv4/runtime/pinned_buffer.cuh"
+#include "dsv4/runtime/prepare_ahead.hpp"
 #include "dsv4/runtime/segment_graph.cuh"
 #include "dsv4/runtime/stream.cuh"
 #include "dsv4/runtime/upload_arena.cuh"
@@ -158,6 +159,9 @@ class device_model {
     //! Rows of logits one call may return (append_all: a speculative round's verification); 0:
     //! min(max_rows, max_seqs), one per sequence of a decode batch.
     int logit_rows = 0;
+    //! Host threads converting the weights while the model is built (runtime::prepare_threads;
+    //! 0: the hardware's, at most 8). Each holds one layer's converted copy until it is uploaded.
+    int load_threads = 0;
   };
 
   //! The whole model on the current device, from a loaded host model.
@@ -204,6 +208,7 @@ class device_model {
     }
     typename stack_t::limits sl;
     sl.max_seqs = lim.max_seqs, sl.max_rows = lim.max_rows, sl.max_tokens = lim.max_tokens, sl.page_tokens = lim.page_tokens;
+    sl.load_threads = lim.load_threads;
     stack_.emplace(parallel::rank_attention_shape<Model>(ranks), m.wiring, attn, local, compressed, sl, stream());
     attn.clear();
     if (comm_)  // model.py's all_reduce of the index scores, bf16
@@ -225,7 +230,12 @@ class device_model {
     else
       head_ = upload(m.head);
     norm_ = upload_bf16(m.norm);
-    for (int l = 0; l < L; ++l) blocks_.push_back(device_block::upload_from(m.blocks[std::size_t(l)], c.dim));
+    runtime::prepare_ahead(  // each block converted on worker threads ahead of its copies
+        L, runtime::prepare_threads(lim.load_threads),
+        [&](int l) { return device_block::convert(m.blocks[std::size_t(l)], c.dim); },
+        [&](int l, const device_block::host_form& h) {
+          blocks_.push_back(device_block::to_device(h, m.blocks[std::size_t(l)]));
+        });
     for (std::size_t j = 0; j < m.engrams.size(); ++j) {
       const auto& e = m.engrams[j];
       device_engram d;

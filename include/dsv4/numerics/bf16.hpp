@@ -5,6 +5,8 @@
 //! quiet NaN 0x7FC0, so host and device produce the same bits (their fp32 NaN payloads differ).
 
 #include <cstdint>
+#include <span>
+#include <vector>
 
 #include "dsv4/numerics/bits.hpp"
 
@@ -32,5 +34,12 @@ static_assert(sizeof(bf16) == 2, "bf16: must be exactly two bytes to alias check
 
 //! Round an fp32 value to bf16 precision and back (one rounding, as a `.to(bfloat16)` does).
 DSV4_HOST_DEVICE float round_to_bf16(float f) { return bf16::from_float(f).to_float(); }
+
+//! Host copies of fp32 values rounded to bf16 (the device models' bf16 weights).
+inline std::vector<bf16> to_bf16(std::span<const float> v) {
+  std::vector<bf16> b(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) b[i] = bf16::from_float(v[i]);
+  return b;
+}
 
 }  // namespace dsv4::numerics

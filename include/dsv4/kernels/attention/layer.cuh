@@ -68,6 +68,7 @@
 #include "dsv4/numerics/quantize.cuh"
 #include "dsv4/runtime/device_buffer.cuh"
 #include "dsv4/runtime/pdl.cuh"
+#include "dsv4/runtime/prepare_ahead.hpp"
 #include "dsv4/runtime/segment_graph.cuh"
 #include "dsv4/runtime/upload_arena.cuh"
 
@@ -76,26 +77,28 @@ namespace dsv4::kernels::attention {
 namespace device_detail {
 using runtime::device_buffer;
 
-inline device_buffer<bf16> upload_bf16(const std::vector<float>& v) {
-  std::vector<bf16> b(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) b[i] = bf16::from_float(v[i]);
-  return device_buffer<bf16>{std::span<const bf16>(b)};
+template <class T>
+device_buffer<T> upload(const std::vector<T>& v) {
+  return device_buffer<T>{std::span<const T>(v)};
 }
-inline device_buffer<float> upload_f32(const std::vector<float>& v) { return device_buffer<float>{std::span<const float>(v)}; }
 
 //! An FP8 linear layer in the GEMM's MMA-tile layout.
 struct fp8_weight {
   int n = 0, k = 0;
   device_buffer<std::uint8_t> codes, scales;
-  static fp8_weight upload(const fp8_linear& l) {
+  //! The tiles on the host (empty for an absent layer, n == 0).
+  static gemm::tiled_weight tile(const fp8_linear& l) {
+    if (l.n == 0) return {};
+    return gemm::tile_weight(gemm::weight_format::fp8_tile32, l.n, l.k, l.codes, l.scales);
+  }
+  static fp8_weight upload(const gemm::tiled_weight& t) {
     fp8_weight w;
-    if (l.n == 0) return w;
-    const auto t = gemm::tile_weight(gemm::weight_format::fp8_tile32, l.n, l.k, l.codes, l.scales);
-    w.n = l.n, w.k = l.k;
-    w.codes = device_buffer<std::uint8_t>{std::span<const std::uint8_t>(t.codes)};
-    w.scales = device_buffer<std::uint8_t>{std::span<const std::uint8_t>(t.scales)};
+    if (t.shape.n == 0) return w;
+    w.n = t.shape.n, w.k = t.shape.k;
+    w.codes = device_detail::upload(t.codes), w.scales = device_detail::upload(t.scales);
     return w;
   }
+  static fp8_weight upload(const fp8_linear& l) { return upload(tile(l)); }
 };
 
 //! Multiplies bf16 values by a power of two in fp32 and rounds back (weights_proj x 2^-6).
@@ -176,15 +179,18 @@ inline unsigned blocks_for(long long n, int threads = 256) { return unsigned((n 
 //! which larger calls read through cuBLAS (33.5 MB more a layer at V4.1 widths).
 struct wo_a_fp8_buffers {
   runtime::device_buffer<std::uint8_t> codes, scales;
-  //! From wo_a's values [rows = groups * o_lora, group width].
-  static wo_a_fp8_buffers upload(const std::vector<float>& wo_a, int rows) {
+  //! The FP8 form of wo_a's values [rows = groups * o_lora, group width], if it has one.
+  static std::optional<output::fp8_tiles> find(const std::vector<float>& wo_a, int rows) {
+    if (rows <= 0 || wo_a.size() % std::size_t(rows)) return std::nullopt;
+    return output::exact_fp8_tiles(wo_a, rows, int(wo_a.size() / std::size_t(rows)));
+  }
+  static wo_a_fp8_buffers upload(const std::optional<output::fp8_tiles>& f8) {
     wo_a_fp8_buffers b;
-    if (rows <= 0 || wo_a.size() % std::size_t(rows)) return b;
-    if (const auto f8 = output::exact_fp8_tiles(wo_a, rows, int(wo_a.size() / std::size_t(rows)))) {
-      b.codes = runtime::device_buffer<std::uint8_t>{std::span<const std::uint8_t>(f8->codes)};
-      b.scales = runtime::device_buffer<std::uint8_t>{std::span<const std::uint8_t>(f8->scales)};
-    }
+    if (f8) b.codes = device_detail::upload(f8->codes), b.scales = device_detail::upload(f8->scales);
     return b;
+  }
+  static wo_a_fp8_buffers upload(const std::vector<float>& wo_a, int rows) {
+    return upload(find(wo_a, rows));
   }
   output::wo_a_fp8_weight view() const {
     if (!codes.size()) return {};
@@ -200,24 +206,47 @@ struct device_layer_weights {
   runtime::device_buffer<float> comp_wkv32, comp_wgate, attn_sink;
   device_detail::wo_a_fp8_buffers wo_a_fp8;
 
-  static device_layer_weights upload(const layer_weights& w, const layer_wiring& wr) {
+  //! A layer's weights converted on the host, ready to copy (to_device). The conversions touch
+  //! no device, so they run on runtime::prepare_ahead's workers.
+  struct host_form {
+    gemm::tiled_weight wq_a, wq_b, wkv, wo_b, idx_wq_b;
+    std::vector<bf16> q_norm, kv_norm, wo_a, comp_wkv16, comp_norm, index_wk, index_norm, weights_proj;
+    std::optional<output::fp8_tiles> wo_a_fp8;
+  };
+  static host_form convert(const layer_weights& w, const layer_wiring& wr) {
     using namespace device_detail;
-    device_layer_weights d;
-    d.wq_a = fp8_weight::upload(w.wq_a), d.wq_b = fp8_weight::upload(w.wq_b), d.wkv = fp8_weight::upload(w.wkv);
-    d.wo_b = fp8_weight::upload(w.wo_b);
-    d.q_norm = upload_bf16(w.q_norm), d.kv_norm = upload_bf16(w.kv_norm), d.wo_a = upload_bf16(w.wo_a);
-    d.wo_a_fp8 = wo_a_fp8_buffers::upload(w.wo_a, w.wo_b.k);
-    d.attn_sink = upload_f32(w.attn_sink);
+    host_form h;
+    h.wq_a = fp8_weight::tile(w.wq_a), h.wq_b = fp8_weight::tile(w.wq_b), h.wkv = fp8_weight::tile(w.wkv);
+    h.wo_b = fp8_weight::tile(w.wo_b);
+    h.q_norm = numerics::to_bf16(w.q_norm), h.kv_norm = numerics::to_bf16(w.kv_norm),
+    h.wo_a = numerics::to_bf16(w.wo_a);
+    h.wo_a_fp8 = wo_a_fp8_buffers::find(w.wo_a, w.wo_b.k);
     if (wr.role == schedule::attn_role::full) {
-      if (wr.ratio == 1) d.comp_wkv16 = upload_bf16(w.compressor.wkv);
-      else d.comp_wkv32 = upload_f32(w.compressor.wkv), d.comp_wgate = upload_f32(w.compressor.wgate);
-      d.comp_norm = upload_bf16(w.compressor.norm);
-      d.index_wk = upload_bf16(w.index_key.wk), d.index_norm = upload_bf16(w.index_key.norm);
+      if (wr.ratio == 1) h.comp_wkv16 = numerics::to_bf16(w.compressor.wkv);
+      h.comp_norm = numerics::to_bf16(w.compressor.norm);
+      h.index_wk = numerics::to_bf16(w.index_key.wk), h.index_norm = numerics::to_bf16(w.index_key.norm);
     }
     if (wr.role == schedule::attn_role::full || wr.role == schedule::attn_role::reindex) {
-      d.idx_wq_b = fp8_weight::upload(w.idx_wq_b);
-      d.weights_proj = upload_bf16(w.weights_proj);
+      h.idx_wq_b = fp8_weight::tile(w.idx_wq_b);
+      h.weights_proj = numerics::to_bf16(w.weights_proj);
     }
+    return h;
+  }
+  //! `h` (convert(w, wr)) and w's fp32 tensors on the device.
+  static device_layer_weights to_device(const host_form& h, const layer_weights& w, const layer_wiring& wr) {
+    using namespace device_detail;
+    device_layer_weights d;
+    d.wq_a = fp8_weight::upload(h.wq_a), d.wq_b = fp8_weight::upload(h.wq_b),
+    d.wkv = fp8_weight::upload(h.wkv);
+    d.wo_b = fp8_weight::upload(h.wo_b), d.idx_wq_b = fp8_weight::upload(h.idx_wq_b);
+    d.q_norm = upload(h.q_norm), d.kv_norm = upload(h.kv_norm), d.wo_a = upload(h.wo_a);
+    d.wo_a_fp8 = wo_a_fp8_buffers::upload(h.wo_a_fp8);
+    d.attn_sink = upload(w.attn_sink);
+    d.comp_wkv16 = upload(h.comp_wkv16), d.comp_norm = upload(h.comp_norm);
+    d.index_wk = upload(h.index_wk), d.index_norm = upload(h.index_norm),
+    d.weights_proj = upload(h.weights_proj);
+    if (wr.role == schedule::attn_role::full && wr.ratio != 1)
+      d.comp_wkv32 = upload(w.compressor.wkv), d.comp_wgate = upload(w.compressor.wgate);
     return d;
   }
 };
@@ -240,6 +269,7 @@ class attention_stack {
     long long max_tokens = 1;  //!< tokens per sequence
     int page_tokens = 64;
     long long pages = 0;     //!< 0: max_seqs x pages for max_tokens
+    int load_threads = 0;    //!< host threads converting weights at construction (runtime::prepare_threads)
   };
 
   //! `stream`: where every call's work runs (null: the legacy default stream); the caller keeps it
@@ -290,8 +320,16 @@ class attention_stack {
     ced_pending_.assign(std::size_t(lim.max_seqs), -1);
 
     for (std::size_t l = 0; l < wiring_.size(); ++l) check_weights(int(l), weights[l]);
+    // Each layer's weights converted on worker threads ahead of its copies (prepare_ahead).
+    runtime::prepare_ahead(
+        int(wiring_.size()), runtime::prepare_threads(lim.load_threads),
+        [&](int l) {
+          return device_layer_weights::convert(weights[std::size_t(l)], wiring_[std::size_t(l)]);
+        },
+        [&](int l, const device_layer_weights::host_form& h) {
+          w_.push_back(device_layer_weights::to_device(h, weights[std::size_t(l)], wiring_[std::size_t(l)]));
+        });
     for (std::size_t l = 0; l < wiring_.size(); ++l) {
-      w_.push_back(device_layer_weights::upload(weights[l], wiring_[l]));
       rings_.emplace_back(std::size_t(lim.max_seqs) * shape.window * window_layout::bytes);
       if (wiring_[l].role == schedule::attn_role::full && wiring_[l].ratio > 1) {
         states_k_[int(l)] = runtime::device_buffer<float>(std::size_t(lim.max_seqs) * wiring_[l].ratio * HeadDim);
