@@ -3,10 +3,14 @@
 
 #include <boost/test/unit_test.hpp>
 
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -100,6 +104,31 @@ BOOST_AUTO_TEST_CASE(loading_progress_counts_each_tensor_once) {
   BOOST_TEST(os.str().empty());
   print(0, 2'000'000'000), print(100'000'000, 2'000'000'000), print(250'000'000, 2'000'000'000), print(2'000'000'000, 2'000'000'000);
   BOOST_TEST(os.str() == "loading x: 0% (0.0 of 2.0 GB)\nloading x: 10% (0.2 of 2.0 GB)\nloading x: 100% (2.0 of 2.0 GB)\n");
+}
+
+// Loaders read layers on several threads (host_model::load): every tensor found, each counted
+// once, the progress calls in increasing order ending at the total.
+BOOST_AUTO_TEST_CASE(tensors_taken_from_several_threads_count_once) {
+  const auto schema = models::checkpoint_schema<models::tiny>();
+  const std::string dir = scratch("threads");
+  io::write_random_checkpoint(schema, dir, 8u << 20, 5);
+  io::checkpoint ck(dir);
+  std::vector<std::uint64_t> taken;
+  std::uint64_t total = 0;
+  ck.on_progress([&](std::uint64_t t, std::uint64_t all) { taken.push_back(t), total = all; });
+  std::vector<std::thread> pool;
+  std::atomic<std::uint64_t> found{0};
+  for (int w = 0; w < 6; ++w)
+    pool.emplace_back([&, w] {
+      for (std::size_t i = 0; i < schema.size(); ++i)  // each thread takes all, in its own order
+        found += ck.tensor(schema[(i + std::size_t(w) * 7) % schema.size()].name).bytes.size();
+    });
+  for (auto& t : pool) t.join();
+  BOOST_TEST(found.load() == 6 * ck.total_bytes());
+  BOOST_TEST(taken.size() == schema.size());
+  BOOST_TEST(std::is_sorted(taken.begin(), taken.end()));
+  BOOST_TEST(taken.back() == total);
+  BOOST_TEST(total == ck.total_bytes());
 }
 
 BOOST_AUTO_TEST_CASE(validation_names_tensor_and_file) {

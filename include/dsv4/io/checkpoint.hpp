@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <ostream>
 #include <set>
@@ -108,11 +109,14 @@ class checkpoint {
     if (it == where_.end()) throw error("checkpoint: no tensor named '" + name + "'");
     return it->second;
   }
+  //! Tensor `name` (its bytes in place). Safe to call from several threads at once (the models'
+  //! loaders read layers in parallel); add() and on_progress() are not.
   const tensor_view& tensor(const std::string& name) {
+    const std::lock_guard<std::mutex> hold(*lock_);
     const tensor_view& v = view(name, file_of(name));
     if (progress_ && taken_.insert(name).second) {
       taken_bytes_ += v.bytes.size();
-      progress_(taken_bytes_, total_bytes());
+      progress_(taken_bytes_, total_bytes_locked());
     }
     return v;
   }
@@ -125,12 +129,8 @@ class checkpoint {
   }
   //! Bytes of every tensor in the checkpoint (the headers say; nothing is read).
   std::uint64_t total_bytes() {
-    if (!total_bytes_) {
-      std::uint64_t sum = 0;
-      for (const auto& [name, file] : where_) sum += view(name, file).bytes.size();
-      total_bytes_ = sum;
-    }
-    return *total_bytes_;
+    const std::lock_guard<std::mutex> hold(*lock_);
+    return total_bytes_locked();
   }
 
   //! Checks every tensor of `schema`: present (unless optional), an accepted dtype, the shape.
@@ -182,6 +182,16 @@ class checkpoint {
   std::set<std::string> taken_;
   std::uint64_t taken_bytes_ = 0;
   std::optional<std::uint64_t> total_bytes_;
+  std::unique_ptr<std::mutex> lock_ = std::make_unique<std::mutex>();  // (a pointer: checkpoints move)
+
+  std::uint64_t total_bytes_locked() {
+    if (!total_bytes_) {
+      std::uint64_t sum = 0;
+      for (const auto& [name, file] : where_) sum += view(name, file).bytes.size();
+      total_bytes_ = sum;
+    }
+    return *total_bytes_;
+  }
 
   void add_name(const std::string& stored, const std::string& file, const std::string& source) {
     const std::string official = official_tensor_name(stored);

@@ -19,6 +19,7 @@
 #include "dsv4/kernels/norm/reference.hpp"
 #include "dsv4/model/block_reference.hpp"
 #include "dsv4/model/engram_weights.hpp"
+#include "dsv4/runtime/prepare_ahead.hpp"
 #include "dsv4/schedule/index_keys.hpp"
 
 namespace dsv4::model {
@@ -47,11 +48,14 @@ struct host_model {
     m.embed = detail::floats(ck, "embed.weight", {c.vocab_size, c.dim});
     m.head = detail::floats(ck, "head.weight", {c.vocab_size, c.dim});
     m.norm = detail::floats(ck, "norm.weight", {c.dim});
-    for (int l = 0; l < sched::num_layers; ++l) {
-      m.wiring.push_back(attention_wiring<Model>(l));
-      m.blocks.push_back(block_weights_of<Model>(ck, l));
-      m.freqs.push_back(attention_rope_frequencies<Model>(l));
-    }
+    // The layers read on worker threads (checkpoint::tensor is thread-safe), kept in order.
+    runtime::prepare_ahead(
+        sched::num_layers, runtime::prepare_threads(), [&](int l) { return block_weights_of<Model>(ck, l); },
+        [&](int l, block_weights b) {
+          m.wiring.push_back(attention_wiring<Model>(l));
+          m.blocks.push_back(std::move(b));
+          m.freqs.push_back(attention_rope_frequencies<Model>(l));
+        });
     for (int j = 0; j < int(sched::engram::values.size()); ++j) m.engrams.push_back(engram_weights_of<Model>(ck, j, 1, tables));
     m.hashes = engram_hash_layout<Model>();
     m.token_map = std::move(token_map);
