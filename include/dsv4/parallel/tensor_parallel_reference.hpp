@@ -64,6 +64,7 @@
 #include "dsv4/parallel/host_communicator.hpp"
 #include "dsv4/parallel/shard_checkpoint.hpp"
 #include "dsv4/parallel/sharding.hpp"
+#include "dsv4/runtime/prepare_ahead.hpp"
 
 namespace dsv4::parallel {
 
@@ -135,15 +136,19 @@ struct rank_model {
     m.head = d::floats(ck, "head.weight", {vpart, c.dim});
     m.norm = d::floats(ck, "norm.weight", {c.dim});
     const auto s = rank_attention_shape<Model>(world);
-    for (int l = 0; l < sched::num_layers; ++l) {
-      const auto wr = model::attention_wiring<Model>(l);
-      kernels::attention::layer_weights w = model::attention_weights<Model>(ck, l, s);
-      m.wiring.push_back(wr);
-      m.blocks.push_back(model::block_weights_at<Model>(ck, "layers." + std::to_string(l) + ".", std::move(w),
-                                                        c.moe.n_routed_experts, c.moe.n_activated_experts,
-                                                        rank * m.experts_part(), m.experts_part()));
-      m.freqs.push_back(model::attention_rope_frequencies<Model>(l));
-    }
+    // The layers read on worker threads (checkpoint::tensor is thread-safe), kept in order.
+    runtime::prepare_ahead(
+        sched::num_layers, runtime::prepare_threads(),
+        [&](int l) {
+          return model::block_weights_at<Model>(
+              ck, "layers." + std::to_string(l) + ".", model::attention_weights<Model>(ck, l, s),
+              c.moe.n_routed_experts, c.moe.n_activated_experts, rank * m.experts_part(), m.experts_part());
+        },
+        [&](int l, model::block_weights b) {
+          m.wiring.push_back(model::attention_wiring<Model>(l));
+          m.blocks.push_back(std::move(b));
+          m.freqs.push_back(model::attention_rope_frequencies<Model>(l));
+        });
     for (int j = 0; j < int(sched::engram::values.size()); ++j)
       m.engrams.push_back(model::engram_weights_of<Model>(ck, j, world));
     m.hashes = model::engram_hash_layout<Model>();
