@@ -63,35 +63,44 @@ BOOST_AUTO_TEST_CASE(no_more_than_threads_items_wait_or_run_ahead) {
 }
 
 BOOST_AUTO_TEST_CASE(an_exception_from_prepare_or_use_reaches_the_caller) {
+  // The counts are exact: items 0 .. i + threads - 1 were launched when item i is taken, and
+  // each launched worker has run to its end by the time the exception arrives (none is left).
   for (int threads : {1, 4}) {
-    std::vector<int> used;
-    auto bad_prepare = [&] {
-      prepare_ahead(
-          10, threads,
-          [](int i) {
-            if (i == 6) throw std::runtime_error("layer 6: bad tensor");
-            return i;
-          },
-          [&](int i, int) { used.push_back(i); });
-    };
-    BOOST_CHECK_EXCEPTION(bad_prepare(), std::runtime_error, [](const std::runtime_error& e) {
-      return std::string(e.what()) == "layer 6: bad tensor";
-    });
-    BOOST_TEST(used == (std::vector<int>{0, 1, 2, 3, 4, 5}), boost::test_tools::per_element());
-    std::atomic<int> prepared{0};
-    auto bad_use = [&] {
-      prepare_ahead(
-          10, threads,
-          [&](int i) {
-            ++prepared;
-            return i;
-          },
-          [](int i, int) {
-            if (i == 2) throw std::runtime_error("upload 2 failed");
-          });
-    };
-    BOOST_CHECK_THROW(bad_use(), std::runtime_error);
-    BOOST_TEST(prepared.load() <= 3 + threads);  // no worker left running: all joined by now
+    BOOST_TEST_CONTEXT("threads " << threads) {
+      std::vector<int> used;
+      std::atomic<int> finished{0};
+      auto bad_prepare = [&] {
+        prepare_ahead(
+            10, threads,
+            [&](int i) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(i == 6 ? 0 : 3));
+              ++finished;
+              if (i == 6) throw std::runtime_error("layer 6: bad tensor");
+              return i;
+            },
+            [&](int i, int) { used.push_back(i); });
+      };
+      BOOST_CHECK_EXCEPTION(bad_prepare(), std::runtime_error, [](const std::runtime_error& e) {
+        return std::string(e.what()) == "layer 6: bad tensor";
+      });
+      BOOST_TEST(used == (std::vector<int>{0, 1, 2, 3, 4, 5}), boost::test_tools::per_element());
+      BOOST_TEST(finished.load() == (threads > 1 ? std::min(10, 6 + threads) : 7));
+      finished = 0;
+      auto bad_use = [&] {
+        prepare_ahead(
+            10, threads,
+            [&](int i) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(3));
+              ++finished;
+              return i;
+            },
+            [](int i, int) {
+              if (i == 2) throw std::runtime_error("upload 2 failed");
+            });
+      };
+      BOOST_CHECK_THROW(bad_use(), std::runtime_error);
+      BOOST_TEST(finished.load() == (threads > 1 ? 3 + threads : 3));
+    }
   }
 }
 

@@ -6,8 +6,8 @@
 //!
 //! Why: at V4.1 widths the conversions are most of a device model's build (71.5 s of one
 //! single-threaded build on the H100, docs/perf.md), and layers convert independently. The
-//! copies stay on the calling thread, in layer order, so the device allocations and their
-//! order are those of a serial build and no CUDA call is made from a worker.
+//! copies stay on the calling thread, in layer order, so no CUDA call is made from a worker
+//! (no question of which device or context a worker thread has).
 
 #include <algorithm>
 #include <cstddef>
@@ -20,7 +20,8 @@
 namespace dsv4::runtime {
 
 //! Worker threads for host conversions: `requested` when positive, else the hardware's threads,
-//! at most 8 (each holds one item's converted copy: a V4.1 layer with 16 experts is ~0.5 GB).
+//! at most 8. Up to threads + 1 items' converted copies are held at once (the one in use and
+//! those ahead; a V4.1 layer with 16 experts is ~0.5 GB).
 inline int prepare_threads(int requested = 0) {
   if (requested > 0) return requested;
   return int(std::clamp(std::thread::hardware_concurrency(), 1u, 8u));
