@@ -20,6 +20,7 @@ BOOST_AUTO_TEST_SUITE(prepare_ahead_suite)
 
 BOOST_AUTO_TEST_CASE(items_are_used_in_order_with_their_own_results) {
   for (int threads : {0, 1, 2, 3, 8, 40}) {
+    BOOST_TEST_INFO_SCOPE("threads " << threads);
     std::vector<int> used;
     prepare_ahead(
         29, threads,
@@ -32,7 +33,6 @@ BOOST_AUTO_TEST_CASE(items_are_used_in_order_with_their_own_results) {
           for (int x : v) BOOST_TEST(x == i * i);
           used.push_back(i);
         });
-    BOOST_TEST_INFO("threads " << threads);
     BOOST_TEST(used.size() == 29u);
     for (std::size_t i = 0; i < used.size(); ++i) BOOST_TEST(used[i] == int(i));
   }
@@ -41,6 +41,7 @@ BOOST_AUTO_TEST_CASE(items_are_used_in_order_with_their_own_results) {
 BOOST_AUTO_TEST_CASE(no_more_than_threads_items_wait_or_run_ahead) {
   // Prepared but not yet used, plus preparing: at most `threads` beyond the item in use.
   for (int threads : {2, 4}) {
+    BOOST_TEST_INFO_SCOPE("threads " << threads);
     std::atomic<int> started{0};
     int used = 0, most_ahead = 0;
     prepare_ahead(
@@ -55,7 +56,6 @@ BOOST_AUTO_TEST_CASE(no_more_than_threads_items_wait_or_run_ahead) {
           ++used;
           most_ahead = std::max(most_ahead, started.load() - used);
         });
-    BOOST_TEST_INFO("threads " << threads);
     BOOST_TEST(used == 20);
     BOOST_TEST(most_ahead <= threads);
     BOOST_TEST(most_ahead >= 1);  // it did run ahead
