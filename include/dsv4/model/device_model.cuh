@@ -46,6 +46,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <optional>
 #include <span>
@@ -200,6 +201,24 @@ class device_model {
         throw error("device_model: layer " + std::to_string(l) + " holds " + std::to_string(m.blocks[std::size_t(l)].experts.size()) +
                     " routed experts, rank " + std::to_string(rank_id) + " of " + std::to_string(ranks) + " needs " +
                     std::to_string(expert_count_));
+    for (int l = 0; l < L; ++l) {  // (device_detail::require_bf16: why)
+      const block_weights& b = m.blocks[std::size_t(l)];
+      const std::string p = "layers." + std::to_string(l) + ".";
+      require_bf16(b.gate.weight, "device_model", p + "ffn.gate.weight");
+      if (m.wiring[std::size_t(l)].role == schedule::attn_role::full && m.wiring[std::size_t(l)].ratio == 1)
+        require_bf16(b.attn.compressor.wkv, "device_model", p + "attn.compressor.wkv.weight");
+    }
+    // The embedding's and the head's bf16 copies (1.3 GB each at V4.1 widths) are converted on
+    // two threads of their own while the attention stack is built (runtime/prepare_ahead.hpp:
+    // why); the copies to the device stay on this thread. The head's fp32 GEMM takes bf16
+    // operands (linear_bf16_f32out: exact products, half the bytes of an fp32 copy) when the
+    // checkpoint's head holds bf16 values, as the official one does; an F32 head with finer
+    // values keeps the fp32 copy and cuBLAS's fp32 GEMM (no bf16 copy: nullopt).
+    auto embed16 = std::async(std::launch::async, [&] { return numerics::to_bf16(m.embed); });
+    auto head16 = std::async(std::launch::async, [&]() -> std::optional<std::vector<bf16>> {
+      if (!holds_bf16_values(m.head)) return std::nullopt;
+      return numerics::to_bf16(m.head);
+    });
     std::vector<float> local, compressed;
     std::vector<kernels::attention::layer_weights> attn;
     for (int l = 0; l < L; ++l) {
@@ -214,19 +233,9 @@ class device_model {
     if (comm_)  // model.py's all_reduce of the index scores, bf16
       stack_->set_index_score_sum([comm](bf16* v, std::size_t n, cudaStream_t st) { comm->all_reduce_sum(v, n, st); });
 
-    for (int l = 0; l < L; ++l) {  // (device_detail::require_bf16: why)
-      const block_weights& b = m.blocks[std::size_t(l)];
-      const std::string p = "layers." + std::to_string(l) + ".";
-      require_bf16(b.gate.weight, "device_model", p + "ffn.gate.weight");
-      if (m.wiring[std::size_t(l)].role == schedule::attn_role::full && m.wiring[std::size_t(l)].ratio == 1)
-        require_bf16(b.attn.compressor.wkv, "device_model", p + "attn.compressor.wkv.weight");
-    }
-    embed_ = upload_bf16(m.embed);
-    // The head's fp32 GEMM on bf16 operands (linear_bf16_f32out: exact products, half the bytes
-    // of an fp32 copy) when the checkpoint's head holds bf16 values, as the official one does;
-    // an F32 head with finer values keeps the fp32 copy and cuBLAS's fp32 GEMM.
-    if (holds_bf16_values(m.head))
-      head16_ = upload_bf16(m.head);
+    embed_ = upload(embed16.get());
+    if (const auto h = head16.get())
+      head16_ = upload(*h);
     else
       head_ = upload(m.head);
     norm_ = upload_bf16(m.norm);

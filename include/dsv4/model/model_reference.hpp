@@ -9,6 +9,7 @@
 //! are not part of this file.
 
 #include <cstdint>
+#include <future>
 #include <string>
 #include <vector>
 
@@ -45,8 +46,14 @@ struct host_model {
       throw error("host_model: the token map has " + std::to_string(token_map.size()) + " entries, the vocabulary " +
                   std::to_string(c.vocab_size));
     host_model m;
-    m.embed = detail::floats(ck, "embed.weight", {c.vocab_size, c.dim});
-    m.head = detail::floats(ck, "head.weight", {c.vocab_size, c.dim});
+    // The embedding and the head (the largest tensors) are read on threads of their own beside
+    // the layers' workers (checkpoint::tensor is thread-safe).
+    auto embed = std::async(std::launch::async, [&] {
+      return detail::floats(ck, "embed.weight", {c.vocab_size, c.dim});
+    });
+    auto head = std::async(std::launch::async, [&] {
+      return detail::floats(ck, "head.weight", {c.vocab_size, c.dim});
+    });
     m.norm = detail::floats(ck, "norm.weight", {c.dim});
     // The layers read on worker threads (checkpoint::tensor is thread-safe), kept in order.
     runtime::prepare_ahead(
@@ -56,6 +63,7 @@ struct host_model {
           m.blocks.push_back(std::move(b));
           m.freqs.push_back(attention_rope_frequencies<Model>(l));
         });
+    m.embed = embed.get(), m.head = head.get();
     for (int j = 0; j < int(sched::engram::values.size()); ++j) m.engrams.push_back(engram_weights_of<Model>(ck, j, 1, tables));
     m.hashes = engram_hash_layout<Model>();
     m.token_map = std::move(token_map);
