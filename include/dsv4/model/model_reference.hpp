@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <future>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dsv4/core/error.hpp"
@@ -24,6 +25,17 @@
 #include "dsv4/schedule/index_keys.hpp"
 
 namespace dsv4::model {
+
+namespace detail {
+//! Appends layer l's weights, wiring and RoPE table to a model's per-layer lists (host_model's and
+//! parallel::rank_model's loads, in layer order).
+template <class Model, class Loaded>
+void append_layer(Loaded& m, int l, block_weights b) {
+  m.wiring.push_back(attention_wiring<Model>(l));
+  m.blocks.push_back(std::move(b));
+  m.freqs.push_back(attention_rope_frequencies<Model>(l));
+}
+}  // namespace detail
 
 template <class Model>
 struct host_model {
@@ -58,11 +70,7 @@ struct host_model {
     // The layers read on worker threads (checkpoint::tensor is thread-safe), kept in order.
     runtime::prepare_ahead(
         sched::num_layers, runtime::prepare_threads(), [&](int l) { return block_weights_of<Model>(ck, l); },
-        [&](int l, block_weights b) {
-          m.wiring.push_back(attention_wiring<Model>(l));
-          m.blocks.push_back(std::move(b));
-          m.freqs.push_back(attention_rope_frequencies<Model>(l));
-        });
+        [&](int l, block_weights b) { detail::append_layer<Model>(m, l, std::move(b)); });
     m.embed = embed.get(), m.head = head.get();
     for (int j = 0; j < int(sched::engram::values.size()); ++j) m.engrams.push_back(engram_weights_of<Model>(ck, j, 1, tables));
     m.hashes = engram_hash_layout<Model>();

@@ -144,11 +144,7 @@ struct rank_model {
               ck, "layers." + std::to_string(l) + ".", model::attention_weights<Model>(ck, l, s),
               c.moe.n_routed_experts, c.moe.n_activated_experts, rank * m.experts_part(), m.experts_part());
         },
-        [&](int l, model::block_weights b) {
-          m.wiring.push_back(model::attention_wiring<Model>(l));
-          m.blocks.push_back(std::move(b));
-          m.freqs.push_back(model::attention_rope_frequencies<Model>(l));
-        });
+        [&](int l, model::block_weights b) { model::detail::append_layer<Model>(m, l, std::move(b)); });
     for (int j = 0; j < int(sched::engram::values.size()); ++j)
       m.engrams.push_back(model::engram_weights_of<Model>(ck, j, world));
     m.hashes = model::engram_hash_layout<Model>();
