@@ -1,5 +1,8 @@
 //! \brief Sparse decode attention with sink, reading the packed caches (FP8 window + FP4 global).
-//! Usage: bench_attention [--json FILE] | bench_attention --profile
+//! Usage: bench_attention [--json FILE] | bench_attention --profile | bench_attention --head-tiles
+//! `--head-tiles` only times the decode launch (8K context, batch 1 to 64) at each head-tile count
+//! (16, 32 or 64 heads per CTA; sparse_attention_args::head_tiles) as graph replays, for the
+//! launcher's choice.
 //! `--profile` makes no measurement: one engine launch and one unsplit launch at batch 1 and 64
 //! (8K context) and exits, for ncu (`-k regex:sparse_attention`).
 //!
@@ -77,11 +80,49 @@ struct operands {
     args = {q.data(), idx.data(), sink.data(), out.data(), sequences, rows, heads, topk, 1.0f / std::sqrt(float(dim))};
   }
 };
+//! The decode launch at each head-tile count, per call of back-to-back calls replayed as a graph
+//! (how a decode step runs it), with the splits each count gets from the launcher.
+void sweep_head_tiles() {
+  auto ws = sparse_attention_workspace::for_device<dim>();
+  std::mt19937 rng(1);
+  std::printf("decode launch, 8K context, us per call (graph replay); splits in brackets\n");
+  std::printf("%6s %14s %14s %14s %14s %14s\n", "batch", "auto", "16 heads", "32 heads", "64 mma.sync",
+              "64 wgmma");
+  for (int batch : {1, 2, 4, 8, 16, 32, 64}) {
+    operands op(rng, batch, 1, 8192);
+    std::printf("%6d", batch);
+    for (int variant = 0; variant < 5; ++variant) {
+      sparse_attention_args a = op.args;
+      a.head_tiles = variant == 0 ? 0 : variant == 1 ? 1 : variant == 2 ? 2 : 4;
+      a.allow_wgmma = variant != 3;
+      const int splits = detail::choose_split<dim>(a, &ws, runtime::sm_count()).splits;
+      double us = 0;
+      try {
+        us = 1e3 *
+             bench::median_ms_per_call([&](cudaStream_t st) { sparse_attention<dim>(a, op.kv, st, &ws); });
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "bench_attention --head-tiles: batch %d variant %d: %s\n", batch, variant,
+                     e.what());
+      }
+      std::printf(" %9.1f [%2d]", us, splits);
+    }
+    std::printf("\n");
+  }
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string json;
   const bool profile = argc == 2 && std::strcmp(argv[1], "--profile") == 0;
+  if (argc == 2 && std::strcmp(argv[1], "--head-tiles") == 0) {
+    try {
+      sweep_head_tiles();
+      return 0;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "bench_attention: %s\n", e.what());
+      return 1;
+    }
+  }
   if (!profile && !bench::parse_json_option(argc, argv, "bench_attention", json)) return 2;
   try {
     if (profile) {  // one launch of each kind, nothing timed: for ncu

@@ -97,7 +97,8 @@ std::vector<bf16> host_reference(const problem& p, const std::vector<bf16>& kv, 
 // aligned q, the kernel's narrower query copy. `wgmma` false keeps 64-head CTAs on mma.sync.
 template <int Dim, class KV>
 std::vector<bf16> run_device(const problem& p, const KV& kv, float scale,
-                             sparse_attention_workspace* ws = nullptr, int q_offset = 0, bool wgmma = true) {
+                             sparse_attention_workspace* ws = nullptr, int q_offset = 0, bool wgmma = true,
+                             int head_tiles = 0) {
   device_buffer<bf16> dq(p.q.size() + std::size_t(q_offset)), dout(p.q.size());
   DSV4_CUDA_CHECK(cudaMemcpy(dq.data() + q_offset, p.q.data(), p.q.size() * sizeof(bf16), cudaMemcpyHostToDevice));
   device_buffer<float> dsink{std::span<const float>(p.sink)};
@@ -114,6 +115,7 @@ std::vector<bf16> run_device(const problem& p, const KV& kv, float scale,
   a.topk = p.topk;
   a.scale = scale;
   a.allow_wgmma = wgmma;
+  a.head_tiles = head_tiles;
   sparse_attention<Dim>(a, kv, nullptr, ws);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   return dout.download();
@@ -145,40 +147,53 @@ void compare_split(const std::vector<bf16>& split, const std::vector<bf16>& unsp
   BOOST_TEST(bad == 0u, what << ": " << bad << " values differ from unsplit beyond fp32 summation order");
 }
 
-// The device result unsplit and split (when the launcher splits this shape) against the host.
+// The device result unsplit and split (when the launcher splits this shape) against the host;
+// returns the unsplit result. `head_tiles` as sparse_attention_args::head_tiles (0: the launcher's).
 template <int Dim, class KV>
-void compare_one_way(const problem& p, const KV& kv, float scale, const std::vector<bf16>& want,
-                     const std::string& what, bool wgmma) {
-  const auto unsplit = run_device<Dim>(p, kv, scale, nullptr, 0, wgmma);
+std::vector<bf16> compare_one_way(const problem& p, const KV& kv, float scale, const std::vector<bf16>& want,
+                                  const std::string& what, bool wgmma, int head_tiles = 0) {
+  const auto unsplit = run_device<Dim>(p, kv, scale, nullptr, 0, wgmma, head_tiles);
   compare(unsplit, want, Dim, what + " unsplit");
   auto ws = sparse_attention_workspace::for_device<Dim>();
   sparse_attention_args a;
-  a.batch = p.batch, a.rows = p.rows, a.heads = p.heads, a.topk = p.topk;
+  a.batch = p.batch, a.rows = p.rows, a.heads = p.heads, a.topk = p.topk, a.head_tiles = head_tiles;
   const auto sp = detail::choose_split<Dim>(a, &ws, runtime::sm_count());
   const int splits = sp.splits;
-  const long long row_groups = static_cast<long long>(p.batch) * p.rows * ((p.heads + detail::heads_per_cta(p.heads) - 1) / detail::heads_per_cta(p.heads));
+  const int per_cta = detail::launch_heads_per_cta(a);
+  const long long row_groups = static_cast<long long>(p.batch) * p.rows * ((p.heads + per_cta - 1) / per_cta);
   const bool single = detail::single_launch(sp, row_groups, &ws);
   BOOST_TEST_MESSAGE(what << ": " << splits << " splits" << (single ? ", one launch" : ""));
-  if (splits < 2) return;
-  const auto split = run_device<Dim>(p, kv, scale, &ws, 0, wgmma);
+  if (splits < 2) return unsplit;
+  const auto split = run_device<Dim>(p, kv, scale, &ws, 0, wgmma, head_tiles);
   compare(split, want, Dim, what + " split " + std::to_string(splits));
   compare_split(split, unsplit, Dim, what + " split " + std::to_string(splits));
-  if (!single) return;
+  if (!single) return unsplit;
   // The single launch and the three launches do the same arithmetic: the same bits.
   ws.set_single_launch(false);
-  const auto three = run_device<Dim>(p, kv, scale, &ws, 0, wgmma);
+  const auto three = run_device<Dim>(p, kv, scale, &ws, 0, wgmma, head_tiles);
   ws.set_single_launch(true);
   BOOST_TEST(count_differing(split, three) == 0u, what << ": one launch and three launches differ");
+  return unsplit;
 }
 
 // compare_one_way on every kernel the shape can run on: where CTAs of 64 heads at Dim 512 take
-// the wgmma kernel (sm_90a), the mma.sync one as well.
+// the wgmma kernel (sm_90a), the mma.sync one as well; and with fewer head tiles per CTA than
+// the heads fill (more CTAs, each of fewer heads), which must give the mma.sync kernel's bits
+// (the heads' softmaxes are independent), unsplit, and split match the host.
 template <int Dim, class KV>
 void compare_both_ways(const problem& p, const KV& kv, float scale, const std::vector<bf16>& want,
                        const std::string& what) {
   const bool two_kernels = Dim == 512 && p.heads > 32 && kernels::wgmma::supported();
-  compare_one_way<Dim>(p, kv, scale, want, what + (two_kernels ? " [wgmma]" : ""), true);
-  if (two_kernels) compare_one_way<Dim>(p, kv, scale, want, what + " [mma.sync]", false);
+  const auto first = compare_one_way<Dim>(p, kv, scale, want, what + (two_kernels ? " [wgmma]" : ""), true);
+  const auto sync =
+      two_kernels ? compare_one_way<Dim>(p, kv, scale, want, what + " [mma.sync]", false) : first;
+  for (int tiles : {1, 2}) {
+    if (tiles >= detail::head_tiles_for(p.heads)) continue;
+    const std::string label = what + " [" + std::to_string(16 * tiles) + " heads a CTA]";
+    const auto fewer = compare_one_way<Dim>(p, kv, scale, want, label, false, tiles);
+    BOOST_TEST(count_differing(fewer, sync) == 0u,
+               label << ": differs from the CTAs the heads fill (unsplit)");
+  }
 }
 
 template <int Dim>
@@ -368,6 +383,13 @@ BOOST_AUTO_TEST_CASE(decode_rows_split_prefill_rows_do_not, *utf::label("gpu") *
   a.rows = 1, a.heads = 20;  // heads that do not fill a CTA: two head tiles, one CTA per row
   BOOST_TEST(detail::heads_per_cta(a.heads) == 32);
   BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 10);
+  // Fewer heads a CTA than the heads fill: more CTAs a row, so fewer splits fit one wave.
+  a.heads = 64, a.head_tiles = 1;  // 4 CTAs a row
+  BOOST_TEST(detail::launch_heads_per_cta(a) == 16);
+  BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 10);
+  a.batch = 8;  // 32 CTAs: at most 4 splits, of three chunks (the last of one)
+  BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 4);
+  BOOST_TEST(detail::choose_split<512>(a, &ws, 132).chunks_per_split == 3);
 }
 
 // The single cooperative launch leaves its barrier counters at zero: launches of different
@@ -407,6 +429,9 @@ BOOST_AUTO_TEST_CASE(launch_rejects_bad_arguments) {
   bf16_kv<512> kv;
   BOOST_TEST(can_implement<512>(a, kv).find("heads > 0") != std::string::npos);
   a.heads = 8;
+  a.head_tiles = 3;
+  BOOST_TEST(can_implement<512>(a, kv).find("head_tiles is 3") != std::string::npos);
+  a.head_tiles = 0;
   BOOST_TEST(can_implement<512>(a, kv).find("null pointer") != std::string::npos);
   BOOST_CHECK_THROW(sparse_attention<512>(a, kv), dsv4::error);
 }

@@ -259,6 +259,10 @@ struct sparse_attention_args {
   //! Whether CTAs of 64 heads at Dim 512 (V4.1's attention) may run on warpgroup MMAs (sm_90a,
   //! where the device has them); false: mma.sync everywhere (tests and bench_attention compare).
   bool allow_wgmma = true;
+  //! Head tiles of 16 per CTA: 0 lets the launcher choose (launch_head_tiles), 1, 2 or 4 force
+  //! it (tests and bench_attention compare). Heads are independent softmaxes, so the tile count
+  //! changes no head's arithmetic: the mma.sync kernels give the same bits at every count.
+  int head_tiles = 0;
 };
 
 //! Scratch of split-KV launches: per (row, head, split) the unnormalized fp32 accumulator and the
@@ -306,6 +310,14 @@ inline constexpr int max_head_tiles = 4;  // 64 heads per CTA: each dequantized 
 //! Head tiles per CTA for `heads` query heads: as many as the heads fill, at most four.
 inline int head_tiles_for(int heads) { return heads <= head_tile ? 1 : heads <= 2 * head_tile ? 2 : max_head_tiles; }
 inline int heads_per_cta(int heads) { return head_tile * head_tiles_for(heads); }
+//! The head tiles a launch of `a` runs with: the caller's (sparse_attention_args::head_tiles), or
+//! as many as the heads fill (head_tiles_for).
+inline int launch_head_tiles(const sparse_attention_args& a) {
+  return a.head_tiles > 0 ? a.head_tiles : head_tiles_for(a.heads);
+}
+inline int launch_heads_per_cta(const sparse_attention_args& a) {
+  return head_tile * launch_head_tiles(a);
+}
 
 //! How a launch cuts each row's index list: `splits` pieces of `chunks_per_split` 64-entry chunks.
 struct kv_split {
@@ -938,7 +950,7 @@ kv_split choose_split(const sparse_attention_args& a, sparse_attention_workspace
   kv_split sp;
   const int chunks = (a.topk + sparse_chunk - 1) / sparse_chunk;
   const long long rows = static_cast<long long>(a.batch) * a.rows;
-  const long long ctas = rows * ((a.heads + heads_per_cta(a.heads) - 1) / heads_per_cta(a.heads));
+  const long long ctas = rows * ((a.heads + launch_heads_per_cta(a) - 1) / launch_heads_per_cta(a));
   if (!ws || chunks < 2 || ctas == 0 || sms / ctas < std::min(3, chunks)) return sp;
   long long splits = std::min<long long>(chunks, sms / ctas);
   const long long per_split_floats = rows * a.heads * (Dim + 4), max_floats = rows * a.heads * chunks;
@@ -971,6 +983,9 @@ std::string can_implement(const sparse_attention_args& a, const KV& kv) {
   if (a.batch < 0 || a.rows < 0 || a.heads <= 0 || a.topk < 0) return "batch, rows, topk must be >= 0 and heads > 0";
   if (static_cast<long long>(a.batch) * a.rows > 0x7fffffffll) return "batch * rows exceeds the grid limit";
   if (a.heads > 65535) return "heads exceed the grid limit (65535)";
+  if (a.head_tiles != 0 && a.head_tiles != 1 && a.head_tiles != 2 && a.head_tiles != detail::max_head_tiles)
+    return "head_tiles is " + std::to_string(a.head_tiles) +
+           ": it must be 0 (the launcher's choice), 1, 2 or 4";
   if (a.rows == 0 || a.batch == 0) return {};
   if (!a.q || !a.out || !a.sink || (a.topk > 0 && !a.idx)) return "null pointer argument";
   if (reinterpret_cast<std::uintptr_t>(a.q) % 8 || reinterpret_cast<std::uintptr_t>(a.out) % 4)
@@ -986,7 +1001,7 @@ void sparse_attention(const sparse_attention_args& a, const KV& kv, cudaStream_t
                       sparse_attention_workspace* workspace = nullptr) {
   if (const std::string why = can_implement<Dim>(a, kv); !why.empty()) throw error("sparse_attention: " + why);
   if (a.rows == 0 || a.batch == 0) return;
-  const int tiles = detail::head_tiles_for(a.heads);
+  const int tiles = detail::launch_head_tiles(a);
   auto run = [&](auto kernel, auto smem_layout) {
     using smem_t = decltype(smem_layout);
     constexpr int smem = int(smem_t::bytes);
