@@ -1,9 +1,10 @@
 //! \brief Block-scaled linear layers of V4.1 (FP8 32x32-tile weights, FP4 experts) at decode and
 //! prefill token counts, against cuBLAS BF16 on the same shape and the weight-streaming floor.
-//! Usage: bench_gemm [--json FILE] [--plans | --wgmma-plans | --folded-plans] [--layer NAME] [--m M]
+//! Usage: bench_gemm [--json FILE] [--plans | --decode-plans | --wgmma-plans | --folded-plans] [--layer NAME] [--m M]
 //! --layer / --m: one layer / one token count of the table only (to profile one kernel).
 //! --plans: instead of the table, sweep the MMA kernel's launch plans (tokens per CTA, the cap on
-//! the split-K reduction) at mid-size M, to choose make_plan's defaults. --wgmma-plans: the same
+//! the split-K reduction) at mid-size M, to choose make_plan's defaults. --decode-plans: the same
+//! at M = 1, 2, 8 (K blocks a stage, CTAs per SM the K split aims at). --wgmma-plans: the same
 //! for the wgmma kernel (CTAs per SM the K split aims at, the reduction cap), M = 1 .. 128.
 //! --folded-plans: the same for the folded FP8 kernel (tokens per CTA, K slices), M = 32 .. 128.
 //!
@@ -114,6 +115,30 @@ void sweep_plans(const layer_shape (&layers)[L], const bench::ceilings& ceil) {
   });
 }
 
+//! The MMA kernel at decode sizes (M = 1, 2, 8: one token tile) under stages of 4, 6 or 8 K blocks
+//! and K splits aimed at 2, 3, 4 or 6 CTAs per SM ("<-": make_plan's default).
+template <std::size_t L>
+void sweep_decode_plans(const layer_shape (&layers)[L], const bench::ceilings& ceil) {
+  namespace g = kernels::gemm;
+  std::printf("%-10s %4s %5s %7s %8s %7s %9s %9s %8s\n", "layer", "fmt", "M", "unroll", "ctas/SM", "slices", "us",
+              "vs floor", "default");
+  for_each_sweep_case(layers, ceil, {1, 2, 8}, 32, [](const sweep_case& k) {
+    const int sms = g::detail::sm_count();
+    for (int unroll : {4, 6, 8})
+      for (int per_sm : {2, 3, 4, 6}) {
+        const auto p = g::detail::make_plan(k.s, sms, k.work.partial_floats(), {1, 64, unroll, per_sm});
+        const double ms = k.per_call_ms([&](const g::block_scaled_gemm_args& args, cudaStream_t st) {
+          if (k.layer.wf == weight_format::fp8_tile32)
+            g::detail::launch<weight_format::fp8_tile32>(args, p, &k.work, st);
+          else
+            g::detail::launch<weight_format::fp4_row32>(args, p, &k.work, st);
+        });
+        std::printf("%-10s %4s %5d %7d %8d %7d %9.1f %8.1f%% %8s\n", k.layer.name, k.format(), k.s.m, unroll, per_sm,
+                    p.slices, ms * 1e3, 100 * k.floor_s / (ms * 1e-3), unroll == 4 && per_sm == 3 ? "<-" : "");
+      }
+  });
+}
+
 //! The wgmma kernel under a grid of plan options, M = 1, 8, 32, 64, 128.
 template <std::size_t L>
 void sweep_wgmma_plans(const layer_shape (&layers)[L], const bench::ceilings& ceil) {
@@ -171,7 +196,7 @@ void sweep_folded_plans(const layer_shape (&layers)[L], const bench::ceilings& c
 
 int main(int argc, char** argv) {
   std::string json;
-  bool plans = false, wgmma_plans = false, folded_plans = false;
+  bool plans = false, wgmma_plans = false, folded_plans = false, decode_plans = false;
   std::string only_layer;  // --layer NAME: that layer only (for a profiler)
   int only_m = 0;          // --m M: that token count only
   std::vector<char*> args_left{argv[0]};
@@ -183,6 +208,8 @@ int main(int argc, char** argv) {
       only_m = std::atoi(argv[++i]);
     else if (a == "--plans")
       plans = true;
+    else if (a == "--decode-plans")
+      decode_plans = true;
     else if (a == "--wgmma-plans")
       wgmma_plans = true;
     else if (a == "--folded-plans")
@@ -190,7 +217,7 @@ int main(int argc, char** argv) {
     else
       args_left.push_back(argv[i]);
   }
-  if (!bench::parse_json_option(int(args_left.size()), args_left.data(), "bench_gemm [--plans | --wgmma-plans | --folded-plans] [--layer NAME] [--m M]", json))
+  if (!bench::parse_json_option(int(args_left.size()), args_left.data(), "bench_gemm [--plans | --decode-plans | --wgmma-plans | --folded-plans] [--layer NAME] [--m M]", json))
     return 2;
   try {
     const bench::ceilings ceil = bench::ceilings::measure();
@@ -213,6 +240,10 @@ int main(int argc, char** argv) {
     }
     if (plans) {
       sweep_plans(layers, ceil);
+      return 0;
+    }
+    if (decode_plans) {
+      sweep_decode_plans(layers, ceil);
       return 0;
     }
     cublasHandle_t h;

@@ -159,11 +159,11 @@ struct gemm_operands {
 
   //! The MMA kernel under a chosen plan (tokens per CTA 8 x token_tiles, split-K as make_plan
   //! decides for it): every instantiation make_plan can pick, whatever M picks by default.
-  std::vector<bf16> device_plan(int token_tiles) const {
+  std::vector<bf16> device_plan(const kernels::gemm::detail::plan_options& o) const {
     auto d = upload();
     kernels::gemm::gemm_workspace work(std::size_t(std::max(1, s.k / 128)) * s.m * s.n);
-    const auto plan = kernels::gemm::detail::make_plan(s, kernels::gemm::detail::sm_count(), work.partial_floats(),
-                                                       {token_tiles});
+    const auto plan = kernels::gemm::detail::make_plan(s, kernels::gemm::detail::sm_count(), work.partial_floats(), o);
+    BOOST_TEST(plan.unroll == (o.unroll ? o.unroll : 4));
     if (wf == weight_format::fp8_tile32)
       kernels::gemm::detail::launch<weight_format::fp8_tile32>(d.args(), plan, &work, nullptr);
     else
@@ -233,18 +233,32 @@ void check_shape(gemm_shape s, weight_format wf, std::uint64_t salt) {
 BOOST_AUTO_TEST_SUITE(gemm_cuda)
 
 // make_plan picks 8 tokens per CTA up to 128 tokens (bench_gemm --plans); the other tile heights
-// stay selectable (plan_options) and each must compute the same GEMM.
+// stay selectable (plan_options) and each must compute the same GEMM. So must the stages of 6 and 8 K
+// blocks (one token tile) and other split targets (bench_gemm --decode-plans), at a decode shape
+// (one token, several slices with a partial last stage) and at 37 tokens.
 BOOST_AUTO_TEST_CASE(every_plan_matches_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
+  using kernels::gemm::detail::plan_options;
   for (const auto wf : {weight_format::fp8_tile32, weight_format::fp4_row32}) {
+    const char* fmt = wf == weight_format::fp8_tile32 ? "fp8" : "fp4";
     auto rng = test::make_rng(wf == weight_format::fp8_tile32 ? 21 : 22);
     const gemm_operands op({37, 272, 1024}, wf, rng);
     const auto want = op.reference(), mag = op.reference(true);
     for (int tt : {1, 2, 4, 8})
-      expect_close(op.device_plan(tt), want, mag,
-                   ((wf == weight_format::fp8_tile32 ? "fp8" : "fp4") + std::string(" M37 N272 K1024, ") +
-                    std::to_string(8 * tt) + " tokens per CTA")
-                       .c_str());
+      expect_close(op.device_plan({tt}), want, mag,
+                   (fmt + std::string(" M37 N272 K1024, ") + std::to_string(8 * tt) + " tokens per CTA").c_str());
+    expect_close(op.device_plan({1, 64, 8}), want, mag, (fmt + std::string(" M37 N272 K1024, 8 K blocks a stage")).c_str());
+    const gemm_operands one({1, 1040, 2336}, wf, rng);  // 73 K blocks: slices end in partial stages
+    const auto want1 = one.reference(), mag1 = one.reference(true);
+    for (int unroll : {4, 6, 8})
+      for (int ctas : {1, 3, 6})
+        expect_close(one.device_plan({1, 64, unroll, ctas}), want1, mag1,
+                     (fmt + std::string(" M1 N1040 K2336, ") + std::to_string(unroll) + " K blocks a stage, split for " +
+                      std::to_string(ctas) + " CTAs an SM")
+                         .c_str());
   }
+  BOOST_CHECK_THROW(kernels::gemm::detail::make_plan({16, 64, 64}, 132, 0, {2, 64, 8}), dsv4::error);
+  BOOST_CHECK_THROW(kernels::gemm::detail::make_plan({1, 64, 64}, 132, 0, {1, 64, 5}), dsv4::error);
+  BOOST_CHECK_THROW(kernels::gemm::detail::make_plan({1, 64, 64}, 132, 0, {1, 64, 4, 17}), dsv4::error);
 }
 
 BOOST_AUTO_TEST_CASE(fp8_weights_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
