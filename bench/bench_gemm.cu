@@ -1,6 +1,7 @@
 //! \brief Block-scaled linear layers of V4.1 (FP8 32x32-tile weights, FP4 experts) at decode and
 //! prefill token counts, against cuBLAS BF16 on the same shape and the weight-streaming floor.
-//! Usage: bench_gemm [--json FILE] [--plans | --decode-plans | --wgmma-plans | --folded-plans] [--layer NAME] [--m M]
+//! Usage: bench_gemm [--json FILE] [--plans | --decode-plans | --wgmma-plans | --folded-plans]
+//!                   [--layer NAME] [--m M]
 //! --layer / --m: one layer / one token count of the table only (to profile one kernel).
 //! --plans: instead of the table, sweep the MMA kernel's launch plans (tokens per CTA, the cap on
 //! the split-K reduction) at mid-size M, to choose make_plan's defaults. --decode-plans: the same
@@ -120,8 +121,8 @@ void sweep_plans(const layer_shape (&layers)[L], const bench::ceilings& ceil) {
 template <std::size_t L>
 void sweep_decode_plans(const layer_shape (&layers)[L], const bench::ceilings& ceil) {
   namespace g = kernels::gemm;
-  std::printf("%-10s %4s %5s %7s %8s %7s %9s %9s %8s\n", "layer", "fmt", "M", "unroll", "ctas/SM", "slices", "us",
-              "vs floor", "default");
+  std::printf("%-10s %4s %5s %7s %8s %7s %9s %9s %8s\n", "layer", "fmt", "M", "unroll", "ctas/SM", "slices",
+              "us", "vs floor", "default");
   for_each_sweep_case(layers, ceil, {1, 2, 8}, 32, [](const sweep_case& k) {
     const int sms = g::detail::sm_count();
     for (int unroll : {4, 6, 8})
@@ -133,8 +134,9 @@ void sweep_decode_plans(const layer_shape (&layers)[L], const bench::ceilings& c
           else
             g::detail::launch<weight_format::fp4_row32>(args, p, &k.work, st);
         });
-        std::printf("%-10s %4s %5d %7d %8d %7d %9.1f %8.1f%% %8s\n", k.layer.name, k.format(), k.s.m, unroll, per_sm,
-                    p.slices, ms * 1e3, 100 * k.floor_s / (ms * 1e-3), unroll == 4 && per_sm == 3 ? "<-" : "");
+        std::printf("%-10s %4s %5d %7d %8d %7d %9.1f %8.1f%% %8s\n", k.layer.name, k.format(), k.s.m, unroll,
+                    per_sm, p.slices, ms * 1e3, 100 * k.floor_s / (ms * 1e-3),
+                    unroll == 4 && per_sm == 3 ? "<-" : "");
       }
   });
 }
@@ -217,7 +219,10 @@ int main(int argc, char** argv) {
     else
       args_left.push_back(argv[i]);
   }
-  if (!bench::parse_json_option(int(args_left.size()), args_left.data(), "bench_gemm [--plans | --decode-plans | --wgmma-plans | --folded-plans] [--layer NAME] [--m M]", json))
+  if (!bench::parse_json_option(
+          int(args_left.size()), args_left.data(),
+          "bench_gemm [--plans | --decode-plans | --wgmma-plans | --folded-plans] [--layer NAME] [--m M]",
+          json))
     return 2;
   try {
     const bench::ceilings ceil = bench::ceilings::measure();

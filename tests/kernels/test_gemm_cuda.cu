@@ -162,7 +162,8 @@ struct gemm_operands {
   std::vector<bf16> device_plan(const kernels::gemm::detail::plan_options& o) const {
     auto d = upload();
     kernels::gemm::gemm_workspace work(std::size_t(std::max(1, s.k / 128)) * s.m * s.n);
-    const auto plan = kernels::gemm::detail::make_plan(s, kernels::gemm::detail::sm_count(), work.partial_floats(), o);
+    const auto plan =
+        kernels::gemm::detail::make_plan(s, kernels::gemm::detail::sm_count(), work.partial_floats(), o);
     BOOST_TEST(plan.unroll == (o.unroll ? o.unroll : 4));
     if (wf == weight_format::fp8_tile32)
       kernels::gemm::detail::launch<weight_format::fp8_tile32>(d.args(), plan, &work, nullptr);
@@ -244,16 +245,18 @@ BOOST_AUTO_TEST_CASE(every_plan_matches_host, *utf::label("gpu") * utf::precondi
     const gemm_operands op({37, 272, 1024}, wf, rng);
     const auto want = op.reference(), mag = op.reference(true);
     for (int tt : {1, 2, 4, 8})
-      expect_close(op.device_plan({tt}), want, mag,
-                   (fmt + std::string(" M37 N272 K1024, ") + std::to_string(8 * tt) + " tokens per CTA").c_str());
-    expect_close(op.device_plan({1, 64, 8}), want, mag, (fmt + std::string(" M37 N272 K1024, 8 K blocks a stage")).c_str());
+      expect_close(
+          op.device_plan({tt}), want, mag,
+          (fmt + std::string(" M37 N272 K1024, ") + std::to_string(8 * tt) + " tokens per CTA").c_str());
+    expect_close(op.device_plan({1, 64, 8}), want, mag,
+                 (fmt + std::string(" M37 N272 K1024, 8 K blocks a stage")).c_str());
     const gemm_operands one({1, 1040, 2336}, wf, rng);  // 73 K blocks: slices end in partial stages
     const auto want1 = one.reference(), mag1 = one.reference(true);
     for (int unroll : {4, 6, 8})
       for (int ctas : {1, 3, 6})
         expect_close(one.device_plan({1, 64, unroll, ctas}), want1, mag1,
-                     (fmt + std::string(" M1 N1040 K2336, ") + std::to_string(unroll) + " K blocks a stage, split for " +
-                      std::to_string(ctas) + " CTAs an SM")
+                     (fmt + std::string(" M1 N1040 K2336, ") + std::to_string(unroll) +
+                      " K blocks a stage, split for " + std::to_string(ctas) + " CTAs an SM")
                          .c_str());
   }
   BOOST_CHECK_THROW(kernels::gemm::detail::make_plan({16, 64, 64}, 132, 0, {2, 64, 8}), dsv4::error);

@@ -254,11 +254,17 @@ DSV4_DEVICE void finish_split_k(numerics::bf16* c, const float* partials, unsign
 //! writes bf16 to C. With several, each CTA writes its fp32 partial, and the last CTA of a tile
 //! to arrive sums the slices in slice order (so the result does not depend on arrival order).
 //! Deeper stages (decode: 6 or 8 K blocks, more weight bytes in flight a warp) are held to the
-//! registers of three CTAs an SM (6) or two (8): 4-block stages run four CTAs an SM.
+//! registers of three CTAs an SM (6) or two (8); 4-block stages need no bound (three an SM at one
+//! token tile: 125-134 registers).
+constexpr int min_ctas_for_stage(int unroll) {
+  if (unroll >= 8) return 2;
+  return unroll >= 6 ? 3 : 1;
+}
 template <weight_format WF, int TokenTiles, int RowTiles, int Unroll, int KSplit>
-DSV4_KERNEL void __launch_bounds__(gemm_warps * 32, Unroll == 6 ? 3 : Unroll == 8 ? 2 : 1)
-    block_scaled_gemm_kernel(block_scaled_gemm_args g, gemm_groups groups, int kbps, int slices, float* partials,
-                             unsigned* counters, block_scaled_gemm_args g_second, unsigned second_z) {
+DSV4_KERNEL void __launch_bounds__(gemm_warps * 32, min_ctas_for_stage(Unroll))
+    block_scaled_gemm_kernel(block_scaled_gemm_args g, gemm_groups groups, int kbps, int slices,
+                             float* partials, unsigned* counters, block_scaled_gemm_args g_second,
+                             unsigned second_z) {
   constexpr bool kFp8 = WF == weight_format::fp8_tile32;
   // KSplit warps share each row tile, each taking a contiguous part of the CTA's K range; their
   // sums are added in part order at the end (more warps per weight byte in flight at decode).
@@ -547,16 +553,18 @@ inline gemm_plan make_plan(const gemm_shape& s, int sms, std::size_t partial_flo
   const int kb = s.k / 32;
   p.token_tiles = o.token_tiles ? o.token_tiles : s.m <= 128 ? 1 : 8;
   if (o.unroll != 0 && o.unroll != 4 && !((o.unroll == 6 || o.unroll == 8) && p.token_tiles == 1))
-    throw error("block_scaled_gemm: plan options need 0 (default) or 4 K blocks a stage, or 6 or 8 with one "
-                "token tile (8 tokens per CTA), not " + std::to_string(o.unroll) + " with " +
-                std::to_string(p.token_tiles) + " token tiles");
+    throw error(
+        "block_scaled_gemm: plan options need 0 (default) or 4 K blocks a stage, or 6 or 8 with one "
+        "token tile (8 tokens per CTA), not " +
+        std::to_string(o.unroll) + " with " + std::to_string(p.token_tiles) + " token tiles");
   p.unroll = o.unroll ? o.unroll : 4;
   p.row_tiles = 1;
   p.k_split = 1;  // measured: sharing row tiles across warps (as the grouped GEMM does) was 5-30% slower here
   const int rows_per_cta = gemm_warps / p.k_split * p.row_tiles * 16, toks_per_cta = p.token_tiles * 8;
   p.row_groups = unsigned((s.n + rows_per_cta - 1) / rows_per_cta);
   p.token_groups = unsigned((s.m + toks_per_cta - 1) / toks_per_cta);
-  const long long tiles = (long long)p.row_groups * p.token_groups, target = (long long)(o.ctas_per_sm ? o.ctas_per_sm : 3) * sms;
+  const long long tiles = (long long)p.row_groups * p.token_groups,
+                  target = (long long)(o.ctas_per_sm ? o.ctas_per_sm : 3) * sms;
   long long slices = 1;
   if (tiles < target && tiles <= (long long)gemm_workspace::max_tiles) {
     slices = std::min<long long>((target + tiles - 1) / tiles, std::max(1, kb / 4));
@@ -606,7 +614,8 @@ void launch(const block_scaled_gemm_args& g, const gemm_plan& p, gemm_workspace*
   if (p.unroll != 4) {  // (one token tile only: make_plan)
     if (p.token_tiles != 1 || (p.unroll != 6 && p.unroll != 8))
       throw error("block_scaled_gemm: stages of 6 or 8 K blocks run with one token tile only");
-    return p.unroll == 6 ? go(block_scaled_gemm_kernel<WF, 1, 1, 6, 1>) : go(block_scaled_gemm_kernel<WF, 1, 1, 8, 1>);
+    return p.unroll == 6 ? go(block_scaled_gemm_kernel<WF, 1, 1, 6, 1>)
+                         : go(block_scaled_gemm_kernel<WF, 1, 1, 8, 1>);
   }
   switch (p.token_tiles) {
     case 1: return go(block_scaled_gemm_kernel<WF, 1, 1, 4, 1>);
