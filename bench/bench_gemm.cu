@@ -105,10 +105,7 @@ void sweep_plans(const layer_shape (&layers)[L], const bench::ceilings& ceil) {
       for (int reduce : {64, 512}) {
         const auto p = g::detail::make_plan(k.s, g::detail::sm_count(), k.work.partial_floats(), {tt, reduce});
         const double ms = k.per_call_ms([&](const g::block_scaled_gemm_args& args, cudaStream_t st) {
-          if (k.layer.wf == weight_format::fp8_tile32)
-            g::detail::launch<weight_format::fp8_tile32>(args, p, &k.work, st);
-          else
-            g::detail::launch<weight_format::fp4_row32>(args, p, &k.work, st);
+          g::detail::launch(k.layer.wf, args, p, &k.work, st);
         });
         std::printf("%-10s %4s %5d %6d %7d %7d %9.1f %8.1f%%\n", k.layer.name, k.format(), k.s.m, tt * 8, reduce, p.slices,
                     ms * 1e3, 100 * k.floor_s / (ms * 1e-3));
@@ -129,10 +126,7 @@ void sweep_decode_plans(const layer_shape (&layers)[L], const bench::ceilings& c
       for (int per_sm : {2, 3, 4, 6}) {
         const auto p = g::detail::make_plan(k.s, sms, k.work.partial_floats(), {1, 64, unroll, per_sm});
         const double ms = k.per_call_ms([&](const g::block_scaled_gemm_args& args, cudaStream_t st) {
-          if (k.layer.wf == weight_format::fp8_tile32)
-            g::detail::launch<weight_format::fp8_tile32>(args, p, &k.work, st);
-          else
-            g::detail::launch<weight_format::fp4_row32>(args, p, &k.work, st);
+          g::detail::launch(k.layer.wf, args, p, &k.work, st);
         });
         std::printf("%-10s %4s %5d %7d %8d %7d %9.1f %8.1f%% %8s\n", k.layer.name, k.format(), k.s.m, unroll,
                     per_sm, p.slices, ms * 1e3, 100 * k.floor_s / (ms * 1e-3),

@@ -165,10 +165,7 @@ struct gemm_operands {
     const auto plan =
         kernels::gemm::detail::make_plan(s, kernels::gemm::detail::sm_count(), work.partial_floats(), o);
     BOOST_TEST(plan.unroll == (o.unroll ? o.unroll : 4));
-    if (wf == weight_format::fp8_tile32)
-      kernels::gemm::detail::launch<weight_format::fp8_tile32>(d.args(), plan, &work, nullptr);
-    else
-      kernels::gemm::detail::launch<weight_format::fp4_row32>(d.args(), plan, &work, nullptr);
+    kernels::gemm::detail::launch(wf, d.args(), plan, &work, nullptr);
     DSV4_CUDA_CHECK_LAUNCH();
     return d.c_after_sync();
   }

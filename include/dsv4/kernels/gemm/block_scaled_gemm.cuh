@@ -626,6 +626,15 @@ void launch(const block_scaled_gemm_args& g, const gemm_plan& p, gemm_workspace*
   }
 }
 
+//! launch<WF> for a weight format known at run time.
+inline void launch(weight_format wf, const block_scaled_gemm_args& g, const gemm_plan& p, gemm_workspace* ws,
+                   cudaStream_t stream, const block_scaled_gemm_args* second = nullptr) {
+  if (wf == weight_format::fp8_tile32)
+    launch<weight_format::fp8_tile32>(g, p, ws, stream, second);
+  else
+    launch<weight_format::fp4_row32>(g, p, ws, stream, second);
+}
+
 }  // namespace detail
 
 namespace detail {
@@ -709,10 +718,7 @@ inline void block_scaled_gemm(const block_scaled_gemm_args& g, weight_format wf,
   if (auto why = detail::check_args(g, wf); !why.empty()) throw error("block_scaled_gemm: " + why);
   if (g.shape.m == 0 || g.shape.n == 0) return;
   const auto p = detail::make_plan(g.shape, detail::sm_count(), workspace ? workspace->partial_floats() : 0);
-  if (wf == weight_format::fp8_tile32)
-    detail::launch<weight_format::fp8_tile32>(g, p, workspace, stream);
-  else
-    detail::launch<weight_format::fp4_row32>(g, p, workspace, stream);
+  detail::launch(wf, g, p, workspace, stream);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 
@@ -748,10 +754,7 @@ inline void block_scaled_gemm_pair(const block_scaled_gemm_args& g1, const block
     block_scaled_gemm(g1, wf, workspace, stream);
     return block_scaled_gemm(g2, wf, workspace, stream);
   }
-  if (wf == weight_format::fp8_tile32)
-    detail::launch<weight_format::fp8_tile32>(g1, p, workspace, stream, &g2);
-  else
-    detail::launch<weight_format::fp4_row32>(g1, p, workspace, stream, &g2);
+  detail::launch(wf, g1, p, workspace, stream, &g2);
   DSV4_CUDA_CHECK_LAUNCH();
 }
 
