@@ -5,6 +5,7 @@
 //!                    [--decode-graphs]
 //!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
 //!                    [--no-folded] [--[no-]fused-act-quant] [--no-wo-a-fp8] [--ab-act-quant] [--ab-mhc]
+//!                    [--ab-decode-defaults]
 //!                    [--dspark]
 //!                    [--mhc-one-token-ctas N] [--mhc-small-groups N,M] [--config-json FILE]
 //!                    [--checkpoint-only] [--clone-contexts] [--json FILE]
@@ -60,7 +61,10 @@
 //! -both), in the same process on the same sequences. `--ab-mhc`: each decode
 //! batch also timed with the mHC boundaries' projection rows bulk-copied into shared memory and
 //! loaded into registers (kernels::mhc::set_decode_weights_in_registers), alternating, twice (rows
-//! decode-mhc-shared / decode-mhc-regs).
+//! decode-mhc-shared / decode-mhc-regs). `--ab-decode-defaults`: each decode batch also timed with
+//! the small-call defaults of the forty-fifth session off and on (attention's 64 heads as two CTAs
+//! of 32, kernels::attention::set_decode_head_halves; the decode GEMM plans,
+//! kernels::gemm::set_decode_plans), alternating, twice (rows decode-old-defaults / -new-defaults).
 //! `--issue-time`: each decode batch's steps again, each behind a 100 ms wait on the device's
 //! stream, so that the step's launches queue before the device reaches them: row decode-queued is
 //! the device's time for a step from the wait's end (events), printed with the host's time to
@@ -179,6 +183,7 @@ struct options {
   bool issue_time = false;            // decode: a step's host issue time, and its device time queued
   bool ab_act_quant = false;          // decode: also the act_quant fused at neither / each / both sites
   bool ab_mhc = false;                // decode: also the mHC projection rows in shared memory / registers
+  bool ab_decode_defaults = false;    // decode: also the small-call attention CTAs and GEMM plans off / on
   bool decode_graphs = false;         // decode: each batch also timed through captured graphs
   bool clone_contexts = false;        // decode batches: one prefill, the other sequences copies of it
 };
@@ -243,10 +248,11 @@ int run(FILE* jf, const options& opt) {
   lim.max_seqs = *std::max_element(batches.begin(), batches.end()) + 2;
   const int longest = std::max(*std::max_element(prompt_lengths.begin(), prompt_lengths.end()), longest_context);
   lim.max_rows = opt.chunk > 0 ? std::min(longest, opt.chunk) : longest;
-  // (--ab-act-quant: eight more rounds of steps on the same sequences; --ab-mhc: four more.)
+  // (--ab-act-quant: eight more rounds of steps on the same sequences; --ab-mhc and
+  // --ab-decode-defaults: four more each.)
   // (--issue-time: one more.)
   // (--decode-graphs: two more, the first capturing.)
-  const int step_rounds = 1 + (opt.ab_act_quant ? 8 : 0) + (opt.ab_mhc ? 4 : 0) + (opt.issue_time ? 1 : 0) +
+  const int step_rounds = 1 + (opt.ab_act_quant ? 8 : 0) + (opt.ab_mhc ? 4 : 0) + (opt.ab_decode_defaults ? 4 : 0) + (opt.issue_time ? 1 : 0) +
                           (opt.decode_graphs ? 2 : 0);
   lim.max_tokens = std::max<long long>(longest, longest_context + step_rounds * steps + 1), lim.page_tokens = 256;
   lim.ced_appends = opt.chunk > 0 && opt.chunk < longest;  // chunked CED prompts append in CED mode
@@ -464,6 +470,16 @@ int run(FILE* jf, const options& opt) {
           }
         kernels::mhc::set_decode_weights_in_registers(regs0);
       }
+      if (opt.ab_decode_defaults) {  // the same sequences, alternating: the small-call defaults off, on
+        for (int round = 0; round < 2; ++round)
+          for (const bool on : {false, true}) {
+            kernels::attention::set_decode_head_halves(on);
+            kernels::gemm::set_decode_plans(on);
+            const double t = time_steps();
+            row(on ? "decode-new-defaults" : "decode-old-defaults", context, batch, t, batch / t,
+                traffic.decode_bytes(batch) / ceiling.copy_bps);
+          }
+      }
       for (int sl : slots) dm.release_sequence(sl);
     }
   // The DSpark drafter: one sequence at the decode context (CED prompt: the capture then holds its
@@ -648,6 +664,8 @@ int main(int argc, char** argv) {
         opt.ab_act_quant = true;
       else if (a == "--ab-mhc")
         opt.ab_mhc = true;
+      else if (a == "--ab-decode-defaults")
+        opt.ab_decode_defaults = true;
       else if (a == "--issue-time")
         opt.issue_time = true;
       else if (a == "--decode-graphs")
@@ -661,7 +679,7 @@ int main(int argc, char** argv) {
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
             "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--[no-]fused-act-quant] "
-            "[--no-wo-a-fp8] [--ab-act-quant] [--ab-mhc] [--issue-time] [--decode-graphs] "
+            "[--no-wo-a-fp8] [--ab-act-quant] [--ab-mhc] [--ab-decode-defaults] [--issue-time] [--decode-graphs] "
             "[--dspark] [--mhc-one-token-ctas N] "
             "[--mhc-small-groups N,M] [--config-json FILE] "
             "[--checkpoint-only] [--clone-contexts] [--json FILE]\n");

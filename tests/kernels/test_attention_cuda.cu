@@ -184,9 +184,12 @@ template <int Dim, class KV>
 void compare_both_ways(const problem& p, const KV& kv, float scale, const std::vector<bf16>& want,
                        const std::string& what) {
   const bool two_kernels = Dim == 512 && p.heads > 32 && kernels::wgmma::supported();
-  const auto first = compare_one_way<Dim>(p, kv, scale, want, what + (two_kernels ? " [wgmma]" : ""), true);
+  // The CTAs the heads fill, forced: the launcher's own choice (fewer for small decode calls) is
+  // among the counts the loop below runs.
+  const int fill = detail::head_tiles_for(p.heads);
+  const auto first = compare_one_way<Dim>(p, kv, scale, want, what + (two_kernels ? " [wgmma]" : ""), true, fill);
   const auto sync =
-      two_kernels ? compare_one_way<Dim>(p, kv, scale, want, what + " [mma.sync]", false) : first;
+      two_kernels ? compare_one_way<Dim>(p, kv, scale, want, what + " [mma.sync]", false, fill) : first;
   for (int tiles : {1, 2}) {
     if (tiles >= detail::head_tiles_for(p.heads)) continue;
     const std::string label = what + " [" + std::to_string(16 * tiles) + " heads a CTA]";
@@ -349,18 +352,26 @@ BOOST_AUTO_TEST_CASE(device_reads_packed_caches, *utf::label("gpu") * utf::preco
   check_packed_operand<512>(2, 1, 64, 128, 600, 640, 14, 4);
 }
 
-// One decode row of 64 heads is one CTA unsplit: the launcher must spread its ten chunks over
-// the SMs, as long as three or more splits fit beside the (row, head group) grid; a
-// prefill-sized grid must not split.
+// One decode row of 64 heads is one CTA unsplit (two of 32 heads in calls of up to 8 rows): the
+// launcher must spread its ten chunks over the SMs, as long as three or more splits fit beside
+// the (row, head group) grid; a prefill-sized grid must not split.
 BOOST_AUTO_TEST_CASE(decode_rows_split_prefill_rows_do_not, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   auto ws = sparse_attention_workspace::for_device<512>();
   sparse_attention_args a;
   a.batch = 1, a.rows = 1, a.heads = 64, a.topk = 640;
+  BOOST_TEST(detail::launch_heads_per_cta(a) == 32);
   const auto one = detail::choose_split<512>(a, &ws, 132);
   BOOST_TEST(one.splits == 10);
   BOOST_TEST(one.chunks_per_split == 1);
-  a.batch = 8;  // 8 CTAs: still one chunk per split
+  a.batch = 4;  // 8 CTAs of 32 heads: still one chunk per split
   BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 10);
+  a.batch = 8;  // 16 CTAs of 32 heads: at most 8 splits, so two chunks each: 5 splits
+  BOOST_TEST(detail::launch_heads_per_cta(a) == 32);
+  BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 5);
+  a.batch = 4, a.rows = 3;  // 12 rows: 64-head CTAs again, 12 of them: one chunk per split
+  BOOST_TEST(detail::launch_heads_per_cta(a) == 64);
+  BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 10);
+  a.rows = 1;
   a.batch = 16;  // 16 CTAs: at most 8 splits, so two chunks each: 5 splits
   BOOST_TEST(detail::choose_split<512>(a, &ws, 132).splits == 5);
   a.batch = 44;  // 44 CTAs: three splits fit (132 SMs), of four, four and two chunks
@@ -412,7 +423,8 @@ BOOST_AUTO_TEST_CASE(single_launches_reuse_the_workspace, *utf::label("gpu") * u
       sparse_attention_args a;
       a.batch = p.batch, a.rows = p.rows, a.heads = p.heads, a.topk = p.topk;
       const auto sp = detail::choose_split<512>(a, &ws, runtime::sm_count());
-      BOOST_TEST_REQUIRE(detail::single_launch(sp, static_cast<long long>(sh.batch) * sh.rows, &ws));
+      const long long groups = (sh.heads + detail::launch_heads_per_cta(a) - 1) / detail::launch_heads_per_cta(a);
+      BOOST_TEST_REQUIRE(detail::single_launch(sp, static_cast<long long>(sh.batch) * sh.rows * groups, &ws));
       const auto one = run_device<512>(p, kv, 1.0f / std::sqrt(512.0f), &ws);
       ws.set_single_launch(false);
       const auto three = run_device<512>(p, kv, 1.0f / std::sqrt(512.0f), &ws);
@@ -420,6 +432,29 @@ BOOST_AUTO_TEST_CASE(single_launches_reuse_the_workspace, *utf::label("gpu") * u
       BOOST_TEST(count_differing(one, three) == 0u, "round " << round << " shape " << k << " (" << sp.splits << " splits)");
       if (round == 0) compare(one, host_reference<512>(p, p.kv, sh.entries, 1.0f / std::sqrt(512.0f)), 512, "single launch");
     }
+}
+
+// The launcher's heads per CTA: as many as the heads fill, except 64 heads in calls of up to
+// half_tiles_max_rows query rows, which run as two CTAs of 32 (bench_attention --head-tiles);
+// the caller's choice wins.
+BOOST_AUTO_TEST_CASE(small_decode_calls_take_32_head_ctas) {
+  sparse_attention_args a;
+  a.heads = 64, a.topk = 640;
+  struct call {
+    int batch, rows, heads_per_cta;
+  };
+  for (const call c : {call{1, 1, 32}, {2, 1, 32}, {8, 1, 32}, {4, 2, 32}, {9, 1, 64}, {3, 3, 64}, {16, 1, 64},
+                       {1, 4096, 64}}) {
+    a.batch = c.batch, a.rows = c.rows;
+    BOOST_TEST(detail::launch_heads_per_cta(a) == c.heads_per_cta, c.batch << " x " << c.rows << " rows");
+  }
+  a.batch = 1, a.rows = 1;
+  a.head_tiles = 4;
+  BOOST_TEST(detail::launch_heads_per_cta(a) == 64);
+  a.head_tiles = 0, a.heads = 20;  // heads that fill two tiles keep them
+  BOOST_TEST(detail::launch_heads_per_cta(a) == 32);
+  a.heads = 8;
+  BOOST_TEST(detail::launch_heads_per_cta(a) == 16);
 }
 
 BOOST_AUTO_TEST_CASE(launch_rejects_bad_arguments) {

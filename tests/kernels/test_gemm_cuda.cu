@@ -261,6 +261,33 @@ BOOST_AUTO_TEST_CASE(every_plan_matches_host, *utf::label("gpu") * utf::precondi
   BOOST_CHECK_THROW(kernels::gemm::detail::make_plan({1, 64, 64}, 132, 0, {1, 64, 4, 17}), dsv4::error);
 }
 
+// Decode plans (up to 8 tokens) follow bench_gemm --decode-plans: K split for two CTAs an SM, 6-block
+// stages, 8 where K is not split; from 9 tokens the old plans (three an SM, 4-block stages). The
+// caller's options win. (Host only: the plan is arithmetic on the shape and the SM count.)
+BOOST_AUTO_TEST_CASE(decode_plans_follow_the_sweep) {
+  using kernels::gemm::detail::make_plan;
+  constexpr int sms = 132;
+  constexpr std::size_t room = std::size_t(1) << 30;
+  const auto wo_b = make_plan({1, 5120, 8192}, sms, room);  // 80 row groups
+  BOOST_TEST(wo_b.unroll == 6);
+  BOOST_TEST(wo_b.slices == 4);  // 320 CTAs for 264 places, one wave (three an SM: 400 for 396)
+  const auto wq_b = make_plan({1, 32768, 1280}, sms, room);  // 512 row groups: never split
+  BOOST_TEST(wq_b.slices == 1);
+  BOOST_TEST(wq_b.unroll == 8);
+  const auto wq_a = make_plan({8, 1280, 5120}, sms, room);  // 20 row groups
+  BOOST_TEST(wq_a.unroll == 6);
+  BOOST_TEST(wq_a.slices == 14);
+  BOOST_TEST(wq_a.row_groups * wq_a.slices <= 2u * sms + wq_a.row_groups);
+  const auto nine = make_plan({9, 5120, 8192}, sms, room);  // two token groups: 160 tiles, three an SM
+  BOOST_TEST(nine.unroll == 4);
+  BOOST_TEST(nine.slices == 3);
+  BOOST_TEST(make_plan({200, 5120, 8192}, sms, room).unroll == 4);
+  const auto forced = make_plan({1, 5120, 8192}, sms, room, {1, 64, 4, 3});
+  BOOST_TEST(forced.unroll == 4);
+  BOOST_TEST(forced.slices == 5);  // the old plan
+  BOOST_TEST(make_plan({1, 5120, 8192}, sms, 0).unroll == 8);  // no workspace: unsplit
+}
+
 BOOST_AUTO_TEST_CASE(fp8_weights_match_host, *utf::label("gpu") * utf::precondition(test::has_cuda_device{})) {
   // Decode shapes (1..64 tokens, each token-tile variant), ragged N and M, and a prefill-like M
   // that takes the 32-row x 64-token tiles.

@@ -32,6 +32,7 @@
 #include <string>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/core/process_switch.hpp"
 #include "dsv4/kernels/attention/reference.hpp"
 #include "dsv4/kernels/bulk_copy.cuh"
 #include "dsv4/kernels/tensor_core.cuh"
@@ -310,10 +311,22 @@ inline constexpr int max_head_tiles = 4;  // 64 heads per CTA: each dequantized 
 //! Head tiles per CTA for `heads` query heads: as many as the heads fill, at most four.
 inline int head_tiles_for(int heads) { return heads <= head_tile ? 1 : heads <= 2 * head_tile ? 2 : max_head_tiles; }
 inline int heads_per_cta(int heads) { return head_tile * head_tiles_for(heads); }
+//! Calls of up to this many query rows (batch x rows) run 64 heads as two CTAs of 32: each CTA
+//! computes half of a chunk's scores, values and merge (and dequantizes the whole chunk), which
+//! shortens the chain of chunks where SMs are idle anyway. bench_attention --head-tiles (H100,
+//! 64 heads x 640 indices): 18.8 / 19.1 / 21.6 / 30.1 us at 1 / 2 / 4 / 8 rows against 26.2 /
+//! 26.6 / 27.1 / 31.4 with 64-head CTAs; from 16 rows the doubled dequantization costs more
+//! (48.4 against 39.8 us).
+inline constexpr long long half_tiles_max_rows = 8;
+struct half_tiles_tag {};
 //! The head tiles a launch of `a` runs with: the caller's (sparse_attention_args::head_tiles), or
-//! as many as the heads fill (head_tiles_for).
+//! as many as the heads fill (head_tiles_for), halved for 64 heads in small decode calls.
 inline int launch_head_tiles(const sparse_attention_args& a) {
-  return a.head_tiles > 0 ? a.head_tiles : head_tiles_for(a.heads);
+  if (a.head_tiles > 0) return a.head_tiles;
+  const int fill = head_tiles_for(a.heads);
+  const long long rows = static_cast<long long>(a.batch) * a.rows;
+  const bool halve = fill == max_head_tiles && rows <= half_tiles_max_rows && process_switch<half_tiles_tag>::on();
+  return halve ? fill / 2 : fill;
 }
 inline int launch_heads_per_cta(const sparse_attention_args& a) {
   return head_tile * launch_head_tiles(a);
@@ -992,6 +1005,12 @@ std::string can_implement(const sparse_attention_args& a, const KV& kv) {
     return "q must be 8-byte and out 4-byte aligned";
   return kv.check();
 }
+
+//! Process-wide: whether calls of up to detail::half_tiles_max_rows rows run 64 heads as two CTAs
+//! of 32 (the default; off: one CTA of 64, as before, for bench_model --ab-decode-defaults). Read
+//! when a launch is made (or a graph captured).
+inline void set_decode_head_halves(bool on) { process_switch<detail::half_tiles_tag>::set(on); }
+inline bool decode_head_halves() { return process_switch<detail::half_tiles_tag>::on(); }
 
 //! out = sparse_attention(q, kv, sink, idx). Indices must lie in [-1, entries) (not checked on
 //! the device: the index producers guarantee it, and the host reference checks it). With a

@@ -41,6 +41,7 @@
 #include <type_traits>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/core/process_switch.hpp"
 #include "dsv4/kernels/gemm/reference.hpp"
 #include "dsv4/kernels/gemm/weight_tiles.hpp"
 #include "dsv4/numerics/bf16.hpp"
@@ -535,11 +536,19 @@ using runtime::sm_count;
 //! V4.1 shapes: fewer slices lose parallelism, more pay for partials and the reduction),
 //! as far as the workspace holds the partials and the last CTA's reduction stays short.
 //! `options` override the choices (bench_gemm sweeps them; 0 keeps the default).
+//! Decode plans (up to 8 tokens) split K for two CTAs an SM, not three: bench_gemm --decode-plans
+//! (H100, M = 1): wq_a 7.5 -> 5.1 us, wq_b 20.5 -> 17.5, idx.wq_b 6.3 -> 4.8, wo_b 24.7 -> 18.4,
+//! shared.w2 9.6 -> 7.2 (with 6 / 8-block stages); the old split put wo_b at 400 CTAs for 396
+//! places, a second wave. shared.w1 alone lost (7.3 -> 8.0); in the model it runs paired with w3.
+inline constexpr int decode_ctas_per_sm = 2;
+struct decode_plans_tag {};
 struct plan_options {
   int token_tiles = 0;   //!< 1, 2, 4 or 8; 0: make_plan's choice
   int reduce_loads = 64; //!< cap on the partials one thread of the last CTA reads (>= 1)
   int unroll = 0;        //!< K blocks a stage: 4, or 6 or 8 with one token tile; 0: make_plan's choice
-  int ctas_per_sm = 0;   //!< CTAs per SM the K split aims at (1 .. 16); 0: make_plan's choice (3)
+                         //!< (decode: 6, 8 where K is not split; else 4)
+  int ctas_per_sm = 0;   //!< CTAs per SM the K split aims at (1 .. 16); 0: make_plan's choice
+                         //!< (decode: decode_ctas_per_sm; else 3)
 };
 inline gemm_plan make_plan(const gemm_shape& s, int sms, std::size_t partial_floats, const plan_options& o = {}) {
   if ((o.token_tiles != 0 && o.token_tiles != 1 && o.token_tiles != 2 && o.token_tiles != 4 && o.token_tiles != 8) ||
@@ -557,14 +566,18 @@ inline gemm_plan make_plan(const gemm_shape& s, int sms, std::size_t partial_flo
         "block_scaled_gemm: plan options need 0 (default) or 4 K blocks a stage, or 6 or 8 with one "
         "token tile (8 tokens per CTA), not " +
         std::to_string(o.unroll) + " with " + std::to_string(p.token_tiles) + " token tiles");
-  p.unroll = o.unroll ? o.unroll : 4;
+  // Decode (up to 8 tokens, one token tile): 6-block stages keep half again as many weight bytes
+  // in flight per warp (160 registers, still three CTAs an SM); 8-block ones where K is not
+  // split (decode_unroll below).
+  const bool decode = p.token_tiles == 1 && s.m <= 8 && process_switch<decode_plans_tag>::on();
+  p.unroll = o.unroll ? o.unroll : decode ? 6 : 4;
   p.row_tiles = 1;
   p.k_split = 1;  // measured: sharing row tiles across warps (as the grouped GEMM does) was 5-30% slower here
   const int rows_per_cta = gemm_warps / p.k_split * p.row_tiles * 16, toks_per_cta = p.token_tiles * 8;
   p.row_groups = unsigned((s.n + rows_per_cta - 1) / rows_per_cta);
   p.token_groups = unsigned((s.m + toks_per_cta - 1) / toks_per_cta);
   const long long tiles = (long long)p.row_groups * p.token_groups,
-                  target = (long long)(o.ctas_per_sm ? o.ctas_per_sm : 3) * sms;
+                  target = (long long)(o.ctas_per_sm ? o.ctas_per_sm : decode ? decode_ctas_per_sm : 3) * sms;
   long long slices = 1;
   if (tiles < target && tiles <= (long long)gemm_workspace::max_tiles) {
     slices = std::min<long long>((target + tiles - 1) / tiles, std::max(1, kb / 4));
@@ -576,6 +589,7 @@ inline gemm_plan make_plan(const gemm_shape& s, int sms, std::size_t partial_flo
   if (per_slice) slices = std::min<long long>(slices, (long long)std::max<std::size_t>(1, partial_floats / per_slice));
   p.kbps = int((kb + slices - 1) / slices);
   p.slices = p.kbps ? (kb + p.kbps - 1) / p.kbps : 1;  // no empty slice
+  if (decode && !o.unroll && p.slices == 1) p.unroll = 8;
   return p;
 }
 
@@ -702,6 +716,12 @@ inline void grouped_block_scaled_gemm(const block_scaled_gemm_args& g, const gem
         : go(detail::block_scaled_gemm_kernel<weight_format::fp4_row32, 4, 1, 4, detail::gemm_warps>);
   DSV4_CUDA_CHECK_LAUNCH();
 }
+
+//! Process-wide: whether make_plan gives decode calls (up to 8 tokens) their own plans (the
+//! default: two CTAs an SM, 6 / 8-block stages; off: three an SM and 4-block stages, as before,
+//! for bench_model --ab-decode-defaults). Read when a GEMM is launched (or a graph captured).
+inline void set_decode_plans(bool on) { process_switch<detail::decode_plans_tag>::set(on); }
+inline bool decode_plans() { return process_switch<detail::decode_plans_tag>::on(); }
 
 //! Partial floats a workspace needs for this shape's full split (0: it never splits).
 inline std::size_t gemm_partial_floats(const gemm_shape& s) {
