@@ -1,6 +1,6 @@
 //! \brief The MoE layer of V4.1 (384 FP4 experts, top-6, FP8 shared expert, 5120 -> 2304 -> 5120)
 //! at decode and prefill token counts.
-//! Usage: bench_moe [--json FILE] | bench_moe --profile TOKENS
+//! Usage: bench_moe [--ab-early-stream] [--json FILE] | bench_moe --profile TOKENS
 //! `--profile TOKENS` makes no measurement: one warm-up call, then one call at TOKENS tokens between
 //! cudaProfilerStart and cudaProfilerStop (for `ncu --profile-from-start off`: the layer's kernels).
 //!
@@ -34,6 +34,10 @@ using numerics::bf16;
 int main(int argc, char** argv) {
   std::string json;
   long long profile_tokens = 0;
+  // --ab-early-stream (first): also each decode size with w2's weight stream started before the
+  // wait for SwiGLU off and on (gemm::set_early_expert_stream), alternating, twice.
+  const bool ab_early = argc >= 2 && std::strcmp(argv[1], "--ab-early-stream") == 0;
+  if (ab_early) --argc, ++argv;
   if (argc == 3 && std::strcmp(argv[1], "--profile") == 0) {
     profile_tokens = std::atoll(argv[2]);
     if (profile_tokens < 1) {
@@ -106,6 +110,17 @@ int main(int argc, char** argv) {
         gemm::set_decode_gemm(gemm::decode_gemm::wgmma);  // read when the graph is captured
         ms_wgmma = bench::median_ms_per_call([&](cudaStream_t st) { moe::moe_forward(x.data(), tokens, nullptr, w, y.data(), ws, st); }, 10);
         gemm::set_decode_gemm(gemm::decode_gemm::mma_sync);
+      }
+      if (ab_early && tokens <= 64) {
+        for (int round = 0; round < 2; ++round)
+          for (const bool on : {false, true}) {
+            gemm::set_early_expert_stream(on);  // read when the graph is captured
+            const double t = bench::median_ms_per_call(
+                [&](cudaStream_t st) { moe::moe_forward(x.data(), tokens, nullptr, w, y.data(), ws, st); }, 10);
+            std::printf("        %lld tokens, w2's stream started %s: %.1f us\n", tokens,
+                        on ? "before the wait" : "after the wait", t * 1e3);
+          }
+        gemm::set_early_expert_stream(false);
       }
       const bool dense = tokens * s.k >= moe::dense_min_rows_per_expert * s.experts;
       const double ms_dense =

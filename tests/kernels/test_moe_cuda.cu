@@ -366,6 +366,37 @@ void check_moe(const moe_case& c, std::uint64_t salt, const moe_bounds& bounds =
       BOOST_TEST(given_differ == 0u,
                  given_differ << " outputs differ with x's act_quant given (f16 copy " << with_f16 << ")");
     }
+    // w2's weight stream started before the wait for SwiGLU (gemm::set_early_expert_stream), called
+    // directly and replayed from a graph (programmatic edges), three times each, the output
+    // poisoned before each: the same bits (the list it reads early is the routing's, complete).
+    struct early_stream {
+      const bool was = gemm::early_expert_stream();
+      early_stream() { gemm::set_early_expert_stream(true); }
+      ~early_stream() { gemm::set_early_expert_stream(was); }
+    } early;
+    DSV4_CUDA_CHECK(cudaStreamBeginCapture(st.get(), cudaStreamCaptureModeThreadLocal));
+    moe::moe_forward(dx.data(), c.tokens, c.images ? dimg.data() : nullptr, w, dy.data(), ws, st.get(), nullptr,
+                     c.host_sync);
+    DSV4_CUDA_CHECK(cudaStreamEndCapture(st.get(), &graph));
+    DSV4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int round = 0; round < 6; ++round) {
+      dy.fill_bytes(0xFF);
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      const bool replay = round % 2 == 1;
+      if (replay)
+        DSV4_CUDA_CHECK(cudaGraphLaunch(exec, st.get()));
+      else
+        moe::moe_forward(dx.data(), c.tokens, c.images ? dimg.data() : nullptr, w, dy.data(), ws, st.get(),
+                         nullptr, c.host_sync);
+      DSV4_CUDA_CHECK(cudaStreamSynchronize(st.get()));
+      const auto y_early = dy.download();
+      std::size_t early_differ = 0;
+      for (std::size_t i = 0; i < y_early.size(); ++i) early_differ += y_early[i].bits != y_direct[i].bits;
+      BOOST_TEST(early_differ == 0u, early_differ << " outputs differ with w2's stream started early ("
+                                                  << (replay ? "graph" : "direct") << ", round " << round << ")");
+    }
+    DSV4_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    DSV4_CUDA_CHECK(cudaGraphDestroy(graph));
   }
   if (c.ranks > 0) check_expert_slices(c, dx.data(), c.images ? dimg.data() : nullptr, w, tiled, ws, dy, blas);
   if (blas) cublasDestroy(blas);

@@ -110,6 +110,13 @@ struct gemm_groups {
   const int* tile_count = nullptr;   //!< device scalar: tiles in use
   const int* a_row_index = nullptr;  //!< optional: A (and a_s) row of each C row
   long long w_group_bytes = 0, ws_group_bytes = 0;
+  //! The tile list (tile_group, tile_row0, tile_rows, tile_count) was written two or more launches
+  //! before this one on the stream (the MoE's w2: routing, then w1 + w3 and SwiGLU), so that a
+  //! programmatic launch may read it, and start its weight stream, before waiting for the kernel
+  //! just before it: every kernel waits for its predecessor before it lets its successor start
+  //! (runtime/pdl.cuh), so a kernel that has started has a predecessor past its wait and everything
+  //! older complete. Only the streamed kernel uses it (streamed_gemm.cuh).
+  bool list_settled = false;
 };
 
 namespace detail {

@@ -49,6 +49,7 @@
 #include <type_traits>
 
 #include "dsv4/core/error.hpp"
+#include "dsv4/core/process_switch.hpp"
 #include "dsv4/kernels/bulk_copy.cuh"
 #include "dsv4/kernels/gemm/block_scaled_gemm.cuh"
 #include "dsv4/runtime/cuda_check.cuh"
@@ -105,18 +106,24 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     for (int s = 0; s < kS; ++s) bulk_copy::init(bars + s, 1);
   bulk_copy::init_fence();
   __syncwarp();
-  // The tile list comes from the kernels before (runtime/pdl.cuh).
-  runtime::start_after_previous_grid();
+  // The tile list comes from the kernels before (runtime/pdl.cuh). Where it is older than the
+  // kernel just before (gemm_groups::list_settled: the MoE's w2), the list is read and the weight
+  // stream started first, beside that kernel, and the wait comes before the activations. The list
+  // is read past L1 (ld.global.cg) before the wait and by the producer throughout.
+  const bool early = groups.list_settled;
+  if (!early) runtime::start_after_previous_grid();
 
   // 32-bit bookkeeping throughout (the host checks that the units fit): a 64-bit division is a
   // hundred-instruction subroutine, and the producer's used to cost as much as the math.
   const int N = g.shape.n, KB = g.shape.k / 32, row_tiles = (N + 15) / 16;
-  const int tiles = min(*groups.tile_count, max_tiles);
+  const int tiles = min(__ldcg(groups.tile_count), max_tiles);
   const int per_gemm = tiles * row_tiles, units = gemms * per_gemm;
   const int warps_total = int(gridDim.x) * stream_warps;
   const int first_unit = warp * int(gridDim.x) + int(blockIdx.x);
-  if (first_unit >= units || KB == 0)
-    return;  // (the host launches no K = 0 GEMM; never issue an empty stage)
+  if (first_unit >= units || KB == 0) {  // (the host launches no K = 0 GEMM; never issue an empty stage)
+    if (early) runtime::start_after_previous_grid();  // every thread waits (runtime/pdl.cuh's rule)
+    return;
+  }
   const int chunks = (KB + kStageBlocks - 1) / kStageBlocks;
 
   struct unit {
@@ -135,7 +142,7 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
     if (p_unit >= units) return;
     if (p_chunk == 0) {
       const unit un = unit_at(p_unit);
-      const long long group = groups.tile_group[un.tile];
+      const long long group = __ldcg(groups.tile_group + un.tile);
       p_codes = (un.gemm ? g_second.w : g.w) + group * groups.w_group_bytes +
                 (long long)un.rt * KB * L::block_bytes;
       p_scales = (un.gemm ? g_second.w_s : g.w_s) + group * groups.ws_group_bytes +
@@ -155,6 +162,7 @@ DSV4_KERNEL void __launch_bounds__(stream_warps * 32, 2)
   };
   if (lane == 0)
     for (int s = 0; s < kS; ++s) issue_next();
+  if (early) runtime::start_after_previous_grid();
 
   int c_stage = 0;
   unsigned c_parity = 0;  // the consumer's stage and the phase it waits for
@@ -374,6 +382,15 @@ inline bool streamed_kernels_run_here() {
 }
 
 }  // namespace detail
+
+namespace detail {
+struct early_expert_stream_tag {};
+}  // namespace detail
+//! Process-wide: whether the MoE's w2 (whose tile list the routing wrote two launches before)
+//! starts its weight stream before waiting for the SwiGLU launch before it
+//! (gemm_groups::list_settled). Off by default until bench_moe --ab-early-stream has measured it.
+inline void set_early_expert_stream(bool on) { process_switch<detail::early_expert_stream_tag, false>::set(on); }
+inline bool early_expert_stream() { return process_switch<detail::early_expert_stream_tag, false>::on(); }
 
 //! Process-wide: the kernel of the grouped expert GEMMs (bench_moe compares them). With
 //! `streamed`, arguments the streamed kernel cannot take (streamed_grouped_gemm_unfit) still run

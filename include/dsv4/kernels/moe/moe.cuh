@@ -930,6 +930,9 @@ inline void moe_forward(const bf16* x, long long tokens, const std::uint8_t* is_
   detail::swiglu_quantize(ws.g.data(), ws.u.data(), pairs, s.inter, s.swiglu_limit, ws.sel_weight.data(),
                           ws.sorted_pair.data(), ws.hq.data(), ws.hs.data(), hh, stream);
   groups.a_row_index = nullptr;  // w2 reads the activations in sorted order
+  // The tile list is the routing's, two launches back (w1 + w3, SwiGLU): w2 may read it and start
+  // its weights before SwiGLU is done (where set_early_expert_stream is on).
+  groups.list_settled = gemm::early_expert_stream();
   groups.w_group_bytes = (long long)down.code_bytes();
   groups.ws_group_bytes = (long long)down.scale_bytes();
   if (dense)
