@@ -5,7 +5,7 @@
 //!                    [--decode-graphs]
 //!                    [--engram-host-tables] [--chunk N] [--gemm mma|wgmma] [--gemm-max-tokens N]
 //!                    [--no-folded] [--[no-]fused-act-quant] [--no-wo-a-fp8] [--ab-act-quant] [--ab-mhc]
-//!                    [--ab-decode-defaults]
+//!                    [--ab-decode-defaults] [--ab-early-stream]
 //!                    [--dspark]
 //!                    [--mhc-one-token-ctas N] [--mhc-small-groups N,M] [--config-json FILE]
 //!                    [--checkpoint-only] [--clone-contexts] [--json FILE]
@@ -65,6 +65,8 @@
 //! the small-call defaults of the forty-fifth session off and on (attention's 64 heads as two CTAs
 //! of 32, kernels::attention::set_decode_head_halves; the decode GEMM plans,
 //! kernels::gemm::set_decode_plans), alternating, twice (rows decode-old-defaults / -new-defaults).
+//! `--ab-early-stream`: the same with the MoE's w2 starting its weight stream after / before the
+//! wait for SwiGLU (kernels::gemm::set_early_expert_stream; rows decode-w2-after-wait / -early).
 //! `--issue-time`: each decode batch's steps again, each behind a 100 ms wait on the device's
 //! stream, so that the step's launches queue before the device reaches them: row decode-queued is
 //! the device's time for a step from the wait's end (events), printed with the host's time to
@@ -184,6 +186,7 @@ struct options {
   bool ab_act_quant = false;          // decode: also the act_quant fused at neither / each / both sites
   bool ab_mhc = false;                // decode: also the mHC projection rows in shared memory / registers
   bool ab_decode_defaults = false;    // decode: also the small-call attention CTAs and GEMM plans off / on
+  bool ab_early_stream = false;       // decode: also the MoE's w2 stream after / before SwiGLU's end
   bool decode_graphs = false;         // decode: each batch also timed through captured graphs
   bool clone_contexts = false;        // decode batches: one prefill, the other sequences copies of it
 };
@@ -248,11 +251,12 @@ int run(FILE* jf, const options& opt) {
   lim.max_seqs = *std::max_element(batches.begin(), batches.end()) + 2;
   const int longest = std::max(*std::max_element(prompt_lengths.begin(), prompt_lengths.end()), longest_context);
   lim.max_rows = opt.chunk > 0 ? std::min(longest, opt.chunk) : longest;
-  // (--ab-act-quant: eight more rounds of steps on the same sequences; --ab-mhc and
-  // --ab-decode-defaults: four more each.)
+  // (--ab-act-quant: eight more rounds of steps on the same sequences; --ab-mhc,
+  // --ab-decode-defaults and --ab-early-stream: four more each.)
   // (--issue-time: one more.)
   // (--decode-graphs: two more, the first capturing.)
-  const int step_rounds = 1 + (opt.ab_act_quant ? 8 : 0) + (opt.ab_mhc ? 4 : 0) + (opt.ab_decode_defaults ? 4 : 0) + (opt.issue_time ? 1 : 0) +
+  const int step_rounds = 1 + (opt.ab_act_quant ? 8 : 0) + (opt.ab_mhc ? 4 : 0) + (opt.ab_decode_defaults ? 4 : 0) + (opt.ab_early_stream ? 4 : 0) +
+                          (opt.issue_time ? 1 : 0) +
                           (opt.decode_graphs ? 2 : 0);
   lim.max_tokens = std::max<long long>(longest, longest_context + step_rounds * steps + 1), lim.page_tokens = 256;
   lim.ced_appends = opt.chunk > 0 && opt.chunk < longest;  // chunked CED prompts append in CED mode
@@ -459,27 +463,27 @@ int run(FILE* jf, const options& opt) {
         numerics::set_fused_act_quant(act_quant_site::norms, norms0);
         numerics::set_fused_act_quant(act_quant_site::boundaries, boundaries0);
       }
-      if (opt.ab_mhc) {  // the same sequences, alternating: projection rows in shared memory, in registers
-        const bool regs0 = kernels::mhc::decode_weights_in_registers();
-        for (int round = 0; round < 2; ++round)
-          for (const bool regs : {false, true}) {
-            kernels::mhc::set_decode_weights_in_registers(regs);
-            const double t = time_steps();
-            row(regs ? "decode-mhc-regs" : "decode-mhc-shared", context, batch, t, batch / t,
-                traffic.decode_bytes(batch) / ceiling.copy_bps);
-          }
-        kernels::mhc::set_decode_weights_in_registers(regs0);
-      }
-      if (opt.ab_decode_defaults) {  // the same sequences, alternating: the small-call defaults off, on
+      // A switch off and on, alternating, twice, on the same sequences; then its value before.
+      auto ab_rows = [&](const char* off_row, const char* on_row, bool was, auto set) {
         for (int round = 0; round < 2; ++round)
           for (const bool on : {false, true}) {
-            kernels::attention::set_decode_head_halves(on);
-            kernels::gemm::set_decode_plans(on);
+            set(on);
             const double t = time_steps();
-            row(on ? "decode-new-defaults" : "decode-old-defaults", context, batch, t, batch / t,
-                traffic.decode_bytes(batch) / ceiling.copy_bps);
+            row(on ? on_row : off_row, context, batch, t, batch / t, traffic.decode_bytes(batch) / ceiling.copy_bps);
           }
-      }
+        set(was);
+      };
+      if (opt.ab_mhc)  // projection rows in shared memory, in registers
+        ab_rows("decode-mhc-shared", "decode-mhc-regs", kernels::mhc::decode_weights_in_registers(),
+                [](bool on) { kernels::mhc::set_decode_weights_in_registers(on); });
+      if (opt.ab_decode_defaults)  // the small-call attention CTAs and decode GEMM plans
+        ab_rows("decode-old-defaults", "decode-new-defaults", true, [](bool on) {
+          kernels::attention::set_decode_head_halves(on);
+          kernels::gemm::set_decode_plans(on);
+        });
+      if (opt.ab_early_stream)  // the MoE's w2 starting its weights after / before the wait for SwiGLU
+        ab_rows("decode-w2-after-wait", "decode-w2-early", kernels::gemm::early_expert_stream(),
+                [](bool on) { kernels::gemm::set_early_expert_stream(on); });
       for (int sl : slots) dm.release_sequence(sl);
     }
   // The DSpark drafter: one sequence at the decode context (CED prompt: the capture then holds its
@@ -666,6 +670,8 @@ int main(int argc, char** argv) {
         opt.ab_mhc = true;
       else if (a == "--ab-decode-defaults")
         opt.ab_decode_defaults = true;
+      else if (a == "--ab-early-stream")
+        opt.ab_early_stream = true;
       else if (a == "--issue-time")
         opt.issue_time = true;
       else if (a == "--decode-graphs")
@@ -679,7 +685,7 @@ int main(int argc, char** argv) {
             "[--checkpoint DIR] [--profile-decode] [--profile-prefill exact|ced] [--engram-host-tables] "
             "[--chunk N] "
             "[--gemm mma|wgmma] [--gemm-max-tokens N] [--no-folded] [--[no-]fused-act-quant] "
-            "[--no-wo-a-fp8] [--ab-act-quant] [--ab-mhc] [--ab-decode-defaults] [--issue-time] [--decode-graphs] "
+            "[--no-wo-a-fp8] [--ab-act-quant] [--ab-mhc] [--ab-decode-defaults] [--ab-early-stream] [--issue-time] [--decode-graphs] "
             "[--dspark] [--mhc-one-token-ctas N] "
             "[--mhc-small-groups N,M] [--config-json FILE] "
             "[--checkpoint-only] [--clone-contexts] [--json FILE]\n");
