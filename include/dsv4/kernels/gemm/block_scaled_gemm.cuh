@@ -261,15 +261,25 @@ DSV4_DEVICE void finish_split_k(numerics::bf16* c, const float* partials, unsign
 //! find them in L2), y = K slices, z = row groups. With one slice the CTA
 //! writes bf16 to C. With several, each CTA writes its fp32 partial, and the last CTA of a tile
 //! to arrive sums the slices in slice order (so the result does not depend on arrival order).
-//! Deeper stages (decode: 6 or 8 K blocks, more weight bytes in flight a warp) are held to the
-//! registers of three CTAs an SM (6) or two (8); 4-block stages need no bound (three an SM at one
-//! token tile: 125-134 registers).
-constexpr int min_ctas_for_stage(int unroll) {
-  if (unroll >= 8) return 2;
-  return unroll >= 6 ? 3 : 1;
+//! CTAs an SM each variant is compiled for (its register cap). Deeper stages (decode: 6 or 8 K
+//! blocks, more weight bytes in flight a warp) are held to three CTAs an SM (6) or two (8). The
+//! 4-block stages keep what they had with no minimum given (`__launch_bounds__(128)` alone,
+//! before 17988c2): one token tile four CTAs an SM (115-124 registers), two or four token tiles
+//! three (155-170; with K split across warps two, FP4's two token tiles three), eight two. An
+//! explicit minimum of one (17988c2 .. 3d1ceb1) let ptxas take 125-134 registers at one token
+//! tile, three CTAs an SM, so the plans of 9-128 tokens, which aim at three CTAs an SM and a bit
+//! (wo_b: 400 CTAs), ran a second wave (found in the forty-sixth session by comparing ptxas -v
+//! of both builds; every variant here has no spill beyond what it had before).
+constexpr int min_ctas_for(int unroll, int token_tiles, int k_split, bool fp8) {
+  if (token_tiles == 1) {
+    if (unroll >= 8) return 2;
+    return unroll >= 6 ? 3 : 4;
+  }
+  if (k_split > 1) return token_tiles == 2 && !fp8 ? 3 : 2;
+  return token_tiles == 8 ? 2 : 3;
 }
 template <weight_format WF, int TokenTiles, int RowTiles, int Unroll, int KSplit>
-DSV4_KERNEL void __launch_bounds__(gemm_warps * 32, min_ctas_for_stage(Unroll))
+DSV4_KERNEL void __launch_bounds__(gemm_warps * 32, min_ctas_for(Unroll, TokenTiles, KSplit, WF == weight_format::fp8_tile32))
     block_scaled_gemm_kernel(block_scaled_gemm_args g, gemm_groups groups, int kbps, int slices,
                              float* partials, unsigned* counters, block_scaled_gemm_args g_second,
                              unsigned second_z) {
