@@ -93,7 +93,8 @@ void sweep_head_tiles() {
     std::printf("%6d", batch);
     for (int variant = 0; variant < 5; ++variant) {
       sparse_attention_args a = op.args;
-      a.head_tiles = variant == 0 ? 0 : variant == 1 ? 1 : variant == 2 ? 2 : 4;
+      constexpr int head_tiles[] = {0, 1, 2, 4, 4};  // auto, 16, 32, 64 mma.sync, 64 wgmma
+      a.head_tiles = head_tiles[variant];
       a.allow_wgmma = variant != 3;
       const int splits = detail::choose_split<dim>(a, &ws, runtime::sm_count()).splits;
       double us = 0;

@@ -477,7 +477,7 @@ int run(FILE* jf, const options& opt) {
         ab_rows("decode-mhc-shared", "decode-mhc-regs", kernels::mhc::decode_weights_in_registers(),
                 [](bool on) { kernels::mhc::set_decode_weights_in_registers(on); });
       if (opt.ab_decode_defaults)  // the small-call attention CTAs and decode GEMM plans
-        ab_rows("decode-old-defaults", "decode-new-defaults", true, [](bool on) {
+        ab_rows("decode-old-defaults", "decode-new-defaults", kernels::gemm::decode_plans(), [](bool on) {
           kernels::attention::set_decode_head_halves(on);
           kernels::gemm::set_decode_plans(on);
         });

@@ -159,8 +159,7 @@ std::vector<bf16> compare_one_way(const problem& p, const KV& kv, float scale, c
   a.batch = p.batch, a.rows = p.rows, a.heads = p.heads, a.topk = p.topk, a.head_tiles = head_tiles;
   const auto sp = detail::choose_split<Dim>(a, &ws, runtime::sm_count());
   const int splits = sp.splits;
-  const int per_cta = detail::launch_heads_per_cta(a);
-  const long long row_groups = static_cast<long long>(p.batch) * p.rows * ((p.heads + per_cta - 1) / per_cta);
+  const long long row_groups = static_cast<long long>(p.batch) * p.rows * detail::launch_head_groups(a);
   const bool single = detail::single_launch(sp, row_groups, &ws);
   BOOST_TEST_MESSAGE(what << ": " << splits << " splits" << (single ? ", one launch" : ""));
   if (splits < 2) return unsplit;
@@ -423,8 +422,8 @@ BOOST_AUTO_TEST_CASE(single_launches_reuse_the_workspace, *utf::label("gpu") * u
       sparse_attention_args a;
       a.batch = p.batch, a.rows = p.rows, a.heads = p.heads, a.topk = p.topk;
       const auto sp = detail::choose_split<512>(a, &ws, runtime::sm_count());
-      const long long groups = (sh.heads + detail::launch_heads_per_cta(a) - 1) / detail::launch_heads_per_cta(a);
-      BOOST_TEST_REQUIRE(detail::single_launch(sp, static_cast<long long>(sh.batch) * sh.rows * groups, &ws));
+      BOOST_TEST_REQUIRE(detail::single_launch(
+          sp, static_cast<long long>(sh.batch) * sh.rows * detail::launch_head_groups(a), &ws));
       const auto one = run_device<512>(p, kv, 1.0f / std::sqrt(512.0f), &ws);
       ws.set_single_launch(false);
       const auto three = run_device<512>(p, kv, 1.0f / std::sqrt(512.0f), &ws);

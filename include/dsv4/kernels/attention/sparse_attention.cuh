@@ -331,6 +331,10 @@ inline int launch_head_tiles(const sparse_attention_args& a) {
 inline int launch_heads_per_cta(const sparse_attention_args& a) {
   return head_tile * launch_head_tiles(a);
 }
+//! CTAs a query row takes (head groups) in a launch of `a`.
+inline int launch_head_groups(const sparse_attention_args& a) {
+  return (a.heads + launch_heads_per_cta(a) - 1) / launch_heads_per_cta(a);
+}
 
 //! How a launch cuts each row's index list: `splits` pieces of `chunks_per_split` 64-entry chunks.
 struct kv_split {
@@ -963,7 +967,7 @@ kv_split choose_split(const sparse_attention_args& a, sparse_attention_workspace
   kv_split sp;
   const int chunks = (a.topk + sparse_chunk - 1) / sparse_chunk;
   const long long rows = static_cast<long long>(a.batch) * a.rows;
-  const long long ctas = rows * ((a.heads + launch_heads_per_cta(a) - 1) / launch_heads_per_cta(a));
+  const long long ctas = rows * launch_head_groups(a);
   if (!ws || chunks < 2 || ctas == 0 || sms / ctas < std::min(3, chunks)) return sp;
   long long splits = std::min<long long>(chunks, sms / ctas);
   const long long per_split_floats = rows * a.heads * (Dim + 4), max_floats = rows * a.heads * chunks;

@@ -585,7 +585,7 @@ inline gemm_plan make_plan(const gemm_shape& s, int sms, std::size_t partial_flo
         std::to_string(o.unroll) + " with " + std::to_string(p.token_tiles) + " token tiles");
   // Decode (up to 8 tokens, one token tile): 6-block stages keep half again as many weight bytes
   // in flight per warp (160 registers, still three CTAs an SM); 8-block ones where K is not
-  // split (decode_unroll below).
+  // split (set after the split, at the end).
   const bool decode = p.token_tiles == 1 && s.m <= 8 && process_switch<decode_plans_tag>::on();
   p.unroll = o.unroll ? o.unroll : decode ? 6 : 4;
   p.row_tiles = 1;

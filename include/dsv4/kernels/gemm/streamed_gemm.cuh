@@ -381,11 +381,10 @@ inline bool streamed_kernels_run_here() {
          }) == 1;
 }
 
+struct early_expert_stream_tag {};
+
 }  // namespace detail
 
-namespace detail {
-struct early_expert_stream_tag {};
-}  // namespace detail
 //! Process-wide: whether the MoE's w2 (whose tile list the routing wrote two launches before)
 //! starts its weight stream before waiting for the SwiGLU launch before it
 //! (gemm_groups::list_settled). Off by default until bench_moe --ab-early-stream has measured it.
